@@ -1,0 +1,46 @@
+"""meshtrain: declare a mesh and per-parameter partition specs; get DTensor-based parallel plans.
+
+Example:
+    >>> import meshtrain as mt
+    >>> mesh = mt.make_mesh(dp=-1, tp=2, world_size=8, abstract=True)
+    >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
+"""
+
+from meshtrain.spec import (
+    CheckpointError,
+    EquivalenceError,
+    Mesh,
+    MeshError,
+    MeshtrainError,
+    P,
+    PlanError,
+    RecipeError,
+    Resolution,
+    RuleError,
+    Rules,
+    SpecError,
+    annotate,
+    distribute,
+    make_mesh,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "EquivalenceError",
+    "Mesh",
+    "MeshError",
+    "MeshtrainError",
+    "P",
+    "PlanError",
+    "RecipeError",
+    "Resolution",
+    "RuleError",
+    "Rules",
+    "SpecError",
+    "__version__",
+    "annotate",
+    "distribute",
+    "make_mesh",
+]

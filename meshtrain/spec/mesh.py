@@ -1,0 +1,262 @@
+"""Named device meshes: ``make_mesh(dp=-1, tp=2)``.
+
+A :class:`Mesh` is plain data — ordered axis names and sizes — plus, when built for real, the
+``torch.distributed`` ``DeviceMesh`` it stands for. Planning only ever needs the data, so an
+*abstract* mesh (``abstract=True``) can describe 16,384 ranks on a laptop without creating a
+single process group.
+
+Ranks are laid out row-major over the axes in the order given (the last axis varies fastest),
+exactly as ``init_device_mesh`` lays them out: put the axis whose traffic is heaviest (usually
+``tp``) last so that its groups are neighbouring ranks, i.e. inside a node.
+
+Size-1 axes are allowed and cost nothing: the ``DeviceMesh`` is built over the axes larger than 1
+only, so no process group is created for an axis that cannot communicate. Specs may still name
+size-1 axes; sharding over them is a no-op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from meshtrain.spec.errors import MeshError, did_you_mean
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+_AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Ordered named axes and their sizes, optionally backed by a real ``DeviceMesh``.
+
+    Example:
+        >>> mesh = Mesh(("dp", "tp"), (2, 4))
+        >>> mesh
+        Mesh({dp: 2, tp: 4})
+        >>> mesh.world_size, mesh.size("tp"), mesh.coordinates(5)
+        (8, 4, {'dp': 1, 'tp': 1})
+    """
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    device_type: str = "cpu"
+    device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_axes(dict(zip(self.axis_names, self.axis_sizes)), self.axis_names, self.axis_sizes)
+        for name, size in zip(self.axis_names, self.axis_sizes):
+            if size < 1:
+                raise MeshError(
+                    f"mesh axis '{name}' has size {size} in {_format_axes(self.axis_names, self.axis_sizes)}: "
+                    "a built mesh needs every size ≥ 1 (use make_mesh to resolve -1)."
+                )
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name → size, in mesh order."""
+        return dict(zip(self.axis_names, self.axis_sizes))
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks the mesh spans."""
+        return math.prod(self.axis_sizes)
+
+    @property
+    def is_abstract(self) -> bool:
+        """True when no process groups stand behind this mesh (planning only)."""
+        return self.device_mesh is None
+
+    @property
+    def device_axes(self) -> tuple[str, ...]:
+        """The axes the ``DeviceMesh`` is built over: those larger than 1 (or the first, at world 1)."""
+        axes = tuple(name for name, size in zip(self.axis_names, self.axis_sizes) if size > 1)
+        return axes or self.axis_names[:1]
+
+    def size(self, axis: str) -> int:
+        """Size of one axis; :class:`MeshError` naming the known axes if it does not exist."""
+        if axis not in self.axis_names:
+            raise MeshError(f"mesh {self} has no axis '{axis}'{did_you_mean(axis, self.axis_names, 'axes')}.")
+        return self.axis_sizes[self.axis_names.index(axis)]
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Coordinates of ``rank`` along every axis (row-major, last axis fastest)."""
+        if not 0 <= rank < self.world_size:
+            raise MeshError(f"rank {rank} is outside mesh {self} of {self.world_size} ranks.")
+        coords: dict[str, int] = {}
+        for name, size in zip(reversed(self.axis_names), reversed(self.axis_sizes)):
+            rank, coords[name] = divmod(rank, size)
+        return {name: coords[name] for name in self.axis_names}
+
+    def __contains__(self, axis: object) -> bool:
+        return axis in self.axis_names
+
+    def __str__(self) -> str:
+        return _format_axes(self.axis_names, self.axis_sizes)
+
+    def __repr__(self) -> str:
+        return f"Mesh({self})"
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-friendly form (the device mesh is not serialised: rebuild it with make_mesh)."""
+        return {"axes": self.shape, "device_type": self.device_type}
+
+
+def make_mesh(
+    axes: Mapping[str, int] | None = None,
+    /,
+    *,
+    world_size: int | None = None,
+    abstract: bool = False,
+    device_type: str | None = None,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    **axis_sizes: int,
+) -> Mesh:
+    """Build a named mesh; one axis may be ``-1`` and absorbs the ranks the others leave.
+
+    The world size comes from ``world_size``, else the initialised process group, else the
+    torchrun environment (``WORLD_SIZE``), else 1. Everything is validated before any process
+    group is created, so a bad mesh is an error on every rank rather than a hang. Unless
+    ``abstract`` is set, the default process group is initialised when needed (nccl with CUDA,
+    gloo otherwise) and a ``DeviceMesh`` is built over the axes larger than 1.
+
+    Example:
+        >>> make_mesh(dp=-1, tp=2, world_size=8, abstract=True)
+        Mesh({dp: 4, tp: 2})
+        >>> make_mesh({"pp": 2, "dp": -1, "tp": 8}, world_size=16384, abstract=True)
+        Mesh({pp: 2, dp: 1024, tp: 8})
+    """
+    requested = _merge_axes(axes, axis_sizes)
+    names = tuple(requested)
+    world = _world_size(world_size)
+    sizes = _resolve_sizes(names, tuple(requested.values()), world)
+    device_type = device_type or _default_device_type()
+    if abstract:
+        return Mesh(names, sizes, device_type)
+    _ensure_process_group(world, backend or _default_backend(device_type), timeout)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = Mesh(names, sizes, device_type)
+    device_axes = mesh.device_axes
+    device_mesh = init_device_mesh(
+        device_type,
+        tuple(mesh.size(axis) for axis in device_axes),
+        mesh_dim_names=device_axes,
+    )
+    return Mesh(names, sizes, device_type, device_mesh)
+
+
+def _merge_axes(axes: Mapping[str, int] | None, axis_sizes: Mapping[str, int]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for source in (axes or {}), axis_sizes:
+        for name, size in source.items():
+            if name in merged:
+                raise MeshError(f"mesh axis '{name}' is given twice; name each axis once.")
+            merged[name] = size
+    if not merged:
+        raise MeshError("make_mesh needs at least one axis, e.g. make_mesh(dp=-1).")
+    _check_axes(merged, tuple(merged), tuple(merged.values()))
+    return merged
+
+
+def _check_axes(shape: Mapping[str, int], names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+    if len(names) != len(sizes) or len(set(names)) != len(names):
+        raise MeshError(f"mesh axes {names} and sizes {sizes} must pair up one to one with unique names.")
+    for name, size in shape.items():
+        if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
+            raise MeshError(
+                f"mesh axis name {name!r} is not an identifier; use names like 'dp', 'tp', 'pp'."
+            )
+        if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
+            raise MeshError(
+                f"mesh axis '{name}' has size {size!r} in {dict(shape)}: sizes are positive integers, "
+                "or -1 for the one axis that takes the remaining ranks."
+            )
+
+
+def _resolve_sizes(names: tuple[str, ...], sizes: tuple[int, ...], world: int) -> tuple[int, ...]:
+    requested = _format_axes(names, sizes)
+    free = [name for name, size in zip(names, sizes) if size == -1]
+    fixed = math.prod(size for size in sizes if size != -1)
+    if len(free) > 1:
+        raise MeshError(
+            f"mesh {requested} has -1 on axes {free}: at most one axis can take the remaining ranks. "
+            "Give the others explicit sizes."
+        )
+    if free:
+        if world % fixed:
+            raise MeshError(
+                f"mesh {requested} cannot fill a world of {world} ranks: the fixed axes multiply to "
+                f"{fixed}, which does not divide {world}. Use sizes whose product divides {world}."
+            )
+        return tuple(world // fixed if size == -1 else size for size in sizes)
+    if fixed != world:
+        raise MeshError(
+            f"mesh {requested} spans {fixed} ranks but the world has {world}. Make the sizes multiply "
+            f"to {world}, or write -1 for one axis to absorb the remainder (e.g. {names[0]}=-1)."
+        )
+    return sizes
+
+
+def _world_size(explicit: int | None) -> int:
+    if explicit is not None:
+        if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 1:
+            raise MeshError(f"world_size={explicit!r} must be a positive integer.")
+        return explicit
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return 1
+    if not env.isdigit() or int(env) < 1:
+        raise MeshError(f"WORLD_SIZE={env!r} in the environment is not a positive integer.")
+    return int(env)
+
+
+def _default_device_type() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _default_backend(device_type: str) -> str:
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def _ensure_process_group(world: int, backend: str, timeout: timedelta | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != world:
+            raise MeshError(
+                f"the process group has {dist.get_world_size()} ranks but the mesh was planned for "
+                f"{world}; pass world_size={dist.get_world_size()} or launch {world} ranks."
+            )
+        return
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if "MASTER_ADDR" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        dist.init_process_group(backend, **kwargs)  # torchrun's env:// rendezvous
+    elif world == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        raise MeshError(
+            f"a mesh of {world} ranks needs a launcher: no process group is initialised and no torchrun "
+            "environment (MASTER_ADDR, RANK, WORLD_SIZE) is set. Launch with `torchrun --nproc_per_node "
+            f"{world} ...`, or pass abstract=True to plan without processes."
+        )
+
+
+def _format_axes(names: tuple[str, ...], sizes: tuple[int, ...]) -> str:
+    return "{" + ", ".join(f"{name}: {size}" for name, size in zip(names, sizes)) + "}"
