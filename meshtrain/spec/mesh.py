@@ -82,7 +82,9 @@ class Mesh:
     def size(self, axis: str) -> int:
         """Size of one axis; :class:`MeshError` naming the known axes if it does not exist."""
         if axis not in self.axis_names:
-            raise MeshError(f"mesh {self} has no axis '{axis}'{did_you_mean(axis, self.axis_names, 'axes')}.")
+            raise MeshError(
+                f"mesh {self} has no axis '{axis}'{did_you_mean(axis, self.axis_names, 'axes')}."
+            )
         return self.axis_sizes[self.axis_names.index(axis)]
 
     def coordinates(self, rank: int) -> dict[str, int]:
@@ -135,8 +137,8 @@ def make_mesh(
     """
     requested = _merge_axes(axes, axis_sizes)
     names = tuple(requested)
-    world = _world_size(world_size)
-    sizes = _resolve_sizes(names, tuple(requested.values()), world)
+    world, source = _world_size(world_size)
+    sizes = _resolve_sizes(names, tuple(requested.values()), world, source)
     device_type = device_type or _default_device_type()
     if abstract:
         return Mesh(names, sizes, device_type)
@@ -168,7 +170,9 @@ def _merge_axes(axes: Mapping[str, int] | None, axis_sizes: Mapping[str, int]) -
 
 def _check_axes(shape: Mapping[str, int], names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
     if len(names) != len(sizes) or len(set(names)) != len(names):
-        raise MeshError(f"mesh axes {names} and sizes {sizes} must pair up one to one with unique names.")
+        raise MeshError(
+            f"mesh axes {names} and sizes {sizes} must pair up one to one with unique names."
+        )
     for name, size in shape.items():
         if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
             raise MeshError(
@@ -181,7 +185,9 @@ def _check_axes(shape: Mapping[str, int], names: tuple[str, ...], sizes: tuple[i
             )
 
 
-def _resolve_sizes(names: tuple[str, ...], sizes: tuple[int, ...], world: int) -> tuple[int, ...]:
+def _resolve_sizes(
+    names: tuple[str, ...], sizes: tuple[int, ...], world: int, source: str
+) -> tuple[int, ...]:
     requested = _format_axes(names, sizes)
     free = [name for name, size in zip(names, sizes) if size == -1]
     fixed = math.prod(size for size in sizes if size != -1)
@@ -193,33 +199,44 @@ def _resolve_sizes(names: tuple[str, ...], sizes: tuple[int, ...], world: int) -
     if free:
         if world % fixed:
             raise MeshError(
-                f"mesh {requested} cannot fill a world of {world} ranks: the fixed axes multiply to "
+                f"mesh {requested} cannot fill a world of {world} ranks ({source}): the fixed axes multiply to "
                 f"{fixed}, which does not divide {world}. Use sizes whose product divides {world}."
             )
         return tuple(world // fixed if size == -1 else size for size in sizes)
     if fixed != world:
+        launch = (
+            f" Launch {fixed} ranks with `torchrun --nproc_per_node {fixed} ...`, or plan without "
+            f"processes with world_size={fixed}, abstract=True."
+            if source == _NO_LAUNCHER
+            else ""
+        )
         raise MeshError(
-            f"mesh {requested} spans {fixed} ranks but the world has {world}. Make the sizes multiply "
-            f"to {world}, or write -1 for one axis to absorb the remainder (e.g. {names[0]}=-1)."
+            f"mesh {requested} spans {fixed} ranks but the world has {world} ({source}). Make the "
+            f"sizes multiply to {world}, or write -1 for one axis to absorb the remainder "
+            f"(e.g. {names[0]}=-1).{launch}"
         )
     return sizes
 
 
-def _world_size(explicit: int | None) -> int:
+_NO_LAUNCHER = "no process group and no torchrun environment, so one rank"
+
+
+def _world_size(explicit: int | None) -> tuple[int, str]:
+    """The world size and where it came from (for error messages)."""
     if explicit is not None:
         if isinstance(explicit, bool) or not isinstance(explicit, int) or explicit < 1:
             raise MeshError(f"world_size={explicit!r} must be a positive integer.")
-        return explicit
+        return explicit, "world_size argument"
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
+        return dist.get_world_size(), "initialised process group"
     env = os.environ.get("WORLD_SIZE")
     if env is None:
-        return 1
+        return 1, _NO_LAUNCHER
     if not env.isdigit() or int(env) < 1:
         raise MeshError(f"WORLD_SIZE={env!r} in the environment is not a positive integer.")
-    return int(env)
+    return int(env), "WORLD_SIZE from the launcher"
 
 
 def _default_device_type() -> str:
@@ -243,13 +260,14 @@ def _ensure_process_group(world: int, backend: str, timeout: timedelta | None) -
                 f"{world}; pass world_size={dist.get_world_size()} or launch {world} ranks."
             )
         return
-    kwargs = {} if timeout is None else {"timeout": timeout}
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if "MASTER_ADDR" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        dist.init_process_group(backend, **kwargs)  # torchrun's env:// rendezvous
+        dist.init_process_group(backend, timeout=timeout)  # torchrun's env:// rendezvous
     elif world == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
     else:
         raise MeshError(
             f"a mesh of {world} ranks needs a launcher: no process group is initialised and no torchrun "

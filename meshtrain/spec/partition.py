@@ -17,18 +17,20 @@ as ``None``, because they describe the same layout.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Union, overload
+from typing import overload
 
 from meshtrain.spec.errors import SpecError
 
 #: One entry of a spec: not sharded, sharded over one axis, or over several (major to minor).
-Entry = Union[None, str, tuple[str, ...]]
+Entry = str | tuple[str, ...] | None
 
 
 def _normalise_entry(entry: object, position: int) -> Entry:
     if entry is None or isinstance(entry, str):
         if isinstance(entry, str) and not entry:
-            raise SpecError(f"P entry {position} is an empty axis name; use None for a dim that is not sharded.")
+            raise SpecError(
+                f"P entry {position} is an empty axis name; use None for a dim that is not sharded."
+            )
         return entry
     if isinstance(entry, (tuple, list)):
         axes = tuple(entry)
@@ -151,7 +153,9 @@ class P:
         entries = data.get("entries", [])
         unreduced = data.get("unreduced", [])
         if not isinstance(entries, list) or not isinstance(unreduced, list):
-            raise SpecError(f"cannot read a P from {data!r}: expected lists under 'entries' and 'unreduced'.")
+            raise SpecError(
+                f"cannot read a P from {data!r}: expected lists under 'entries' and 'unreduced'."
+            )
         return cls(*entries, unreduced=unreduced)
 
 

@@ -55,7 +55,9 @@ def to_placements(spec: P, mesh: Mesh, ndim: int) -> tuple[Placement, ...]:
         axes = entry_axes(entry)
         for i, axis in enumerate(axes):
             if axis not in mesh:
-                raise SpecError(f"{spec!r}: axis '{axis}' is not in mesh {mesh}.", spec=spec, mesh=mesh)
+                raise SpecError(
+                    f"{spec!r}: axis '{axis}' is not in mesh {mesh}.", spec=spec, mesh=mesh
+                )
             if axis not in device_axes:
                 continue
             split_factor = math.prod(
@@ -87,7 +89,7 @@ def from_placements(placements: Sequence[Placement], mesh: Mesh) -> P:
     by_dim: dict[int, list[str]] = {}
     unreduced = []
     for axis, placement in zip(device_axes, placements):
-        if isinstance(placement, Shard):  # _StridedShard is a Shard subclass
+        if isinstance(placement, (Shard, _StridedShard)):
             by_dim.setdefault(placement.dim, []).append(axis)
         elif isinstance(placement, Partial):
             if placement.reduce_op != "sum":
@@ -98,16 +100,22 @@ def from_placements(placements: Sequence[Placement], mesh: Mesh) -> P:
                 )
             unreduced.append(axis)
         elif not isinstance(placement, Replicate):
-            raise SpecError(f"placement {placement!r} on axis '{axis}' has no P equivalent.", mesh=mesh)
+            raise SpecError(
+                f"placement {placement!r} on axis '{axis}' has no P equivalent.", mesh=mesh
+            )
     if any(dim < 0 for dim in by_dim):
-        raise SpecError(f"placements {tuple(placements)} use negative dims; normalise them first.", mesh=mesh)
+        raise SpecError(
+            f"placements {tuple(placements)} use negative dims; normalise them first.", mesh=mesh
+        )
     entries: list[object] = [None] * (max(by_dim) + 1 if by_dim else 0)
     for dim, axes in by_dim.items():
         entries[dim] = _order_for(dim, axes, placements, mesh)
     return P(*entries, unreduced=unreduced)
 
 
-def _order_for(dim: int, axes: list[str], placements: Sequence[Placement], mesh: Mesh) -> tuple[str, ...]:
+def _order_for(
+    dim: int, axes: list[str], placements: Sequence[Placement], mesh: Mesh
+) -> tuple[str, ...]:
     """The spec order of ``axes`` on ``dim`` whose placements equal the given ones."""
     wanted = {axis: placements[mesh.device_axes.index(axis)] for axis in axes}
     for order in itertools.permutations(axes):
@@ -169,7 +177,8 @@ def distribute(
         stride=_contiguous_stride(tuple(tensor.shape)),
     )
     grad = tensor.requires_grad if requires_grad is None else requires_grad
-    return dtensor.detach().requires_grad_(grad)
+    result: DTensor = dtensor.detach().requires_grad_(grad)  # type: ignore[assignment]
+    return result
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:

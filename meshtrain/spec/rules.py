@@ -25,7 +25,6 @@ import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 from torch import nn
 
@@ -36,7 +35,7 @@ from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import Entry, P, entry_axes
 
 #: The mesh axes a logical name maps to: none (replicated), one, or several (major to minor).
-AxisTarget = Union[None, str, tuple[str, ...]]
+AxisTarget = str | tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
@@ -241,7 +240,9 @@ class Rules:
             return self.logical_spec(names)
         except RuleError as err:
             raise RuleError(
-                f"parameter '{fqn}' (shape {format_shape(shape)}): {err.message}", fqn=fqn, shape=shape
+                f"parameter '{fqn}' (shape {format_shape(shape)}): {err.message}",
+                fqn=fqn,
+                shape=shape,
             ) from None
 
     def _check_logical_axes(self, mesh: Mesh) -> None:
@@ -268,7 +269,11 @@ class Rules:
             patterns = [pattern for pattern, _ in self.patterns]
             near = difflib.get_close_matches(fqn, patterns, n=2, cutoff=0.3)
             hint = f"; nearest patterns: {', '.join(repr(p) for p in near)}" if near else ""
-            why = " (no logical names, and only logical rules could apply)" if self.logical and fqn not in names else ""
+            why = (
+                " (no logical names, and only logical rules could apply)"
+                if self.logical and fqn not in names
+                else ""
+            )
             lines.append(f"  '{fqn}' (shape {format_shape(shapes[fqn])}){why}{hint}")
         more = f"\n  ... and {len(unmatched) - 20} more" if len(unmatched) > 20 else ""
         return RuleError(
@@ -282,17 +287,27 @@ class Rules:
             mesh=mesh,
         )
 
-    def _unused_error(self, unused: list[str], shapes: Mapping[str, tuple[int, ...]], mesh: Mesh) -> RuleError:
+    def _unused_error(
+        self, unused: list[str], shapes: Mapping[str, tuple[int, ...]], mesh: Mesh
+    ) -> RuleError:
         lines = []
         for pattern in unused:
             compiled = re.compile(pattern)
             shadowed = [fqn for fqn in shapes if compiled.fullmatch(fqn)]
             if shadowed:
                 earlier = self.match(shadowed[0])
-                why = f"shadowed: '{shadowed[0]}' matches it but earlier rule {earlier[0]!r} wins" if earlier else ""
+                why = (
+                    f"shadowed: '{shadowed[0]}' matches it but earlier rule {earlier[0]!r} wins"
+                    if earlier
+                    else ""
+                )
             else:
                 near = difflib.get_close_matches(pattern, list(shapes), n=1, cutoff=0.3)
-                why = f"no parameter matches it in full (closest FQN: '{near[0]}')" if near else "no parameter matches it"
+                why = (
+                    f"no parameter matches it in full (closest FQN: '{near[0]}')"
+                    if near
+                    else "no parameter matches it"
+                )
             lines.append(f"  {pattern!r}: {why}")
         return RuleError(
             f"{len(unused)} rule(s) matched no parameter of {len(shapes)} on mesh {mesh}:\n"
@@ -327,7 +342,9 @@ def _check_patterns(items: list[tuple[str, P]]) -> tuple[tuple[str, P], ...]:
         try:
             re.compile(pattern)
         except re.error as err:
-            raise RuleError(f"rule {pattern!r} is not a valid regex: {err}.", rule=pattern) from None
+            raise RuleError(
+                f"rule {pattern!r} is not a valid regex: {err}.", rule=pattern
+            ) from None
         if pattern in seen and seen[pattern] != spec:
             raise RuleError(
                 f"conflicting rules: pattern {pattern!r} maps to both {seen[pattern]!r} and {spec!r}. "
@@ -336,7 +353,9 @@ def _check_patterns(items: list[tuple[str, P]]) -> tuple[tuple[str, P], ...]:
                 spec=spec,
             )
         if pattern in seen:
-            raise RuleError(f"rule {pattern!r} → {spec!r} is given twice; remove the duplicate.", rule=pattern)
+            raise RuleError(
+                f"rule {pattern!r} → {spec!r} is given twice; remove the duplicate.", rule=pattern
+            )
         seen[pattern] = spec
     return tuple(items)
 
@@ -352,6 +371,8 @@ def _check_logical(rules: Sequence[tuple[str, AxisTarget]]) -> tuple[tuple[str, 
         name, target = item
         entry = P(target).entries[0] if target is not None else None
         if (name, entry) in checked:
-            raise RuleError(f"logical rule ('{name}', {target!r}) is given twice; remove the duplicate.")
+            raise RuleError(
+                f"logical rule ('{name}', {target!r}) is given twice; remove the duplicate."
+            )
         checked.append((name, entry))
     return tuple(checked)

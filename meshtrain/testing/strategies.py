@@ -1,0 +1,129 @@
+"""Hypothesis strategies for meshes, specs and shapes that shrink to small readable cases.
+
+Shrinking goes towards fewer axes, all ranks on the first axis, unsharded dims, and the smallest
+shapes, so a failing property ends at the simplest mesh and spec that still fail.
+
+Example:
+    >>> from hypothesis import given
+    >>> @given(meshes(world_size=4))
+    ... def test_world(mesh):
+    ...     assert mesh.world_size == 4
+    >>> test_world()
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from hypothesis import strategies as st
+
+from meshtrain.spec.mesh import Mesh
+from meshtrain.spec.partition import P, entry_axes
+
+AXIS_NAMES = ("dp", "tp", "pp", "cp")
+InvalidKind = Literal["unknown_axis", "axis_twice", "too_long", "not_divisible"]
+INVALID_KINDS: tuple[InvalidKind, ...] = ("unknown_axis", "axis_twice", "too_long", "not_divisible")
+
+
+def _prime_factors(number: int) -> list[int]:
+    factors, divisor = [], 2
+    while number > 1:
+        while number % divisor == 0:
+            factors.append(divisor)
+            number //= divisor
+        divisor += 1
+    return factors
+
+
+@st.composite
+def meshes(
+    draw: st.DrawFn,
+    world_size: int,
+    *,
+    max_axes: int = 3,
+    names: Sequence[str] = AXIS_NAMES,
+) -> Mesh:
+    """Abstract meshes over exactly ``world_size`` ranks, size-1 axes included."""
+    n_axes = draw(st.integers(1, min(max_axes, len(names))))
+    chosen = draw(st.permutations(list(names)))[:n_axes]
+    sizes = [1] * n_axes
+    for factor in _prime_factors(world_size):
+        sizes[draw(st.integers(0, n_axes - 1))] *= factor
+    return Mesh(tuple(chosen), tuple(sizes))
+
+
+@st.composite
+def specs(draw: st.DrawFn, mesh: Mesh, ndim: int) -> P:
+    """Specs for a rank-``ndim`` tensor that use each mesh axis at most once (any order)."""
+    by_dim: dict[int, list[str]] = {}
+    for axis in mesh.axis_names:
+        dim = draw(st.sampled_from([None, *range(ndim)]))
+        if dim is not None:
+            by_dim.setdefault(dim, []).append(axis)
+    entries: list[object] = [None] * ndim
+    for dim, axes in by_dim.items():
+        entries[dim] = tuple(draw(st.permutations(axes)))
+    trailing = draw(st.integers(0, ndim))  # how many trailing entries to write out
+    while len(entries) > trailing and entries[-1] is None:
+        entries.pop()
+    return P(*entries)
+
+
+@st.composite
+def shapes_for(
+    draw: st.DrawFn, spec: P, mesh: Mesh, ndim: int, *, max_multiple: int = 3
+) -> tuple[int, ...]:
+    """Shapes that ``spec`` divides evenly on ``mesh``."""
+    padded = spec.padded(ndim)
+    return tuple(
+        math.prod(mesh.size(axis) for axis in entry_axes(entry))
+        * draw(st.integers(1, max_multiple))
+        for entry in padded
+    )
+
+
+@st.composite
+def sharded_shapes(draw: st.DrawFn, mesh: Mesh, *, max_ndim: int = 3) -> tuple[tuple[int, ...], P]:
+    """A (shape, valid spec) pair on ``mesh``."""
+    ndim = draw(st.integers(1, max_ndim))
+    spec = draw(specs(mesh, ndim))
+    return draw(shapes_for(spec, mesh, ndim)), spec
+
+
+@st.composite
+def invalid_specs(draw: st.DrawFn, mesh: Mesh) -> tuple[tuple[int, ...], P, InvalidKind]:
+    """A (shape, spec, kind) triple where ``spec`` is invalid for ``shape`` on ``mesh``.
+
+    ``not_divisible`` needs an axis larger than 1; on a mesh without one another kind is drawn.
+    """
+    shape, spec = draw(sharded_shapes(mesh))
+    kinds = [k for k in INVALID_KINDS if k != "not_divisible" or max(mesh.axis_sizes) > 1]
+    kind = draw(st.sampled_from(kinds))
+    entries = list(spec.padded(len(shape)).entries)
+    if kind == "too_long":
+        return shape, P(*entries, *([None] * draw(st.integers(1, 2)))), kind
+    if kind == "unknown_axis":
+        unknown = next(name for name in ("zz", "ep", "fsdp", "sp") if name not in mesh)
+        dim = draw(st.integers(0, len(shape) - 1))
+        entries[dim] = (*entry_axes(entries[dim]), unknown)
+        return shape, P(*entries), kind
+    if kind == "axis_twice":
+        axis = draw(st.sampled_from(mesh.axis_names))
+        first, second = draw(st.permutations(range(len(shape) + 1)))[:2]
+        cleaned = [tuple(a for a in entry_axes(e) if a != axis) or None for e in entries]
+        cleaned.append(None)  # a spare dim so two distinct positions always exist
+        shape = (*shape, 1)
+        if first == second:
+            second = (first + 1) % len(cleaned)
+        cleaned[first] = (*entry_axes(cleaned[first]), axis)
+        cleaned[second] = (*entry_axes(cleaned[second]), axis)
+        return shape, P(*cleaned), kind
+    axis = draw(st.sampled_from([a for a, s in zip(mesh.axis_names, mesh.axis_sizes) if s > 1]))
+    dim = draw(st.integers(0, len(shape) - 1))
+    entries = [tuple(a for a in entry_axes(e) if a != axis) or None for e in entries]
+    ways = math.prod(mesh.size(a) for a in entry_axes(entries[dim])) * mesh.size(axis)
+    entries[dim] = (*entry_axes(entries[dim]), axis)
+    bad_size = ways * draw(st.integers(1, 3)) + draw(st.integers(1, ways - 1))
+    return (*shape[:dim], bad_size, *shape[dim + 1 :]), P(*entries), kind

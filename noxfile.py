@@ -1,0 +1,54 @@
+"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``tests_long``.
+
+Each session builds its own virtual environment. On machines without a GPU, torch is pinned
+through ``constraints/cpu.txt`` so pip does not fetch the newest (CUDA) build; set
+``MESHTRAIN_CONSTRAINTS`` to another file (or to an empty string) on GPU machines.
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests", "lint", "typecheck", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+_CONSTRAINTS = os.environ.get("MESHTRAIN_CONSTRAINTS", "constraints/cpu.txt")
+PIN = ["-c", _CONSTRAINTS] if _CONSTRAINTS else []
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole test suite (derandomised Hypothesis profile: the same examples every run)."""
+    session.install(*PIN, "-e", ".[test]")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def tests_long(session: nox.Session) -> None:
+    """The suite with the long, randomised Hypothesis profile (many more examples per property)."""
+    session.install(*PIN, "-e", ".[test]")
+    session.run("pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": "long"})
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff lint and format check."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy over the package (torch installed so its types are checked, not ignored)."""
+    session.install(*PIN, "-e", ".[typecheck]")
+    session.run("mypy")
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site; warnings (broken links, missing pages) are errors."""
+    session.install("-e", ".[docs]", *PIN)
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site")
