@@ -126,11 +126,11 @@ def test_logical_priority_semantics(names: tuple[str, ...], expected: P) -> None
 
 def test_unknown_logical_name_and_missing_axis_are_errors() -> None:
     with pytest.raises(
-        RuleError, match="logical name 'emb' .* appears in no logical rule \\(did you mean 'embed'"
+        RuleError, match=r"logical name 'emb' .* appears in no logical rule \(did you mean 'embed'"
     ):
         Rules(logical=LOGICAL).logical_spec(("vocab", "emb"))
     with pytest.raises(
-        RuleError, match="names axis 'fsdp', which mesh \\{dp: 2, tp: 2\\} does not have.*fsdp=1"
+        RuleError, match=r"names axis 'fsdp', which mesh \{dp: 2, tp: 2\} does not have.*fsdp=1"
     ):
         Rules(logical=LOGICAL).logical_spec(("vocab",), MESH)
 
@@ -170,7 +170,7 @@ def test_resolve_reads_annotations_and_regex_overrides_them() -> None:
 def test_unannotated_parameter_under_logical_rules_is_unmatched() -> None:
     with torch.device("meta"):
         model = TinyModel()
-    with pytest.raises(RuleError, match="'head.weight' \\(shape 2×4\\) \\(no logical names"):
+    with pytest.raises(RuleError, match=r"'head.weight' \(shape 2×4\) \(no logical names"):
         Rules(logical=LOGICAL).resolve(model, MESH3)
 
 
