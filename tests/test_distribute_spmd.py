@@ -19,7 +19,7 @@ from meshtrain.testing.strategies import meshes, sharded_shapes
 pytestmark = pytest.mark.spmd
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _mesh(names: tuple[str, ...], sizes: tuple[int, ...]) -> Mesh:
     # One DeviceMesh per layout per rank process: building one creates process groups.
     return make_mesh(dict(zip(names, sizes)))
