@@ -72,3 +72,7 @@ def test_equal_specs_hash_equal(entries: list[object]) -> None:
     assert P(*entries) == P(*entries)
     assert hash(P(*entries)) == hash(P(*entries))
     assert len(P(*entries)) == len(entries)
+
+
+def test_unreduced_bare_string_is_one_axis() -> None:
+    assert P("tp", unreduced="dp").unreduced == frozenset({"dp"})

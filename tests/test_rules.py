@@ -38,7 +38,10 @@ def test_first_full_match_wins() -> None:
 
 def test_patterns_match_whole_fqns_only() -> None:
     rules = Rules({r"wq\.weight": P("tp"), r".*": P()}, allow_unused=False)
-    with pytest.raises(RuleError, match=r"'wq\\\\.weight': no parameter matches it in full"):
+    with pytest.raises(
+        RuleError,
+        match=r"r'wq\\.weight': no parameter matches it in full.*\nPatterns must match whole FQNs",
+    ):
         rules.resolve(SHAPES, MESH)
 
 
@@ -65,7 +68,8 @@ def test_allow_unmatched_replicates_and_reports() -> None:
 def test_shadowed_rule_is_reported_as_unused() -> None:
     rules = Rules([(r".*", P()), (r"norm\.weight", P("tp"))])
     with pytest.raises(
-        RuleError, match=r"shadowed: 'norm.weight' matches it but earlier rule '\.\*' wins"
+        RuleError,
+        match=r"shadowed: 'norm.weight' matches it but earlier rule r'\.\*' wins.*\nMove a shadowed rule",
     ):
         rules.resolve(SHAPES, MESH)
     assert Rules([(r".*", P()), (r"norm\.weight", P("tp"))], allow_unused=True).resolve(
@@ -92,7 +96,7 @@ def test_spec_error_names_parameter_and_rule() -> None:
             MESH,
         )
     assert (
-        "parameter 'norm.weight' (shape 3) cannot take P('tp') (from rule regex 'norm\\\\.weight')"
+        "parameter 'norm.weight' (shape 3) cannot take P('tp') (from rule regex r'norm\\.weight')"
         in str(info.value)
     )
 
@@ -156,7 +160,7 @@ def test_resolve_reads_annotations_and_regex_overrides_them() -> None:
     }
     assert resolution.coverage() == {
         "logical": ["embed.weight", "proj.weight", "proj.bias"],
-        "regex 'head\\\\.weight'": ["head.weight"],
+        "regex r'head\\.weight'": ["head.weight"],
     }
     report = resolution.report()
     assert report.splitlines()[0] == "# specs on mesh {dp: 1, fsdp: 2, tp: 2}"
@@ -187,3 +191,10 @@ def test_logical_spec_that_does_not_divide_is_a_spec_error() -> None:
 def test_logical_specs_never_use_an_axis_twice(names: list[str], ndim: int) -> None:
     spec = Rules(logical=LOGICAL).logical_spec(tuple(names[:ndim]), MESH3)
     assert len(spec.axes) == len(set(spec.axes))
+
+
+def test_fsdp_axis_must_exist_and_logical_targets_must_be_axes() -> None:
+    with pytest.raises(RuleError, match=r"fsdp=\('dpp',\) names axis 'dpp'.*did you mean 'dp'"):
+        Rules({r".*": P()}, fsdp="dpp").resolve(SHAPES, MESH)
+    with pytest.raises(RuleError, match=r"logical rule \('embed', 3\) has a bad mesh-axis target"):
+        Rules(logical=[("embed", 3)])  # type: ignore[list-item]

@@ -6,7 +6,7 @@ shape, mesh), the context, and the fix, in the style of JAX's sharding errors::
 
     SpecError: parameter 'layers.3.mlp.w1.weight' (shape 1000×512) cannot take P('tp', None)
     on mesh {dp: 2, tp: 3}: dim 0 (1000) is not divisible by tp=3. Use a tp size that divides
-    1000, or pad the layer.
+    1000, shard another dim, or pad the parameter to a multiple of 3.
 
 The structured fields (``fqn``, ``spec``, ``shape``, ``mesh``, ``rule``) are kept on the exception
 so tools can act on them without parsing the message.

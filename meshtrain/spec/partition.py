@@ -69,7 +69,7 @@ class P:
 
     def __init__(self, *entries: object, unreduced: Iterable[str] = ()) -> None:
         normalised = tuple(_normalise_entry(entry, i) for i, entry in enumerate(entries))
-        unreduced_axes = frozenset(unreduced)
+        unreduced_axes = frozenset((unreduced,) if isinstance(unreduced, str) else unreduced)
         for axis in unreduced_axes:
             if not isinstance(axis, str) or not axis:
                 raise SpecError(f"P(unreduced=...) holds {axis!r}; it must hold mesh axis names.")

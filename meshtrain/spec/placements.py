@@ -157,15 +157,16 @@ def distribute(
             spec=spec,
             mesh=mesh,
         )
+    validate_spec(spec, tuple(tensor.shape), mesh, fqn=fqn)
     if spec.unreduced:
+        what = f"parameter '{fqn}'" if fqn else "a full tensor"
         raise SpecError(
-            f"cannot distribute a full tensor as {spec!r}: unreduced axes {sorted(spec.unreduced)} "
+            f"cannot distribute {what} as {spec!r}: unreduced axes {sorted(spec.unreduced)} "
             "describe partial sums, which only computations produce. Drop `unreduced`.",
             fqn=fqn,
             spec=spec,
             mesh=mesh,
         )
-    validate_spec(spec, tuple(tensor.shape), mesh, fqn=fqn)
     rank = mesh.device_mesh.get_rank()
     local = tensor.detach()[shard_slices(spec, tuple(tensor.shape), mesh, rank)].contiguous()
     dtensor = DTensor.from_local(

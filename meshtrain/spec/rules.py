@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.spec.errors import RuleError, did_you_mean, format_shape
+from meshtrain.spec.errors import RuleError, SpecError, did_you_mean, format_shape
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import LogicalAxes, named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -207,12 +207,13 @@ class Rules:
             names = dict(logical_axes or {})
         if self.logical:
             self._check_logical_axes(mesh)
+        self._check_fsdp_axes(mesh)
         params, unmatched, used_patterns = [], [], set()
         for fqn, shape in shapes.items():
             hit = self.match(fqn)
             if hit is not None:
                 used_patterns.add(hit[0])
-                param = ParamSpec(fqn, shape, hit[1], f"regex {hit[0]!r}", names.get(fqn))
+                param = ParamSpec(fqn, shape, hit[1], f"regex r'{hit[0]}'", names.get(fqn))
             elif fqn in names and self.logical:
                 spec = self._logical_param_spec(fqn, shape, names[fqn])
                 param = ParamSpec(fqn, shape, spec, "logical", names[fqn])
@@ -245,6 +246,17 @@ class Rules:
                 shape=shape,
             ) from None
 
+    def _check_fsdp_axes(self, mesh: Mesh) -> None:
+        for axis in self.fsdp:
+            if axis not in mesh:
+                raise RuleError(
+                    f"fsdp={self.fsdp!r} names axis '{axis}', which mesh {mesh} does not have"
+                    f"{did_you_mean(axis, mesh.axis_names, 'axes')}. Name a data axis of the mesh, "
+                    f"or add it to make_mesh (size 1 is allowed: {axis}=1).",
+                    mesh=mesh,
+                    rule=f"fsdp={self.fsdp!r}",
+                )
+
     def _check_logical_axes(self, mesh: Mesh) -> None:
         for name, target in self.logical:
             for axis in entry_axes(target):
@@ -267,7 +279,7 @@ class Rules:
         lines = []
         for fqn in unmatched[:20]:
             patterns = [pattern for pattern, _ in self.patterns]
-            near = difflib.get_close_matches(fqn, patterns, n=2, cutoff=0.3)
+            near = difflib.get_close_matches(fqn, patterns, n=2, cutoff=0.6)
             hint = f"; nearest patterns: {', '.join(repr(p) for p in near)}" if near else ""
             why = (
                 " (no logical names, and only logical rules could apply)"
@@ -290,30 +302,36 @@ class Rules:
     def _unused_error(
         self, unused: list[str], shapes: Mapping[str, tuple[int, ...]], mesh: Mesh
     ) -> RuleError:
-        lines = []
+        lines, never_match = [], False
         for pattern in unused:
             compiled = re.compile(pattern)
             shadowed = [fqn for fqn in shapes if compiled.fullmatch(fqn)]
             if shadowed:
                 earlier = self.match(shadowed[0])
                 why = (
-                    f"shadowed: '{shadowed[0]}' matches it but earlier rule {earlier[0]!r} wins"
+                    f"shadowed: '{shadowed[0]}' matches it but earlier rule r'{earlier[0]}' wins"
                     if earlier
                     else ""
                 )
             else:
+                never_match = True
                 near = difflib.get_close_matches(pattern, list(shapes), n=1, cutoff=0.3)
                 why = (
                     f"no parameter matches it in full (closest FQN: '{near[0]}')"
                     if near
                     else "no parameter matches it"
                 )
-            lines.append(f"  {pattern!r}: {why}")
+            lines.append(f"  r'{pattern}': {why}")
+        hint = (
+            "Patterns must match whole FQNs (use r'.*\\.wq\\.weight', not r'wq'). "
+            if never_match
+            else "Move a shadowed rule above the rule that wins. "
+        )
+        rules = "rule" if len(unused) == 1 else "rules"
         return RuleError(
-            f"{len(unused)} rule(s) matched no parameter of {len(shapes)} on mesh {mesh}:\n"
+            f"{len(unused)} {rules} matched no parameter of {len(shapes)} on mesh {mesh}:\n"
             + "\n".join(lines)
-            + "\nPatterns must match whole FQNs (use r'.*\\.wq\\.weight', not r'wq'). Fix or remove "
-            "them, or pass allow_unused=True.",
+            + f"\n{hint}Fix or remove them, or pass allow_unused=True.",
             rule=unused[0],
             mesh=mesh,
         )
@@ -369,7 +387,13 @@ def _check_logical(rules: Sequence[tuple[str, AxisTarget]]) -> tuple[tuple[str, 
                 "or ('batch', ('dp', 'fsdp')) or ('norm', None)."
             )
         name, target = item
-        entry = P(target).entries[0] if target is not None else None
+        try:
+            entry = P(target).entries[0] if target is not None else None
+        except SpecError as err:
+            raise RuleError(
+                f"logical rule ('{name}', {target!r}) has a bad mesh-axis target: {err.message}",
+                rule=f"('{name}', {target!r})",
+            ) from None
         if (name, entry) in checked:
             raise RuleError(
                 f"logical rule ('{name}', {target!r}) is given twice; remove the duplicate."

@@ -172,7 +172,7 @@ class _Resources:
 
 def _worker_main(spec: _RankSpec, conn: mpc.Connection) -> None:
     """Entry point of one rank: redirect output, join the gloo group, then serve tasks."""
-    fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
@@ -492,7 +492,9 @@ class SPMDPool:
         parts = []
         for rank in ranks:
             try:
-                with self.log_path(rank).open("rb") as log:  # logs grow across tasks: read the end
+                with self.log_path(rank).open(
+                    "rb"
+                ) as log:  # logs grow across tasks (one file per pool start): read the end
                     log.seek(max(0, log.seek(0, os.SEEK_END) - 64 * 1024))
                     text = log.read().decode(errors="replace")
             except OSError:

@@ -105,7 +105,7 @@ def invalid_specs(draw: st.DrawFn, mesh: Mesh) -> tuple[tuple[int, ...], P, Inva
     if kind == "too_long":
         return shape, P(*entries, *([None] * draw(st.integers(1, 2)))), kind
     if kind == "unknown_axis":
-        unknown = next(name for name in ("zz", "ep", "fsdp", "sp") if name not in mesh)
+        unknown = "unknown_" + "_".join(mesh.axis_names)  # never one of the mesh's own names
         dim = draw(st.integers(0, len(shape) - 1))
         entries[dim] = (*entry_axes(entries[dim]), unknown)
         return shape, P(*entries), kind
@@ -115,8 +115,6 @@ def invalid_specs(draw: st.DrawFn, mesh: Mesh) -> tuple[tuple[int, ...], P, Inva
         cleaned = [tuple(a for a in entry_axes(e) if a != axis) or None for e in entries]
         cleaned.append(None)  # a spare dim so two distinct positions always exist
         shape = (*shape, 1)
-        if first == second:
-            second = (first + 1) % len(cleaned)
         cleaned[first] = (*entry_axes(cleaned[first]), axis)
         cleaned[second] = (*entry_axes(cleaned[second]), axis)
         return shape, P(*cleaned), kind
