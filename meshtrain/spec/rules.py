@@ -280,7 +280,8 @@ class Rules:
         for fqn in unmatched[:20]:
             patterns = [pattern for pattern, _ in self.patterns]
             near = difflib.get_close_matches(fqn, patterns, n=2, cutoff=0.6)
-            hint = f"; nearest patterns: {', '.join(repr(p) for p in near)}" if near else ""
+            shown = ", ".join(f"r'{pattern}'" for pattern in near)
+            hint = f"; nearest patterns: {shown}" if near else ""
             why = (
                 " (no logical names, and only logical rules could apply)"
                 if self.logical and fqn not in names
