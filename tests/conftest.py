@@ -10,20 +10,7 @@ import os
 
 from hypothesis import HealthCheck, settings
 
-settings.register_profile(
-    "default",
-    derandomize=True,
-    deadline=None,
-    max_examples=40,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "long",
-    derandomize=False,
-    deadline=None,
-    max_examples=500,
-    print_blob=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+_COMMON = {"deadline": None, "print_blob": True, "suppress_health_check": [HealthCheck.too_slow]}
+settings.register_profile("default", derandomize=True, max_examples=40, **_COMMON)
+settings.register_profile("long", derandomize=False, max_examples=500, **_COMMON)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
