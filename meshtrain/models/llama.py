@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import hashlib
 import math
@@ -178,12 +179,12 @@ class LlamaConfig:
         return dataclasses.replace(getattr(cls, name)(), **overrides)
 
 
-class _Initialised(nn.Module):
+class _Initialised(nn.Module, abc.ABC):
     """A module that says how to initialise some parameters under it (see ``Llama.init_weights``)."""
 
+    @abc.abstractmethod
     def _init_table(self) -> dict[str, _Init]:
         """Initialiser per parameter FQN relative to this module."""
-        raise NotImplementedError
 
 
 @dataclass(frozen=True)
