@@ -6,6 +6,7 @@ Example:
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
+from meshtrain.plan import Plan, plan
 from meshtrain.spec import (
     CheckpointError,
     EquivalenceError,
@@ -33,6 +34,7 @@ __all__ = [
     "MeshError",
     "MeshtrainError",
     "P",
+    "Plan",
     "PlanError",
     "RecipeError",
     "Resolution",
@@ -43,4 +45,5 @@ __all__ = [
     "annotate",
     "distribute",
     "make_mesh",
+    "plan",
 ]

@@ -1,0 +1,19 @@
+"""The compiler: specs → an inspectable :class:`Plan` (``ir``, ``infer``, ``cost``) → modules (``lower``).
+
+Only ``meshtrain.plan.lower`` touches ``torch.distributed`` parallel APIs.
+"""
+
+from meshtrain.plan.api import plan
+from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout, Plan
+from meshtrain.plan.options import PlanOptions
+
+__all__ = [
+    "Collective",
+    "FSDPUnit",
+    "Memory",
+    "ModuleStyle",
+    "ParamLayout",
+    "Plan",
+    "PlanOptions",
+    "plan",
+]

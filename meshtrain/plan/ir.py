@@ -1,0 +1,221 @@
+"""The plan as plain data: per-parameter layouts, tensor-parallel styles, FSDP units, memory and
+the collectives a step issues. Frozen, printable (``explain``), and JSON round-trippable.
+
+Example:
+    >>> import torch, meshtrain as mt
+    >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
+    >>> model = build_llama(LlamaConfig.debug(), device="meta")
+    >>> mesh = mt.make_mesh(dp=2, tp=2, world_size=4, abstract=True)
+    >>> plan = mt.plan(model, mesh, default_rules())
+    >>> Plan.from_json(plan.to_json()) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtrain.plan.options import PlanOptions
+from meshtrain.spec.errors import format_shape
+from meshtrain.spec.mesh import Mesh
+from meshtrain.spec.partition import P
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """One parameter: its compute layout (``spec``), its data-parallel shard, and bytes per rank.
+
+    ``local_shape`` is what forward sees on a rank (tensor-parallel shard); ``shard_shape`` is the
+    slice FSDP keeps at rest (dim 0 of the local shape split over the sharding data axes, padded
+    as FSDP2 pads).
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    spec: P
+    source: str
+    local_shape: tuple[int, ...]
+    shard_shape: tuple[int, ...]
+    element_bytes: int = 4
+
+    @property
+    def local_numel(self) -> int:
+        return _numel(self.local_shape)
+
+    @property
+    def shard_numel(self) -> int:
+        return _numel(self.shard_shape)
+
+
+@dataclass(frozen=True)
+class ModuleStyle:
+    """The tensor-parallel style a module lowers to, read off its parameters' specs."""
+
+    fqn: str
+    module_type: str
+    style: str
+    axis: str
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class FSDPUnit:
+    """A module wrapped by ``fully_shard`` and the parameters it owns (not those of inner units)."""
+
+    fqn: str
+    params: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """Collectives of one kind on one axis per optimizer step, with their payload in bytes."""
+
+    kind: str
+    axis: str
+    count: int
+    bytes: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes per rank at peak: parameters, gradients and optimizer states (fp32 master copy)."""
+
+    params: int
+    grads: int
+    optimizer_states: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer_states
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a model trains on a mesh; ``mt.plan`` builds it, ``Plan.apply`` lowers it."""
+
+    mesh: Mesh
+    options: PlanOptions
+    data_axes: tuple[str, ...]
+    tp_axis: str | None
+    params: tuple[ParamLayout, ...]
+    styles: tuple[ModuleStyle, ...]
+    units: tuple[FSDPUnit, ...]
+    collectives: tuple[Collective, ...]
+    memory: Memory
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def specs(self) -> dict[str, P]:
+        """FQN → compute spec."""
+        return {param.fqn: param.spec for param in self.params}
+
+    def explain(self) -> str:
+        """A human-readable report: parameters, styles, units, memory, collectives, notes."""
+        lines = [
+            f"plan on mesh {self.mesh}: data axes {list(self.data_axes)}, tensor-parallel axis "
+            f"{self.tp_axis!r}, zero={self.options.zero}, precision={self.options.precision}, "
+            f"offload={self.options.offload}",
+            "",
+            "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
+        ]
+        width = max((len(p.fqn) for p in self.params), default=0)
+        for p in self.params:
+            at_rest = p.shard_numel if self.options.zero == 3 else p.local_numel
+            lines.append(
+                f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
+                f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
+                f"{at_rest * p.element_bytes:>10,}"
+            )
+        lines += ["", "tensor-parallel styles:"]
+        lines += [
+            f"  {s.fqn}: {s.style} over '{s.axis}' ({s.module_type}){' — ' + s.note if s.note else ''}"
+            for s in self.styles
+        ] or ["  none"]
+        lines += ["", "FSDP units (fully_shard order, root last):"]
+        lines += [f"  {u.fqn or '<root>'}: {len(u.params)} parameters" for u in self.units] or [
+            "  none"
+        ]
+        m = self.memory
+        lines += [
+            "",
+            f"memory per rank: params {m.params:,} B, grads {m.grads:,} B, optimizer states "
+            f"{m.optimizer_states:,} B, total {m.total:,} B",
+            "",
+            "collectives per step (kind, axis, count, payload bytes):",
+        ]
+        lines += [
+            f"  {c.kind:<14} {c.axis:<8} {c.count:>4} × {c.bytes:>12,} B  {c.why}"
+            for c in self.collectives
+        ] or ["  none"]
+        if self.notes:
+            lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
+        return "\n".join(lines) + "\n"
+
+    def to_json(self) -> str:
+        """Stable JSON (sorted keys): replayable with :meth:`from_json`."""
+        return json.dumps(_to_data(self), sort_keys=True, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of :meth:`to_json` (the mesh comes back abstract)."""
+        data = json.loads(text)
+        mesh_axes = data["mesh"]["axes"]
+        return cls(
+            mesh=Mesh(tuple(mesh_axes), tuple(mesh_axes.values()), data["mesh"]["device_type"]),
+            options=PlanOptions(**data["options"]),
+            data_axes=tuple(data["data_axes"]),
+            tp_axis=data["tp_axis"],
+            params=tuple(
+                ParamLayout(
+                    fqn=p["fqn"],
+                    shape=tuple(p["shape"]),
+                    spec=P.from_json(p["spec"]),
+                    source=p["source"],
+                    local_shape=tuple(p["local_shape"]),
+                    shard_shape=tuple(p["shard_shape"]),
+                    element_bytes=p["element_bytes"],
+                )
+                for p in data["params"]
+            ),
+            styles=tuple(ModuleStyle(**s) for s in data["styles"]),
+            units=tuple(FSDPUnit(u["fqn"], tuple(u["params"])) for u in data["units"]),
+            collectives=tuple(Collective(**c) for c in data["collectives"]),
+            memory=Memory(**data["memory"]),
+            notes=tuple(data["notes"]),
+        )
+
+
+def _to_data(plan: Plan) -> dict[str, Any]:
+    return {
+        "mesh": plan.mesh.to_json(),
+        "options": plan.options.to_json(),
+        "data_axes": list(plan.data_axes),
+        "tp_axis": plan.tp_axis,
+        "params": [
+            {
+                "fqn": p.fqn,
+                "shape": list(p.shape),
+                "spec": p.spec.to_json(),
+                "source": p.source,
+                "local_shape": list(p.local_shape),
+                "shard_shape": list(p.shard_shape),
+                "element_bytes": p.element_bytes,
+            }
+            for p in plan.params
+        ],
+        "styles": [vars(s) for s in plan.styles],
+        "units": [{"fqn": u.fqn, "params": list(u.params)} for u in plan.units],
+        "collectives": [vars(c) for c in plan.collectives],
+        "memory": vars(plan.memory),
+        "notes": list(plan.notes),
+    }
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    result = 1
+    for size in shape:
+        result *= size
+    return result

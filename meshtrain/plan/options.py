@@ -1,0 +1,85 @@
+"""Plan options: what the user asks of a plan, validated before anything is inferred.
+
+Example:
+    >>> PlanOptions(zero=2, precision="bf16").param_dtype
+    'bfloat16'
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from meshtrain.spec.errors import PlanError
+
+Precision = Literal["fp32", "bf16", "fp16"]
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Data-parallel stage, offload, precision and the optimizer the memory model assumes.
+
+    ``zero``: 0 = DDP (replicated parameters, gradient all-reduce); 1 = optimizer states sharded
+    (parameters and gradients stay whole between micro-batches, gradients reduce-scattered once per
+    step); 2 = gradients sharded too (parameters kept gathered from forward to backward); 3 =
+    parameters sharded as well (gathered per unit in forward and again in backward).
+    """
+
+    zero: int = 3
+    offload: bool = False
+    precision: Precision = "fp32"
+    reduce_precision: Precision = "fp32"
+    optimizer: str = "adamw"
+    loss_parallel: bool = True
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise PlanError(
+                f"zero={self.zero!r} is out of range: use 0 (DDP), 1 (optimizer states sharded), "
+                "2 (gradients too) or 3 (parameters too)."
+            )
+        for name in ("precision", "reduce_precision"):
+            value = getattr(self, name)
+            if value not in _DTYPES:
+                raise PlanError(f"{name}={value!r} is not one of {sorted(_DTYPES)}.")
+        if self.optimizer not in _OPTIMIZER_STATES:
+            raise PlanError(
+                f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
+                f"{sorted(_OPTIMIZER_STATES)} (the number of fp32 states per parameter it keeps)."
+            )
+        if (
+            isinstance(self.microbatches, bool)
+            or not isinstance(self.microbatches, int)
+            or self.microbatches < 1
+        ):
+            raise PlanError(
+                f"microbatches={self.microbatches!r} must be a positive integer (gradient "
+                "accumulation steps per optimizer step)."
+            )
+        if self.offload and self.zero == 0:
+            raise PlanError(
+                "offload=True needs sharded data parallelism (zero ≥ 1): FSDP2's CPU offload keeps "
+                "each rank's shard on the host. Use zero=3 with offload."
+            )
+
+    @property
+    def param_dtype(self) -> str:
+        """The dtype parameters are computed in (the master copy stays fp32)."""
+        return _DTYPES[self.precision]
+
+    @property
+    def reduce_dtype(self) -> str:
+        """The dtype gradients are reduced in."""
+        return _DTYPES[self.reduce_precision]
+
+    @property
+    def optimizer_states(self) -> int:
+        """fp32 optimizer tensors kept per parameter element (Adam: 2, SGD with momentum: 1)."""
+        return _OPTIMIZER_STATES[self.optimizer]
+
+    def to_json(self) -> dict[str, object]:
+        """Plain-data form for ``Plan.to_json``."""
+        return asdict(self)

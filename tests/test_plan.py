@@ -1,0 +1,244 @@
+"""mt.plan: pure planning — styles read off specs, FSDP units, memory model, errors at plan time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import meshtrain as mt
+from meshtrain import P, PlanError, Rules
+from meshtrain.models import LlamaConfig, build_llama, default_rules
+from meshtrain.plan import Plan
+
+MODEL = build_llama(LlamaConfig.debug(), device="meta")
+N_PARAMS = LlamaConfig.debug().num_params()
+
+
+def mesh(**axes: int) -> mt.Mesh:
+    world = 1
+    for size in axes.values():
+        world *= size
+    return mt.make_mesh(axes, world_size=world, abstract=True)
+
+
+def test_styles_units_and_json_round_trip() -> None:
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules())
+    styles = {s.fqn: s.style for s in plan.styles}
+    assert styles["tok_embeddings"] == "vocab_parallel_embedding"
+    assert styles["layers.0.attention.wq"] == "colwise"
+    assert styles["layers.1.feed_forward.w2"] == "rowwise"
+    assert styles["output"] == "loss_parallel_head"
+    assert [u.fqn for u in plan.units] == ["layers.0", "layers.1", ""]
+    assert plan.units[-1].params == ("tok_embeddings.weight", "norm.weight", "output.weight")
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "loss_parallel_head" in plan.explain()
+
+
+def test_without_loss_parallel_the_head_is_gathered_and_flagged() -> None:
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), loss_parallel=False)
+    head = next(s for s in plan.styles if s.fqn == "output")
+    assert head.style == "colwise_gathered" and "extra collective" in head.note
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_memory_matches_the_zero_stage_formulas(zero: int) -> None:
+    # Pure FSDP over 4 ranks, AdamW, fp32: 4 bytes each for parameter, gradient, 2 states.
+    plan = mt.plan(MODEL, mesh(dp=4), Rules({r".*": P()}, fsdp="dp"), zero=zero)
+    full = 4 * N_PARAMS
+    shard = full // 4  # every dim 0 of the debug model divides by 4: no FSDP padding
+    expected = {
+        0: (full, full, 2 * full),
+        1: (full, full, 2 * shard),
+        2: (full, shard, 2 * shard),
+        3: (shard, shard, 2 * shard),
+    }[zero]
+    m = plan.memory
+    assert (m.params, m.grads, m.optimizer_states) == expected
+
+
+def test_tensor_parallel_divides_local_bytes_by_tp_for_sharded_params() -> None:
+    plan = mt.plan(MODEL, mesh(dp=1, tp=4), Rules(logical=default_rules().logical, fsdp="dp"))
+    for p in plan.params:
+        assert p.local_numel * (4 if p.spec.axes else 1) == torch.Size(p.shape).numel()
+
+
+def test_fsdp_collectives_per_step() -> None:
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), zero=3, microbatches=2)
+    kinds = {(c.kind, c.why.split(",")[0]): c.count for c in plan.collectives}
+    assert kinds[("all_gather", "parameters")] == 3 * 2
+    assert (
+        kinds[
+            (
+                "all_gather",
+                "parameters again in backward (non-root units are resharded after forward)",
+            )
+        ]
+        == 2 * 2
+    )
+    assert kinds[("reduce_scatter", "gradients")] == 3 * 2
+    zero1 = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), zero=1, microbatches=2)
+    assert [(c.kind, c.count) for c in zero1.collectives] == [
+        ("all_gather", 3),
+        ("reduce_scatter", 3),
+    ]
+
+
+def test_hsdp_adds_an_all_reduce_over_the_replicate_axis() -> None:
+    plan = mt.plan(MODEL, mesh(rep=2, dp=2), Rules({r".*": P()}, fsdp=("rep", "dp")))
+    assert plan.data_axes == ("rep", "dp")
+    assert ("all_reduce", "rep") in {(c.kind, c.axis) for c in plan.collectives}
+
+
+def test_planning_llama3_405b_on_16384_fake_ranks() -> None:
+    model = build_llama(LlamaConfig.llama3_405b(), device="meta")
+    plan = mt.plan(
+        model, mt.make_mesh(dp=-1, tp=8, world_size=16384, abstract=True), default_rules()
+    )
+    assert plan.mesh.shape == {"dp": 2048, "tp": 8}
+    # 405.85e9 fp32 parameters over 16,384 ranks would be ~99 MB each if every dim 0 divided;
+    # FSDP2 pads dim 0 of the tensor-parallel shard to a multiple of dp=2048: w1's 53248/8 = 6656
+    # local rows become 4 rows per rank (8192 in all), wk's 1024/8 = 128 rows become 1 row each.
+    ideal = 4 * 405_853_388_800 / 16384
+    w1 = next(p for p in plan.params if p.fqn == "layers.0.feed_forward.w1.weight")
+    wk = next(p for p in plan.params if p.fqn == "layers.0.attention.wk.weight")
+    assert (w1.local_shape, w1.shard_shape) == ((6656, 16384), (4, 16384))
+    assert (wk.local_shape, wk.shard_shape) == ((128, 16384), (1, 16384))
+    assert ideal < plan.memory.params < 1.3 * ideal
+    assert any("FSDP pads dim 0" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "rules", "axes", "message"),
+    [
+        ({"zero": 4}, default_rules(), {"dp": 2, "tp": 2}, r"zero=4 is out of range"),
+        (
+            {},
+            Rules({r".*wq\.weight": P("dp"), r".*": P()}, fsdp="dp"),
+            {"dp": 2, "tp": 2},
+            r"axis 'dp' is a data axis .* parameter 'layers.0.attention.wq.weight' is sharded over it",
+        ),
+        (
+            {},
+            Rules({r".*norm\.weight": P("tp"), r".*": P()}, fsdp="dp"),
+            {"dp": 2, "tp": 2},
+            r"parameter 'layers.0.attention_norm.weight' of RMSNorm .* Norm weights stay replicated",
+        ),
+        (
+            {},
+            Rules({r".*": P()}),
+            {"dp": 2, "tp": 2},
+            r"mesh axis 'dp' \(size 2\) .* is neither a data axis",
+        ),
+        (
+            {"fsdp_units": ["layers.7"]},
+            default_rules(),
+            {"dp": 2, "tp": 2},
+            r"fsdp_units names 'layers.7'",
+        ),
+        (
+            {},
+            Rules(
+                {r".*wq\.weight": P(None, "tp"), r".*wk\.weight": P("tp", "tp2"), r".*": P()},
+                fsdp="dp",
+            ),
+            {"dp": 1, "tp": 2, "tp2": 2},
+            r"several model axes \['tp', 'tp2'\]",
+        ),
+        (
+            {},
+            Rules(
+                {
+                    r".*wq\.weight": P("tp", None),
+                    r".*wk\.weight": P(None, "tp"),
+                    r".*wv\.weight": P(),
+                    r"layers\.0\.attention\.wo\.weight": P("tp", None),
+                    r".*": P(),
+                },
+                fsdp="dp",
+            ),
+            {"dp": 2, "tp": 2},
+            None,
+        ),
+        (
+            {"offload": True, "zero": 0},
+            default_rules(),
+            {"dp": 2, "tp": 2},
+            r"offload=True needs sharded data parallelism",
+        ),
+    ],
+)
+def test_bad_plans_are_plan_errors_that_name_the_culprit(
+    kwargs: dict, rules: Rules, axes: dict[str, int], message: str | None
+) -> None:
+    if message is None:  # a valid but unusual layout must plan
+        mt.plan(MODEL, mesh(**axes), rules, **kwargs)
+        return
+    with pytest.raises(PlanError, match=message):
+        mt.plan(MODEL, mesh(**axes), rules, **kwargs)
+
+
+class MLPWithBiases(nn.Module):
+    """Not ours: a plain MLP with biases and a tied embedding / output head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)
+        )
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_model_that_is_not_ours() -> None:
+    with torch.device("meta"):
+        model = MLPWithBiases()
+    rules = Rules(
+        {
+            r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
+            r"blocks\.\d+\.2\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp="dp",
+    )
+    plan = mt.plan(model, mesh(dp=2, tp=2), rules)
+    assert {s.fqn: s.style for s in plan.styles} == {
+        "blocks.0.0": "colwise",
+        "blocks.0.2": "rowwise",
+        "blocks.1.0": "colwise",
+        "blocks.1.2": "rowwise",
+    }
+    assert [u.fqn for u in plan.units] == ["blocks.0", "blocks.1", ""]
+    assert "embed.weight" in plan.units[-1].params  # the tied weight appears once
+
+
+@given(
+    st.lists(st.sampled_from(["col", "row", "rep"]), min_size=3, max_size=3),
+    st.sampled_from([0, 1, 2, 3]),
+    st.sampled_from([(1, 2), (2, 2), (2, 1), (4, 2)]),
+)
+def test_any_mix_of_column_row_and_replicated_linears_plans(
+    choice: list[str], zero: int, sizes: tuple[int, int]
+) -> None:
+    spec = {"col": P("tp", None), "row": P(None, "tp"), "rep": P()}
+    rules = Rules(
+        {
+            r".*attention\.w[qkv]\.weight": spec[choice[0]],
+            r".*attention\.wo\.weight": spec[choice[1]],
+            r".*feed_forward\.w.\.weight": spec[choice[2]],
+            r".*": P(),
+        },
+        fsdp="dp",
+        allow_unused=True,
+    )
+    dp, tp = sizes
+    try:
+        plan = mt.plan(MODEL, mesh(dp=dp, tp=tp), rules, zero=zero)
+    except PlanError as err:
+        assert "tensor-parallel" in str(err) or "neither a data axis" in str(err)
+        return
+    assert Plan.from_json(plan.to_json()) == plan
+    assert plan.memory.total > 0
