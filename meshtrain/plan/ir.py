@@ -112,6 +112,24 @@ class Plan:
         """FQN → compute spec."""
         return {param.fqn: param.spec for param in self.params}
 
+    def apply(self, model: Any) -> Any:
+        """Parallelise ``model`` as planned (the only step that touches torch.distributed)."""
+        from meshtrain.plan.lower import apply
+
+        return apply(self, model)
+
+    def loss_parallel(self) -> Any:
+        """Context for the loss: ``loss_parallel()`` when logits stay vocab-sharded, else a no-op."""
+        from meshtrain.plan.lower import loss_context
+
+        return loss_context(self)
+
+    def micro_batch(self, model: Any, *, last: bool) -> Any:
+        """Context for one micro-batch: gradient sync only where the ZeRO stage wants it."""
+        from meshtrain.plan.lower import micro_batch
+
+        return micro_batch(self, model, last=last)
+
     def explain(self) -> str:
         """A human-readable report: parameters, styles, units, memory, collectives, notes."""
         lines = [

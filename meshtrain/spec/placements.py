@@ -72,6 +72,16 @@ def to_placements(spec: P, mesh: Mesh, ndim: int) -> tuple[Placement, ...]:
     return tuple(placements.get(axis, Replicate()) for axis in device_axes)
 
 
+def is_sharded(placement: Placement) -> bool:
+    """True for ``Shard`` and ``_StridedShard`` (whose ``is_shard()`` answers False).
+
+    Example:
+        >>> is_sharded(_StridedShard(0, split_factor=2)), is_sharded(Replicate())
+        (True, False)
+    """
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 def from_placements(placements: Sequence[Placement], mesh: Mesh) -> P:
     """The spec that ``placements`` (over ``mesh.device_axes``) realise; the inverse of ``to_placements``.
 

@@ -1,0 +1,57 @@
+"""Gradient clipping by the global norm over every mesh axis (equal to the single-device norm).
+
+Each gradient is a DTensor on some mesh (TP weights on the (dp, tp) mesh, others on dp only) or
+a plain tensor. Squares are summed locally, grouped by (mesh, axes the gradient is sharded over),
+and each group is all-reduced only over its sharded axes: replicated copies are counted once.
+
+Example (on every rank, after backward)::
+
+    norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial
+
+from meshtrain.spec.placements import is_sharded
+
+
+def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """The L2 norm of all gradients, as one device would compute it (on every rank)."""
+    groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
+    plain = torch.zeros((), dtype=torch.float64)
+    for param in parameters:
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            if any(isinstance(p, Partial) for p in grad.placements):
+                raise ValueError("gradient is still a partial sum; reduce it before clipping")
+            sharded = tuple(i for i, p in enumerate(grad.placements) if is_sharded(p))
+            key = (grad.device_mesh, sharded)
+            local = grad.to_local().detach().double().pow(2).sum()
+            groups[key] = groups.get(key, torch.zeros((), dtype=torch.float64)) + local
+        else:
+            plain = plain + grad.detach().double().pow(2).sum()
+    total = plain
+    for (mesh, sharded), squares in groups.items():
+        for dim in sharded:
+            dist.all_reduce(squares, group=mesh.get_group(dim))  # type: ignore[attr-defined]
+        total = total + squares
+    return total.sqrt().float()
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm before."""
+    params = [p for p in parameters if p.grad is not None]
+    norm = global_grad_norm(params)
+    scale = min(1.0, max_norm / (norm.item() + 1e-6))
+    for param in params:
+        assert param.grad is not None
+        param.grad.mul_(scale)
+    return norm

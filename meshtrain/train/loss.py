@@ -1,0 +1,32 @@
+"""Loss normalisation by the global number of loss tokens.
+
+Divide the summed per-token loss of each micro-batch by the token count of the whole step
+(summed over data-parallel ranks and micro-batches). With data-parallel gradients summed (as
+``Plan.apply`` sets them), gradients then equal the single-device mean-loss gradients, whatever
+the dp degree, micro-batch count or uneven token counts.
+
+Example (on every rank)::
+
+    tokens = global_token_count(plan, [(targets != ignore).sum() for targets in micro_batches])
+    for targets in micro_batches:
+        (loss_sum(targets) / tokens).backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.plan.ir import Plan
+
+
+def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -> torch.Tensor:
+    """Loss tokens of one step over every micro-batch and every data-parallel rank."""
+    total = torch.tensor(float(sum(int(count) for count in local_counts)))
+    device_mesh = plan.mesh.device_mesh
+    if plan.data_axes and device_mesh is not None:
+        for axis in plan.data_axes:
+            dist.all_reduce(total, group=device_mesh.get_group(axis))
+    return total
