@@ -4,14 +4,12 @@ Run (the README's first command installs meshtrain and runs this)::
 
     torchrun --standalone --nproc_per_node 4 examples/quickstart.py
 
-What it shows: a named mesh, the model's logical-axis rules resolved to one spec per parameter
-(printed as a coverage table), tensor-parallel styles read off those specs (a Linear whose
-weight is ``P('tp', None)`` is column-wise, ``P(None, 'tp')`` row-wise, a vocab-sharded embedding
-row-wise), FSDP2 over the data axis, and a few AdamW steps whose loss rank 0 compares with the
-same model trained on one device from the same initial weights and data.
-
-Until the plan compiler lands, the lowering below is written out by hand with PyTorch's own
-``parallelize_module`` and ``fully_shard``.
+What it shows: a named mesh, the model's logical-axis rules compiled into a plan (printed with
+``explain()``: one spec per parameter, the tensor-parallel style each module lowers to, FSDP
+units, memory and collectives), ``plan.apply`` lowering it with PyTorch's own DTensor, tensor
+parallel and FSDP2, and a few AdamW steps — loss normalised by the global token count, gradients
+clipped by the global norm — whose loss rank 0 compares with the same model trained on one
+device from the same initial weights and data.
 """
 
 from __future__ import annotations
@@ -22,46 +20,15 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-
-
-def tensor_parallel_styles(model: nn.Module, specs: dict[str, mt.P]) -> dict[str, ParallelStyle]:
-    """Module FQN → parallel style, read off each weight's spec."""
-    styles: dict[str, ParallelStyle] = {}
-    for fqn, spec in specs.items():
-        module_fqn, _, name = fqn.rpartition(".")
-        module = model.get_submodule(module_fqn)
-        if spec.padded(2) == mt.P(None, None) or spec == mt.P():
-            continue
-        if isinstance(module, nn.Linear) and name == "weight":
-            if spec == mt.P("tp", None) or spec == mt.P("tp"):
-                # The output head keeps its logits vocab-sharded for the loss-parallel cross-entropy.
-                styles[module_fqn] = ColwiseParallel(use_local_output=module_fqn != "output")
-                continue
-            if spec == mt.P(None, "tp"):
-                styles[module_fqn] = RowwiseParallel()
-                continue
-        if isinstance(module, nn.Embedding) and spec in (mt.P("tp"), mt.P("tp", None)):
-            styles[module_fqn] = RowwiseParallel(input_layouts=Replicate())
-            continue
-        raise mt.PlanError(f"parameter '{fqn}' has {spec!r}, which this example cannot lower.")
-    return styles
+from meshtrain.train import clip_grad_norm_, global_token_count
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tp", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
@@ -69,27 +36,18 @@ def main() -> None:
     args = parser.parse_args()
 
     mesh = mt.make_mesh(dp=-1, tp=args.tp)  # reads the torchrun environment; gloo on CPU
-    rank, dp, dp_rank = dist.get_rank(), mesh.size("dp"), mesh.coordinates(dist.get_rank())["dp"]
+    rank = dist.get_rank()
+    dp, dp_rank = mesh.size("dp"), mesh.coordinates(rank)["dp"]
     config = LlamaConfig.debug()
 
     # Initialise once, on full tensors, from one seed: every rank and the reference start equal.
     model = build_llama(config, seed=0)
     reference = copy.deepcopy(model) if rank == 0 else None
 
-    resolution = default_rules(tp="tp", fsdp="dp").resolve(model, mesh)
+    plan = mt.plan(model, mesh, default_rules(tp="tp", fsdp="dp"), zero=3)
     if rank == 0:
-        print(resolution.report())
-
-    assert mesh.device_mesh is not None
-    if args.tp > 1:
-        parallelize_module(
-            model, mesh.device_mesh["tp"], tensor_parallel_styles(model, resolution.specs)
-        )
-    if dp > 1:
-        dp_mesh = mesh.device_mesh["dp"]
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(model, mesh=dp_mesh)
+        print(plan.explain())
+    plan.apply(model)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_optimizer = (
@@ -101,22 +59,23 @@ def main() -> None:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         local = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
 
-        # Equal tokens per dp rank: the local mean, averaged by FSDP's gradient reduction, is the
-        # mean over the global batch. Under loss_parallel the vocab-sharded logits are never gathered.
-        with loss_parallel():
+        # Summed token losses over the global token count: gradients equal one device's.
+        total_tokens = global_token_count(plan, [targets[local].numel()])
+        with plan.loss_parallel():  # vocab-sharded logits are never gathered
             logits = model(inputs[local])
-            loss = F.cross_entropy(logits.flatten(0, 1), targets[local].flatten())
+            loss = F.cross_entropy(logits.flatten(0, 1), targets[local].flatten(), reduction="sum")
+            loss = loss / total_tokens
             loss.backward()
-        loss = loss.full_tensor() if isinstance(loss, DTensor) else loss
+        clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
         optimizer.zero_grad()
 
-        global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss)
-        global_loss /= mesh.world_size  # every tp rank holds the same dp-local loss
+        global_loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        dist.all_reduce(global_loss, group=mesh.device_mesh.get_group("dp"))  # type: ignore[union-attr]
         if reference is not None and ref_optimizer is not None:
             ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
             ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=1.0)
             ref_optimizer.step()
             ref_optimizer.zero_grad()
             print(

@@ -38,7 +38,8 @@ def test_quickstart_trains_like_one_device() -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "# specs on mesh {dp: 2, tp: 2}" in proc.stdout
+    assert "plan on mesh {dp: 2, tp: 2}" in proc.stdout
+    assert "output: loss_parallel_head over 'tp'" in proc.stdout
     steps = [STEP.match(line) for line in proc.stdout.splitlines()]
     losses = [(float(m[2]), float(m[3])) for m in steps if m]
     assert len(losses) == 3, proc.stdout
