@@ -67,22 +67,22 @@ def test_tensor_parallel_divides_local_bytes_by_tp_for_sharded_params() -> None:
 
 def test_fsdp_collectives_per_step() -> None:
     plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), zero=3, microbatches=2)
-    kinds = {(c.kind, c.why.split(",")[0]): c.count for c in plan.collectives}
-    assert kinds[("all_gather", "parameters")] == 3 * 2
-    assert (
-        kinds[
-            (
-                "all_gather",
-                "parameters again in backward (non-root units are resharded after forward)",
-            )
-        ]
-        == 2 * 2
-    )
-    assert kinds[("reduce_scatter", "gradients")] == 3 * 2
+    counts = [(c.kind, c.axis, c.count) for c in plan.collectives]
+    assert counts[:3] == [
+        ("all_gather", "dp", 3 * 2),
+        ("all_gather", "dp", 2 * 2),
+        ("reduce_scatter", "dp", 3 * 2),
+    ]
+    # 2 blocks: forward all-reduce per row-wise module (2 each) + the vocab-parallel embedding;
+    # backward all-reduce per column-wise module (5 each) + the head; per micro-batch.
+    assert counts[3:] == [
+        ("all_reduce", "tp", (2 * 2 + 1) * 2),
+        ("all_reduce", "tp", (2 * 5 + 1) * 2),
+    ]
     zero1 = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), zero=1, microbatches=2)
-    assert [(c.kind, c.count) for c in zero1.collectives] == [
-        ("all_gather", 3),
-        ("reduce_scatter", 3),
+    assert [(c.kind, c.axis, c.count) for c in zero1.collectives][:2] == [
+        ("all_gather", "dp", 3),
+        ("reduce_scatter", "dp", 3),
     ]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from meshtrain.plan.cost import estimate_collectives, estimate_memory
+from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
 from meshtrain.plan.infer import (
     describe_uneven,
     infer_axes,
@@ -76,7 +76,10 @@ def plan(
         params=layouts,
         styles=styles,
         units=units,
-        collectives=estimate_collectives(layouts, units, active_data, options),
+        collectives=estimate_collectives(layouts, units, active_data, options)
+        + estimate_tp_collectives(
+            styles, tp_axis if tp_axis and mesh.size(tp_axis) > 1 else None, options
+        ),
         memory=estimate_memory(layouts, options),
         notes=tuple(notes),
     )

@@ -113,7 +113,8 @@ def _apply_data_parallel(plan: Plan, model: nn.Module) -> None:
             fully_shard(
                 module,
                 mesh=dp_mesh,
-                reshard_after_forward=options.zero == 3,
+                # The root's parameters are needed again first thing in backward: keep them.
+                reshard_after_forward=options.zero == 3 and unit.fqn != "",
                 mp_policy=mp_policy,
                 offload_policy=offload,
             )

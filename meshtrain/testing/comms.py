@@ -1,0 +1,74 @@
+"""Count the collectives a piece of code really issues, per kind and mesh axis.
+
+A ``TorchDispatchMode`` over the c10d and functional-collective ops (what FSDP2, tensor parallel
+and DTensor redistributions call), so tests can check a plan's predicted collectives against the
+real ones. ``CommDebugMode`` would be the obvious tool, but in torch 2.13 its module tracker raises
+``IndexError`` when FSDP2-wrapped modules run under it.
+
+Example (on every rank)::
+
+    with CollectiveCounter(mesh) as counter:
+        loss.backward()
+    counter.counts   # {("reduce_scatter", "dp"): 3, ...}
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtrain.spec.mesh import Mesh
+
+_KINDS = {
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "allgather_into_tensor_coalesced_": "all_gather",
+    "all_gather_into_tensor": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "allreduce_": "all_reduce",
+    "all_reduce": "all_reduce",
+    "all_reduce_coalesced": "all_reduce",
+    "broadcast_": "broadcast",
+    "broadcast": "broadcast",
+    "alltoall_base_": "all_to_all",
+    "all_to_all_single": "all_to_all",
+}
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts collectives by (kind, axis); the axis is found from the process group used."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        super().__init__()
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self._axis_by_group: dict[str, str] = {}
+        device_mesh = mesh.device_mesh
+        if device_mesh is not None:
+            for axis in mesh.device_axes:
+                self._axis_by_group[device_mesh.get_group(axis).group_name] = axis
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        namespace = func.namespace
+        name = func.overloadpacket.__name__
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _KINDS:
+            self.counts[(_KINDS[name], self._axis_of(args, kwargs or {}))] += 1
+        return func(*args, **(kwargs or {}))
+
+    def _axis_of(self, args: Any, kwargs: dict[str, Any]) -> str:
+        for value in (*args, *kwargs.values()):
+            group_name = value if isinstance(value, str) else None
+            if isinstance(value, torch.ScriptObject):
+                try:  # c10d ops carry the process group boxed as a ScriptObject
+                    group_name = torch.distributed.ProcessGroup.unbox(value).group_name
+                except RuntimeError:
+                    continue  # another boxed argument, e.g. the reduce op
+            if group_name in self._axis_by_group:
+                return self._axis_by_group[group_name]
+        return "?"

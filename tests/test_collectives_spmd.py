@@ -1,0 +1,79 @@
+"""The collectives a training step really issues equal those the plan predicts (kind, axis, count)."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import meshtrain as mt
+from meshtrain import P, Rules
+from meshtrain.models import LlamaConfig, build_llama, default_rules
+from meshtrain.testing.comms import CollectiveCounter
+from meshtrain.testing.runner import get_pool
+
+pytestmark = pytest.mark.spmd
+
+
+@functools.cache
+def _mesh(axes: tuple[tuple[str, int], ...]) -> mt.Mesh:
+    return mt.make_mesh(dict(axes))
+
+
+def measure(
+    axes: tuple[tuple[str, int], ...], tp: bool, zero: int, micro: int, loss_parallel: bool
+) -> tuple[dict, dict]:
+    """Runs on every rank: one warm-up step, then one counted step of ``micro`` micro-batches."""
+    mesh = _mesh(axes)
+    model = build_llama(LlamaConfig.debug(), seed=0)
+    data = tuple(name for name, _ in axes if name in ("rep", "dp"))
+    rules = (
+        Rules(logical=default_rules().logical, fsdp=data) if tp else Rules({r".*": P()}, fsdp=data)
+    )
+    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel)
+    plan.apply(model)
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        for i in range(micro):
+            with plan.micro_batch(model, last=i == micro - 1), plan.loss_parallel():
+                logits = model(tokens[:, :-1])
+                F.cross_entropy(
+                    logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum"
+                ).backward()
+
+    step()  # lazy initialisation issues its own collectives
+    model.zero_grad()
+    counter = CollectiveCounter(mesh)
+    with counter:
+        step()
+    predicted: Counter[tuple[str, str]] = Counter()
+    for collective in plan.collectives:
+        predicted[(collective.kind, collective.axis)] += collective.count
+    return dict(counter.counts), dict(predicted)
+
+
+CASES = {
+    "ddp": ((("dp", 2),), False, 0, 2, True),
+    "zero1": ((("dp", 2),), False, 1, 2, True),
+    "zero2": ((("dp", 2),), False, 2, 2, True),
+    "zero3": ((("dp", 2),), False, 3, 2, True),
+    "hsdp": ((("rep", 2), ("dp", 2)), False, 3, 1, True),
+    "tp": ((("tp", 2),), True, 3, 2, True),
+    "tp-gathered-head": ((("tp", 2),), True, 3, 1, False),
+    "fsdp-tp": ((("dp", 2), ("tp", 2)), True, 3, 2, True),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
+    axes, tp, zero, micro, loss_parallel = CASES[name]
+    world = 1
+    for _, size in axes:
+        world *= size
+    results = get_pool(world).run(measure, axes, tp, zero, micro, loss_parallel)
+    for measured, predicted in results:
+        assert measured == predicted
