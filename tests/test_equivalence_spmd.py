@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from toy_models import TiedMLP
 
 import meshtrain as mt
 from meshtrain import P, Rules
@@ -58,25 +59,6 @@ class Case:
 @functools.cache
 def _mesh(axes: tuple[tuple[str, int], ...]) -> mt.Mesh:
     return mt.make_mesh(dict(axes))
-
-
-class TiedMLP(nn.Module):
-    """Not ours: embedding, two MLP blocks with biases, head tied to the embedding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)
-        )
-        self.head = nn.Linear(16, 32, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
 
 
 def _build(case: Case) -> tuple[nn.Module, Rules, int]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
+from toy_models import TiedMLP
 
 import meshtrain as mt
 from meshtrain import P, PlanError, Rules
@@ -180,22 +180,9 @@ def test_bad_plans_are_plan_errors_that_name_the_culprit(
         mt.plan(MODEL, mesh(**axes), rules, **kwargs)
 
 
-class MLPWithBiases(nn.Module):
-    """Not ours: a plain MLP with biases and a tied embedding / output head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(32, 16)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)
-        )
-        self.head = nn.Linear(16, 32, bias=False)
-        self.head.weight = self.embed.weight
-
-
 def test_a_model_that_is_not_ours() -> None:
     with torch.device("meta"):
-        model = MLPWithBiases()
+        model = TiedMLP()
     rules = Rules(
         {
             r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
