@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import attention_rowwise_only_rules, mesh_for
 
 import meshtrain as mt
 from meshtrain import P, Rules
@@ -18,21 +18,18 @@ from meshtrain.testing.runner import get_pool
 pytestmark = pytest.mark.spmd
 
 
-@functools.cache
-def _mesh(axes: tuple[tuple[str, int], ...]) -> mt.Mesh:
-    return mt.make_mesh(dict(axes))
-
-
 def measure(
-    axes: tuple[tuple[str, int], ...], tp: bool, zero: int, micro: int, loss_parallel: bool
+    axes: tuple[tuple[str, int], ...], rules_kind: str, zero: int, micro: int, loss_parallel: bool
 ) -> tuple[dict, dict]:
     """Runs on every rank: one warm-up step, then one counted step of ``micro`` micro-batches."""
-    mesh = _mesh(axes)
+    mesh = mesh_for(axes)
     model = build_llama(LlamaConfig.debug(), seed=0)
     data = tuple(name for name, _ in axes if name in ("rep", "dp"))
-    rules = (
-        Rules(logical=default_rules().logical, fsdp=data) if tp else Rules({r".*": P()}, fsdp=data)
-    )
+    rules = {
+        "tp": Rules(logical=default_rules().logical, fsdp=data),
+        "replicated": Rules({r".*": P()}, fsdp=data),
+        "rowwise-only-attention": attention_rowwise_only_rules(data),
+    }[rules_kind]
     plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel)
     plan.apply(model)
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
@@ -57,23 +54,24 @@ def measure(
 
 
 CASES = {
-    "ddp": ((("dp", 2),), False, 0, 2, True),
-    "zero1": ((("dp", 2),), False, 1, 2, True),
-    "zero2": ((("dp", 2),), False, 2, 2, True),
-    "zero3": ((("dp", 2),), False, 3, 2, True),
-    "hsdp": ((("rep", 2), ("dp", 2)), False, 3, 1, True),
-    "tp": ((("tp", 2),), True, 3, 2, True),
-    "tp-gathered-head": ((("tp", 2),), True, 3, 1, False),
-    "fsdp-tp": ((("dp", 2), ("tp", 2)), True, 3, 2, True),
+    "ddp": ((("dp", 2),), "replicated", 0, 2, True),
+    "zero1": ((("dp", 2),), "replicated", 1, 2, True),
+    "zero2": ((("dp", 2),), "replicated", 2, 2, True),
+    "zero3": ((("dp", 2),), "replicated", 3, 2, True),
+    "hsdp": ((("rep", 2), ("dp", 2)), "replicated", 3, 1, True),
+    "tp": ((("tp", 2),), "tp", 3, 2, True),
+    "tp-gathered-head": ((("tp", 2),), "tp", 3, 1, False),
+    "fsdp-tp": ((("dp", 2), ("tp", 2)), "tp", 3, 2, True),
+    "tp-unpaired-rowwise": ((("tp", 2),), "rowwise-only-attention", 3, 1, True),
 }
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
-    axes, tp, zero, micro, loss_parallel = CASES[name]
+    axes, rules_kind, zero, micro, loss_parallel = CASES[name]
     world = 1
     for _, size in axes:
         world *= size
-    results = get_pool(world).run(measure, axes, tp, zero, micro, loss_parallel)
+    results = get_pool(world).run(measure, axes, rules_kind, zero, micro, loss_parallel)
     for measured, predicted in results:
         assert measured == predicted

@@ -3,10 +3,9 @@ tensor rebuilt by DTensor equals the original (a wrong shard order would silentl
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
+from helpers import mesh_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,17 +18,11 @@ from meshtrain.testing.strategies import meshes, sharded_shapes
 pytestmark = pytest.mark.spmd
 
 
-@functools.cache
-def _mesh(names: tuple[str, ...], sizes: tuple[int, ...]) -> Mesh:
-    # One DeviceMesh per layout per rank process: building one creates process groups.
-    return make_mesh(dict(zip(names, sizes)))
-
-
 def check_distribution(
     names: tuple[str, ...], sizes: tuple[int, ...], shape: tuple[int, ...], spec: P
 ) -> dict[str, object]:
     """Runs on every rank: distribute a full tensor, compare with the reference shard and rebuild it."""
-    mesh = _mesh(names, sizes)
+    mesh = mesh_for(tuple(zip(names, sizes)))
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
     dtensor = distribute(full, mesh, spec)
     expected_local = full[shard_slices(spec, shape, mesh, torch.distributed.get_rank())]

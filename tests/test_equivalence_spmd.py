@@ -13,16 +13,15 @@ near-zero gradient can flip its sign — an lr-sized difference, never more.
 from __future__ import annotations
 
 import copy
-import functools
 from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import TiedMLP, attention_rowwise_only_rules, mesh_for
 from torch import nn
 from torch.distributed.tensor import DTensor
-from toy_models import TiedMLP
 
 import meshtrain as mt
 from meshtrain import P, Rules
@@ -56,11 +55,6 @@ class Case:
         return size
 
 
-@functools.cache
-def _mesh(axes: tuple[tuple[str, int], ...]) -> mt.Mesh:
-    return mt.make_mesh(dict(axes))
-
-
 def _build(case: Case) -> tuple[nn.Module, Rules, int]:
     if case.model == "mlp":
         torch.manual_seed(0)
@@ -79,6 +73,8 @@ def _build(case: Case) -> tuple[nn.Module, Rules, int]:
         return model, Rules(logical=default_rules().logical, fsdp=data), 256
     if case.rules == "replicated":
         return model, Rules({r".*": P()}, fsdp=data), 256
+    if case.rules == "rowwise-only-attention":
+        return model, attention_rowwise_only_rules(data), 256
     raise ValueError(case.rules)
 
 
@@ -98,7 +94,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def train_both(case: Case) -> dict[str, float]:
     """Runs on every rank: the plan and a one-device reference, same weights, data and optimizer."""
-    mesh = _mesh(case.axes)
+    mesh = mesh_for(case.axes)
     model, rules, vocab = _build(case)
     reference = copy.deepcopy(model)
     plan = mt.plan(
@@ -200,6 +196,7 @@ CASES = {
     "mlp-fsdp-tp": Case((("dp", 2), ("tp", 2)), "mlp", model="mlp"),
     "hsdp-tp": Case((("rep", 2), ("dp", 2), ("tp", 2)), "tp"),
     "fsdp4-tp2-adamw": Case((("dp", 4), ("tp", 2)), "tp", optimizer="adamw", microbatches=1),
+    "fsdp-tp-unpaired-rowwise": Case((("dp", 2), ("tp", 2)), "rowwise-only-attention"),
 }
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import TiedMLP
 from hypothesis import given
 from hypothesis import strategies as st
-from toy_models import TiedMLP
 
 import meshtrain as mt
 from meshtrain import P, PlanError, Rules

@@ -77,9 +77,7 @@ def plan(
         styles=styles,
         units=units,
         collectives=estimate_collectives(layouts, units, active_data, options)
-        + estimate_tp_collectives(
-            styles, tp_axis if tp_axis and mesh.size(tp_axis) > 1 else None, options
-        ),
+        + estimate_tp_collectives(styles, tp_axis, options),
         memory=estimate_memory(layouts, options),
         notes=tuple(notes),
     )

@@ -29,10 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout
 from meshtrain.plan.options import PlanOptions
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def estimate_memory(layouts: Sequence[ParamLayout], options: PlanOptions) -> Memory:
@@ -58,8 +58,8 @@ def estimate_collectives(
         return ()
     by_fqn = {p.fqn: p for p in layouts}
     unit_numel = [sum(by_fqn[fqn].local_numel for fqn in unit.params) for unit in units]
-    param_bytes = _DTYPE_BYTES[options.param_dtype]
-    reduce_bytes = _DTYPE_BYTES[options.reduce_dtype]
+    param_bytes = getattr(torch, options.param_dtype).itemsize
+    reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
     micro = options.microbatches
     syncs = micro if options.zero >= 2 else 1
     n_units = len(units)
@@ -137,13 +137,13 @@ def estimate_tp_collectives(
         return ()
     micro = options.microbatches
     kinds = [style.style for style in styles]
-    sliced_rowwise = sum(
-        1 for s in styles if s.style == "rowwise" and s.note.startswith("no column-wise")
-    )
+    sliced_rowwise = kinds.count("rowwise_replicated_input")
     rows = [
         (
             "all_reduce",
-            kinds.count("rowwise") + kinds.count("vocab_parallel_embedding"),
+            kinds.count("rowwise")
+            + kinds.count("rowwise_replicated_input")
+            + kinds.count("vocab_parallel_embedding"),
             "forward: partial sums of row-wise outputs",
         ),
         (

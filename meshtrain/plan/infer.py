@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -105,7 +106,7 @@ def infer_styles(
         if not any(tp_axis in spec.axes for spec in own.values()):
             continue
         raw[fqn] = _style_of(fqn, module, own, tp_axis)
-    return _resolve_pairs(model, raw, loss_parallel)
+    return _resolve_pairs(raw, loss_parallel)
 
 
 def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> ModuleStyle:
@@ -147,48 +148,44 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
     )
 
 
-def _resolve_pairs(
-    model: nn.Module, raw: dict[str, ModuleStyle], loss_parallel: bool
-) -> tuple[ModuleStyle, ...]:
-    """Colwise modules feeding a rowwise sibling keep local outputs; the rest are gathered, or the
-    last one (the output head) keeps vocab-sharded logits for the loss-parallel cross-entropy."""
-    parents_with_rowwise = {
-        fqn.rpartition(".")[0] for fqn, s in raw.items() if s.style == "rowwise"
+def _resolve_pairs(raw: dict[str, ModuleStyle], loss_parallel: bool) -> tuple[ModuleStyle, ...]:
+    """Pair column- and row-wise modules under the same parent (attention, MLP).
+
+    A paired column-wise module hands its local output to the row-wise one. An unpaired one has
+    its output all-gathered, except the last (the output head) under ``loss_parallel``, which keeps
+    vocab-sharded logits. An unpaired row-wise module takes a replicated input and slices it.
+    """
+
+    def parent(fqn: str) -> str:
+        return fqn.rpartition(".")[0]
+
+    parents = {
+        kind: {parent(f) for f, s in raw.items() if s.style == kind}
+        for kind in ("colwise", "rowwise")
     }
     unpaired = [
-        fqn
-        for fqn, s in raw.items()
-        if s.style == "colwise" and fqn.rpartition(".")[0] not in parents_with_rowwise
+        f for f, s in raw.items() if s.style == "colwise" and parent(f) not in parents["rowwise"]
     ]
     head = unpaired[-1] if unpaired and loss_parallel else None
     styles = []
     for fqn, style in raw.items():
         if fqn == head:
-            style = ModuleStyle(
-                fqn,
-                style.module_type,
-                "loss_parallel_head",
-                style.axis,
-                "logits stay vocab-sharded; compute the loss under plan.loss_parallel()",
+            style = replace(
+                style,
+                style="loss_parallel_head",
+                note="logits stay vocab-sharded; compute the loss under plan.loss_parallel()",
             )
         elif fqn in unpaired:
-            style = ModuleStyle(
-                fqn,
-                style.module_type,
-                "colwise_gathered",
-                style.axis,
-                "no row-wise consumer: output all-gathered (extra collective)",
+            style = replace(
+                style,
+                style="colwise_gathered",
+                note="no row-wise consumer: output all-gathered (extra collective)",
             )
-        elif style.style == "rowwise" and not any(
-            other.startswith(fqn.rpartition(".")[0] + ".") and s.style == "colwise"
-            for other, s in raw.items()
-        ):
-            style = ModuleStyle(
-                fqn,
-                style.module_type,
-                "rowwise",
-                style.axis,
-                "no column-wise producer: replicated input sliced locally",
+        elif style.style == "rowwise" and parent(fqn) not in parents["colwise"]:
+            style = replace(
+                style,
+                style="rowwise_replicated_input",
+                note="no column-wise producer: replicated input sliced locally",
             )
         styles.append(style)
     return tuple(styles)

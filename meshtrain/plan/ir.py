@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,11 +43,11 @@ class ParamLayout:
 
     @property
     def local_numel(self) -> int:
-        return _numel(self.local_shape)
+        return math.prod(self.local_shape)
 
     @property
     def shard_numel(self) -> int:
-        return _numel(self.shard_shape)
+        return math.prod(self.shard_shape)
 
 
 @dataclass(frozen=True)
@@ -230,10 +231,3 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "memory": vars(plan.memory),
         "notes": list(plan.notes),
     }
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    result = 1
-    for size in shape:
-        result *= size
-    return result

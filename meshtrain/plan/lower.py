@@ -42,8 +42,6 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.errors import PlanError, format_shape
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def apply(plan: Plan, model: nn.Module) -> nn.Module:
     """Parallelise ``model`` in place as ``plan`` says and return it.
@@ -58,7 +56,7 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             f"cannot apply a plan on the abstract mesh {plan.mesh}: build the mesh with "
             "mt.make_mesh(...) under the launcher (without abstract=True), then plan again."
         )
-    if plan.tp_axis is not None and plan.mesh.size(plan.tp_axis) > 1:
+    if plan.tp_axis is not None:  # only set when its size is > 1
         parallelize_module(model, device_mesh[plan.tp_axis], _tp_styles(plan))
     if plan.data_axes:
         _apply_data_parallel(plan, model)
@@ -72,6 +70,8 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
             styles[style.fqn] = ColwiseParallel()
         elif style.style == "rowwise":
             styles[style.fqn] = RowwiseParallel()
+        elif style.style == "rowwise_replicated_input":
+            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate())
         elif style.style == "colwise_gathered":
             styles[style.fqn] = ColwiseParallel(output_layouts=Replicate())
         elif style.style == "loss_parallel_head":
@@ -94,7 +94,8 @@ def _apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     dp_mesh = plan.mesh.device_mesh[plan.data_axes]
     options = plan.options
     mp_policy = MixedPrecisionPolicy(
-        param_dtype=_DTYPES[options.param_dtype], reduce_dtype=_DTYPES[options.reduce_dtype]
+        param_dtype=getattr(torch, options.param_dtype),
+        reduce_dtype=getattr(torch, options.reduce_dtype),
     )
     offload: OffloadPolicy = (
         CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
@@ -143,11 +144,7 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
 
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
     """``loss_parallel()`` when the plan keeps the head's logits vocab-sharded, else a no-op."""
-    if (
-        any(style.style == "loss_parallel_head" for style in plan.styles)
-        and plan.tp_axis
-        and plan.mesh.size(plan.tp_axis) > 1
-    ):
+    if any(style.style == "loss_parallel_head" for style in plan.styles):
         return loss_parallel()
     return contextlib.nullcontext()
 

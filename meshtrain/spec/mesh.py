@@ -50,7 +50,7 @@ class Mesh:
     device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        _check_axes(dict(zip(self.axis_names, self.axis_sizes)), self.axis_names, self.axis_sizes)
+        _check_axes(self.axis_names, self.axis_sizes)
         for name, size in zip(self.axis_names, self.axis_sizes):
             if size < 1:
                 raise MeshError(
@@ -164,23 +164,23 @@ def _merge_axes(axes: Mapping[str, int] | None, axis_sizes: Mapping[str, int]) -
             merged[name] = size
     if not merged:
         raise MeshError("make_mesh needs at least one axis, e.g. make_mesh(dp=-1).")
-    _check_axes(merged, tuple(merged), tuple(merged.values()))
+    _check_axes(tuple(merged), tuple(merged.values()))
     return merged
 
 
-def _check_axes(shape: Mapping[str, int], names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
+def _check_axes(names: tuple[str, ...], sizes: tuple[int, ...]) -> None:
     if len(names) != len(sizes) or len(set(names)) != len(names):
         raise MeshError(
             f"mesh axes {names} and sizes {sizes} must pair up one to one with unique names."
         )
-    for name, size in shape.items():
+    for name, size in zip(names, sizes):
         if not isinstance(name, str) or not _AXIS_NAME.fullmatch(name):
             raise MeshError(
                 f"mesh axis name {name!r} is not an identifier; use names like 'dp', 'tp', 'pp'."
             )
         if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != -1):
             raise MeshError(
-                f"mesh axis '{name}' has size {size!r} in {dict(shape)}: sizes are positive integers, "
+                f"mesh axis '{name}' has size {size!r} in {_format_axes(names, sizes)}: sizes are positive integers, "
                 "or -1 for the one axis that takes the remaining ranks."
             )
 

@@ -1,0 +1,50 @@
+"""Shared test helpers: a model that is not meshtrain's, cached meshes for rank tasks, rule sets."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from meshtrain import Mesh, P, Rules, make_mesh
+
+
+class TiedMLP(nn.Module):
+    """Embedding, two residual MLP blocks with biases, and an output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(2)
+        )
+        self.head = nn.Linear(16, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+@functools.cache
+def mesh_for(axes: tuple[tuple[str, int], ...]) -> Mesh:
+    """One mesh per layout per rank process (building a DeviceMesh creates process groups)."""
+    return make_mesh(dict(axes))
+
+
+def attention_rowwise_only_rules(data_axes: tuple[str, ...]) -> Rules:
+    """Llama rules with replicated q/k/v and a row-wise attention output: an unpaired row-wise
+    Linear that takes a replicated input and slices it locally."""
+    return Rules(
+        {
+            r".*attention\.w[qkv]\.weight": P(),
+            r".*attention\.wo\.weight": P(None, "tp"),
+            r".*feed_forward\.w[13]\.weight": P("tp", None),
+            r".*feed_forward\.w2\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp=data_axes,
+    )
