@@ -27,6 +27,7 @@ def measure(
     data = tuple(name for name, _ in axes if name in ("rep", "dp"))
     rules = {
         "tp": Rules(logical=default_rules().logical, fsdp=data),
+        "tp-sp": Rules(logical=default_rules(sequence_parallel=True).logical, fsdp=data),
         "replicated": Rules({r".*": P()}, fsdp=data),
         "rowwise-only-attention": attention_rowwise_only_rules(data),
     }[rules_kind]
@@ -63,6 +64,10 @@ CASES = {
     "tp-gathered-head": ((("tp", 2),), "tp", 3, 1, False),
     "fsdp-tp": ((("dp", 2), ("tp", 2)), "tp", 3, 2, True),
     "tp-unpaired-rowwise": ((("tp", 2),), "rowwise-only-attention", 3, 1, True),
+    "tp-sp": ((("tp", 2),), "tp-sp", 3, 2, True),
+    "tp-sp-gathered-head": ((("tp", 2),), "tp-sp", 3, 1, False),
+    "fsdp-tp-sp-zero3": ((("dp", 2), ("tp", 2)), "tp-sp", 3, 2, True),
+    "fsdp-tp-sp-zero1": ((("dp", 2), ("tp", 2)), "tp-sp", 1, 2, True),
 }
 
 

@@ -71,6 +71,8 @@ def _build(case: Case) -> tuple[nn.Module, Rules, int]:
     data = tuple(name for name, _ in case.axes if name in ("rep", "dp"))
     if case.rules == "tp":
         return model, Rules(logical=default_rules().logical, fsdp=data), 256
+    if case.rules == "tp-sp":
+        return model, Rules(logical=default_rules(sequence_parallel=True).logical, fsdp=data), 256
     if case.rules == "replicated":
         return model, Rules({r".*": P()}, fsdp=data), 256
     if case.rules == "rowwise-only-attention":
@@ -197,6 +199,11 @@ CASES = {
     "hsdp-tp": Case((("rep", 2), ("dp", 2), ("tp", 2)), "tp"),
     "fsdp4-tp2-adamw": Case((("dp", 4), ("tp", 2)), "tp", optimizer="adamw", microbatches=1),
     "fsdp-tp-unpaired-rowwise": Case((("dp", 2), ("tp", 2)), "rowwise-only-attention"),
+    "tp-sp": Case((("tp", 2),), "tp-sp"),
+    "tp-sp-adamw": Case((("tp", 2),), "tp-sp", optimizer="adamw"),
+    "fsdp-tp-sp": Case((("dp", 2), ("tp", 2)), "tp-sp"),
+    "zero1-tp-sp-adamw": Case((("dp", 2), ("tp", 2)), "tp-sp", zero=1, optimizer="adamw"),
+    "hsdp-tp-sp": Case((("rep", 2), ("dp", 2), ("tp", 2)), "tp-sp"),
 }
 
 

@@ -60,9 +60,16 @@ def test_memory_matches_the_zero_stage_formulas(zero: int) -> None:
 
 
 def test_tensor_parallel_divides_local_bytes_by_tp_for_sharded_params() -> None:
-    plan = mt.plan(MODEL, mesh(dp=1, tp=4), Rules(logical=default_rules().logical, fsdp="dp"))
+    model = build_llama(LlamaConfig.preset("debug", n_heads=8, n_kv_heads=4), device="meta")
+    plan = mt.plan(model, mesh(dp=1, tp=4), Rules(logical=default_rules().logical, fsdp="dp"))
     for p in plan.params:
         assert p.local_numel * (4 if p.spec.axes else 1) == torch.Size(p.shape).numel()
+
+
+def test_heads_must_split_whole_over_the_tensor_parallel_axis() -> None:
+    # debug: 4 query heads and 2 key/value heads of 16; tp=4 would leave half a kv head per rank.
+    with pytest.raises(PlanError, match=r"'layers.0.attention.wk' projects 2 heads of size 16"):
+        mt.plan(MODEL, mesh(dp=1, tp=4), default_rules())
 
 
 def test_fsdp_collectives_per_step() -> None:
@@ -74,10 +81,12 @@ def test_fsdp_collectives_per_step() -> None:
         ("reduce_scatter", "dp", 3 * 2),
     ]
     # 2 blocks: forward all-reduce per row-wise module (2 each) + the vocab-parallel embedding;
-    # backward all-reduce per column-wise module (5 each) + the head; per micro-batch.
-    assert counts[3:] == [
-        ("all_reduce", "tp", (2 * 2 + 1) * 2),
-        ("all_reduce", "tp", (2 * 5 + 1) * 2),
+    # backward all-reduce per pair parent (attention, feed-forward) + the head; per micro-batch.
+    tp = [(c.kind, c.count, c.why.split(":")[0]) for c in plan.collectives if c.axis == "tp"]
+    assert sorted(tp) == [
+        ("all_reduce", 1 * 2, "forward"),
+        ("all_reduce", 2 * 2 * 2, "forward"),
+        ("all_reduce", (2 * 2 + 1) * 2, "backward"),
     ]
     zero1 = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules(), zero=1, microbatches=2)
     assert [(c.kind, c.axis, c.count) for c in zero1.collectives][:2] == [
@@ -193,6 +202,8 @@ def test_a_model_that_is_not_ours() -> None:
     )
     plan = mt.plan(model, mesh(dp=2, tp=2), rules)
     assert {s.fqn: s.style for s in plan.styles} == {
+        "blocks.0": "prepare_input",
+        "blocks.1": "prepare_input",
         "blocks.0.0": "colwise",
         "blocks.0.2": "rowwise",
         "blocks.1.0": "colwise",
@@ -229,3 +240,107 @@ def test_any_mix_of_column_row_and_replicated_linears_plans(
         return
     assert Plan.from_json(plan.to_json()) == plan
     assert plan.memory.total > 0
+
+
+SP_RULES = default_rules(sequence_parallel=True)
+
+
+def test_sequence_parallelism_comes_from_the_seq_activation_rule() -> None:
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), SP_RULES, batch_size=2, seq_len=8)
+    assert plan.sequence_parallel
+    styles = {s.fqn: s.style for s in plan.styles}
+    assert styles["layers.0.attention_norm"] == styles["norm"] == "sequence_parallel"
+    assert styles["layers.0.attention"] == styles["layers.1.feed_forward"] == "prepare_input"
+    assert styles["layers.0.attention.wo"] == "rowwise"
+    assert "reduce-scattered to sequence shards" in next(
+        s.note for s in plan.styles if s.fqn == "layers.0.attention.wo"
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+    assert "with sequence parallelism" in plan.explain()
+    # Without the activation rule the same parameter rules give plain tensor parallelism.
+    assert not mt.plan(MODEL, mesh(dp=2, tp=2), default_rules()).sequence_parallel
+
+
+def test_sequence_parallel_collectives_and_their_payloads() -> None:
+    batch, seq, dim, ffn, vocab = 2, 8, 64, 192, 256
+    plan = mt.plan(MODEL, mesh(dp=1, tp=2), SP_RULES, microbatches=3, batch_size=batch, seq_len=seq)
+    rows: dict[tuple[str, str], tuple[int, int]] = {}
+    for c in plan.collectives:
+        count, size = rows.get((c.kind, c.why.split(":")[0]), (0, 0))
+        rows[(c.kind, c.why.split(":")[0])] = (count + c.count, size + c.bytes)
+    act = batch * seq * 4  # bytes per feature of one fp32 activation
+    # Per micro-batch: reduce-scatter of 2 row-wise outputs per block (width dim) + embedding;
+    # all-gather of each pair parent's input (dim) + the head's input (dim), and the mirror
+    # images in backward; norm weights' partial gradients once per step (no data axis).
+    assert rows[("reduce_scatter", "forward")] == (3 * 5, 3 * 5 * dim * act)
+    assert rows[("all_gather", "forward")] == (3 * 5, 3 * 5 * dim * act)
+    assert rows[("reduce_scatter", "backward")] == (3 * 5, 3 * 5 * dim * act)
+    assert rows[("all_gather", "backward")][0] == 3 * 5
+    assert rows[("all_reduce", "norm weights' partial gradients, once per gradient sync")] == (
+        5,
+        5 * dim * 4,
+    )
+    gathered = mt.plan(
+        MODEL, mesh(dp=1, tp=2), SP_RULES, loss_parallel=False, batch_size=1, seq_len=4
+    )
+    forward_gathers = [
+        c for c in gathered.collectives if c.kind == "all_gather" and "forward" in c.why
+    ]
+    assert sum(c.count for c in forward_gathers) == 5 + 1  # + the gathered logits
+    assert sum(c.bytes for c in forward_gathers) == 4 * 4 * (5 * dim + vocab)
+    assert ffn  # the feed-forward's inner width never crosses ranks
+
+
+def test_activation_collectives_are_unsized_without_a_batch_shape() -> None:
+    plan = mt.plan(MODEL, mesh(tp=2), default_rules(fsdp=None))
+    tp_rows = [c for c in plan.collectives if c.axis == "tp"]
+    assert tp_rows and all(c.bytes == 0 and "give batch_size and seq_len" in c.why for c in tp_rows)
+
+
+@pytest.mark.parametrize(
+    ("rules", "kwargs", "message"),
+    [
+        (
+            SP_RULES,
+            {"seq_len": 9},
+            r"seq_len=9 does not divide over tensor-parallel axis 'tp' of size 2",
+        ),
+        (
+            Rules(logical=(*default_rules().logical, ("seq", "dp")), fsdp="dp"),
+            {},
+            r"maps the sequence dim to \['dp'\] .* context parallelism",
+        ),
+        (
+            Rules(
+                {
+                    r".*attention\.w[qkv]\.weight": P(),
+                    r".*attention\.wo\.weight": P(None, "tp"),
+                    r".*": P(),
+                },
+                logical=(("seq", "tp"),),
+                fsdp="dp",
+            ),
+            {},
+            r"'layers.0.attention.wo' .* 'rowwise_replicated_input', which has no sequence-parallel form",
+        ),
+        ({**{}}, {"batch_size": 0}, r"batch_size=0 must be a positive integer"),
+    ],
+)
+def test_bad_sequence_parallel_plans(rules: object, kwargs: dict, message: str) -> None:
+    rules = rules if isinstance(rules, Rules) else SP_RULES
+    with pytest.raises(PlanError, match=message):
+        mt.plan(MODEL, mesh(dp=2, tp=2), rules, **kwargs)
+
+
+def test_sequence_parallelism_needs_an_input_embedding() -> None:
+    with torch.device("meta"):
+        model = torch.nn.Sequential(
+            torch.nn.LayerNorm(8),
+            torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)),
+        )
+    rules = Rules(
+        {r"1\.0\.weight|1\.0\.bias": P("tp"), r"1\.1\.weight": P(None, "tp"), r".*": P()},
+        logical=(("seq", "tp"),),
+    )
+    with pytest.raises(PlanError, match=r"needs the model to start from an nn.Embedding"):
+        mt.plan(model, mesh(tp=2), rules)

@@ -329,7 +329,7 @@ class Llama(_Initialised):
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = h.shape[1]
+        seq = tokens.shape[1]  # not h's: under sequence parallelism h holds a sequence shard
         if seq > self.config.max_seq_len:
             raise PlanError(
                 f"sequence length {seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}; "
@@ -408,15 +408,23 @@ def build_llama(config: LlamaConfig, *, seed: int = 0, device: str | torch.devic
     return model
 
 
-def default_rules(tp: str | None = "tp", fsdp: str | None = "dp") -> Rules:
+def default_rules(
+    tp: str | None = "tp", fsdp: str | None = "dp", *, sequence_parallel: bool = False
+) -> Rules:
     """Logical-axis rules for FSDP over ``fsdp`` plus tensor parallel over ``tp`` (``None``: no TP).
 
+    ``sequence_parallel`` adds the activation rule ``("seq", tp)``: norms then run on sequence
+    shards between the tensor-parallel attention and feed-forward blocks.
+
     Example:
-        >>> rules = default_rules(tp="model", fsdp="data")
+        >>> default_rules(tp="model", fsdp="data", sequence_parallel=True).logical[-1]
+        ('seq', 'model')
     """
     from meshtrain.spec.rules import Rules
 
     logical = tuple((name, tp if axis == "tp" else axis) for name, axis in LOGICAL_RULES)
+    if sequence_parallel:
+        logical += (("seq", tp),)
     return Rules(logical=logical, fsdp=fsdp)
 
 

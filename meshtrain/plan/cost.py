@@ -120,50 +120,131 @@ def estimate_collectives(
     return tuple(result)
 
 
-_COLWISE = ("colwise", "colwise_gathered", "loss_parallel_head")
+_HEADS = ("colwise_gathered", "loss_parallel_head")
 
 
 def estimate_tp_collectives(
-    styles: Sequence[ModuleStyle], tp_axis: str | None, options: PlanOptions
+    styles: Sequence[ModuleStyle],
+    layouts: Sequence[ParamLayout],
+    tp_axis: str | None,
+    options: PlanOptions,
+    *,
+    sequence_parallel: bool = False,
+    data_parallel: bool = False,
 ) -> tuple[Collective, ...]:
-    """Tensor-parallel collectives per optimizer step (counts; payloads are activation-sized).
+    """Tensor-parallel collectives per optimizer step, with payloads when the batch is known.
 
-    Forward: one all-reduce per row-wise module and vocab-parallel embedding (partial sums), one
-    all-gather per gathered output. Backward: one all-reduce per column-wise module (the input
-    gradient is a partial sum), one all-gather per row-wise module whose input was sliced locally.
-    The loss-parallel cross-entropy adds none. Measured against real steps in the tests.
+    Per micro-batch, without sequence parallelism: forward, one all-reduce per row-wise module
+    and vocab-parallel embedding (partial sums) and one all-gather per gathered output; backward,
+    one all-reduce per pair parent (its column-wise children share one replicated input) and per
+    unpaired column-wise module, one all-gather per row-wise module whose input was sliced locally.
+    With sequence parallelism the all-reduces become reduce-scatters to sequence shards, each pair
+    parent and the head all-gather their input in forward (reduce-scatter in backward), and the
+    replicated norm weights' partial gradients are all-reduced once per gradient sync. The
+    loss-parallel cross-entropy adds none. Payload: the full activation each collective handles,
+    ``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
+    ``batch_size`` and ``seq_len``). Measured against real steps in the tests.
     """
     if tp_axis is None or not styles:
         return ()
+    weights = {p.fqn.removesuffix(".weight"): p for p in layouts if p.fqn.endswith(".weight")}
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    act_bytes = tokens * getattr(torch, options.param_dtype).itemsize
+    rows: dict[tuple[str, str], list[int]] = {}
+
+    def add(kind: str, why: str, width: int) -> None:
+        row = rows.setdefault((kind, why), [0, 0])
+        row[0] += 1
+        row[1] += width * act_bytes
+
+    def shape(fqn: str) -> tuple[int, ...]:
+        return weights[fqn].shape
+
+    def child_in_width(parent: str) -> int:
+        child = next(
+            s.fqn for s in styles if s.style == "colwise" and s.fqn.startswith(parent + ".")
+        )
+        return shape(child)[1]
+
+    sp = sequence_parallel
+    partial_kind = "reduce_scatter" if sp else "all_reduce"
+    norms = norm_numel = 0
+    for style in styles:
+        kind = style.style
+        if kind in ("rowwise", "rowwise_replicated_input"):
+            add(
+                partial_kind if kind == "rowwise" else "all_reduce",
+                "forward: partial sums of row-wise outputs",
+                shape(style.fqn)[0],
+            )
+            if sp and kind == "rowwise":
+                add(
+                    "all_gather",
+                    "backward: output gradients of row-wise modules from sequence shards",
+                    shape(style.fqn)[0],
+                )
+            if kind == "rowwise_replicated_input":
+                add(
+                    "all_gather",
+                    "backward: input gradients of row-wise modules fed a replicated input",
+                    shape(style.fqn)[1],
+                )
+        elif kind == "vocab_parallel_embedding":
+            add(
+                partial_kind,
+                "forward: partial sums of the vocab-parallel embedding",
+                shape(style.fqn)[1],
+            )
+            if sp:
+                add(
+                    "all_gather",
+                    "backward: embedding output gradient from sequence shards",
+                    shape(style.fqn)[1],
+                )
+        elif kind == "embedding_dim_parallel":
+            add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[1])
+        elif kind == "prepare_input" or kind in _HEADS:
+            width = child_in_width(style.fqn) if kind == "prepare_input" else shape(style.fqn)[1]
+            if sp:
+                add(
+                    "all_gather",
+                    "forward: inputs of pair parents and the head from sequence shards",
+                    width,
+                )
+                add(
+                    "reduce_scatter",
+                    "backward: input gradients of pair parents and the head to sequence shards",
+                    width,
+                )
+            else:
+                add(
+                    "all_reduce",
+                    "backward: input gradients of pair parents and unpaired column-wise modules",
+                    width,
+                )
+            if kind == "colwise_gathered":
+                add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[0])
+        elif kind == "sequence_parallel":
+            norms += 1
+            norm_numel += sum(
+                p.local_numel for p in layouts if p.fqn.rpartition(".")[0] == style.fqn
+            )
     micro = options.microbatches
-    kinds = [style.style for style in styles]
-    sliced_rowwise = kinds.count("rowwise_replicated_input")
-    rows = [
-        (
-            "all_reduce",
-            kinds.count("rowwise")
-            + kinds.count("rowwise_replicated_input")
-            + kinds.count("vocab_parallel_embedding"),
-            "forward: partial sums of row-wise outputs",
-        ),
-        (
-            "all_gather",
-            kinds.count("colwise_gathered") + kinds.count("embedding_dim_parallel"),
-            "forward: gathered column-wise outputs",
-        ),
-        (
-            "all_reduce",
-            sum(kinds.count(k) for k in _COLWISE),
-            "backward: partial input gradients of column-wise modules",
-        ),
-        (
-            "all_gather",
-            sliced_rowwise,
-            "backward: input gradients of row-wise modules fed a replicated input",
-        ),
+    sized = "" if tokens else " (activation-sized: give batch_size and seq_len to size it)"
+    result = [
+        Collective(kind, tp_axis, count * micro, payload * micro, why + sized)
+        for (kind, why), (count, payload) in rows.items()
     ]
-    return tuple(
-        Collective(kind, tp_axis, count * micro, 0, f"{why} (activation-sized)")
-        for kind, count, why in rows
-        if count
-    )
+    if norms:
+        syncs = micro if data_parallel and options.zero >= 2 else 1
+        grad_bytes = getattr(torch, options.param_dtype).itemsize
+        result.append(
+            Collective(
+                "all_reduce",
+                tp_axis,
+                norms * syncs,
+                norm_numel * grad_bytes * syncs,
+                "norm weights' partial gradients, once per gradient sync",
+            )
+        )
+    return tuple(result)

@@ -34,7 +34,7 @@ from meshtrain.spec.errors import PlanError, format_shape
 from meshtrain.spec.layout import local_shape
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P
-from meshtrain.spec.rules import Resolution
+from meshtrain.spec.rules import Resolution, Rules
 
 _ELEMENT_BYTES = 4  # fp32 master parameters
 
@@ -90,14 +90,65 @@ def infer_axes(
     return data, (tp_axes[0] if tp_axes else None)
 
 
+def infer_sequence_parallel(
+    rules: Rules, mesh: Mesh, data_axes: Sequence[str], tp_axis: str | None
+) -> bool:
+    """Whether the activation rules shard the sequence dim over the tensor-parallel axis.
+
+    Activations are ``[batch, seq, features]``; a logical rule ``("seq", axis)`` shards dim 1.
+    Only the tensor-parallel axis can take it (sequence parallelism); a sequence rule onto a data
+    axis or a third axis would be context parallelism, which meshtrain does not lower.
+    """
+    if not any(name == "seq" for name, _ in rules.logical):
+        return False
+    axes = [axis for axis in rules.logical_spec(("seq",), mesh).axes if mesh.size(axis) > 1]
+    if not axes:
+        return False
+    if axes != [tp_axis]:
+        raise PlanError(
+            f"the activation rule for 'seq' maps the sequence dim to {axes} on mesh {mesh}, but "
+            f"sequence parallelism shards it over the tensor-parallel axis only ({tp_axis!r}); "
+            f"sharding it over {'data axis' if set(axes) & set(data_axes) else 'another axis'} "
+            f"would be context parallelism, which is not supported. Use ('seq', {tp_axis!r}) or "
+            "('seq', None).",
+            rule=f"('seq', {axes!r})",
+            mesh=mesh,
+        )
+    return True
+
+
+def check_sequence_length(seq_len: int, tp_axis: str, mesh: Mesh) -> None:
+    """Sequence parallelism splits each sequence evenly over the tensor-parallel axis."""
+    ways = mesh.size(tp_axis)
+    if seq_len % ways:
+        raise PlanError(
+            f"seq_len={seq_len} does not divide over tensor-parallel axis '{tp_axis}' of size "
+            f"{ways} on mesh {mesh}, which sequence parallelism shards it over. Use a sequence "
+            f"length that is a multiple of {ways} (e.g. {seq_len + ways - seq_len % ways}), or drop "
+            "the ('seq', ...) activation rule.",
+            mesh=mesh,
+        )
+
+
 def infer_styles(
-    model: nn.Module, specs: dict[str, P], tp_axis: str | None, loss_parallel: bool
+    model: nn.Module,
+    resolution: Resolution,
+    tp_axis: str | None,
+    loss_parallel: bool,
+    sequence_parallel: bool = False,
 ) -> tuple[ModuleStyle, ...]:
-    """Tensor-parallel style per module, read off the module's parameter specs."""
+    """Tensor-parallel style per module, read off the module's parameter specs.
+
+    Under ``sequence_parallel`` norms outside the tensor-parallel pairs run on sequence shards, the
+    pairs' parents all-gather their input from sequence shards and the row-wise outputs are
+    reduce-scattered back to them.
+    """
     if tp_axis is None:
         return ()
+    specs = resolution.specs
     raw: dict[str, ModuleStyle] = {}
-    for fqn, module in model.named_modules():
+    modules = dict(model.named_modules())
+    for fqn, module in modules.items():
         own = {
             name: specs[f"{fqn}.{name}" if fqn else name]
             for name, _ in module.named_parameters(recurse=False)
@@ -106,7 +157,12 @@ def infer_styles(
         if not any(tp_axis in spec.axes for spec in own.values()):
             continue
         raw[fqn] = _style_of(fqn, module, own, tp_axis)
-    return _resolve_pairs(raw, loss_parallel)
+    styles = _resolve_pairs(raw, modules, loss_parallel, sequence_parallel)
+    _check_heads(styles, modules, resolution.mesh.size(tp_axis))
+    if sequence_parallel:
+        styles = _add_sequence_styles(styles, modules, tp_axis)
+    order = {fqn: index for index, fqn in enumerate(modules)}
+    return tuple(sorted(styles, key=lambda style: order[style.fqn]))
 
 
 def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> ModuleStyle:
@@ -136,7 +192,8 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
     sharded = {name: spec for name, spec in own.items() if axis in spec.axes}
     name, spec = next(iter(sharded.items()))
     hint = (
-        " Norm weights stay replicated (P()) unless sequence parallelism shards the activations."
+        " Norm weights stay replicated (P()); for sequence parallelism add the activation rule "
+        f"('seq', '{axis}'): norms then run on sequence shards with their weights replicated."
         if "norm" in kind.lower()
         else " Replicate it (P()), or shard a Linear/Embedding instead."
     )
@@ -148,28 +205,35 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
     )
 
 
-def _resolve_pairs(raw: dict[str, ModuleStyle], loss_parallel: bool) -> tuple[ModuleStyle, ...]:
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _resolve_pairs(
+    raw: dict[str, ModuleStyle],
+    modules: dict[str, nn.Module],
+    loss_parallel: bool,
+    sequence_parallel: bool,
+) -> list[ModuleStyle]:
     """Pair column- and row-wise modules under the same parent (attention, MLP).
 
-    A paired column-wise module hands its local output to the row-wise one. An unpaired one has
-    its output all-gathered, except the last (the output head) under ``loss_parallel``, which keeps
-    vocab-sharded logits. An unpaired row-wise module takes a replicated input and slices it.
+    A paired column-wise module hands its local output to the row-wise one, and the parent marks
+    its first input once for all its column-wise children (one backward all-reduce, or under
+    sequence parallelism one all-gather forward and one reduce-scatter backward, per parent). An
+    unpaired column-wise module has its output all-gathered, except the last (the output head)
+    under ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
+    replicated input and slices it.
     """
-
-    def parent(fqn: str) -> str:
-        return fqn.rpartition(".")[0]
-
     parents = {
-        kind: {parent(f) for f, s in raw.items() if s.style == kind}
+        kind: {_parent(f) for f, s in raw.items() if s.style == kind}
         for kind in ("colwise", "rowwise")
     }
-    unpaired = [
-        f for f, s in raw.items() if s.style == "colwise" and parent(f) not in parents["rowwise"]
-    ]
-    head = unpaired[-1] if unpaired and loss_parallel else None
+    paired = parents["colwise"] & parents["rowwise"]
+    unpaired = [f for f, s in raw.items() if s.style == "colwise" and _parent(f) not in paired]
+    head = unpaired[-1] if unpaired else None
     styles = []
     for fqn, style in raw.items():
-        if fqn == head:
+        if fqn == head and loss_parallel:
             style = replace(
                 style,
                 style="loss_parallel_head",
@@ -181,14 +245,118 @@ def _resolve_pairs(raw: dict[str, ModuleStyle], loss_parallel: bool) -> tuple[Mo
                 style="colwise_gathered",
                 note="no row-wise consumer: output all-gathered (extra collective)",
             )
-        elif style.style == "rowwise" and parent(fqn) not in parents["colwise"]:
+        elif style.style == "rowwise" and _parent(fqn) not in paired:
             style = replace(
                 style,
                 style="rowwise_replicated_input",
                 note="no column-wise producer: replicated input sliced locally",
             )
+        if sequence_parallel:
+            style = _sequence_variant(style, is_head=fqn == head)
         styles.append(style)
-    return tuple(styles)
+    axis = next(iter(raw.values())).axis if raw else ""
+    for fqn in sorted(paired, key=list(modules).index):
+        note = (
+            "first input all-gathered from sequence shards for the column-wise children"
+            if sequence_parallel
+            else "first input marked replicated once for all column-wise children"
+        )
+        styles.append(ModuleStyle(fqn, type(modules[fqn]).__name__, "prepare_input", axis, note))
+    return styles
+
+
+def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:
+    """The style's behaviour on sequence-sharded activations, or a PlanError if it has none."""
+    if style.style == "rowwise":
+        return replace(style, note="output reduce-scattered to sequence shards")
+    if style.style == "vocab_parallel_embedding":
+        return replace(style, note="output reduce-scattered to sequence shards")
+    if is_head:
+        return replace(style, note=f"{style.note}; input all-gathered from sequence shards")
+    if style.style == "colwise":
+        return style
+    raise PlanError(
+        f"module '{style.fqn}' ({style.module_type}) lowers to {style.style!r}, which has no "
+        "sequence-parallel form: sequence parallelism needs every tensor-parallel Linear paired "
+        "(column-wise then row-wise under one parent), embeddings sharded on vocab or replicated, "
+        "and at most one unpaired column-wise Linear, the output head. Change the rule for "
+        f"'{style.fqn}.weight', or drop the ('seq', ...) activation rule.",
+        fqn=f"{style.fqn}.weight",
+    )
+
+
+def _add_sequence_styles(
+    styles: list[ModuleStyle], modules: dict[str, nn.Module], axis: str
+) -> list[ModuleStyle]:
+    """Norms on sequence shards; a replicated input embedding sliced into them."""
+    styled = {style.fqn for style in styles}
+    pair_parents = {s.fqn for s in styles if s.style == "prepare_input"}
+    embeddings = [f for f, m in modules.items() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise PlanError(
+            "sequence parallelism needs the model to start from an nn.Embedding (its output is "
+            f"where activations become sequence shards); {type(modules['']).__name__} has none. "
+            "Drop the ('seq', ...) activation rule."
+        )
+    extra = []
+    for fqn in embeddings:
+        if fqn not in styled:
+            extra.append(
+                ModuleStyle(
+                    fqn,
+                    "Embedding",
+                    "sequence_split",
+                    axis,
+                    "replicated output sliced into sequence shards (no collective)",
+                )
+            )
+    for fqn, module in modules.items():
+        if fqn in styled or not _is_norm(module) or not any(True for _ in module.parameters()):
+            continue
+        if any(fqn.startswith(parent + ".") for parent in pair_parents if parent):
+            continue  # inside attention/MLP: runs on replicated, head-sharded activations
+        extra.append(
+            ModuleStyle(
+                fqn,
+                type(module).__name__,
+                "sequence_parallel",
+                axis,
+                "runs on sequence shards; weight replicated",
+            )
+        )
+    return styles + extra
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _check_heads(styles: list[ModuleStyle], modules: dict[str, nn.Module], ways: int) -> None:
+    """Whole attention heads per rank: a parent with an integer ``head_dim`` attribute (Llama's
+    ``Attention``) must see its column-wise outputs and row-wise inputs split at head boundaries."""
+    for style in styles:
+        parent = modules.get(_parent(style.fqn)) if style.fqn else None
+        head_dim = getattr(parent, "head_dim", None)
+        module = modules[style.fqn]
+        if not isinstance(head_dim, int) or not isinstance(module, nn.Linear):
+            continue
+        if style.style in ("colwise", "colwise_gathered", "loss_parallel_head"):
+            width = module.out_features
+        elif style.style in ("rowwise", "rowwise_replicated_input"):
+            width = module.in_features
+        else:
+            continue
+        if width % head_dim:
+            continue  # not a per-head projection
+        heads = width // head_dim
+        if heads % ways:
+            raise PlanError(
+                f"Linear '{style.fqn}' projects {heads} heads of size {head_dim} ({type(parent).__name__} "
+                f"'{_parent(style.fqn)}'), which do not split evenly over tensor-parallel axis "
+                f"'{style.axis}' of size {ways}: each rank must hold whole heads. Use a tp size "
+                f"that divides {heads}, or a model with a multiple of {ways} heads.",
+                fqn=f"{style.fqn}.weight",
+            )
 
 
 def infer_units(model: nn.Module, explicit: Sequence[str] | None) -> tuple[FSDPUnit, ...]:

@@ -106,6 +106,7 @@ class Plan:
     units: tuple[FSDPUnit, ...]
     collectives: tuple[Collective, ...]
     memory: Memory
+    sequence_parallel: bool = False
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -135,7 +136,8 @@ class Plan:
         """A human-readable report: parameters, styles, units, memory, collectives, notes."""
         lines = [
             f"plan on mesh {self.mesh}: data axes {list(self.data_axes)}, tensor-parallel axis "
-            f"{self.tp_axis!r}, zero={self.options.zero}, precision={self.options.precision}, "
+            f"{self.tp_axis!r}{' with sequence parallelism' if self.sequence_parallel else ''}, "
+            f"zero={self.options.zero}, precision={self.options.precision}, "
             f"offload={self.options.offload}",
             "",
             "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
@@ -203,6 +205,7 @@ class Plan:
             units=tuple(FSDPUnit(u["fqn"], tuple(u["params"])) for u in data["units"]),
             collectives=tuple(Collective(**c) for c in data["collectives"]),
             memory=Memory(**data["memory"]),
+            sequence_parallel=data["sequence_parallel"],
             notes=tuple(data["notes"]),
         )
 
@@ -213,6 +216,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "options": plan.options.to_json(),
         "data_axes": list(plan.data_axes),
         "tp_axis": plan.tp_axis,
+        "sequence_parallel": plan.sequence_parallel,
         "params": [
             {
                 "fqn": p.fqn,

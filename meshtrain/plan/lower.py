@@ -19,10 +19,13 @@ Example (on every rank of a 4-rank job)::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -30,11 +33,14 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
+    SequenceParallel,
     loss_parallel,
     parallelize_module,
 )
@@ -57,36 +63,131 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             "mt.make_mesh(...) under the launcher (without abstract=True), then plan again."
         )
     if plan.tp_axis is not None:  # only set when its size is > 1
-        parallelize_module(model, device_mesh[plan.tp_axis], _tp_styles(plan))
+        _apply_tensor_parallel(plan, model, device_mesh[plan.tp_axis])
     if plan.data_axes:
         _apply_data_parallel(plan, model)
     return model
 
 
+def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    styles = _tp_styles(plan)
+    root = styles.pop("", None)
+    if styles:
+        parallelize_module(model, tp_mesh, styles)
+    if root is not None:  # a pair directly under the root: the root prepares its own input
+        parallelize_module(model, tp_mesh, root)
+    if plan.sequence_parallel:
+        modules = dict(model.named_modules())
+        for style in plan.styles:
+            if style.module_type == "Embedding":
+                check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
+                modules[style.fqn].register_forward_pre_hook(check)
+        if not plan.data_axes:  # FSDP2 reduces these itself when it wraps the model
+            sync = _PartialGradSync()
+            for style in plan.styles:
+                if style.style == "sequence_parallel":
+                    for param in modules[style.fqn].parameters():
+                        param.register_post_accumulate_grad_hook(sync)
+            model._meshtrain_partial_grads = sync  # type: ignore[assignment]
+
+
+def _check_sequence(fqn: str, axis: str | None, ways: int, module: nn.Module, args: Any) -> None:
+    tokens = args[0] if args else None
+    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] % ways:
+        raise PlanError(
+            f"input of '{fqn}' has sequence length {tokens.shape[1]} (shape "
+            f"{format_shape(tuple(tokens.shape))}), which does not divide over tensor-parallel "
+            f"axis '{axis}' of size {ways} under sequence parallelism. Pad or cut sequences to a "
+            f"multiple of {ways}."
+        )
+
+
+class _PartialGradSync:
+    """Reduces the partial-sum gradients of sequence-parallel norm weights to replicated ones.
+
+    A norm on sequence shards computes its weight's gradient from its shard of the sequence only
+    (a ``Partial`` DTensor). Without FSDP2 (which reduces them itself) this hook all-reduces them
+    over the tensor-parallel axis once per step, on the last micro-batch, so that clipping and the
+    optimizer see the same gradient as one device.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = True
+
+    def __call__(self, param: torch.Tensor) -> None:
+        grad = param.grad
+        if (
+            self.enabled
+            and isinstance(grad, DTensor)
+            and any(isinstance(p, Partial) for p in grad.placements)
+        ):
+            param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
+
+
 def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
+    """PyTorch's parallel style per module FQN; activations between blocks are sequence shards
+    (``Shard(1)``) under sequence parallelism, otherwise replicated."""
+    stream: Placement = Shard(1) if plan.sequence_parallel else Replicate()
     styles: dict[str, ParallelStyle] = {}
     for style in plan.styles:
         if style.style == "colwise":
             styles[style.fqn] = ColwiseParallel()
         elif style.style == "rowwise":
-            styles[style.fqn] = RowwiseParallel()
+            styles[style.fqn] = RowwiseParallel(output_layouts=stream)
         elif style.style == "rowwise_replicated_input":
             styles[style.fqn] = RowwiseParallel(input_layouts=Replicate())
         elif style.style == "colwise_gathered":
-            styles[style.fqn] = ColwiseParallel(output_layouts=Replicate())
+            styles[style.fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
         elif style.style == "loss_parallel_head":
-            styles[style.fqn] = ColwiseParallel(use_local_output=False)
+            styles[style.fqn] = ColwiseParallel(
+                input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+            )
         elif style.style == "vocab_parallel_embedding":
-            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate())
+            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
         elif style.style == "embedding_dim_parallel":
             styles[style.fqn] = ColwiseParallel(
                 input_layouts=Replicate(), output_layouts=Replicate()
+            )
+        elif style.style == "prepare_input":
+            styles[style.fqn] = _PrepareFirstInput(
+                input_layouts=stream, desired_input_layouts=Replicate()
+            )
+        elif style.style == "sequence_parallel":
+            styles[style.fqn] = SequenceParallel(sequence_dim=1)
+        elif style.style == "sequence_split":
+            styles[style.fqn] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             )
         else:
             raise PlanError(
                 f"module '{style.fqn}' has style {style.style!r}, which this version cannot lower."
             )
     return styles
+
+
+class _PrepareFirstInput(PrepareModuleInput):
+    """``PrepareModuleInput`` for the first positional input only, whatever else is passed.
+
+    The parent of a column-/row-wise pair (attention, MLP) turns its activation input into one
+    replicated DTensor that all its column-wise children share, so backward reduces their input
+    gradients once (all-reduce, or reduce-scatter to sequence shards) instead of once per child.
+    Other arguments (rotary tables, masks) pass through untouched.
+    """
+
+    def _prepare_input_fn(self, inputs: Any, device_mesh: DeviceMesh) -> Any:
+        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+        assert self.input_layouts is not None and self.desired_input_layouts is not None
+        if not inputs or not isinstance(inputs[0], torch.Tensor):
+            raise PlanError(
+                "a module whose tensor-parallel children form a column-/row-wise pair must take "
+                "its activation as the first positional argument (got "
+                f"{type(inputs[0]).__name__ if inputs else 'no positional arguments'}); pass it "
+                "positionally."
+            )
+        first = self._prepare_input_arg(
+            inputs[0], device_mesh, self.input_layouts[0], self.desired_input_layouts[0]
+        )
+        return (first, *inputs[1:])
 
 
 def _apply_data_parallel(plan: Plan, model: nn.Module) -> None:
@@ -133,6 +234,9 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     gathered between micro-batches; zero 2 and 3 reduce every micro-batch so gradients stay
     sharded. Wrap each micro-batch's forward and backward in this context.
     """
+    sync = getattr(model, "_meshtrain_partial_grads", None)
+    if isinstance(sync, _PartialGradSync):
+        sync.enabled = last
     if plan.data_axes and plan.options.zero <= 1:
         for module in model.modules():
             if isinstance(module, FSDPModule):

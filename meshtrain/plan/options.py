@@ -21,6 +21,9 @@ _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 class PlanOptions:
     """Data-parallel stage, offload, precision and the optimizer the memory model assumes.
 
+    ``batch_size`` (sequences per micro-batch per data-parallel rank) and ``seq_len`` are optional:
+    given, they size the activation collectives and check sequence-parallel divisibility.
+
     ``zero``: 0 = DDP (replicated parameters, gradient all-reduce); 1 = optimizer states sharded
     (parameters and gradients stay whole between micro-batches, gradients reduce-scattered once per
     step); 2 = gradients sharded too (parameters kept gathered from forward to backward); 3 =
@@ -34,6 +37,8 @@ class PlanOptions:
     optimizer: str = "adamw"
     loss_parallel: bool = True
     microbatches: int = 1
+    batch_size: int | None = None
+    seq_len: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -50,15 +55,16 @@ class PlanOptions:
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
                 f"{sorted(_OPTIMIZER_STATES)} (the number of fp32 states per parameter it keeps)."
             )
-        if (
-            isinstance(self.microbatches, bool)
-            or not isinstance(self.microbatches, int)
-            or self.microbatches < 1
+        for name, meaning in (
+            ("microbatches", "gradient accumulation steps per optimizer step"),
+            ("batch_size", "sequences per micro-batch on each data-parallel rank"),
+            ("seq_len", "tokens per sequence"),
         ):
-            raise PlanError(
-                f"microbatches={self.microbatches!r} must be a positive integer (gradient "
-                "accumulation steps per optimizer step)."
-            )
+            value = getattr(self, name)
+            if value is None and name != "microbatches":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name}={value!r} must be a positive integer ({meaning}).")
         if self.offload and self.zero == 0:
             raise PlanError(
                 "offload=True needs sharded data parallelism (zero ≥ 1): FSDP2's CPU offload keeps "
