@@ -6,7 +6,7 @@ Example:
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
-from meshtrain.plan import Plan, plan
+from meshtrain.plan import Plan, constrain, plan, shard_map
 from meshtrain.spec import (
     CheckpointError,
     EquivalenceError,
@@ -43,7 +43,9 @@ __all__ = [
     "SpecError",
     "__version__",
     "annotate",
+    "constrain",
     "distribute",
     "make_mesh",
     "plan",
+    "shard_map",
 ]

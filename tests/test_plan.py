@@ -332,6 +332,16 @@ def test_bad_sequence_parallel_plans(rules: object, kwargs: dict, message: str) 
         mt.plan(MODEL, mesh(dp=2, tp=2), rules, **kwargs)
 
 
+def test_sequence_parallelism_needs_a_column_wise_head() -> None:
+    rules = Rules(
+        {r"output\.weight": P(), r"tok_embeddings\.weight": P()},
+        logical=default_rules(sequence_parallel=True).logical,
+        fsdp="dp",
+    )
+    with pytest.raises(PlanError, match=r"needs a column-wise output head"):
+        mt.plan(MODEL, mesh(dp=2, tp=2), rules)
+
+
 def test_sequence_parallelism_needs_an_input_embedding() -> None:
     with torch.device("meta"):
         model = torch.nn.Sequential(

@@ -1,9 +1,11 @@
 """The compiler: specs → an inspectable :class:`Plan` (``ir``, ``infer``, ``cost``) → modules (``lower``).
 
-Only ``meshtrain.plan.lower`` touches ``torch.distributed`` parallel APIs.
+Only ``meshtrain.plan.lower`` touches ``torch.distributed`` parallel APIs; ``functional`` holds
+the primitives model code calls under a running plan (``constrain``, ``shard_map``).
 """
 
 from meshtrain.plan.api import plan
+from meshtrain.plan.functional import constrain, shard_map
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout, Plan
 from meshtrain.plan.options import PlanOptions
 
@@ -15,5 +17,7 @@ __all__ = [
     "ParamLayout",
     "Plan",
     "PlanOptions",
+    "constrain",
     "plan",
+    "shard_map",
 ]

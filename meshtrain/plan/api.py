@@ -87,6 +87,7 @@ def plan(
         data_axes=active_data,
         tp_axis=tp_axis,
         sequence_parallel=sequence_parallel,
+        activation_rules=rules.logical,
         params=layouts,
         styles=styles,
         units=units,

@@ -298,6 +298,14 @@ def _add_sequence_styles(
             f"where activations become sequence shards); {type(modules['']).__name__} has none. "
             "Drop the ('seq', ...) activation rule."
         )
+    if not any(s.style in ("loss_parallel_head", "colwise_gathered") for s in styles):
+        raise PlanError(
+            "sequence parallelism needs a column-wise output head (its weight sharded on dim 0, "
+            "e.g. P('" + axis + "') on the vocab) to gather the sequence shards before the loss; "
+            f"{type(modules['']).__name__} has none, so its output would stay a sequence shard. "
+            "Shard the head's weight over the tensor-parallel axis, or drop the ('seq', ...) "
+            "activation rule."
+        )
     extra = []
     for fqn in embeddings:
         if fqn not in styled:

@@ -22,6 +22,7 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.errors import format_shape
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P
+from meshtrain.spec.rules import AxisTarget
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,11 @@ class Memory:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a model trains on a mesh; ``mt.plan`` builds it, ``Plan.apply`` lowers it."""
+    """How a model trains on a mesh; ``mt.plan`` builds it, ``Plan.apply`` lowers it.
+
+    ``activation_rules`` are the logical-axis rules that ``mt.constrain`` resolves activation
+    names with (the rules' logical part; ``("seq", tp)`` among them turns sequence parallelism on).
+    """
 
     mesh: Mesh
     options: PlanOptions
@@ -107,6 +112,7 @@ class Plan:
     collectives: tuple[Collective, ...]
     memory: Memory
     sequence_parallel: bool = False
+    activation_rules: tuple[tuple[str, AxisTarget], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -206,6 +212,10 @@ class Plan:
             collectives=tuple(Collective(**c) for c in data["collectives"]),
             memory=Memory(**data["memory"]),
             sequence_parallel=data["sequence_parallel"],
+            activation_rules=tuple(
+                (name, tuple(target) if isinstance(target, list) else target)
+                for name, target in data["activation_rules"]
+            ),
             notes=tuple(data["notes"]),
         )
 
@@ -217,6 +227,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "data_axes": list(plan.data_axes),
         "tp_axis": plan.tp_axis,
         "sequence_parallel": plan.sequence_parallel,
+        "activation_rules": [[name, target] for name, target in plan.activation_rules],
         "params": [
             {
                 "fqn": p.fqn,

@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from meshtrain.plan.functional import track
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.errors import PlanError, format_shape
 
@@ -66,6 +67,7 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
         _apply_tensor_parallel(plan, model, device_mesh[plan.tp_axis])
     if plan.data_axes:
         _apply_data_parallel(plan, model)
+    track(plan, model)
     return model
 
 
