@@ -167,6 +167,7 @@ def estimate_tp_collectives(
         return shape(child)[1]
 
     sp = sequence_parallel
+    prepared = {s.fqn for s in styles if s.style == "prepare_input"}
     partial_kind = "reduce_scatter" if sp else "all_reduce"
     norms = norm_numel = 0
     for style in styles:
@@ -201,6 +202,13 @@ def estimate_tp_collectives(
                     "backward: embedding output gradient from sequence shards",
                     shape(style.fqn)[1],
                 )
+        elif kind == "colwise" and style.fqn.rpartition(".")[0] not in prepared:
+            # under a parent with other consumers of its input: marks its own plain input
+            add(
+                "all_reduce",
+                "backward: input gradients of pair parents and unpaired column-wise modules",
+                shape(style.fqn)[1],
+            )
         elif kind == "embedding_dim_parallel":
             add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[1])
         elif kind == "prepare_input" or kind in _HEADS:

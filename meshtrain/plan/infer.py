@@ -220,7 +220,7 @@ def _resolve_pairs(
     A paired column-wise module hands its local output to the row-wise one, and the parent marks
     its first input once for all its column-wise children (one backward all-reduce, or under
     sequence parallelism one all-gather forward and one reduce-scatter backward, per parent). An
-    unpaired column-wise module has its output all-gathered, except the last (the output head)
+    unpaired column-wise module has its output all-gathered, except the output head (the model's last module with parameters)
     under ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
     replicated input and slices it.
     """
@@ -230,7 +230,10 @@ def _resolve_pairs(
     }
     paired = parents["colwise"] & parents["rowwise"]
     unpaired = [f for f, s in raw.items() if s.style == "colwise" and _parent(f) not in paired]
-    head = unpaired[-1] if unpaired else None
+    # The output head: an unpaired column-wise Linear that is the model's last module with
+    # parameters (registration order), i.e. nothing after it could consume sharded logits.
+    with_params = [f for f, m in modules.items() if any(True for _ in m.parameters(recurse=False))]
+    head = unpaired[-1] if unpaired and with_params and unpaired[-1] == with_params[-1] else None
     styles = []
     for fqn, style in raw.items():
         if fqn == head and loss_parallel:
@@ -256,6 +259,18 @@ def _resolve_pairs(
         styles.append(style)
     axis = next(iter(raw.values())).axis if raw else ""
     for fqn in sorted(paired, key=list(modules).index):
+        others = _untouched_consumers(fqn, modules, raw)
+        if others and sequence_parallel:
+            raise PlanError(
+                f"sequence parallelism all-gathers the input of '{fqn}' "
+                f"({type(modules[fqn]).__name__}) for its tensor-parallel Linears, but "
+                f"{others[0]!r} there is not tensor-parallel and would see a different sequence "
+                f"length. Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), "
+                "or drop the ('seq', ...) activation rule.",
+                fqn=others[0],
+            )
+        if others:  # mixed parent: each column-wise child marks its own (plain) input
+            continue
         note = (
             "first input all-gathered from sequence shards for the column-wise children"
             if sequence_parallel
@@ -263,6 +278,20 @@ def _resolve_pairs(
         )
         styles.append(ModuleStyle(fqn, type(modules[fqn]).__name__, "prepare_input", axis, note))
     return styles
+
+
+def _untouched_consumers(
+    parent: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> list[str]:
+    """Parameters of ``parent`` (its own, or of direct children) without a tensor-parallel style:
+    they would receive the parent's input as a DTensor if the parent marked it."""
+    module = modules[parent]
+    found = [f"{parent}.{name}" for name, _ in module.named_parameters(recurse=False)]
+    for name, child in module.named_children():
+        fqn = f"{parent}.{name}" if parent else name
+        if fqn not in raw and any(True for _ in child.parameters()):
+            found.append(fqn)
+    return found
 
 
 def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:

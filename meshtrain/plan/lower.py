@@ -78,8 +78,12 @@ def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) ->
         parallelize_module(model, tp_mesh, styles)
     if root is not None:  # a pair directly under the root: the root prepares its own input
         parallelize_module(model, tp_mesh, root)
+    modules = dict(model.named_modules())
+    for style in plan.styles:
+        if style.style == "rowwise":
+            check = functools.partial(_check_pair_input, style.fqn, tp_mesh.size())
+            modules[style.fqn].register_forward_pre_hook(check, prepend=True)
     if plan.sequence_parallel:
-        modules = dict(model.named_modules())
         for style in plan.styles:
             if style.module_type == "Embedding":
                 check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
@@ -91,6 +95,29 @@ def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) ->
                     for param in modules[style.fqn].parameters():
                         param.register_post_accumulate_grad_hook(sync)
             model._meshtrain_partial_grads = sync  # type: ignore[assignment]
+
+
+def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None:
+    """A row-wise Linear paired by structure must consume its column-wise siblings' local output.
+
+    Pairs are inferred from module structure (same parent); the data flow is checked here, on
+    every rank alike, before the module issues any collective.
+    """
+    x = args[0] if args else None
+    in_features = getattr(module, "in_features", None)
+    if not isinstance(x, torch.Tensor) or not isinstance(in_features, int):
+        return
+    local = in_features // ways
+    if isinstance(x, DTensor) or x.shape[-1] != local:
+        parent = fqn.rpartition(".")[0]
+        raise PlanError(
+            f"'{fqn}' is lowered row-wise because it shares parent '{parent}' with column-wise "
+            f"Linears, which assumes it consumes their sharded output (last dim {local} = "
+            f"{in_features}/{ways}); it received a {'DTensor' if isinstance(x, DTensor) else 'tensor'}"
+            f" of shape {format_shape(tuple(x.shape))} instead. meshtrain pairs Linears by "
+            "module structure: shard the projection that reads the block's input column-wise "
+            f"and the one that consumes its output row-wise, or replicate '{fqn}.weight'."
+        )
 
 
 def _check_sequence(fqn: str, axis: str | None, ways: int, module: nn.Module, args: Any) -> None:

@@ -14,13 +14,17 @@ Example:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 from hypothesis import strategies as st
+from torch import nn
 
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P, entry_axes
+from meshtrain.spec.rules import Rules
 
 AXIS_NAMES = ("dp", "tp", "pp", "cp")
 InvalidKind = Literal["unknown_axis", "axis_twice", "too_long", "not_divisible"]
@@ -125,3 +129,77 @@ def invalid_specs(draw: st.DrawFn, mesh: Mesh) -> tuple[tuple[int, ...], P, Inva
     entries[dim] = (*entry_axes(entries[dim]), axis)
     bad_size = ways * draw(st.integers(1, 3)) + draw(st.integers(1, ways - 1))
     return (*shape[:dim], bad_size, *shape[dim + 1 :]), P(*entries), kind
+
+
+#: What a drawn rule does to one module's parameters; the ``bad_*`` kinds make invalid plans.
+ModuleChoice = Literal[
+    "replicated", "colwise", "rowwise", "bad_data_axis", "bad_unknown_axis", "bad_norm_sharded"
+]
+_VALID_CHOICES: tuple[ModuleChoice, ...] = ("replicated", "colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """A drawn rule set: the rules, and per module what was chosen (for readable failures)."""
+
+    rules: Rules
+    choices: tuple[tuple[str, ModuleChoice], ...]
+    sequence_parallel: bool
+
+    def __repr__(self) -> str:
+        picked = ", ".join(
+            f"{fqn}={choice}" for fqn, choice in self.choices if choice != "replicated"
+        )
+        return f"RuleSet(sp={self.sequence_parallel}, {picked or 'all replicated'})"
+
+
+@st.composite
+def rule_sets(
+    draw: st.DrawFn,
+    model: nn.Module,
+    *,
+    tp: str = "tp",
+    data: str = "dp",
+    invalid: bool = False,
+) -> RuleSet:
+    """Regex rule sets for ``model``: each Linear/Embedding replicated, column- or row-wise over
+    ``tp`` (biases following their weight), norms replicated, and sequence parallelism on or off.
+
+    With ``invalid=True`` some modules may instead name the data axis, an unknown axis, or shard
+    a norm — the misconfigurations ``mt.plan`` must reject with a ``MeshtrainError``. Shrinks
+    towards everything replicated and sequence parallelism off.
+    """
+    bad: tuple[ModuleChoice, ...] = (
+        ("bad_data_axis", "bad_unknown_axis", "bad_norm_sharded") if invalid else ()
+    )
+    patterns: list[tuple[str, P]] = []
+    choices: list[tuple[str, ModuleChoice]] = []
+    for fqn, module in model.named_modules():
+        own = [name for name, _ in module.named_parameters(recurse=False)]
+        if not own:
+            continue
+        shardable = isinstance(module, (nn.Linear, nn.Embedding))
+        options = _VALID_CHOICES if shardable else ("replicated",)
+        options += tuple(b for b in bad if b != "bad_norm_sharded" or not shardable)
+        choice = draw(st.sampled_from(options))
+        choices.append((fqn, choice))
+        for name in own:
+            patterns.append(
+                (re.escape(f"{fqn}.{name}" if fqn else name), _spec(choice, name, tp, data))
+            )
+    sequence_parallel = draw(st.booleans())
+    logical = (("seq", tp),) if sequence_parallel else ()
+    return RuleSet(Rules(patterns, logical=logical, fsdp=data), tuple(choices), sequence_parallel)
+
+
+def _spec(choice: ModuleChoice, name: str, tp: str, data: str) -> P:
+    weight = name == "weight"
+    if choice == "colwise" or choice == "bad_norm_sharded":
+        return P(tp)
+    if choice == "rowwise":
+        return P(None, tp) if weight else P()
+    if choice == "bad_data_axis":
+        return P(data)
+    if choice == "bad_unknown_axis":
+        return P("no_such_axis")
+    return P()
