@@ -6,6 +6,7 @@ import functools
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshtrain import Mesh, P, Rules, make_mesh
 
@@ -47,4 +48,23 @@ def attention_rowwise_only_rules(data_axes: tuple[str, ...]) -> Rules:
             r".*": P(),
         },
         fsdp=data_axes,
+    )
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The global value of a DTensor (a plain tensor is already global)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute difference relative to ``b``'s largest magnitude."""
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def worst_grad_error(model: nn.Module, reference: nn.Module) -> float:
+    """The largest relative gradient difference between a planned model and its reference."""
+    ref_params = dict(reference.named_parameters())
+    return max(
+        rel(full(param.grad), ref_params[fqn].grad)  # type: ignore[arg-type]
+        for fqn, param in model.named_parameters()
     )

@@ -19,9 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TiedMLP, attention_rowwise_only_rules, mesh_for
+from helpers import TiedMLP, attention_rowwise_only_rules, full, mesh_for, rel, worst_grad_error
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
 from meshtrain import P, Rules
@@ -86,14 +85,6 @@ def _optimizer(case: Case, params: object) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)  # type: ignore[arg-type]
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
-
-
 def train_both(case: Case) -> dict[str, float]:
     """Runs on every rank: the plan and a one-device reference, same weights, data and optimizer."""
     mesh = mesh_for(case.axes)
@@ -144,7 +135,7 @@ def train_both(case: Case) -> dict[str, float]:
                     / total_tokens
                 )
                 loss.backward()
-            loss_sum += _full(loss.detach())
+            loss_sum += full(loss.detach())
         for axis in plan.data_axes:
             dist.all_reduce(loss_sum, group=mesh.device_mesh.get_group(axis))  # type: ignore[union-attr]
         norm = clip_grad_norm_(model.parameters(), max_norm=MAX_NORM)
@@ -152,9 +143,7 @@ def train_both(case: Case) -> dict[str, float]:
         worst["loss"] = max(
             worst["loss"], abs(loss_sum.item() - ref_loss.item()) / abs(ref_loss.item())
         )
-        ref_params = dict(reference.named_parameters())
-        for fqn, param in model.named_parameters():
-            worst["grads"] = max(worst["grads"], _rel(_full(param.grad), ref_params[fqn].grad))
+        worst["grads"] = max(worst["grads"], worst_grad_error(model, reference))
         optimizer.step()
         ref_optimizer.step()
         optimizer.zero_grad()
@@ -163,23 +152,24 @@ def train_both(case: Case) -> dict[str, float]:
             # Measure this step's update difference, then continue both runs from the plan's
             # parameters so every step's gradients are compared at the same point.
             with torch.no_grad():
+                ref_params = dict(reference.named_parameters())
                 for fqn, param in model.named_parameters():
-                    full = _full(param.detach())
-                    step_diff = float((full.double() - ref_params[fqn].double()).abs().max())
+                    planned = full(param.detach())
+                    step_diff = float((planned.double() - ref_params[fqn].double()).abs().max())
                     worst["params"] = max(worst["params"], step_diff)
-                    ref_params[fqn].copy_(full)
+                    ref_params[fqn].copy_(planned)
     ref_params = dict(reference.named_parameters())
     for fqn, param in model.named_parameters():
         if case.optimizer == "sgd":
             worst["params"] = max(
-                worst["params"], _rel(_full(param.detach()), ref_params[fqn].detach())
+                worst["params"], rel(full(param.detach()), ref_params[fqn].detach())
             )
         state, ref_state = optimizer.state[param], ref_optimizer.state[ref_params[fqn]]
         for key, order in (("momentum_buffer", 1), ("exp_avg", 1), ("exp_avg_sq", 2)):
             if key in ref_state:
                 # exp_avg_sq is quadratic in the gradient: its relative error doubles.
-                rel = _rel(_full(state[key]), ref_state[key]) / order
-                worst["states"] = max(worst["states"], rel)
+                error = rel(full(state[key]), ref_state[key]) / order
+                worst["states"] = max(worst["states"], error)
     return worst
 
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import mesh_for
+from helpers import full, mesh_for, rel, worst_grad_error
 from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
-from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
 from meshtrain import P, PlanError, Rules
@@ -27,14 +26,6 @@ pytestmark = pytest.mark.spmd
 
 AXES = (("dp", 2), ("tp", 2))
 META = build_llama(LlamaConfig.debug(), device="meta")
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
 
 
 def train_two_steps(rules: Rules, zero: int) -> dict[str, object]:
@@ -69,23 +60,19 @@ def _train_two_steps(rules: Rules, zero: int) -> dict[str, object]:
             with plan.micro_batch(model, last=i == 1), plan.loss_parallel():
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / total
                 loss.backward()
-            loss_sum += _full(loss.detach())
+            loss_sum += full(loss.detach())
         dist.all_reduce(loss_sum, group=mesh.device_mesh.get_group("dp"))  # type: ignore[union-attr]
         norm = clip_grad_norm_(model.parameters(), max_norm=0.5)
         worst["loss"] = max(worst["loss"], abs(loss_sum.item() - ref_loss.item()) / ref_loss.item())
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
-        ref_params = dict(reference.named_parameters())
-        for fqn, param in model.named_parameters():
-            worst["grads"] = max(worst["grads"], _rel(_full(param.grad), ref_params[fqn].grad))
+        worst["grads"] = max(worst["grads"], worst_grad_error(model, reference))
         sgd.step()
         ref_sgd.step()
         sgd.zero_grad()
         ref_sgd.zero_grad()
     ref_params = dict(reference.named_parameters())
     for fqn, param in model.named_parameters():
-        worst["params"] = max(
-            worst["params"], _rel(_full(param.detach()), ref_params[fqn].detach())
-        )
+        worst["params"] = max(worst["params"], rel(full(param.detach()), ref_params[fqn].detach()))
     return {"worst": worst, "plan": plan.to_json()}
 
 
