@@ -262,7 +262,7 @@ def test_sequence_parallelism_comes_from_the_seq_activation_rule() -> None:
 
 
 def test_sequence_parallel_collectives_and_their_payloads() -> None:
-    batch, seq, dim, ffn, vocab = 2, 8, 64, 192, 256
+    batch, seq, dim, vocab = 2, 8, 64, 256
     plan = mt.plan(MODEL, mesh(dp=1, tp=2), SP_RULES, microbatches=3, batch_size=batch, seq_len=seq)
     rows: dict[tuple[str, str], tuple[int, int]] = {}
     for c in plan.collectives:
@@ -288,7 +288,6 @@ def test_sequence_parallel_collectives_and_their_payloads() -> None:
     ]
     assert sum(c.count for c in forward_gathers) == 5 + 1  # + the gathered logits
     assert sum(c.bytes for c in forward_gathers) == 4 * 4 * (5 * dim + vocab)
-    assert ffn  # the feed-forward's inner width never crosses ranks
 
 
 def test_activation_collectives_are_unsized_without_a_batch_shape() -> None:
@@ -354,3 +353,14 @@ def test_sequence_parallelism_needs_an_input_embedding() -> None:
     )
     with pytest.raises(PlanError, match=r"needs the model to start from an nn.Embedding"):
         mt.plan(model, mesh(tp=2), rules)
+
+
+def test_sequence_parallel_embedding_inputs_are_checked_on_forward() -> None:
+    from meshtrain.plan.lower import _check_sequence
+
+    embedding = torch.nn.Embedding(8, 4)
+    _check_sequence("pos", "tp", 2, embedding, (torch.zeros(2, 6, dtype=torch.long),))
+    with pytest.raises(PlanError, match=r"input of 'pos' has shape 6, but sequence parallelism"):
+        _check_sequence("pos", "tp", 2, embedding, (torch.zeros(6, dtype=torch.long),))
+    with pytest.raises(PlanError, match=r"sequence length 5 .* does not divide over"):
+        _check_sequence("tok", "tp", 2, embedding, (torch.zeros(2, 5, dtype=torch.long),))

@@ -121,6 +121,9 @@ def estimate_collectives(
 
 
 _HEADS = ("colwise_gathered", "loss_parallel_head")
+_MARKED_INPUTS = (
+    "backward: input gradients of pair parents and column-wise modules that mark their own input"
+)
 
 
 def estimate_tp_collectives(
@@ -204,11 +207,7 @@ def estimate_tp_collectives(
                 )
         elif kind == "colwise" and style.fqn.rpartition(".")[0] not in prepared:
             # under a parent with other consumers of its input: marks its own plain input
-            add(
-                "all_reduce",
-                "backward: input gradients of pair parents and unpaired column-wise modules",
-                shape(style.fqn)[1],
-            )
+            add("all_reduce", _MARKED_INPUTS, shape(style.fqn)[1])
         elif kind == "embedding_dim_parallel":
             add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[1])
         elif kind == "prepare_input" or kind in _HEADS:
@@ -225,11 +224,7 @@ def estimate_tp_collectives(
                     width,
                 )
             else:
-                add(
-                    "all_reduce",
-                    "backward: input gradients of pair parents and unpaired column-wise modules",
-                    width,
-                )
+                add("all_reduce", _MARKED_INPUTS, width)
             if kind == "colwise_gathered":
                 add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[0])
         elif kind == "sequence_parallel":

@@ -72,20 +72,17 @@ def track(plan: Plan, model: nn.Module) -> None:
             plan.mesh.device_mesh[plan.tp_axis],
         )
     modules = dict(model.named_modules())
-    _scope(model, lambda: _Active(plan, tp_mesh))
+    _scope(model, _Active(plan, tp_mesh))
     for style in plan.styles:
         if style.style == "prepare_input" and style.fqn:
-            _scope(
-                modules[style.fqn],
-                lambda fqn=style.fqn: _Active(plan, tp_mesh, fqn),  # type: ignore[misc]
-            )
+            _scope(modules[style.fqn], _Active(plan, tp_mesh, style.fqn))
 
 
-def _scope(module: nn.Module, make: Callable[[], _Active]) -> None:
+def _scope(module: nn.Module, active: _Active) -> None:
     tokens: list[contextvars.Token[_Active | None]] = []
 
     def enter(_module: nn.Module, _args: Any) -> None:
-        tokens.append(_ACTIVE.set(make()))
+        tokens.append(_ACTIVE.set(active))
 
     def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
         if tokens:

@@ -220,9 +220,9 @@ def _resolve_pairs(
     A paired column-wise module hands its local output to the row-wise one, and the parent marks
     its first input once for all its column-wise children (one backward all-reduce, or under
     sequence parallelism one all-gather forward and one reduce-scatter backward, per parent). An
-    unpaired column-wise module has its output all-gathered, except the output head (the model's last module with parameters)
-    under ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
-    replicated input and slices it.
+    unpaired column-wise module has its output all-gathered, except the output head (the model's
+    last module with parameters) under ``loss_parallel``, which keeps vocab-sharded logits. An
+    unpaired row-wise module takes a replicated input and slices it.
     """
     parents = {
         kind: {_parent(f) for f, s in raw.items() if s.style == kind}

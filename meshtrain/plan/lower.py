@@ -122,7 +122,15 @@ def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None
 
 def _check_sequence(fqn: str, axis: str | None, ways: int, module: nn.Module, args: Any) -> None:
     tokens = args[0] if args else None
-    if isinstance(tokens, torch.Tensor) and tokens.dim() >= 2 and tokens.shape[1] % ways:
+    if not isinstance(tokens, torch.Tensor):
+        return
+    if tokens.dim() < 2:
+        raise PlanError(
+            f"input of '{fqn}' has shape {format_shape(tuple(tokens.shape))}, but sequence "
+            "parallelism slices dim 1 of every embedding's output as the sequence: feed it "
+            "[batch, seq] indices (e.g. positions[None]), or drop the ('seq', ...) activation rule."
+        )
+    if tokens.shape[1] % ways:
         raise PlanError(
             f"input of '{fqn}' has sequence length {tokens.shape[1]} (shape "
             f"{format_shape(tuple(tokens.shape))}), which does not divide over tensor-parallel "
