@@ -6,7 +6,7 @@ Example:
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
-from meshtrain.plan import Plan, constrain, plan, shard_map
+from meshtrain.plan import Pipeline, Plan, constrain, plan, shard_map
 from meshtrain.spec import (
     CheckpointError,
     EquivalenceError,
@@ -34,6 +34,7 @@ __all__ = [
     "MeshError",
     "MeshtrainError",
     "P",
+    "Pipeline",
     "Plan",
     "PlanError",
     "RecipeError",

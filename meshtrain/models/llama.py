@@ -234,7 +234,8 @@ class Attention(_Initialised):
         self.wo = annotate(nn.Linear(config.dim, config.dim, bias=False), weight=("embed", "heads"))
 
     def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
+        batch, seq, _ = x.shape  # the whole sequence, also when blocks pass sequence shards
+        rope_cos, rope_sin = rope_cos[:seq], rope_sin[:seq]
         q = _apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         k = _apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
@@ -329,15 +330,14 @@ class Llama(_Initialised):
 
     def forward(self, tokens: Tensor) -> Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = tokens.shape[1]  # not h's: under sequence parallelism h holds a sequence shard
-        if seq > self.config.max_seq_len:
+        seq = tokens.shape[1]  # under sequence parallelism a later stage gets a sequence shard
+        if self.tok_embeddings is not None and seq > self.config.max_seq_len:
             raise PlanError(
                 f"sequence length {seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}; "
                 "build the model with a larger max_seq_len or feed shorter sequences."
             )
-        rope_cos, rope_sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        for layer in self.layers.values():
-            h = layer(h, rope_cos, rope_sin)
+        for layer in self.layers.values():  # attention slices the tables to its sequence
+            h = layer(h, self.rope_cos, self.rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -6,8 +6,18 @@ the primitives model code calls under a running plan (``constrain``, ``shard_map
 
 from meshtrain.plan.api import plan
 from meshtrain.plan.functional import constrain, shard_map
-from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout, Plan
+from meshtrain.plan.ir import (
+    Collective,
+    FSDPUnit,
+    Memory,
+    ModuleStyle,
+    ParamLayout,
+    PipelinePlan,
+    Plan,
+    StagePlan,
+)
 from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.pipeline import SCHEDULES, Pipeline
 
 __all__ = [
     "Collective",
@@ -15,8 +25,12 @@ __all__ = [
     "Memory",
     "ModuleStyle",
     "ParamLayout",
+    "Pipeline",
+    "PipelinePlan",
     "Plan",
     "PlanOptions",
+    "SCHEDULES",
+    "StagePlan",
     "constrain",
     "plan",
     "shard_map",

@@ -27,8 +27,10 @@ from meshtrain.plan.infer import (
     infer_units,
     shard_axes_of,
 )
-from meshtrain.plan.ir import Plan
+from meshtrain.plan.ir import Collective, Plan
 from meshtrain.plan.options import PlanOptions, Precision
+from meshtrain.plan.pipeline import Pipeline, plan_pipeline
+from meshtrain.spec.errors import PlanError
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -48,6 +50,8 @@ def plan(
     batch_size: int | None = None,
     seq_len: int | None = None,
     fsdp_units: Sequence[str] | None = None,
+    pipeline: Pipeline | None = None,
+    global_batch: int | None = None,
 ) -> Plan:
     """Compile ``rules`` for ``model`` on ``mesh`` into a :class:`Plan` (pure; meta models work).
 
@@ -56,7 +60,26 @@ def plan(
     ``seq_len`` must divide by the tensor-parallel size.
 
     ``fsdp_units`` overrides the detected repeated blocks that FSDP wraps one by one.
+
+    ``pipeline`` (a :class:`~meshtrain.plan.pipeline.Pipeline`) lays stages along a mesh axis;
+    its micro-batches are then the plan's (leave ``microbatches`` at 1). ``global_batch``
+    (sequences per optimizer step over all data-parallel ranks) must divide into data-parallel
+    ranks × micro-batches; it fills in ``batch_size`` when that is not given.
     """
+    if pipeline is not None:
+        if microbatches not in (1, pipeline.microbatches):
+            raise PlanError(
+                f"microbatches={microbatches} and Pipeline(microbatches={pipeline.microbatches}) "
+                "disagree: a pipelined plan accumulates over its pipeline micro-batches. Give "
+                "them once, in Pipeline(microbatches=...)."
+            )
+        n_stages = (
+            mesh.size(pipeline.axis) * pipeline.stages_per_rank
+            if (pipeline.axis in mesh.axis_names)
+            else 1
+        )
+        microbatches = pipeline.microbatches or n_stages
+    batch_size = _batch_size(mesh, rules, microbatches, batch_size, global_batch, pipeline)
     options = PlanOptions(
         zero=zero,
         offload=offload,
@@ -69,7 +92,9 @@ def plan(
         seq_len=seq_len,
     )
     resolution = rules.resolve(model, mesh)
-    data_axes, tp_axis = infer_axes(resolution, rules.fsdp)
+    data_axes, tp_axis = infer_axes(
+        resolution, rules.fsdp, pipeline.axis if pipeline is not None else None
+    )
     active_data = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
     shard_axes = shard_axes_of(active_data)
     layouts = infer_layouts(resolution, shard_axes, options)
@@ -81,6 +106,44 @@ def plan(
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and zero >= 1 else []
     if not active_data:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
+    collectives = estimate_collectives(layouts, units, active_data, options) + (
+        estimate_tp_collectives(
+            styles,
+            layouts,
+            tp_axis,
+            options,
+            sequence_parallel=sequence_parallel,
+            data_parallel=bool(active_data),
+        )
+    )
+    memory = estimate_memory(layouts, options)
+    pipeline_plan = None
+    if pipeline is not None:
+        seq_shards = mesh.size(tp_axis) if sequence_parallel and tp_axis is not None else 1
+        pipeline_plan = plan_pipeline(model, mesh, pipeline, options, seq_shards=seq_shards)
+        by_fqn = {layout.fqn: layout for layout in layouts}
+        memory = max(
+            (
+                estimate_memory([by_fqn[fqn] for s in stages for fqn in s.params], options)
+                for stages in (
+                    pipeline_plan.local_stages(rank) for rank in range(mesh.size(pipeline.axis))
+                )
+            ),
+            key=lambda m: m.total,
+        )
+        collectives = (
+            Collective(
+                "send/recv",
+                pipeline.axis,
+                pipeline_plan.p2p_count,
+                pipeline_plan.p2p_bytes,
+                "activations to the next stage, their gradients back (per pipeline rank pair)",
+            ),
+        )
+        notes.append(
+            "memory is the busiest pipeline rank's; data- and tensor-parallel collectives inside "
+            "pipeline stages are not itemised (the schedule reduces gradients once per step)"
+        )
     return Plan(
         mesh=mesh,
         options=options,
@@ -91,15 +154,44 @@ def plan(
         params=layouts,
         styles=styles,
         units=units,
-        collectives=estimate_collectives(layouts, units, active_data, options)
-        + estimate_tp_collectives(
-            styles,
-            layouts,
-            tp_axis,
-            options,
-            sequence_parallel=sequence_parallel,
-            data_parallel=bool(active_data),
-        ),
-        memory=estimate_memory(layouts, options),
+        collectives=collectives,
+        memory=memory,
+        pipeline=pipeline_plan,
         notes=tuple(notes),
     )
+
+
+def _batch_size(
+    mesh: Mesh,
+    rules: Rules,
+    microbatches: int,
+    batch_size: int | None,
+    global_batch: int | None,
+    pipeline: Pipeline | None,
+) -> int | None:
+    """Sequences per micro-batch per data-parallel rank, from ``global_batch`` when given."""
+    if global_batch is None:
+        return batch_size
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise PlanError(f"global_batch={global_batch!r} must be a positive integer.")
+    data_ranks = 1
+    for axis in rules.fsdp:
+        data_ranks *= mesh.size(axis) if axis in mesh.axis_names else 1
+    per_step = data_ranks * microbatches
+    if global_batch % per_step:
+        what = "pipeline micro-batches" if pipeline is not None else "micro-batches"
+        raise PlanError(
+            f"global_batch={global_batch} does not split into {data_ranks} data-parallel ranks × "
+            f"{microbatches} {what} on mesh {mesh}: each micro-batch needs a whole number of "
+            f"sequences. Use a multiple of {per_step} (e.g. {per_step * max(1, global_batch // per_step)})"
+            f" or change microbatches.",
+            mesh=mesh,
+        )
+    derived = global_batch // per_step
+    if batch_size is not None and batch_size != derived:
+        raise PlanError(
+            f"batch_size={batch_size} (sequences per micro-batch per data-parallel rank) "
+            f"disagrees with global_batch={global_batch} / ({data_ranks} ranks × {microbatches} "
+            f"micro-batches) = {derived}; give one of them."
+        )
+    return derived

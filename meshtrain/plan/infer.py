@@ -40,14 +40,22 @@ _ELEMENT_BYTES = 4  # fp32 master parameters
 
 
 def infer_axes(
-    resolution: Resolution, data_axes: Sequence[str]
+    resolution: Resolution, data_axes: Sequence[str], pipeline_axis: str | None = None
 ) -> tuple[tuple[str, ...], str | None]:
     """The data axes (checked) and the one tensor-parallel axis the specs use (or ``None``).
 
-    Every mesh axis larger than 1 must have a job: a data axis, or an axis some spec shards over.
+    Every mesh axis larger than 1 must have a job: a data axis, the pipeline axis, or an axis
+    some spec shards over.
     """
     mesh = resolution.mesh
     data = tuple(data_axes)
+    if pipeline_axis is not None and pipeline_axis in data:
+        raise PlanError(
+            f"axis '{pipeline_axis}' is the pipeline axis and a data axis (fsdp={data!r}) on mesh "
+            f"{mesh}; stages along it hold different layers, so it cannot also split the batch. "
+            "Use separate axes, e.g. mt.make_mesh(pp=2, dp=-1).",
+            mesh=mesh,
+        )
     if len(data) > 2:
         raise PlanError(
             f"fsdp={data!r} names {len(data)} data axes on mesh {mesh}; give one (FSDP) or two "
@@ -58,6 +66,14 @@ def infer_axes(
     for param in resolution.params:
         for axis in param.spec.axes:
             used.setdefault(axis, param.fqn)
+    if pipeline_axis in used:
+        raise PlanError(
+            f"parameter '{used[pipeline_axis]}' is sharded over the pipeline axis "
+            f"'{pipeline_axis}' on mesh {mesh}; pipeline ranks hold different stages, not shards "
+            "of one parameter. Shard over another axis.",
+            fqn=used[pipeline_axis],
+            mesh=mesh,
+        )
     for axis in data:
         if axis in used:
             raise PlanError(
@@ -78,13 +94,14 @@ def infer_axes(
     idle = [
         axis
         for axis, size in zip(mesh.axis_names, mesh.axis_sizes)
-        if size > 1 and axis not in data and axis not in used
+        if size > 1 and axis not in data and axis not in used and axis != pipeline_axis
     ]
     if idle:
         raise PlanError(
             f"mesh axis '{idle[0]}' (size {mesh.size(idle[0])}) of mesh {mesh} is neither a data "
             f"axis (fsdp={data!r}) nor used by any parameter spec, so its ranks would repeat the "
-            f"same work. Add it to fsdp (e.g. Rules(..., fsdp='{idle[0]}')) or shard parameters over it.",
+            f"same work. Add it to fsdp (e.g. Rules(..., fsdp='{idle[0]}')), shard parameters "
+            f"over it, or lay a pipeline along it (pipeline=mt.Pipeline(axis='{idle[0]}')).",
             mesh=mesh,
         )
     return data, (tp_axes[0] if tp_axes else None)

@@ -95,6 +95,67 @@ class Memory:
 
 
 @dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage: where it runs, the module and parameter FQNs it keeps, and the most
+    micro-batches whose activations it holds at once under the schedule (with their estimated
+    bytes: 0 when the plan has no ``batch_size``/``seq_len``)."""
+
+    index: int
+    rank: int
+    modules: tuple[str, ...]
+    params: tuple[str, ...]
+    in_flight: int
+    activation_bytes: int
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """A pipeline's layout and costs: stages in order, the schedule's bubble fraction (idle share
+    of rank time with forward 1, backward 2 time units) and the point-to-point traffic of one step
+    between neighbouring pipeline ranks (activations forward, their gradients backward)."""
+
+    axis: str
+    schedule: str
+    microbatches: int
+    stages_per_rank: int
+    split: str | tuple[str, ...]
+    stages: tuple[StagePlan, ...]
+    bubble_fraction: float
+    p2p_count: int
+    p2p_bytes: int
+    activation_width: int
+
+    def local_stages(self, pp_rank: int) -> tuple[StagePlan, ...]:
+        """The stages pipeline rank ``pp_rank`` runs, in stage order."""
+        return tuple(stage for stage in self.stages if stage.rank == pp_rank)
+
+    def explain_lines(self) -> list[str]:
+        """The pipeline section of ``Plan.explain()``."""
+        lines = [
+            f"pipeline over '{self.axis}': {self.schedule}, {len(self.stages)} stages "
+            f"({self.stages_per_rank} per rank), {self.microbatches} micro-batches per step, "
+            f"bubble fraction {self.bubble_fraction:.3f}",
+            "  stage  rank  params  in-flight  activations B  modules",
+        ]
+        for s in self.stages:
+            shown = (
+                ", ".join(s.modules)
+                if len(s.modules) <= 6
+                else (f"{', '.join(s.modules[:3])}, …, {', '.join(s.modules[-2:])}")
+            )
+            lines.append(
+                f"  {s.index:>5}  {s.rank:>4}  {len(s.params):>6}  {s.in_flight:>9}  "
+                f"{s.activation_bytes:>13,}  {shown}"
+            )
+        sized = "" if self.p2p_bytes else " (give batch_size and seq_len to size them)"
+        lines.append(
+            f"  point-to-point per step: {self.p2p_count} sends of {self.p2p_bytes:,} B in total"
+            f" (activations forward, their gradients backward){sized}"
+        )
+        return lines
+
+
+@dataclass(frozen=True)
 class Plan:
     """How a model trains on a mesh; ``mt.plan`` builds it, ``Plan.apply`` lowers it.
 
@@ -113,6 +174,7 @@ class Plan:
     memory: Memory
     sequence_parallel: bool = False
     activation_rules: tuple[tuple[str, AxisTarget], ...] = ()
+    pipeline: PipelinePlan | None = None
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -177,6 +239,8 @@ class Plan:
             f"  {c.kind:<14} {c.axis:<8} {c.count:>4} × {c.bytes:>12,} B  {c.why}"
             for c in self.collectives
         ] or ["  none"]
+        if self.pipeline is not None:
+            lines += ["", *self.pipeline.explain_lines()]
         if self.notes:
             lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
@@ -216,8 +280,25 @@ class Plan:
                 (name, tuple(target) if isinstance(target, list) else target)
                 for name, target in data["activation_rules"]
             ),
+            pipeline=_pipeline_from_data(data["pipeline"]),
             notes=tuple(data["notes"]),
         )
+
+
+def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
+    if data is None:
+        return None
+    split = data["split"]
+    return PipelinePlan(
+        **{
+            **data,
+            "split": split if isinstance(split, str) else tuple(split),
+            "stages": tuple(
+                StagePlan(**{**s, "modules": tuple(s["modules"]), "params": tuple(s["params"])})
+                for s in data["stages"]
+            ),
+        }
+    )
 
 
 def _to_data(plan: Plan) -> dict[str, Any]:
@@ -244,5 +325,15 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "units": [{"fqn": u.fqn, "params": list(u.params)} for u in plan.units],
         "collectives": [vars(c) for c in plan.collectives],
         "memory": vars(plan.memory),
+        "pipeline": None if plan.pipeline is None else _pipeline_data(plan.pipeline),
         "notes": list(plan.notes),
     }
+
+
+def _pipeline_data(pipeline: PipelinePlan) -> dict[str, Any]:
+    data = vars(pipeline).copy()
+    data["split"] = pipeline.split if isinstance(pipeline.split, str) else list(pipeline.split)
+    data["stages"] = [
+        {**vars(s), "modules": list(s.modules), "params": list(s.params)} for s in pipeline.stages
+    ]
+    return data

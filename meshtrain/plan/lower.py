@@ -63,6 +63,17 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module:
             f"cannot apply a plan on the abstract mesh {plan.mesh}: build the mesh with "
             "mt.make_mesh(...) under the launcher (without abstract=True), then plan again."
         )
+    if plan.pipeline is not None:
+        from meshtrain.plan.lower_pipeline import apply_pipeline
+
+        return apply_pipeline(plan, model)
+    return parallelize(plan, model)
+
+
+def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
+    """Tensor parallel, then data parallel, then the scope ``mt.constrain`` reads (no pipeline)."""
+    device_mesh = plan.mesh.device_mesh
+    assert device_mesh is not None
     if plan.tp_axis is not None:  # only set when its size is > 1
         _apply_tensor_parallel(plan, model, device_mesh[plan.tp_axis])
     if plan.data_axes:
@@ -271,6 +282,11 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     gathered between micro-batches; zero 2 and 3 reduce every micro-batch so gradients stay
     sharded. Wrap each micro-batch's forward and backward in this context.
     """
+    if plan.pipeline is not None:
+        raise PlanError(
+            "a pipelined plan runs its micro-batches inside the schedule: call "
+            "model.step(inputs, targets) on what plan.apply returned instead of plan.micro_batch."
+        )
     sync = getattr(model, "_meshtrain_partial_grads", None)
     if isinstance(sync, _PartialGradSync):
         sync.enabled = last

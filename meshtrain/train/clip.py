@@ -7,6 +7,7 @@ and each group is all-reduced only over its sharded axes: replicated copies are 
 Example (on every rank, after backward)::
 
     norm = clip_grad_norm_(model.parameters(), max_norm=1.0)
+    norm = clip_grad_norm_(pipelined.parameters(), max_norm=1.0, plan=plan)  # pipelined plan
 """
 
 from __future__ import annotations
@@ -17,11 +18,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
+from meshtrain.plan.ir import Plan
 from meshtrain.spec.placements import is_sharded
 
 
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
-    """The L2 norm of all gradients, as one device would compute it (on every rank)."""
+def global_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], *, plan: Plan | None = None
+) -> torch.Tensor:
+    """The L2 norm of all gradients, as one device would compute it (on every rank).
+
+    Under a pipelined ``plan`` each rank holds some stages' parameters only: the squares are
+    summed over the pipeline axis as well.
+    """
     groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
     plain = torch.zeros((), dtype=torch.float64)
     for param in parameters:
@@ -42,14 +50,21 @@ def global_grad_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor:
         for dim in sharded:
             dist.all_reduce(squares, group=mesh.get_group(dim))  # type: ignore[attr-defined]
         total = total + squares
+    if plan is not None and plan.pipeline is not None and plan.mesh.device_mesh is not None:
+        dist.all_reduce(total, group=plan.mesh.device_mesh.get_group(plan.pipeline.axis))
     return total.sqrt().float()
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Scale gradients so their global norm is at most ``max_norm``; return the norm before."""
+def clip_grad_norm_(
+    parameters: Iterable[torch.nn.Parameter], max_norm: float, *, plan: Plan | None = None
+) -> torch.Tensor:
+    """Scale gradients so their global norm is at most ``max_norm``; return the norm before.
+
+    Pass the ``plan`` when it is pipelined, so the norm covers every stage.
+    """
     params = [p for p in parameters if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, plan=plan)
     scale = min(1.0, max_norm / (norm.item() + 1e-6))
     for param in params:
         assert param.grad is not None

@@ -1,0 +1,402 @@
+"""Pipeline parallelism, planned: which stages run where, in which schedule, at what cost — pure.
+
+A :class:`Pipeline` names the mesh axis the stages are laid along, one of the schedules of
+``torch.distributed.pipelining``, the micro-batches per step, the (virtual) stages per rank and
+the split. :func:`plan_pipeline` checks it against the model and mesh and returns the
+:class:`~meshtrain.plan.ir.PipelinePlan`: stage → rank assignment, per-stage memory, the
+schedule's bubble fraction and the point-to-point traffic per step. Nothing here issues a
+collective; the schedule's own action order (what every rank runs, in torch's code) is built
+from stand-in stage descriptions, so its validation and its timing are torch's, not a copy.
+
+==========================  ================  ==========================================
+schedule                    stages per rank   stage → rank
+==========================  ================  ==========================================
+``GPipe``, ``1F1B``         1                 stage *s* on rank *s*
+``Interleaved1F1B``,        ≥ 1 (``v``)       looped: stage *s* on rank *s mod P*
+``LoopedBFS``,
+``InterleavedZeroBubble``
+``ZBVZeroBubble``,          2                 V: rank *r* holds stages *r* and *2P−1−r*
+``DualPipeV``
+==========================  ================  ==========================================
+
+Example:
+    >>> import meshtrain as mt
+    >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
+    >>> model = build_llama(LlamaConfig.preset("debug", n_layers=4), device="meta")
+    >>> mesh = mt.make_mesh(pp=2, dp=2, tp=1, world_size=4, abstract=True)
+    >>> plan = mt.plan(model, mesh, default_rules(), pipeline=Pipeline(microbatches=4))
+    >>> [(s.index, s.rank, s.modules) for s in plan.pipeline.stages]
+    [(0, 0, ('tok_embeddings', 'layers.0', 'layers.1')), (1, 1, ('layers.2', 'layers.3', 'norm', 'output'))]
+    >>> round(plan.pipeline.bubble_fraction, 3)  # (P-1)/(M+P-1) for 1F1B
+    0.2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.plan.ir import PipelinePlan, StagePlan
+from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.stages import split_stages
+from meshtrain.spec.errors import PlanError
+from meshtrain.spec.mesh import Mesh
+
+# name → (stage → rank style, splits backward into input and weight gradients)
+_SCHEDULES: dict[str, tuple[str, bool]] = {
+    "GPipe": ("single", False),
+    "1F1B": ("single", False),
+    "Interleaved1F1B": ("loop", False),
+    "LoopedBFS": ("loop", False),
+    "InterleavedZeroBubble": ("loop", True),
+    "ZBVZeroBubble": ("v", True),
+    "DualPipeV": ("v", True),
+}
+SCHEDULES = tuple(_SCHEDULES)
+# Relative cost of the schedule's actions for the bubble estimate: forward 1, full backward 2,
+# its input- and weight-gradient halves 1 each (an overlapped forward+backward: the sum).
+_COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What a pipeline-parallel plan asks for (checked against the model and mesh by ``mt.plan``).
+
+    ``microbatches`` splits each data-parallel rank's batch per step (it is the gradient
+    accumulation of a pipelined plan); ``None`` means one per stage. ``split`` is ``"auto"``
+    (balanced by parameter count, embedding and head included) or the FQNs of the first block of
+    every stage after the first.
+
+    Example:
+        >>> Pipeline(schedule="interleaved1f1b", stages_per_rank=2).schedule
+        'Interleaved1F1B'
+    """
+
+    axis: str = "pp"
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+    split: str | tuple[str, ...] = "auto"
+
+    def __post_init__(self) -> None:
+        names = {name.lower(): name for name in _SCHEDULES}
+        if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
+            raise PlanError(
+                f"pipeline schedule {self.schedule!r} is unknown; use one of {list(_SCHEDULES)} "
+                "(torch.distributed.pipelining's schedules)."
+            )
+        object.__setattr__(self, "schedule", names[self.schedule.lower()])
+        if not isinstance(self.split, str):
+            object.__setattr__(self, "split", tuple(self.split))
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is None and name == "microbatches":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"Pipeline({name}={value!r}): give a positive integer.")
+        style = _SCHEDULES[self.schedule][0]
+        if style == "single" and self.stages_per_rank != 1:
+            raise PlanError(
+                f"schedule {self.schedule!r} runs one stage per rank, but stages_per_rank="
+                f"{self.stages_per_rank}; use stages_per_rank=1, or a multi-stage schedule "
+                "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."
+            )
+        if style == "v" and self.stages_per_rank != 2:
+            raise PlanError(
+                f"schedule {self.schedule!r} places two stages per rank in a V (rank r holds "
+                f"stages r and 2P-1-r), but stages_per_rank={self.stages_per_rank}; use "
+                "stages_per_rank=2."
+            )
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs input- and weight-gradient halves of backward separately."""
+        return _SCHEDULES[self.schedule][1]
+
+
+def stage_ranks(schedule: str, pp_size: int, stages_per_rank: int) -> tuple[int, ...]:
+    """Pipeline rank of every stage, as the schedule places them (see the module table)."""
+    n_stages = pp_size * stages_per_rank
+    if _SCHEDULES[schedule][0] == "v":
+        return tuple(s if s < pp_size else n_stages - 1 - s for s in range(n_stages))
+    return tuple(s % pp_size for s in range(n_stages))
+
+
+def plan_pipeline(
+    model: nn.Module,
+    mesh: Mesh,
+    pipeline: Pipeline,
+    options: PlanOptions,
+    *,
+    seq_shards: int = 1,
+) -> PipelinePlan:
+    """Check ``pipeline`` against ``model`` and ``mesh`` and lay it out (see the module docstring).
+
+    ``options.microbatches`` must already be the pipeline's; ``seq_shards`` is how many ways the
+    activations crossing stages are split along the sequence (the tensor-parallel size under
+    sequence parallelism).
+    """
+    axis = pipeline.axis
+    if axis not in mesh.axis_names:
+        raise PlanError(
+            f"pipeline axis '{axis}' is not an axis of mesh {mesh}; add it "
+            f"(mt.make_mesh({axis}=2, ...)) or name an existing axis in Pipeline(axis=...).",
+            mesh=mesh,
+        )
+    pp_size = mesh.size(axis)
+    if pp_size < 2:
+        raise PlanError(
+            f"pipeline axis '{axis}' has size {pp_size} on mesh {mesh}: schedule "
+            f"{pipeline.schedule!r} needs at least 2 pipeline ranks (with one, every stage runs on "
+            f"the same rank and the schedule only adds bubbles). Make '{axis}' ≥ 2 or drop "
+            "pipeline=.",
+            mesh=mesh,
+        )
+    n_stages = pp_size * pipeline.stages_per_rank
+    micro = options.microbatches
+    order = schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank)
+    stages = split_stages(model, n_stages, split=pipeline.split)
+    _check_tied_weights(model, stages)
+    ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
+    in_flight = _peak_in_flight(order, n_stages)
+    width = _hidden_width(model)
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    act_bytes = getattr(torch, options.param_dtype).itemsize
+    boundary = tokens // seq_shards * width * act_bytes
+    block_bytes = 34 * boundary // 2  # Korthikanti et al.: 34·s·b·h bytes at 2-byte activations
+    owner = _param_owner(model, stages)
+    stage_plans = tuple(
+        StagePlan(
+            index=stage.index,
+            rank=ranks[stage.index],
+            modules=stage.modules,
+            params=tuple(fqn for fqn, index in owner.items() if index == stage.index),
+            in_flight=in_flight[stage.index],
+            activation_bytes=in_flight[stage.index] * len(stage.blocks) * block_bytes,
+        )
+        for stage in stages
+    )
+    crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
+    return PipelinePlan(
+        axis=axis,
+        schedule=pipeline.schedule,
+        microbatches=micro,
+        stages_per_rank=pipeline.stages_per_rank,
+        split=pipeline.split,
+        stages=stage_plans,
+        bubble_fraction=_bubble_fraction(order, n_stages),
+        p2p_count=2 * micro * crossings,
+        p2p_bytes=2 * micro * crossings * boundary,
+        activation_width=width,
+    )
+
+
+class _StandIn:
+    """What a schedule's constructor reads from its stages, without a module or process group."""
+
+    def __init__(self, index: int, n_stages: int, pp_size: int) -> None:
+        self.stage_index, self.num_stages = index, n_stages
+        self.group_rank, self.group_size = 0, pp_size
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.submod = None
+        self.has_backward = False
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+Part = tuple[str, int, int]  # (kind F/B/I/W, stage, micro-batch)
+
+
+def schedule_order(
+    schedule: str, pp_size: int, microbatches: int, stages_per_rank: int
+) -> dict[int, list[tuple[Part, ...]]]:
+    """Per pipeline rank, the compute actions the schedule runs in order (an overlapped
+    forward+backward is one action of two parts), or a PlanError when torch rejects the setup.
+
+    Multi-stage schedules run torch's own action order (built from stand-in stages); the
+    single-stage ones (GPipe, 1F1B) follow their fixed loops.
+    """
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    cls = get_schedule_class(schedule)
+    n_stages = pp_size * stages_per_rank
+    single = issubclass(cls, PipelineScheduleSingle)
+    stand_ins: Any = (
+        _StandIn(0, n_stages, pp_size)
+        if single
+        else [_StandIn(i, n_stages, pp_size) for i in range(stages_per_rank)]
+    )
+    try:
+        instance = cls(stand_ins, microbatches)
+    except ValueError as err:
+        raise PlanError(
+            f"schedule {schedule!r} with {pp_size} pipeline ranks × {stages_per_rank} stages per "
+            f"rank ({n_stages} stages) cannot run microbatches={microbatches}: {err} "
+            f"{_microbatch_fix(schedule, pp_size, n_stages)}"
+        ) from None
+    if single:
+        return {
+            rank: _single_order(schedule, rank, pp_size, microbatches) for rank in range(pp_size)
+        }
+    order: dict[int, list[tuple[Part, ...]]] = {}
+    for rank, actions in instance.pipeline_order.items():
+        order[rank] = [
+            tuple(
+                (part.computation_type.value, part.stage_index, part.microbatch_index or 0)
+                for part in (action.sub_actions or (action,))
+            )
+            for action in actions
+            if action is not None and (action.sub_actions or action.computation_type.value in _COST)
+        ]
+    return order
+
+
+def _single_order(schedule: str, rank: int, pp_size: int, micro: int) -> list[tuple[Part, ...]]:
+    forwards = [(("F", rank, m),) for m in range(micro)]
+    backwards = [(("B", rank, m),) for m in range(micro)]
+    if schedule == "GPipe":
+        return forwards + backwards
+    warmup = min(micro, pp_size - rank)  # then one backward, one forward, ...
+    order = forwards[:warmup]
+    for m in range(micro):
+        order.append(backwards[m])
+        if warmup + m < micro:
+            order.append(forwards[warmup + m])
+    return order
+
+
+def _microbatch_fix(schedule: str, pp_size: int, n_stages: int) -> str:
+    if schedule in ("1F1B", "DualPipeV"):
+        return f"Use microbatches ≥ {n_stages} (one per stage at least)."
+    return f"Use a multiple of {pp_size} micro-batches (the pipeline size)."
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One entry of a rank's action order: its cost, what it completes and what it waits for."""
+
+    cost: int
+    completes: tuple[tuple[str, int, int], ...]
+    needs: tuple[tuple[str, int, int], ...]
+
+
+def _tasks(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> dict[int, list[_Task]]:
+    """Actions per rank as tasks; "I"/"W" stand for the input-/weight-gradient halves (a full
+    backward completes both)."""
+    result: dict[int, list[_Task]] = {}
+    for rank, actions in order.items():
+        tasks = []
+        for parts in actions:
+            completes: list[Part] = []
+            needs: list[Part] = []
+            for kind, stage, micro in parts:
+                if kind == "F":
+                    completes.append(("F", stage, micro))
+                    needs += [("F", stage - 1, micro)] if stage > 0 else []
+                elif kind in ("B", "I"):
+                    completes += [("I", stage, micro)] + (
+                        [("W", stage, micro)] if kind == "B" else []
+                    )
+                    needs.append(("F", stage, micro))
+                    needs += [("I", stage + 1, micro)] if stage < n_stages - 1 else []
+                else:
+                    completes.append(("W", stage, micro))
+                    needs.append(("I", stage, micro))
+            own = set(completes)
+            cost = sum(_COST[kind] for kind, _, _ in parts)
+            tasks.append(_Task(cost, tuple(completes), tuple(n for n in needs if n not in own)))
+        result[rank] = tasks
+    return result
+
+
+def _bubble_fraction(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> float:
+    """Idle share of the ranks' time when every rank runs torch's action order with unit costs.
+
+    Forward 1, full backward 2 (its input/weight halves 1 each), overlapped forward+backward 3,
+    communication free: for GPipe and 1F1B this gives (P−1)/(M+P−1).
+    """
+    tasks = _tasks(order, n_stages)
+    done: dict[tuple[str, int, int], int] = {}
+    clock = dict.fromkeys(tasks, 0)
+    position = dict.fromkeys(tasks, 0)
+    remaining = sum(len(queue) for queue in tasks.values())
+    while remaining:
+        progressed = False
+        for rank, queue in tasks.items():
+            while position[rank] < len(queue):
+                task = queue[position[rank]]
+                if any(need not in done for need in task.needs):
+                    break
+                clock[rank] = max([clock[rank], *(done[n] for n in task.needs)]) + task.cost
+                done.update(dict.fromkeys(task.completes, clock[rank]))
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PlanError("the schedule's action order deadlocks in simulation.")
+    busy = sum(task.cost for queue in tasks.values() for task in queue)
+    makespan = max(clock.values())
+    return 1.0 - busy / (len(tasks) * makespan) if makespan else 0.0
+
+
+def _peak_in_flight(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> list[int]:
+    """Per stage, the most micro-batches whose activations it holds at once (forward done,
+    weight gradient not yet)."""
+    peak = [0] * n_stages
+    for queue in _tasks(order, n_stages).values():
+        live = [0] * n_stages
+        for task in queue:
+            for kind, stage, _ in task.completes:
+                if kind == "F":
+                    live[stage] += 1
+                    peak[stage] = max(peak[stage], live[stage])
+                elif kind == "W":
+                    live[stage] -= 1
+    return peak
+
+
+def _check_tied_weights(model: nn.Module, stages: Sequence[Any]) -> None:
+    stage_of = {fqn: stage.index for stage in stages for fqn in stage.modules}
+    seen: dict[int, tuple[str, int]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        unit = _unit_of(fqn, stage_of)
+        if id(param) in seen and seen[id(param)][1] != stage_of[unit]:
+            first, index = seen[id(param)]
+            raise PlanError(
+                f"parameter '{fqn}' is the same tensor as '{first}' (tied weights), but the "
+                f"pipeline puts them on stages {index} and {stage_of[unit]}: tied weights across "
+                "stages would need their gradients summed between stages. Untie them, or keep "
+                "both modules on one stage (split=...).",
+                fqn=fqn,
+            )
+        seen.setdefault(id(param), (fqn, stage_of[unit]))
+
+
+def _unit_of(fqn: str, stage_of: dict[str, int]) -> str:
+    parts = fqn.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in stage_of:
+            return prefix
+    raise PlanError(
+        f"parameter '{fqn}' belongs to no pipeline stage: pipelining keeps the root's "
+        "parameterised children and the repeated blocks; move root-level parameters into a "
+        "submodule.",
+        fqn=fqn,
+    )
+
+
+def _param_owner(model: nn.Module, stages: Sequence[Any]) -> dict[str, int]:
+    stage_of = {fqn: stage.index for stage in stages for fqn in stage.modules}
+    return {fqn: stage_of[_unit_of(fqn, stage_of)] for fqn, _ in model.named_parameters()}
+
+
+def _hidden_width(model: nn.Module) -> int:
+    """Width of the activations between blocks: the first embedding's dim (0 when none)."""
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            return module.embedding_dim
+    return 0

@@ -1,0 +1,133 @@
+"""Every pipeline schedule, alone and composed with FSDP and TP, trains like one device (tier 2).
+
+Contract (fp32, reduction order only) as in ``test_equivalence_spmd``: loss per step, the global
+gradient norm (over every stage) and SGD parameters within 1e-6 relative to each tensor's largest
+magnitude; clipped gradients and momentum within 2e-6.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from helpers import full, mesh_for, rel
+
+import meshtrain as mt
+from meshtrain import Rules
+from meshtrain.models import LlamaConfig, build_llama, default_rules
+from meshtrain.testing.runner import get_pool
+from meshtrain.train import clip_grad_norm_
+
+pytestmark = pytest.mark.spmd
+
+LR = 0.1
+STEPS = 3
+TIGHT = 1e-6
+MAX_NORM = 0.5
+
+
+@dataclass(frozen=True)
+class Case:
+    axes: tuple[tuple[str, int], ...]
+    schedule: str
+    stages_per_rank: int = 1
+    microbatches: int = 4
+    zero: int = 3
+    sequence_parallel: bool = False
+
+    @property
+    def world(self) -> int:
+        size = 1
+        for _, n in self.axes:
+            size *= n
+        return size
+
+
+def train_both(case: Case) -> dict[str, float]:
+    mesh = mesh_for(case.axes)
+    axes = dict(case.axes)
+    model = build_llama(LlamaConfig.preset("debug", n_layers=8), seed=0)
+    reference = copy.deepcopy(model)
+    logical = default_rules(sequence_parallel=case.sequence_parallel).logical
+    rules = Rules(logical=logical, fsdp=("dp",) if "dp" in axes else ())
+    plan = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=case.zero,
+        optimizer="sgd",
+        pipeline=mt.Pipeline(
+            schedule=case.schedule,
+            microbatches=case.microbatches,
+            stages_per_rank=case.stages_per_rank,
+        ),
+    )
+    pipelined = plan.apply(model)
+    optimizer = torch.optim.SGD(pipelined.parameters(), lr=LR, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    dp_ranks = axes.get("dp", 1)
+    dp_index = mesh.coordinates(dist.get_rank()).get("dp", 0)
+    per_rank = case.microbatches * 2
+    generator = torch.Generator().manual_seed(1234)
+    worst = {"loss": 0.0, "norm": 0.0, "grads": 0.0, "params": 0.0, "states": 0.0, "clipped": 0.0}
+    ref_params = dict(reference.named_parameters())
+    for _ in range(STEPS):
+        tokens = torch.randint(0, 256, (dp_ranks * per_rank, 17), generator=generator)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=MAX_NORM)
+        worst["clipped"] = max(worst["clipped"], float(ref_norm > MAX_NORM))
+        mine = slice(dp_index * per_rank, (dp_index + 1) * per_rank)
+        loss = pipelined.step(inputs[mine], targets[mine])
+        norm = clip_grad_norm_(pipelined.parameters(), max_norm=MAX_NORM, plan=plan)
+        worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()) / ref_loss.item())
+        worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for fqn, param in pipelined.named_parameters():
+            worst["grads"] = max(worst["grads"], rel(full(param.grad), ref_params[fqn].grad))
+        optimizer.step()
+        ref_optimizer.step()
+        optimizer.zero_grad()
+        ref_optimizer.zero_grad()
+    for fqn, param in pipelined.named_parameters():
+        worst["params"] = max(worst["params"], rel(full(param.detach()), ref_params[fqn].detach()))
+        state = optimizer.state[param]["momentum_buffer"]
+        ref_state = ref_optimizer.state[ref_params[fqn]]["momentum_buffer"]
+        worst["states"] = max(worst["states"], rel(full(state), ref_state))
+    return worst
+
+
+SCHEDULES = {
+    "GPipe": 1,
+    "1F1B": 1,
+    "Interleaved1F1B": 2,
+    "LoopedBFS": 2,
+    "InterleavedZeroBubble": 2,
+    "ZBVZeroBubble": 2,
+    "DualPipeV": 2,
+}
+COMPOSITIONS = {
+    "pp": (("pp", 2), ("dp", 1), ("tp", 1)),
+    "pp-fsdp": (("pp", 2), ("dp", 2), ("tp", 1)),
+    "pp-tp": (("pp", 2), ("dp", 1), ("tp", 2)),
+    "pp-fsdp-tp": (("pp", 2), ("dp", 2), ("tp", 2)),
+}
+
+
+@pytest.mark.parametrize("composition", list(COMPOSITIONS))
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_schedule_trains_like_one_device(schedule: str, composition: str) -> None:
+    case = Case(COMPOSITIONS[composition], schedule, SCHEDULES[schedule])
+    results = get_pool(case.world).run(train_both, case, _timeout_s=300.0)
+    worst = {key: max(r[key] for r in results) for key in results[0]}
+    print(schedule, composition, worst)
+    assert worst["clipped"] == 1.0, f"clipping never triggered: {worst}"
+    assert worst["loss"] <= TIGHT, worst
+    assert worst["norm"] <= TIGHT, worst
+    assert worst["grads"] <= 2 * TIGHT, worst
+    assert worst["states"] <= 2 * TIGHT, worst
+    assert worst["params"] <= TIGHT, worst
