@@ -120,7 +120,14 @@ def plan(
     pipeline_plan = None
     if pipeline is not None:
         seq_shards = mesh.size(tp_axis) if sequence_parallel and tp_axis is not None else 1
-        pipeline_plan = plan_pipeline(model, mesh, pipeline, options, seq_shards=seq_shards)
+        pipeline_plan = plan_pipeline(
+            model,
+            mesh,
+            pipeline,
+            options,
+            seq_shards=seq_shards,
+            resharded=bool(active_data) and zero == 3,
+        )
         by_fqn = {layout.fqn: layout for layout in layouts}
         memory = max(
             (

@@ -137,7 +137,9 @@ class PipelinedModel:
         syncs = [
             sync
             for module in self.modules
-            if isinstance(sync := getattr(module, "_meshtrain_partial_grads", None), _PartialGradSync)
+            if isinstance(
+                sync := getattr(module, "_meshtrain_partial_grads", None), _PartialGradSync
+            )
         ]
         for sync in syncs:
             sync.enabled = False
@@ -145,7 +147,9 @@ class PipelinedModel:
         if syncs:
             for param in self.parameters():
                 grad = param.grad
-                if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+                if isinstance(grad, DTensor) and any(
+                    isinstance(p, Partial) for p in grad.placements
+                ):
                     param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
 
 

@@ -133,14 +133,24 @@ def plan_pipeline(
     options: PlanOptions,
     *,
     seq_shards: int = 1,
+    resharded: bool = False,
 ) -> PipelinePlan:
     """Check ``pipeline`` against ``model`` and ``mesh`` and lay it out (see the module docstring).
 
     ``options.microbatches`` must already be the pipeline's; ``seq_shards`` is how many ways the
     activations crossing stages are split along the sequence (the tensor-parallel size under
-    sequence parallelism).
+    sequence parallelism). ``resharded``: FSDP reshards parameters after forward (zero=3).
     """
     axis = pipeline.axis
+    if resharded and pipeline.splits_backward:
+        raise PlanError(
+            f"zero=3 with schedule {pipeline.schedule!r}: the schedule splits backward into "
+            "input- and weight-gradient passes, and with parameters resharded after forward "
+            "torch 2.13's FSDP2 frees them between the two, so the last stage's weight gradients "
+            "are lost. Use zero=2 (parameters stay gathered from forward to backward, the usual "
+            "choice under pipelining) or a schedule without split backward (GPipe, 1F1B, "
+            "Interleaved1F1B, LoopedBFS)."
+        )
     if axis not in mesh.axis_names:
         raise PlanError(
             f"pipeline axis '{axis}' is not an axis of mesh {mesh}; add it "
