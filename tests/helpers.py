@@ -30,6 +30,28 @@ class TiedMLP(nn.Module):
         return self.head(h)
 
 
+class StackedMLP(nn.Module):
+    """Embedding, a ``ModuleList`` of residual MLP blocks with biases, a LayerNorm and an untied
+    head with a bias. Any unit may be ``None`` (a pipeline stage without it)."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.embed: nn.Embedding | None = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+            for _ in range(n_blocks)
+        )
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(dim)
+        self.head: nn.Linear | None = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for block in self.blocks:
+            h = h + block(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
 @functools.cache
 def mesh_for(axes: tuple[tuple[str, int], ...]) -> Mesh:
     """One mesh per layout per rank process (building a DeviceMesh creates process groups)."""

@@ -14,10 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import full, mesh_for, rel
+from helpers import StackedMLP, full, mesh_for, rel
+from torch import nn
 
 import meshtrain as mt
-from meshtrain import Rules
+from meshtrain import P, Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import clip_grad_norm_
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.spmd
 LR = 0.1
 STEPS = 3
 TIGHT = 1e-6
-MAX_NORM = 0.5
+MAX_NORM = {"llama": 0.5, "mlp": 0.02}  # below every step's gradient norm (asserted)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Case:
     microbatches: int = 4
     zero: int = 3
     sequence_parallel: bool = False
+    model: str = "llama"
 
     @property
     def world(self) -> int:
@@ -47,13 +49,29 @@ class Case:
         return size
 
 
+def _build(case: Case) -> tuple[nn.Module, Rules, int]:
+    fsdp = ("dp",) if "dp" in dict(case.axes) else ()
+    if case.model == "mlp":
+        torch.manual_seed(0)
+        rules = Rules(
+            {
+                r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
+                r"blocks\.\d+\.2\.weight": P(None, "tp"),
+                r".*": P(),
+            },
+            fsdp=fsdp,
+        )
+        return StackedMLP(n_blocks=4), rules, 64
+    model = build_llama(LlamaConfig.preset("debug", n_layers=8), seed=0)
+    logical = default_rules(sequence_parallel=case.sequence_parallel).logical
+    return model, Rules(logical=logical, fsdp=fsdp), 256
+
+
 def train_both(case: Case) -> dict[str, float]:
     mesh = mesh_for(case.axes)
     axes = dict(case.axes)
-    model = build_llama(LlamaConfig.preset("debug", n_layers=8), seed=0)
+    model, rules, vocab = _build(case)
     reference = copy.deepcopy(model)
-    logical = default_rules(sequence_parallel=case.sequence_parallel).logical
-    rules = Rules(logical=logical, fsdp=("dp",) if "dp" in axes else ())
     plan = mt.plan(
         model,
         mesh,
@@ -76,15 +94,17 @@ def train_both(case: Case) -> dict[str, float]:
     worst = {"loss": 0.0, "norm": 0.0, "grads": 0.0, "params": 0.0, "states": 0.0, "clipped": 0.0}
     ref_params = dict(reference.named_parameters())
     for _ in range(STEPS):
-        tokens = torch.randint(0, 256, (dp_ranks * per_rank, 17), generator=generator)
+        tokens = torch.randint(0, vocab, (dp_ranks * per_rank, 17), generator=generator)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
         ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=MAX_NORM)
-        worst["clipped"] = max(worst["clipped"], float(ref_norm > MAX_NORM))
+        ref_norm = torch.nn.utils.clip_grad_norm_(
+            reference.parameters(), max_norm=MAX_NORM[case.model]
+        )
+        worst["clipped"] = max(worst["clipped"], float(ref_norm > MAX_NORM[case.model]))
         mine = slice(dp_index * per_rank, (dp_index + 1) * per_rank)
         loss = pipelined.step(inputs[mine], targets[mine])
-        norm = clip_grad_norm_(pipelined.parameters(), max_norm=MAX_NORM, plan=plan)
+        norm = clip_grad_norm_(pipelined.parameters(), max_norm=MAX_NORM[case.model], plan=plan)
         worst["loss"] = max(worst["loss"], abs(loss.item() - ref_loss.item()) / ref_loss.item())
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
         for fqn, param in pipelined.named_parameters():
@@ -163,3 +183,15 @@ def test_zero_stages_under_a_pipeline(schedule: str, composition: str, zero: int
 @pytest.mark.parametrize("composition", ["pp-tp", "pp-fsdp-tp"])
 def test_sequence_parallel_under_a_pipeline(schedule: str, composition: str) -> None:
     _check(_case(schedule, composition, sequence_parallel=True))
+
+
+# The blocks end in a row-wise Linear whose local output is a view; FSDP2 warns that an in-place
+# op on it would skip the pre-backward hook. The model adds out of place (h = h + ...).
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+@pytest.mark.parametrize(
+    ("schedule", "composition"),
+    [("1F1B", "pp-fsdp"), ("Interleaved1F1B", "pp-tp"), ("ZBVZeroBubble", "pp-fsdp-tp")],
+)
+def test_a_model_with_a_module_list_pipelines(schedule: str, composition: str) -> None:
+    """Not meshtrain's model: blocks in an nn.ModuleList (kept under their original indices)."""
+    _check(_case(schedule, composition, model="mlp", microbatches=4))

@@ -29,7 +29,7 @@ from meshtrain.plan.infer import (
 )
 from meshtrain.plan.ir import Collective, Plan
 from meshtrain.plan.options import PlanOptions, Precision
-from meshtrain.plan.pipeline import Pipeline, plan_pipeline
+from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
 from meshtrain.spec.errors import PlanError
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
@@ -67,17 +67,14 @@ def plan(
     ranks × micro-batches; it fills in ``batch_size`` when that is not given.
     """
     if pipeline is not None:
+        check_pipeline_axis(mesh, pipeline)
         if microbatches not in (1, pipeline.microbatches):
             raise PlanError(
                 f"microbatches={microbatches} and Pipeline(microbatches={pipeline.microbatches}) "
                 "disagree: a pipelined plan accumulates over its pipeline micro-batches. Give "
                 "them once, in Pipeline(microbatches=...)."
             )
-        n_stages = (
-            mesh.size(pipeline.axis) * pipeline.stages_per_rank
-            if (pipeline.axis in mesh.axis_names)
-            else 1
-        )
+        n_stages = mesh.size(pipeline.axis) * pipeline.stages_per_rank
         microbatches = pipeline.microbatches or n_stages
     batch_size = _batch_size(mesh, rules, microbatches, batch_size, global_batch, pipeline)
     options = PlanOptions(

@@ -253,7 +253,7 @@ class Plan:
     def from_json(cls, text: str) -> Plan:
         """Inverse of :meth:`to_json` (the mesh comes back abstract)."""
         data = json.loads(text)
-        mesh_axes = data["mesh"]["axes"]
+        mesh_axes = dict(data["mesh"]["axes"])  # [name, size] pairs: JSON keeps their order
         return cls(
             mesh=Mesh(tuple(mesh_axes), tuple(mesh_axes.values()), data["mesh"]["device_type"]),
             options=PlanOptions(**data["options"]),
@@ -303,7 +303,10 @@ def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
 
 def _to_data(plan: Plan) -> dict[str, Any]:
     return {
-        "mesh": plan.mesh.to_json(),
+        "mesh": {
+            "axes": [[name, size] for name, size in plan.mesh.shape.items()],
+            "device_type": plan.mesh.device_type,
+        },
         "options": plan.options.to_json(),
         "data_axes": list(plan.data_axes),
         "tp_axis": plan.tp_axis,
