@@ -251,7 +251,7 @@ def test_bad_pipeline_options(kwargs: dict, message: str) -> None:
 def test_every_torch_schedule_is_offered() -> None:
     from torch.distributed.pipelining.schedules import get_schedule_class
 
-    assert SCHEDULES == (*SINGLE, *LOOPED, *V_SHAPED)
+    assert (*SINGLE, *LOOPED, *V_SHAPED) == SCHEDULES
     for name in SCHEDULES:
         get_schedule_class(name)
 

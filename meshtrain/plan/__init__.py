@@ -20,6 +20,7 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import SCHEDULES, Pipeline
 
 __all__ = [
+    "SCHEDULES",
     "Collective",
     "FSDPUnit",
     "Memory",
@@ -29,7 +30,6 @@ __all__ = [
     "PipelinePlan",
     "Plan",
     "PlanOptions",
-    "SCHEDULES",
     "StagePlan",
     "constrain",
     "plan",

@@ -50,8 +50,9 @@ from meshtrain.plan.ir import Plan
 from meshtrain.spec.errors import PlanError, format_shape
 
 
-def apply(plan: Plan, model: nn.Module) -> nn.Module:
-    """Parallelise ``model`` in place as ``plan`` says and return it.
+def apply(plan: Plan, model: nn.Module) -> Any:
+    """Parallelise ``model`` in place as ``plan`` says and return it (under a pipeline: this
+    rank's stages as a :class:`~meshtrain.plan.lower_pipeline.PipelinedModel`).
 
     ``model`` must hold its full, initialised weights on every rank (the same on all ranks), or be
     on the meta device (then call ``to_empty`` and initialise afterwards).

@@ -271,8 +271,8 @@ def schedule_order(
 
 
 def _single_order(schedule: str, rank: int, pp_size: int, micro: int) -> list[tuple[Part, ...]]:
-    forwards = [(("F", rank, m),) for m in range(micro)]
-    backwards = [(("B", rank, m),) for m in range(micro)]
+    forwards: list[tuple[Part, ...]] = [(("F", rank, m),) for m in range(micro)]
+    backwards: list[tuple[Part, ...]] = [(("B", rank, m),) for m in range(micro)]
     if schedule == "GPipe":
         return forwards + backwards
     warmup = min(micro, pp_size - rank)  # then one backward, one forward, ...
