@@ -138,6 +138,10 @@ def test_memory_is_the_busiest_pipeline_ranks() -> None:
     plan = pipelined("1F1B", pp=2, dp=2, zero=3)
     assert plan.memory.total < flat.memory.total
     assert plan.memory.total > flat.memory.total * 0.4
+    assert plan.pipeline is not None
+    per_rank = [sum(s.param_bytes for s in plan.pipeline.local_stages(r)) for r in (0, 1)]
+    assert plan.memory.params == max(per_rank)
+    assert sum(per_rank) == flat.memory.params
 
 
 def test_explain_and_json_round_trip() -> None:
@@ -275,3 +279,10 @@ def test_a_module_list_model_keeps_its_block_names() -> None:
     plan = mt.plan(StackedMLP(n_blocks=4), mesh(pp=2), Rules({r".*": P()}), pipeline=mt.Pipeline())
     assert plan.pipeline is not None
     assert plan.pipeline.stages[1].modules == ("blocks.2", "blocks.3", "norm", "head")
+
+
+def test_pipelined_plans_accumulate_inside_the_schedule() -> None:
+    plan = pipelined("1F1B")
+    with pytest.raises(PlanError, match=r"call model.step\(inputs, targets\)"):
+        with plan.micro_batch(MODEL, last=True):
+            pass

@@ -124,6 +124,10 @@ def plan(
             options,
             seq_shards=seq_shards,
             resharded=bool(active_data) and zero == 3,
+            param_bytes={
+                p.fqn: (p.shard_numel if zero == 3 else p.local_numel) * p.element_bytes
+                for p in layouts
+            },
         )
         by_fqn = {layout.fqn: layout for layout in layouts}
         memory = max(

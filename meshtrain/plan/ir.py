@@ -96,14 +96,15 @@ class Memory:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage: where it runs, the module and parameter FQNs it keeps, and the most
-    micro-batches whose activations it holds at once under the schedule (with their estimated
-    bytes: 0 when the plan has no ``batch_size``/``seq_len``)."""
+    """One pipeline stage: where it runs, the module and parameter FQNs it keeps, its parameters'
+    bytes per rank at rest, and the most micro-batches whose activations it holds at once under
+    the schedule (with their estimated bytes: 0 when the plan has no ``batch_size``/``seq_len``)."""
 
     index: int
     rank: int
     modules: tuple[str, ...]
     params: tuple[str, ...]
+    param_bytes: int
     in_flight: int
     activation_bytes: int
 
@@ -135,7 +136,7 @@ class PipelinePlan:
             f"pipeline over '{self.axis}': {self.schedule}, {len(self.stages)} stages "
             f"({self.stages_per_rank} per rank), {self.microbatches} micro-batches per step, "
             f"bubble fraction {self.bubble_fraction:.3f}",
-            "  stage  rank  params  in-flight  activations B  modules",
+            "  stage  rank  params (B/rank)  in-flight  activations B  modules",
         ]
         for s in self.stages:
             shown = (
@@ -144,7 +145,7 @@ class PipelinePlan:
                 else (f"{', '.join(s.modules[:3])}, …, {', '.join(s.modules[-2:])}")
             )
             lines.append(
-                f"  {s.index:>5}  {s.rank:>4}  {len(s.params):>6}  {s.in_flight:>9}  "
+                f"  {s.index:>5}  {s.rank:>4}  {s.param_bytes:>15,}  {s.in_flight:>9}  "
                 f"{s.activation_bytes:>13,}  {shown}"
             )
         sized = "" if self.p2p_bytes else " (give batch_size and seq_len to size them)"

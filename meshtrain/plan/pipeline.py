@@ -134,12 +134,14 @@ def plan_pipeline(
     *,
     seq_shards: int = 1,
     resharded: bool = False,
+    param_bytes: dict[str, int] | None = None,
 ) -> PipelinePlan:
     """Check ``pipeline`` against ``model`` and ``mesh`` and lay it out (see the module docstring).
 
     ``options.microbatches`` must already be the pipeline's; ``seq_shards`` is how many ways the
     activations crossing stages are split along the sequence (the tensor-parallel size under
     sequence parallelism). ``resharded``: FSDP reshards parameters after forward (zero=3).
+    ``param_bytes``: each parameter's bytes per rank at rest (0 for those not given).
     """
     axis = pipeline.axis
     if resharded and pipeline.splits_backward:
@@ -180,6 +182,11 @@ def plan_pipeline(
             rank=ranks[stage.index],
             modules=stage.modules,
             params=tuple(fqn for fqn, index in owner.items() if index == stage.index),
+            param_bytes=sum(
+                (param_bytes or {}).get(fqn, 0)
+                for fqn, index in owner.items()
+                if index == stage.index
+            ),
             in_flight=in_flight[stage.index],
             activation_bytes=in_flight[stage.index] * len(stage.blocks) * block_bytes,
         )
