@@ -52,6 +52,26 @@ class StackedMLP(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
+def world_size(axes: tuple[tuple[str, int], ...]) -> int:
+    """Ranks a mesh layout needs."""
+    size = 1
+    for _, n in axes:
+        size *= n
+    return size
+
+
+def mlp_rules(fsdp: str | tuple[str, ...]) -> Rules:
+    """Tensor-parallel rules for ``blocks.N`` MLPs: first Linear column-wise, last row-wise."""
+    return Rules(
+        {
+            r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
+            r"blocks\.\d+\.2\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp=fsdp,
+    )
+
+
 @functools.cache
 def mesh_for(axes: tuple[tuple[str, int], ...]) -> Mesh:
     """One mesh per layout per rank process (building a DeviceMesh creates process groups)."""

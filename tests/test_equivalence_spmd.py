@@ -19,7 +19,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TiedMLP, attention_rowwise_only_rules, full, mesh_for, rel, worst_grad_error
+from helpers import (
+    TiedMLP,
+    attention_rowwise_only_rules,
+    full,
+    mesh_for,
+    mlp_rules,
+    rel,
+    world_size,
+    worst_grad_error,
+)
 from torch import nn
 
 import meshtrain as mt
@@ -48,24 +57,13 @@ class Case:
 
     @property
     def world(self) -> int:
-        size = 1
-        for _, n in self.axes:
-            size *= n
-        return size
+        return world_size(self.axes)
 
 
 def _build(case: Case) -> tuple[nn.Module, Rules, int]:
     if case.model == "mlp":
         torch.manual_seed(0)
-        rules = Rules(
-            {
-                r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
-                r"blocks\.\d+\.2\.weight": P(None, "tp"),
-                r".*": P(),
-            },
-            fsdp=dict(case.axes).keys() & {"dp"} and "dp",
-        )
-        return TiedMLP(), rules, 32
+        return TiedMLP(), mlp_rules(("dp",) if "dp" in dict(case.axes) else ()), 32
     model = build_llama(LlamaConfig.debug(), seed=0)
     data = tuple(name for name, _ in case.axes if name in ("rep", "dp"))
     if case.rules == "tp":

@@ -283,6 +283,8 @@ def test_a_module_list_model_keeps_its_block_names() -> None:
 
 def test_pipelined_plans_accumulate_inside_the_schedule() -> None:
     plan = pipelined("1F1B")
-    with pytest.raises(PlanError, match=r"call model.step\(inputs, targets\)"):
-        with plan.micro_batch(MODEL, last=True):
-            pass
+    with (
+        pytest.raises(PlanError, match=r"call model.step\(inputs, targets\)"),
+        plan.micro_batch(MODEL, last=True),
+    ):
+        pass

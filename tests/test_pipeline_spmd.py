@@ -14,11 +14,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import StackedMLP, full, mesh_for, rel
+from helpers import StackedMLP, full, mesh_for, mlp_rules, rel, world_size
 from torch import nn
 
 import meshtrain as mt
-from meshtrain import P, Rules
+from meshtrain import Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import clip_grad_norm_
@@ -43,25 +43,14 @@ class Case:
 
     @property
     def world(self) -> int:
-        size = 1
-        for _, n in self.axes:
-            size *= n
-        return size
+        return world_size(self.axes)
 
 
 def _build(case: Case) -> tuple[nn.Module, Rules, int]:
     fsdp = ("dp",) if "dp" in dict(case.axes) else ()
     if case.model == "mlp":
         torch.manual_seed(0)
-        rules = Rules(
-            {
-                r"blocks\.\d+\.0\.(weight|bias)": P("tp"),
-                r"blocks\.\d+\.2\.weight": P(None, "tp"),
-                r".*": P(),
-            },
-            fsdp=fsdp,
-        )
-        return StackedMLP(n_blocks=4), rules, 64
+        return StackedMLP(n_blocks=4), mlp_rules(fsdp), 64
     model = build_llama(LlamaConfig.preset("debug", n_layers=8), seed=0)
     logical = default_rules(sequence_parallel=case.sequence_parallel).logical
     return model, Rules(logical=logical, fsdp=fsdp), 256
