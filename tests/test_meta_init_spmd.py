@@ -62,3 +62,31 @@ def test_meta_build_then_init_equals_a_cpu_build(
         world *= size
     for differ in get_pool(world).run(meta_init_matches, axes, zero, sp):
         assert differ == []
+
+
+def pipelined_meta_init_matches(axes: tuple[tuple[str, int], ...]) -> list[str]:
+    """Each pipeline stage built on meta and initialised after apply equals the CPU build's
+    slice of the model (stage modules keep the full model's FQNs and per-FQN seeds)."""
+    mesh = mesh_for(axes)
+    config = LlamaConfig.preset("debug", n_layers=4)
+    reference = build_llama(config, seed=0)
+    model = build_llama(config, device="meta")
+    rules = default_rules(fsdp=("dp",), sequence_parallel=True)
+    plan = mt.plan(model, mesh, rules, zero=2, pipeline=mt.Pipeline(microbatches=2))
+    pipelined = plan.apply(model)
+    ref = dict(reference.named_parameters())
+    differ = []
+    for stage in pipelined.modules:
+        stage.to_empty(device="cpu")
+        stage.init_weights(torch.Generator().manual_seed(0))
+        differ += [
+            fqn
+            for fqn, param in stage.named_parameters()
+            if not torch.equal(param.full_tensor(), ref[fqn].detach())
+        ]
+    return differ
+
+
+def test_meta_build_of_pipeline_stages_equals_a_cpu_build() -> None:
+    for differ in get_pool(8).run(pipelined_meta_init_matches, (("pp", 2), ("dp", 2), ("tp", 2))):
+        assert differ == []
