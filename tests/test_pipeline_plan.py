@@ -11,7 +11,7 @@ import meshtrain as mt
 from meshtrain import P, PlanError, Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import SCHEDULES, Plan
-from meshtrain.plan.pipeline import schedule_order, stage_ranks
+from meshtrain.plan.pipeline import bubble_fraction, stage_ranks
 
 MODEL = build_llama(LlamaConfig.preset("debug", n_layers=8), device="meta")
 RULES = default_rules()
@@ -86,11 +86,8 @@ def test_bubble_of_non_split_schedules_matches_the_textbook(
     """Simulating torch's action order gives (P−1)/(v·M+P−1) for GPipe, 1F1B, interleaving."""
     v = 1 if schedule in SINGLE else stages_per_rank
     micro = pp * rounds
-    order = schedule_order(schedule, pp, micro, v)
-    from meshtrain.plan.pipeline import _bubble_fraction
-
     expected = (pp - 1) / (v * micro + pp - 1)
-    assert _bubble_fraction(order, pp * v) == pytest.approx(expected)
+    assert bubble_fraction(schedule, pp, micro, v) == pytest.approx(expected)
 
 
 def test_zero_bubble_schedules_beat_their_non_split_counterparts() -> None:

@@ -27,7 +27,7 @@ from meshtrain.plan.infer import (
     infer_units,
     shard_axes_of,
 )
-from meshtrain.plan.ir import Collective, Plan
+from meshtrain.plan.ir import Collective, Memory, ParamLayout, PipelinePlan, Plan
 from meshtrain.plan.options import PlanOptions, Precision
 from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
 from meshtrain.spec.errors import PlanError
@@ -103,8 +103,11 @@ def plan(
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and zero >= 1 else []
     if not active_data:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
-    collectives = estimate_collectives(layouts, units, active_data, options) + (
-        estimate_tp_collectives(
+    pipeline_plan = None
+    if pipeline is None:
+        memory = estimate_memory(layouts, options)
+        collectives = estimate_collectives(layouts, units, active_data, options)
+        collectives += estimate_tp_collectives(
             styles,
             layouts,
             tp_axis,
@@ -112,10 +115,7 @@ def plan(
             sequence_parallel=sequence_parallel,
             data_parallel=bool(active_data),
         )
-    )
-    memory = estimate_memory(layouts, options)
-    pipeline_plan = None
-    if pipeline is not None:
+    else:
         seq_shards = mesh.size(tp_axis) if sequence_parallel and tp_axis is not None else 1
         pipeline_plan = plan_pipeline(
             model,
@@ -124,30 +124,9 @@ def plan(
             options,
             seq_shards=seq_shards,
             resharded=bool(active_data) and zero == 3,
-            param_bytes={
-                p.fqn: (p.shard_numel if zero == 3 else p.local_numel) * p.element_bytes
-                for p in layouts
-            },
+            param_bytes={p.fqn: p.bytes_at_rest(zero) for p in layouts},
         )
-        by_fqn = {layout.fqn: layout for layout in layouts}
-        memory = max(
-            (
-                estimate_memory([by_fqn[fqn] for s in stages for fqn in s.params], options)
-                for stages in (
-                    pipeline_plan.local_stages(rank) for rank in range(mesh.size(pipeline.axis))
-                )
-            ),
-            key=lambda m: m.total,
-        )
-        collectives = (
-            Collective(
-                "send/recv",
-                pipeline.axis,
-                pipeline_plan.p2p_count,
-                pipeline_plan.p2p_bytes,
-                "activations to the next stage, their gradients back (per pipeline rank pair)",
-            ),
-        )
+        memory, collectives = _pipeline_costs(pipeline_plan, layouts, options)
         notes.append(
             "memory is the busiest pipeline rank's; data- and tensor-parallel collectives inside "
             "pipeline stages are not itemised (the schedule reduces gradients once per step)"
@@ -167,6 +146,31 @@ def plan(
         pipeline=pipeline_plan,
         notes=tuple(notes),
     )
+
+
+def _pipeline_costs(
+    pipeline: PipelinePlan, layouts: tuple[ParamLayout, ...], options: PlanOptions
+) -> tuple[Memory, tuple[Collective, ...]]:
+    """The busiest pipeline rank's memory, and the point-to-point traffic per step."""
+    by_fqn = {layout.fqn: layout for layout in layouts}
+    ranks = {stage.rank for stage in pipeline.stages}
+    memory = max(
+        (
+            estimate_memory(
+                [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params], options
+            )
+            for rank in ranks
+        ),
+        key=lambda m: m.total,
+    )
+    send = Collective(
+        "send/recv",
+        pipeline.axis,
+        pipeline.p2p_count,
+        pipeline.p2p_bytes,
+        "activations to the next stage, their gradients back (per pipeline rank pair)",
+    )
+    return memory, (send,)
 
 
 def _batch_size(

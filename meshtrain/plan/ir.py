@@ -50,6 +50,11 @@ class ParamLayout:
     def shard_numel(self) -> int:
         return math.prod(self.shard_shape)
 
+    def bytes_at_rest(self, zero: int) -> int:
+        """Bytes a rank keeps between steps: the data-parallel shard under zero=3, else the
+        tensor-parallel shard."""
+        return (self.shard_numel if zero == 3 else self.local_numel) * self.element_bytes
+
 
 @dataclass(frozen=True)
 class ModuleStyle:
@@ -213,11 +218,10 @@ class Plan:
         ]
         width = max((len(p.fqn) for p in self.params), default=0)
         for p in self.params:
-            at_rest = p.shard_numel if self.options.zero == 3 else p.local_numel
             lines.append(
                 f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
                 f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
-                f"{at_rest * p.element_bytes:>10,}"
+                f"{p.bytes_at_rest(self.options.zero):>10,}"
             )
         lines += ["", "tensor-parallel styles:"]
         lines += [

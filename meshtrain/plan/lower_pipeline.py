@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan, StagePlan
 from meshtrain.plan.lower import _PartialGradSync, loss_context, parallelize
@@ -52,6 +52,7 @@ class PipelinedModel:
     def __init__(self, plan: Plan, modules: list[nn.Module], stages: list[PipelineStage]) -> None:
         assert plan.pipeline is not None and plan.mesh.device_mesh is not None
         self.plan = plan
+        self._device_mesh = plan.mesh.device_mesh
         self.modules = modules
         self.stages = stages
         self._tokens = torch.ones(())
@@ -118,16 +119,12 @@ class PipelinedModel:
         for loss in losses:
             value = loss.detach()
             total += value.full_tensor() if isinstance(value, DTensor) else value
-        device_mesh = self.plan.mesh.device_mesh
-        assert device_mesh is not None
-        dist.all_reduce(total, group=device_mesh.get_group(pipeline.axis))
+        dist.all_reduce(total, group=self._device_mesh.get_group(pipeline.axis))
         return self._data_sum(total)
 
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
-        device_mesh = self.plan.mesh.device_mesh
-        assert device_mesh is not None
         for axis in self.plan.data_axes:
-            dist.all_reduce(value, group=device_mesh.get_group(axis))
+            dist.all_reduce(value, group=self._device_mesh.get_group(axis))
         return value
 
     @contextlib.contextmanager
@@ -144,13 +141,11 @@ class PipelinedModel:
         for sync in syncs:
             sync.enabled = False
         yield
+        for sync in syncs:
+            sync.enabled = True
         if syncs:
             for param in self.parameters():
-                grad = param.grad
-                if isinstance(grad, DTensor) and any(
-                    isinstance(p, Partial) for p in grad.placements
-                ):
-                    param.grad = grad.redistribute(placements=[Replicate()] * len(grad.placements))
+                syncs[0](param)  # reduces a partial-sum gradient, leaves others alone
 
 
 def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:

@@ -165,28 +165,26 @@ def plan_pipeline(
         )
     n_stages = pp_size * pipeline.stages_per_rank
     micro = options.microbatches
-    order = schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank)
+    tasks = _tasks(
+        schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank), n_stages
+    )
     stages = split_stages(model, n_stages, split=pipeline.split)
-    _check_tied_weights(model, stages)
+    params_of = _stage_params(model, stages)
     ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
-    in_flight = _peak_in_flight(order, n_stages)
+    in_flight = _peak_in_flight(tasks, n_stages)
     width = _hidden_width(model)
     tokens = (options.batch_size or 0) * (options.seq_len or 0)
     act_bytes = getattr(torch, options.param_dtype).itemsize
     boundary = tokens // seq_shards * width * act_bytes
     block_bytes = 34 * boundary // 2  # Korthikanti et al.: 34·s·b·h bytes at 2-byte activations
-    owner = _param_owner(model, stages)
+    bytes_of = param_bytes or {}
     stage_plans = tuple(
         StagePlan(
             index=stage.index,
             rank=ranks[stage.index],
             modules=stage.modules,
-            params=tuple(fqn for fqn, index in owner.items() if index == stage.index),
-            param_bytes=sum(
-                (param_bytes or {}).get(fqn, 0)
-                for fqn, index in owner.items()
-                if index == stage.index
-            ),
+            params=params_of[stage.index],
+            param_bytes=sum(bytes_of.get(fqn, 0) for fqn in params_of[stage.index]),
             in_flight=in_flight[stage.index],
             activation_bytes=in_flight[stage.index] * len(stage.blocks) * block_bytes,
         )
@@ -200,11 +198,22 @@ def plan_pipeline(
         stages_per_rank=pipeline.stages_per_rank,
         split=pipeline.split,
         stages=stage_plans,
-        bubble_fraction=_bubble_fraction(order, n_stages),
+        bubble_fraction=_bubble_fraction(tasks),
         p2p_count=2 * micro * crossings,
         p2p_bytes=2 * micro * crossings * boundary,
         activation_width=width,
     )
+
+
+def bubble_fraction(schedule: str, pp_size: int, microbatches: int, stages_per_rank: int) -> float:
+    """The schedule's idle share of rank time (see ``_bubble_fraction``), without a model.
+
+    Example:
+        >>> round(bubble_fraction("1F1B", 4, 8, 1), 3)  # (P-1)/(M+P-1)
+        0.273
+    """
+    order = schedule_order(schedule, pp_size, microbatches, stages_per_rank)
+    return _bubble_fraction(_tasks(order, pp_size * stages_per_rank))
 
 
 def check_pipeline_axis(mesh: Mesh, pipeline: Pipeline) -> None:
@@ -335,13 +344,12 @@ def _tasks(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> dict[int,
     return result
 
 
-def _bubble_fraction(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> float:
+def _bubble_fraction(tasks: dict[int, list[_Task]]) -> float:
     """Idle share of the ranks' time when every rank runs torch's action order with unit costs.
 
     Forward 1, full backward 2 (its input/weight halves 1 each), overlapped forward+backward 3,
     communication free: for GPipe and 1F1B this gives (P−1)/(M+P−1).
     """
-    tasks = _tasks(order, n_stages)
     done: dict[tuple[str, int, int], int] = {}
     clock = dict.fromkeys(tasks, 0)
     position = dict.fromkeys(tasks, 0)
@@ -365,11 +373,11 @@ def _bubble_fraction(order: dict[int, list[tuple[Part, ...]]], n_stages: int) ->
     return 1.0 - busy / (len(tasks) * makespan) if makespan else 0.0
 
 
-def _peak_in_flight(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> list[int]:
+def _peak_in_flight(tasks: dict[int, list[_Task]], n_stages: int) -> list[int]:
     """Per stage, the most micro-batches whose activations it holds at once (forward done,
     weight gradient not yet)."""
     peak = [0] * n_stages
-    for queue in _tasks(order, n_stages).values():
+    for queue in tasks.values():
         live = [0] * n_stages
         for task in queue:
             for kind, stage, _ in task.completes:
@@ -381,21 +389,26 @@ def _peak_in_flight(order: dict[int, list[tuple[Part, ...]]], n_stages: int) -> 
     return peak
 
 
-def _check_tied_weights(model: nn.Module, stages: Sequence[Any]) -> None:
+def _stage_params(model: nn.Module, stages: Sequence[Any]) -> dict[int, tuple[str, ...]]:
+    """Parameter FQNs per stage index (a tied parameter under its first name); weights tied
+    across stages are a PlanError."""
     stage_of = {fqn: stage.index for stage in stages for fqn in stage.modules}
-    seen: dict[int, tuple[str, int]] = {}
+    first: dict[int, tuple[str, int]] = {}
+    params: dict[int, list[str]] = {stage.index: [] for stage in stages}
     for fqn, param in model.named_parameters(remove_duplicate=False):
-        unit = _unit_of(fqn, stage_of)
-        if id(param) in seen and seen[id(param)][1] != stage_of[unit]:
-            first, index = seen[id(param)]
+        index = stage_of[_unit_of(fqn, stage_of)]
+        if id(param) not in first:
+            first[id(param)] = (fqn, index)
+            params[index].append(fqn)
+        elif first[id(param)][1] != index:
             raise PlanError(
-                f"parameter '{fqn}' is the same tensor as '{first}' (tied weights), but the "
-                f"pipeline puts them on stages {index} and {stage_of[unit]}: tied weights across "
-                "stages would need their gradients summed between stages. Untie them, or keep "
-                "both modules on one stage (split=...).",
+                f"parameter '{fqn}' is the same tensor as '{first[id(param)][0]}' (tied "
+                f"weights), but the pipeline puts them on stages {first[id(param)][1]} and "
+                f"{index}: tied weights across stages would need their gradients summed between "
+                "stages. Untie them, or keep both modules on one stage (split=...).",
                 fqn=fqn,
             )
-        seen.setdefault(id(param), (fqn, stage_of[unit]))
+    return {index: tuple(names) for index, names in params.items()}
 
 
 def _unit_of(fqn: str, stage_of: dict[str, int]) -> str:
@@ -410,11 +423,6 @@ def _unit_of(fqn: str, stage_of: dict[str, int]) -> str:
         "submodule.",
         fqn=fqn,
     )
-
-
-def _param_owner(model: nn.Module, stages: Sequence[Any]) -> dict[str, int]:
-    stage_of = {fqn: stage.index for stage in stages for fqn in stage.modules}
-    return {fqn: stage_of[_unit_of(fqn, stage_of)] for fqn, _ in model.named_parameters()}
 
 
 def _hidden_width(model: nn.Module) -> int:
