@@ -11,6 +11,7 @@ import meshtrain as mt
 from meshtrain import P, PlanError, Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import SCHEDULES, Plan
+from meshtrain.plan.activations import trace_activations
 from meshtrain.plan.pipeline import bubble_fraction, stage_ranks
 
 MODEL = build_llama(LlamaConfig.preset("debug", n_layers=8), device="meta")
@@ -114,7 +115,11 @@ def test_point_to_point_traffic_and_activation_memory_are_sized() -> None:
     assert plan.pipeline.p2p_count == 2 * 8 * 3  # forward and backward, 8 micro-batches, 3 cuts
     assert plan.pipeline.p2p_bytes == 2 * 8 * 3 * boundary
     first = plan.pipeline.stages[0]
-    assert first.activation_bytes == first.in_flight * 2 * (34 * boundary // 2)
+    # the stage's blocks' saved bytes per micro-batch (traced; see test_activations.py)
+    blocks = [m for m in first.modules if m.startswith("layers.")]
+    profile = trace_activations(MODEL, blocks, batch_size=2, seq_len=16)
+    per_micro_batch = sum(b.saved.rest for b in profile.blocks)
+    assert first.activation_bytes == first.in_flight * per_micro_batch > 0
     rows = [c for c in plan.collectives if c.kind == "send/recv"]
     assert rows and rows[0].axis == "pp" and rows[0].bytes == plan.pipeline.p2p_bytes
     # under sequence parallelism each tensor-parallel rank sends its sequence shard

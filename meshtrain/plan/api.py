@@ -12,10 +12,14 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
+import torch
 from torch import nn
 
+from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
 from meshtrain.plan.infer import (
     check_sequence_length,
@@ -27,9 +31,16 @@ from meshtrain.plan.infer import (
     infer_units,
     shard_axes_of,
 )
-from meshtrain.plan.ir import Collective, Memory, ParamLayout, PipelinePlan, Plan
+from meshtrain.plan.ir import Collective, Memory, ModuleStyle, ParamLayout, PipelinePlan, Plan
 from meshtrain.plan.options import PlanOptions, Precision
 from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
+from meshtrain.plan.policies import (
+    block_fqns,
+    checkpointed_units,
+    parse_checkpointing,
+    parse_compile,
+    resolve_compile_scope,
+)
 from meshtrain.spec.errors import PlanError
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
@@ -52,6 +63,8 @@ def plan(
     fsdp_units: Sequence[str] | None = None,
     pipeline: Pipeline | None = None,
     global_batch: int | None = None,
+    activation_checkpointing: str | Mapping[str, Any] = "none",
+    compile: bool | Mapping[str, Any] = False,
 ) -> Plan:
     """Compile ``rules`` for ``model`` on ``mesh`` into a :class:`Plan` (pure; meta models work).
 
@@ -65,6 +78,14 @@ def plan(
     its micro-batches are then the plan's (leave ``microbatches`` at 1). ``global_batch``
     (sequences per optimizer step over all data-parallel ranks) must divide into data-parallel
     ranks × micro-batches; it fills in ``batch_size`` when that is not given.
+
+    ``activation_checkpointing``: 'none', 'full' (recompute each block in backward), 'selective'
+    (keep matmul and attention outputs, recompute the rest) or ``{"every": k}`` (every k-th block,
+    full; add ``"mode": "selective"`` for selective). ``compile``: True or a dict with
+    ``backend`` ('inductor'), ``fullgraph`` (False) and ``scope`` ('auto': each block, or the whole
+    model where torch cannot compile blocks; 'block'; 'model'). ``precision`` 'bf16'/'fp16' casts
+    parameters for compute through FSDP2's mixed-precision policy (a data axis of size 1 is
+    enough); fp16 also needs :class:`~meshtrain.train.LossScaler`.
     """
     if pipeline is not None:
         check_pipeline_axis(mesh, pipeline)
@@ -77,7 +98,11 @@ def plan(
         n_stages = mesh.size(pipeline.axis) * pipeline.stages_per_rank
         microbatches = pipeline.microbatches or n_stages
     batch_size = _batch_size(mesh, rules, microbatches, batch_size, global_batch, pipeline)
+    checkpoint_mode, checkpoint_every = parse_checkpointing(activation_checkpointing)
     options = PlanOptions(
+        activation_checkpointing=checkpoint_mode,  # type: ignore[arg-type]
+        checkpoint_every=checkpoint_every,
+        **parse_compile(compile),
         zero=zero,
         offload=offload,
         precision=precision,
@@ -99,13 +124,38 @@ def plan(
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and seq_len is not None and tp_axis is not None:
         check_sequence_length(seq_len, tp_axis, mesh)
-    units = infer_units(model, fsdp_units) if active_data else ()
+    all_units = infer_units(model, fsdp_units)
+    blocks = block_fqns(all_units)
+    cast_axes = _cast_axes(options, data_axes, active_data, mesh)
+    units = all_units if active_data or cast_axes else ()
+    checkpointed = checkpointed_units(blocks, options)
+    compile_scope = resolve_compile_scope(
+        options,
+        sequence_parallel=sequence_parallel,
+        wrapped=bool(units),
+        tp_axis=tp_axis,
+    )
+    profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel)
+    estimates: tuple[tuple[str, int], ...] = ()
+    if isinstance(profile, str):
+        notes.append(profile)
+        profile = None
+    elif profile is not None:
+        estimates = tuple(
+            (mode, profile.peak(mode, blocks if mode != "none" else ()))
+            for mode in ("none", "full", "selective")
+        )
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and zero >= 1 else []
     if not active_data:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     pipeline_plan = None
     if pipeline is None:
         memory = estimate_memory(layouts, options)
+        if profile is not None:
+            memory = replace(
+                memory,
+                activations=profile.peak(options.activation_checkpointing, checkpointed),
+            )
         collectives = estimate_collectives(layouts, units, active_data, options)
         collectives += estimate_tp_collectives(
             styles,
@@ -125,6 +175,8 @@ def plan(
             seq_shards=seq_shards,
             resharded=bool(active_data) and zero == 3,
             param_bytes={p.fqn: p.bytes_at_rest(zero) for p in layouts},
+            activations=profile,
+            checkpointed=checkpointed,
         )
         memory, collectives = _pipeline_costs(pipeline_plan, layouts, options)
         notes.append(
@@ -145,7 +197,66 @@ def plan(
         memory=memory,
         pipeline=pipeline_plan,
         notes=tuple(notes),
+        blocks=blocks,
+        checkpointed=checkpointed,
+        compile_scope=compile_scope,
+        cast_axes=cast_axes,
+        activation_estimates=estimates,
     )
+
+
+def _cast_axes(
+    options: PlanOptions, data_axes: tuple[str, ...], active_data: tuple[str, ...], mesh: Mesh
+) -> tuple[str, ...]:
+    """Size-1 data axes that carry FSDP2's mixed-precision policy when no data axis is > 1."""
+    if options.precision == "fp32" or active_data:
+        return ()
+    if not data_axes:
+        raise PlanError(
+            f"precision={options.precision!r} is lowered through FSDP2's mixed-precision policy, "
+            f"which needs a data axis, and mesh {mesh} has none in the rules' fsdp axes. Add a "
+            "data axis of size 1 (e.g. mt.make_mesh(dp=1, tp=2) with Rules(..., fsdp='dp')): it "
+            "costs no communication.",
+            mesh=mesh,
+        )
+    return data_axes
+
+
+def _activation_profile(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    styles: tuple[ModuleStyle, ...],
+    options: PlanOptions,
+    mesh: Mesh,
+    tp_axis: str | None,
+    sequence_parallel: bool,
+) -> ActivationProfile | str | None:
+    """The traced activation profile, None without batch_size/seq_len, or why tracing failed."""
+    if options.batch_size is None or options.seq_len is None:
+        return None
+    tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]
+    try:
+        return trace_activations(
+            model,
+            blocks,
+            batch_size=options.batch_size,
+            seq_len=options.seq_len,
+            dtype=getattr(torch, options.param_dtype),
+            tp_modules=tp_modules,
+            tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
+            sequence_parallel=sequence_parallel,
+        )
+    except Exception as error:  # the model's own forward: report, do not fail planning
+        return (
+            "activation memory not estimated: the forward on a fake "
+            f"[{options.batch_size}, {options.seq_len}] token batch failed "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
+
+
+#: styles whose modules compute on tensor-parallel shards (parents of column-/row-wise pairs,
+#: column-wise layers and a loss-parallel head)
+_TP_REGION_STYLES = frozenset({"prepare_input", "colwise", "loss_parallel_head", "rowwise"})
 
 
 def _pipeline_costs(

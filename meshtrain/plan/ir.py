@@ -88,15 +88,17 @@ class Collective:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per rank at peak: parameters, gradients and optimizer states (fp32 master copy)."""
+    """Bytes per rank at peak: parameters, gradients and optimizer states (fp32 master copy),
+    and activations under the plan's checkpointing mode."""
 
     params: int
     grads: int
     optimizer_states: int
+    activations: int = 0  # peak for one micro-batch (0 when batch_size/seq_len are not given)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_states
+        return self.params + self.grads + self.optimizer_states + self.activations
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,11 @@ class Plan:
 
     ``activation_rules`` are the logical-axis rules that ``mt.constrain`` resolves activation
     names with (the rules' logical part; ``("seq", tp)`` among them turns sequence parallelism on).
+    ``blocks`` are the repeated blocks (checkpointing and per-block compile act on them),
+    ``checkpointed`` those whose activations are recomputed, ``compile_scope`` 'block', 'model'
+    or None. ``cast_axes``: size-1 data axes FSDP2 is applied over only to carry the
+    mixed-precision policy (no data axis larger than 1). ``activation_estimates``: peak
+    activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len).
     """
 
     mesh: Mesh
@@ -182,6 +189,11 @@ class Plan:
     activation_rules: tuple[tuple[str, AxisTarget], ...] = ()
     pipeline: PipelinePlan | None = None
     notes: tuple[str, ...] = field(default=())
+    blocks: tuple[str, ...] = ()
+    checkpointed: tuple[str, ...] = ()
+    compile_scope: str | None = None
+    cast_axes: tuple[str, ...] = ()
+    activation_estimates: tuple[tuple[str, int], ...] = ()
 
     @property
     def specs(self) -> dict[str, P]:
@@ -233,10 +245,11 @@ class Plan:
             "  none"
         ]
         m = self.memory
+        lines += ["", *self._compute_lines()]
         lines += [
             "",
             f"memory per rank: params {m.params:,} B, grads {m.grads:,} B, optimizer states "
-            f"{m.optimizer_states:,} B, total {m.total:,} B",
+            f"{m.optimizer_states:,} B, activations {m.activations:,} B, total {m.total:,} B",
             "",
             "collectives per step (kind, axis, count, payload bytes):",
         ]
@@ -249,6 +262,47 @@ class Plan:
         if self.notes:
             lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
+
+    def _compute_lines(self) -> list[str]:
+        options = self.options
+        mode = options.activation_checkpointing
+        lines = ["compute:"]
+        if mode == "none":
+            lines.append("  activation checkpointing: none")
+        else:
+            every = f", every {options.checkpoint_every}" if options.checkpoint_every > 1 else ""
+            lines.append(
+                f"  activation checkpointing: {mode} on {len(self.checkpointed)} of "
+                f"{len(self.blocks)} blocks{every}"
+                + (" (keeps matmul and attention outputs)" if mode == "selective" else "")
+            )
+        if self.activation_estimates:
+            shown = ", ".join(f"{name} {value:,} B" for name, value in self.activation_estimates)
+            lines.append(f"  activations per rank per micro-batch by mode: {shown}")
+        if self.compile_scope is None:
+            lines.append("  torch.compile: off")
+        else:
+            what = (
+                f"each of {len(self.blocks)} blocks and the loss"
+                if self.compile_scope == "block"
+                else "the whole model (each pipeline stage) and the loss"
+            )
+            lines.append(
+                f"  torch.compile: {what}, backend {options.compile_backend!r}, "
+                f"fullgraph={options.compile_fullgraph}; order: tensor parallel → checkpointing "
+                "→ compile → FSDP2"
+            )
+        if options.precision == "fp32":
+            lines.append("  precision: fp32 throughout")
+        else:
+            carrier = f" (FSDP2 over size-1 axes {list(self.cast_axes)})" if self.cast_axes else ""
+            scaling = "; fp16 needs dynamic loss scaling (mt.train.LossScaler)"
+            lines.append(
+                f"  precision: parameters cast to {options.param_dtype} per unit for compute, fp32 "
+                f"master weights and optimizer, gradients reduced in {options.reduce_dtype}"
+                f"{carrier}{scaling if options.precision == 'fp16' else ''}"
+            )
+        return lines
 
     def to_json(self) -> str:
         """Stable JSON (sorted keys): replayable with :meth:`from_json`."""
@@ -287,6 +341,13 @@ class Plan:
             ),
             pipeline=_pipeline_from_data(data["pipeline"]),
             notes=tuple(data["notes"]),
+            blocks=tuple(data["blocks"]),
+            checkpointed=tuple(data["checkpointed"]),
+            compile_scope=data["compile_scope"],
+            cast_axes=tuple(data["cast_axes"]),
+            activation_estimates=tuple(
+                (name, value) for name, value in data["activation_estimates"]
+            ),
         )
 
 
@@ -335,6 +396,11 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "memory": vars(plan.memory),
         "pipeline": None if plan.pipeline is None else _pipeline_data(plan.pipeline),
         "notes": list(plan.notes),
+        "blocks": list(plan.blocks),
+        "checkpointed": list(plan.checkpointed),
+        "compile_scope": plan.compile_scope,
+        "cast_axes": list(plan.cast_axes),
+        "activation_estimates": [[name, value] for name, value in plan.activation_estimates],
     }
 
 

@@ -13,6 +13,8 @@ from typing import Literal
 from meshtrain.spec.errors import PlanError
 
 Precision = Literal["fp32", "bf16", "fp16"]
+Checkpointing = Literal["none", "full", "selective"]
+CompileScope = Literal["auto", "block", "model"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -39,6 +41,12 @@ class PlanOptions:
     microbatches: int = 1
     batch_size: int | None = None
     seq_len: int | None = None
+    activation_checkpointing: Checkpointing = "none"
+    checkpoint_every: int = 1
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_fullgraph: bool = False
+    compile_scope: CompileScope = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
@@ -59,12 +67,29 @@ class PlanOptions:
             ("microbatches", "gradient accumulation steps per optimizer step"),
             ("batch_size", "sequences per micro-batch on each data-parallel rank"),
             ("seq_len", "tokens per sequence"),
+            ("checkpoint_every", "checkpoint every k-th block"),
         ):
             value = getattr(self, name)
             if value is None and name != "microbatches":
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer ({meaning}).")
+        if self.activation_checkpointing not in ("none", "full", "selective"):
+            raise PlanError(
+                f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
+                "'none', 'full' (recompute each block), 'selective' (keep matmul and attention "
+                "outputs, recompute the rest) or {'every': k} (full recompute of every k-th block)."
+            )
+        if self.compile_scope not in ("auto", "block", "model"):
+            raise PlanError(
+                f"compile scope={self.compile_scope!r} is not one of 'auto', 'block' (each "
+                "repeated block and the loss) or 'model' (the whole model)."
+            )
+        if not isinstance(self.compile_backend, str) or not self.compile_backend:
+            raise PlanError(
+                f"compile backend={self.compile_backend!r} must name a torch.compile backend "
+                "('inductor', 'aot_eager', ...)."
+            )
         if self.offload and self.zero == 0:
             raise PlanError(
                 "offload=True needs sharded data parallelism (zero ≥ 1): FSDP2's CPU offload keeps "

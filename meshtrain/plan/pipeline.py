@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.plan.activations import ActivationProfile
 from meshtrain.plan.ir import PipelinePlan, StagePlan
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.stages import split_stages
@@ -135,6 +136,8 @@ def plan_pipeline(
     seq_shards: int = 1,
     resharded: bool = False,
     param_bytes: dict[str, int] | None = None,
+    activations: ActivationProfile | None = None,
+    checkpointed: Sequence[str] = (),
 ) -> PipelinePlan:
     """Check ``pipeline`` against ``model`` and ``mesh`` and lay it out (see the module docstring).
 
@@ -142,6 +145,9 @@ def plan_pipeline(
     activations crossing stages are split along the sequence (the tensor-parallel size under
     sequence parallelism). ``resharded``: FSDP reshards parameters after forward (zero=3).
     ``param_bytes``: each parameter's bytes per rank at rest (0 for those not given).
+    ``activations``: the traced activation profile (stage activations are then its blocks' peak
+    under ``options.activation_checkpointing`` for ``checkpointed``; without it, 34·s·b·h bytes
+    per block at 2-byte activations, after Korthikanti et al.).
     """
     axis = pipeline.axis
     if resharded and pipeline.splits_backward:
@@ -186,7 +192,16 @@ def plan_pipeline(
             params=params_of[stage.index],
             param_bytes=sum(bytes_of.get(fqn, 0) for fqn in params_of[stage.index]),
             in_flight=in_flight[stage.index],
-            activation_bytes=in_flight[stage.index] * len(stage.blocks) * block_bytes,
+            activation_bytes=(
+                activations.peak(
+                    options.activation_checkpointing,
+                    checkpointed,
+                    stage.blocks,
+                    in_flight[stage.index],
+                )
+                if activations is not None
+                else in_flight[stage.index] * len(stage.blocks) * block_bytes
+            ),
         )
         for stage in stages
     )

@@ -1,0 +1,280 @@
+"""Activation memory of one micro-batch, measured by tracing the model's forward on fake tensors.
+
+Instead of a closed formula (which fits one architecture), the planner runs the model's forward
+once under ``FakeTensorMode`` (shapes only: no memory, no compute, no collectives) on a
+``[batch_size, seq_len]`` batch of token ids, with the parameters swapped for fake tensors of the
+compute dtype, and records per repeated block:
+
+- ``saved``: bytes autograd keeps for backward (each storage counted once),
+- ``kept_selective``: bytes of the outputs of matmul and attention ops (:data:`SAVED_OPS`), which
+  selective checkpointing keeps (everything else in the block is recomputed),
+- ``input``: the block's input, which a checkpointed block keeps,
+
+each split into the part computed inside tensor-parallel modules (divided by the tensor-parallel
+size per rank) and the rest (divided too under sequence parallelism). Bytes saved outside the
+blocks (embedding, final norm, head) are counted once as ``other``.
+
+Peak per rank for a checkpointing mode: the kept bytes of every block + ``other`` + the largest
+recomputed part of one block (its activations live again while its backward runs: all of them
+under full checkpointing, the non-matmul ones under selective).
+
+Example:
+    >>> from meshtrain.models import LlamaConfig, build_llama
+    >>> model = build_llama(LlamaConfig.debug(), device="meta")
+    >>> profile = trace_activations(model, ("layers.0", "layers.1"), batch_size=2, seq_len=32)
+    >>> profile.peak("full", ("layers.0", "layers.1")) < profile.peak("none", ())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_aten = torch.ops.aten
+#: ops whose outputs selective checkpointing keeps (the expensive ones); the rest is recomputed.
+SAVED_OPS = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+    }
+)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Bytes computed inside tensor-parallel modules (``tp``) and elsewhere (``rest``)."""
+
+    tp: int = 0
+    rest: int = 0
+
+    def per_rank(self, tp_size: int, sequence_parallel: bool) -> int:
+        return self.tp // tp_size + (self.rest // tp_size if sequence_parallel else self.rest)
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """One block's activation bytes for one micro-batch (global, before tensor parallelism)."""
+
+    fqn: str
+    input: int
+    saved: Split
+    kept_selective: Split
+    gathered_inputs: int  # inputs of tensor-parallel modules: all-gathered under SP and kept
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Per-block activation bytes of one micro-batch; :meth:`peak` applies a checkpointing mode."""
+
+    blocks: tuple[BlockActivations, ...]
+    other: Split
+    tp_size: int = 1
+    sequence_parallel: bool = False
+
+    def peak(
+        self,
+        mode: str,
+        checkpointed: Sequence[str],
+        fqns: Sequence[str] | None = None,
+        in_flight: int = 1,
+    ) -> int:
+        """Peak activation bytes per rank under ``mode`` for the blocks in ``checkpointed``, with
+        ``in_flight`` micro-batches held at once; only the blocks in ``fqns`` when given (then
+        without ``other``, which lives in the first and last pipeline stages)."""
+        tp, sp = self.tp_size, self.sequence_parallel
+        chosen = set(checkpointed)
+        total = self.other.per_rank(tp, sp) if fqns is None else 0
+        recompute = 0
+        for block in self.blocks:
+            if fqns is not None and block.fqn not in fqns:
+                continue
+            saved = block.saved.per_rank(tp, sp) + (block.gathered_inputs if sp else 0)
+            if block.fqn not in chosen or mode == "none":
+                total += saved
+                continue
+            kept = block.input // tp if sp else block.input
+            if mode == "selective":
+                kept += block.kept_selective.per_rank(tp, sp)
+            total += kept
+            recompute = max(recompute, saved - kept)  # what its backward rematerialises
+        return total * in_flight + recompute
+
+    def per_block(self) -> int:
+        """Largest single block's saved bytes per rank without checkpointing."""
+        return max((self.peak("none", (), (b.fqn,)) for b in self.blocks), default=0)
+
+
+def trace_activations(
+    model: nn.Module,
+    blocks: Sequence[str],
+    *,
+    batch_size: int,
+    seq_len: int,
+    dtype: torch.dtype = torch.float32,
+    tp_modules: Sequence[str] = (),
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+) -> ActivationProfile:
+    """Trace ``model``'s forward on a fake ``[batch_size, seq_len]`` token batch (see module doc).
+
+    Raises whatever the model's forward raises on such an input (callers report it).
+    """
+    recorder = _Recorder(set(blocks), set(tp_modules))
+    handles = _register(model, recorder)
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=False) as fake:
+            state = {
+                name: _fake_like(fake, value, dtype, requires_grad=True)
+                for name, value in model.named_parameters()
+            }
+            state.update(
+                {
+                    name: _fake_like(fake, value, None, False)
+                    for name, value in model.named_buffers()
+                }
+            )
+            tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
+            with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
+                torch.func.functional_call(model, state, (tokens,))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recorder.profile(blocks, tp_size, sequence_parallel)
+
+
+def _fake_like(
+    fake: FakeTensorMode, value: torch.Tensor, dtype: torch.dtype | None, requires_grad: bool
+) -> torch.Tensor:
+    target = dtype if dtype is not None and value.is_floating_point() else value.dtype
+    tensor = torch.empty(tuple(value.shape), dtype=target, device="cpu")
+    return tensor.requires_grad_(requires_grad and target.is_floating_point)
+
+
+def _unpack(value: Any) -> Any:
+    return value
+
+
+def _key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+class _Recorder(TorchDispatchMode):
+    """Attributes saved tensors and matmul outputs to the enclosing block and TP region."""
+
+    def __init__(self, blocks: set[str], tp_modules: set[str]) -> None:
+        super().__init__()
+        self.blocks, self.tp_modules = blocks, tp_modules
+        self.block: str | None = None
+        self.outer: list[str | None] = []
+        self.tp_depth = 0
+        self.inputs: dict[str, int] = {}
+        self.gathered: dict[str, int] = {}
+        self.kept: dict[int, tuple[int, str | None, bool]] = {}  # SAVED_OPS outputs
+        self.saved: dict[int, tuple[int, str | None, bool]] = {}
+        self.alive: list[torch.Tensor] = []  # keeps storages (and their ids) alive while tracing
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            first = out[0] if isinstance(out, tuple) else out
+            self._note(self.kept, first)
+        return out
+
+    def _note(self, table: dict[int, tuple[int, str | None, bool]], tensor: torch.Tensor) -> None:
+        key = _key(tensor)
+        if key not in table:
+            size = tensor.untyped_storage().nbytes()
+            table[key] = (size, self.block, self.tp_depth > 0)
+            self.alive.append(tensor)
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._note(self.saved, tensor)
+        return tensor
+
+    def profile(self, blocks: Sequence[str], tp_size: int, sp: bool) -> ActivationProfile:
+        def split(table: dict[int, tuple[int, str | None, bool]], block: str | None) -> Split:
+            tp = sum(size for size, owner, in_tp in table.values() if owner == block and in_tp)
+            rest = sum(
+                size for size, owner, in_tp in table.values() if owner == block and not in_tp
+            )
+            return Split(tp, rest)
+
+        return ActivationProfile(
+            blocks=tuple(
+                BlockActivations(
+                    fqn=fqn,
+                    input=self.inputs.get(fqn, 0),
+                    saved=split(self.saved, fqn),
+                    kept_selective=split(self.kept, fqn),
+                    gathered_inputs=self.gathered.get(fqn, 0),
+                )
+                for fqn in blocks
+            ),
+            other=split(self.saved, None),
+            tp_size=tp_size,
+            sequence_parallel=sp,
+        )
+
+
+def _register(model: nn.Module, recorder: _Recorder) -> list[Any]:
+    """Forward hooks that tell the recorder which block and TP region ops run in."""
+    handles = []
+    for fqn, module in model.named_modules():
+        if fqn in recorder.blocks:
+            handles.append(module.register_forward_pre_hook(_block_enter(recorder, fqn)))
+            handles.append(module.register_forward_hook(_block_exit(recorder)))
+        elif fqn in recorder.tp_modules:
+            handles.append(module.register_forward_pre_hook(_tp_enter(recorder)))
+            handles.append(module.register_forward_hook(_tp_exit(recorder)))
+    return handles
+
+
+def _first_bytes(args: tuple[Any, ...]) -> int:
+    first = args[0] if args else None
+    return first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
+
+
+def _block_enter(recorder: _Recorder, fqn: str) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        recorder.outer.append(recorder.block)
+        recorder.block = fqn
+        recorder.inputs[fqn] = recorder.inputs.get(fqn, 0) + _first_bytes(args)
+
+    return hook
+
+
+def _block_exit(recorder: _Recorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder.block = recorder.outer.pop()
+
+    return hook
+
+
+def _tp_enter(recorder: _Recorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if recorder.tp_depth == 0 and recorder.block is not None:
+            block = recorder.block
+            recorder.gathered[block] = recorder.gathered.get(block, 0) + _first_bytes(args)
+        recorder.tp_depth += 1
+
+    return hook
+
+
+def _tp_exit(recorder: _Recorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder.tp_depth -= 1
+
+    return hook

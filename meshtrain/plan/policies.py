@@ -1,0 +1,131 @@
+"""Compute policies of a plan: activation checkpointing, ``torch.compile`` scope, precision axis.
+
+Pure planning: user arguments are parsed into :class:`PlanOptions` fields and the compile scope is
+chosen for the plan at hand — or refused with a ``PlanError`` naming the torch limitation.
+
+Known torch 2.13 limitations the choice works around (each has a regression test in
+``tests/test_compile_limits_spmd.py`` that fails once torch fixes it):
+
+- per-block compile under sequence parallelism fails in backward (``Redistribute.backward``:
+  ``'Tensor' object has no attribute '_local_tensor'``);
+- whole-model compile under FSDP2 with ``fullgraph=True`` fails (FSDP2's hooks are skipped by
+  dynamo);
+- whole-model compile under FSDP2 × tensor parallel with sequence parallelism fails
+  (``Mixing fake modes NYI``).
+
+Example:
+    >>> parse_checkpointing({"every": 2})
+    ('full', 2)
+    >>> parse_compile({"backend": "aot_eager"})["compile_backend"]
+    'aot_eager'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from meshtrain.plan.ir import FSDPUnit
+from meshtrain.plan.options import PlanOptions
+from meshtrain.spec.errors import PlanError
+
+_COMPILE_KEYS = {
+    "backend": "compile_backend",
+    "fullgraph": "compile_fullgraph",
+    "scope": "compile_scope",
+}
+
+
+def parse_checkpointing(value: object) -> tuple[str, int]:
+    """``activation_checkpointing`` argument → (mode, every k-th block)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"every", "mode"})
+        if unknown or "every" not in value:
+            raise PlanError(
+                f"activation_checkpointing={dict(value)!r}: a dict takes 'every' (checkpoint every "
+                f"k-th block) and optionally 'mode' ('full' or 'selective'); unknown keys {unknown}."
+            )
+        mode = value.get("mode", "full")
+        if mode not in ("full", "selective"):
+            raise PlanError(
+                f"activation_checkpointing mode={mode!r} with 'every' must be 'full' or 'selective'."
+            )
+        return str(mode), value["every"]
+    if value is None or value is False:
+        return "none", 1
+    if value is True:
+        return "full", 1
+    return str(value), 1
+
+
+def parse_compile(value: object) -> dict[str, Any]:
+    """``compile`` argument (bool or dict of backend/fullgraph/scope) → ``PlanOptions`` fields."""
+    if isinstance(value, bool):
+        return {"compile": value}
+    if not isinstance(value, Mapping):
+        raise PlanError(
+            f"compile={value!r} must be True, False or a dict with keys {sorted(_COMPILE_KEYS)}."
+        )
+    unknown = sorted(set(value) - set(_COMPILE_KEYS))
+    if unknown:
+        raise PlanError(
+            f"compile={dict(value)!r} has unknown keys {unknown}; allowed: {sorted(_COMPILE_KEYS)}."
+        )
+    return {"compile": True, **{_COMPILE_KEYS[key]: item for key, item in value.items()}}
+
+
+def checkpointed_units(units: Sequence[str], options: PlanOptions) -> tuple[str, ...]:
+    """The repeated blocks whose activations are checkpointed (every k-th: the k-th, 2k-th, …)."""
+    if options.activation_checkpointing == "none":
+        return ()
+    every = options.checkpoint_every
+    return tuple(fqn for position, fqn in enumerate(units, start=1) if position % every == 0)
+
+
+def block_fqns(units: Sequence[FSDPUnit]) -> tuple[str, ...]:
+    """FSDP units that are repeated blocks (all but the root)."""
+    return tuple(unit.fqn for unit in units if unit.fqn)
+
+
+def resolve_compile_scope(
+    options: PlanOptions, *, sequence_parallel: bool, wrapped: bool, tp_axis: str | None
+) -> str | None:
+    """The scope ``torch.compile`` is applied at ('block' or 'model'), or None without compile.
+
+    ``wrapped``: the plan applies FSDP2 (``fully_shard`` or ``replicate``) to the model.
+    """
+    if not options.compile:
+        return None
+    scope = options.compile_scope
+    if scope == "auto":
+        if sequence_parallel and wrapped:
+            raise PlanError(
+                "compile=True cannot be lowered for tensor parallel with sequence parallelism "
+                f"over '{tp_axis}' together with FSDP2 in torch 2.13: per-block compile fails in "
+                "backward under sequence parallelism (Redistribute.backward: 'Tensor' object has "
+                "no attribute '_local_tensor') and whole-model compile under FSDP2 × TP+SP fails "
+                "with 'Mixing fake modes NYI'. Drop the ('seq', ...) activation rule, or set "
+                "compile=False."
+            )
+        scope = "model" if sequence_parallel else "block"
+    if scope == "block" and sequence_parallel:
+        raise PlanError(
+            "compile scope 'block' under sequence parallelism fails in torch 2.13 (backward of "
+            "a compiled block: Redistribute.backward: 'Tensor' object has no attribute "
+            f"'_local_tensor', tensor-parallel axis '{tp_axis}'). Use compile={{'scope': 'model'}} "
+            "(works without FSDP), drop the ('seq', ...) activation rule, or set compile=False."
+        )
+    if scope == "model" and wrapped and options.compile_fullgraph:
+        raise PlanError(
+            "compile={'scope': 'model', 'fullgraph': True} fails under FSDP2 in torch 2.13 (its "
+            "hooks are skipped by dynamo: 'Attempted to call function marked as skipped'). Use "
+            "scope 'block' (each block compiled before fully_shard), or fullgraph=False."
+        )
+    if scope == "model" and wrapped and sequence_parallel:
+        raise PlanError(
+            "compile scope 'model' fails for FSDP2 × tensor parallel with sequence parallelism "
+            f"over '{tp_axis}' in torch 2.13 ('Mixing fake modes NYI'), and per-block compile "
+            "fails under sequence parallelism. Drop the ('seq', ...) activation rule, or set "
+            "compile=False."
+        )
+    return scope
