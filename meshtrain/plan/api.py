@@ -124,6 +124,9 @@ def plan(
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and seq_len is not None and tp_axis is not None:
         check_sequence_length(seq_len, tp_axis, mesh)
+    notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and zero >= 1 else []
+    if not active_data:
+        notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = infer_units(model, fsdp_units)
     blocks = block_fqns(all_units)
     cast_axes = _cast_axes(options, data_axes, active_data, mesh)
@@ -145,9 +148,6 @@ def plan(
             (mode, profile.peak(mode, blocks if mode != "none" else ()))
             for mode in ("none", "full", "selective")
         )
-    notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and zero >= 1 else []
-    if not active_data:
-        notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     pipeline_plan = None
     if pipeline is None:
         memory = estimate_memory(layouts, options)
