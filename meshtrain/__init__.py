@@ -10,6 +10,7 @@ from meshtrain.plan import Pipeline, Plan, constrain, plan, shard_map
 from meshtrain.spec import (
     CheckpointError,
     EquivalenceError,
+    GraphBreakWarning,
     Mesh,
     MeshError,
     MeshtrainError,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "EquivalenceError",
+    "GraphBreakWarning",
     "Mesh",
     "MeshError",
     "MeshtrainError",

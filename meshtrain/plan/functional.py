@@ -73,6 +73,10 @@ def track(plan: Plan, model: nn.Module) -> None:
         )
     modules = dict(model.named_modules())
     _scope(model, _Active(plan, tp_mesh))
+    if plan.compile_scope is not None:
+        # Hooks inside compiled code would be traced, and setting a context variable breaks the
+        # graph: compiled plans skip the inside-a-pair check below (constrain still works).
+        return
     for style in plan.styles:
         if style.style == "prepare_input" and style.fqn:
             _scope(modules[style.fqn], _Active(plan, tp_mesh, style.fqn))

@@ -218,6 +218,12 @@ class Plan:
 
         return micro_batch(self, model, last=last)
 
+    def compile_loss(self, loss_fn: Any) -> Any:
+        """``loss_fn`` compiled with the plan's backend when the plan compiles (else unchanged)."""
+        from meshtrain.plan.lower_compute import compile_loss
+
+        return compile_loss(self, loss_fn)
+
     def explain(self) -> str:
         """A human-readable report: parameters, styles, units, memory, collectives, notes."""
         lines = [

@@ -47,6 +47,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.plan.functional import track
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.lower_compute import apply_checkpointing, compile_blocks, compile_model
 from meshtrain.spec.errors import PlanError, format_shape
 
 
@@ -72,13 +73,18 @@ def apply(plan: Plan, model: nn.Module) -> Any:
 
 
 def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
-    """Tensor parallel, then data parallel, then the scope ``mt.constrain`` reads (no pipeline)."""
+    """Tensor parallel, checkpointing, per-block compile, data parallel (FSDP2, also over size-1
+    axes that carry the mixed-precision policy), whole-model compile, then the scope
+    ``mt.constrain`` reads (no pipeline)."""
     device_mesh = plan.mesh.device_mesh
     assert device_mesh is not None
     if plan.tp_axis is not None:  # only set when its size is > 1
         _apply_tensor_parallel(plan, model, device_mesh[plan.tp_axis])
-    if plan.data_axes:
+    apply_checkpointing(plan, model)
+    compile_blocks(plan, model)
+    if plan.data_axes or plan.cast_axes:
         _apply_data_parallel(plan, model)
+    compile_model(plan, model)
     track(plan, model)
     return model
 
@@ -241,7 +247,7 @@ class _PrepareFirstInput(PrepareModuleInput):
 
 def _apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     assert plan.mesh.device_mesh is not None
-    dp_mesh = plan.mesh.device_mesh[plan.data_axes]
+    dp_mesh = plan.mesh.device_mesh[plan.data_axes or plan.cast_axes]
     options = plan.options
     mp_policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, options.param_dtype),

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan, StagePlan
 from meshtrain.plan.lower import _PartialGradSync, loss_context, parallelize
+from meshtrain.plan.lower_compute import compile_loss
 from meshtrain.spec.errors import PlanError, format_shape
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -57,6 +58,8 @@ class PipelinedModel:
         self.stages = stages
         self._tokens = torch.ones(())
         self._loss_fn: LossFn = summed_cross_entropy
+        self._loss_scale = 1.0
+        self._compiled_losses: dict[LossFn, LossFn] = {}
         pipeline = plan.pipeline
         cls = get_schedule_class(pipeline.schedule)
         self.schedule = cls(
@@ -69,7 +72,7 @@ class PipelinedModel:
         self.has_last = any(stage.is_last for stage in stages)
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target) / self._tokens
+        return self._loss_fn(output, target) * (self._loss_scale / self._tokens)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every local parameter under its full-model FQN."""
@@ -88,6 +91,7 @@ class PipelinedModel:
         loss_fn: LossFn = summed_cross_entropy,
         *,
         token_count: int | torch.Tensor | None = None,
+        loss_scale: float = 1.0,
     ) -> torch.Tensor:
         """Forward and backward of one step's batch through the pipeline; returns its mean loss.
 
@@ -96,6 +100,9 @@ class PipelinedModel:
         it is divided by the step's loss tokens over every data-parallel rank (``token_count``
         on this rank, default ``targets.numel()``), so gradients equal one device's mean-loss
         gradients. The returned loss is the global mean, on every rank.
+        ``loss_scale`` multiplies the loss backward starts from (fp16:
+        :class:`~meshtrain.train.LossScaler`'s ``scale_value``); the returned loss is unscaled.
+        The loss function is compiled when the plan compiles.
         """
         pipeline = self.plan.pipeline
         assert pipeline is not None
@@ -109,7 +116,10 @@ class PipelinedModel:
             )
         count = token_count if token_count is not None else targets.numel()
         self._tokens = self._data_sum(torch.tensor(float(count)))
-        self._loss_fn = loss_fn
+        if loss_fn not in self._compiled_losses:
+            self._compiled_losses[loss_fn] = compile_loss(self.plan, loss_fn)
+        self._loss_fn = self._compiled_losses[loss_fn]
+        self._loss_scale = float(loss_scale)
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
@@ -120,7 +130,7 @@ class PipelinedModel:
             value = loss.detach()
             total += value.full_tensor() if isinstance(value, DTensor) else value
         dist.all_reduce(total, group=self._device_mesh.get_group(pipeline.axis))
-        return self._data_sum(total)
+        return self._data_sum(total) / self._loss_scale
 
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         for axis in self.plan.data_axes:

@@ -6,12 +6,15 @@ chosen for the plan at hand — or refused with a ``PlanError`` naming the torch
 Known torch 2.13 limitations the choice works around (each has a regression test in
 ``tests/test_compile_limits_spmd.py`` that fails once torch fixes it):
 
-- per-block compile under sequence parallelism fails in backward (``Redistribute.backward``:
-  ``'Tensor' object has no attribute '_local_tensor'``);
+- per-block compile under tensor parallelism (with or without sequence parallelism) fails in
+  backward (``Redistribute``: ``'Tensor' object has no attribute '_local_tensor'``); under FSDP2
+  × TP it runs but the vocab-parallel embedding's gradient is wrong (relative error 1.0);
 - whole-model compile under FSDP2 with ``fullgraph=True`` fails (FSDP2's hooks are skipped by
   dynamo);
-- whole-model compile under FSDP2 × tensor parallel with sequence parallelism fails
-  (``Mixing fake modes NYI``).
+- whole-model compile under FSDP2 × tensor parallel fails (``Mixing fake modes NYI``).
+
+So 'auto' compiles each block for data-parallel plans and the whole model (each pipeline stage)
+for tensor-parallel ones, and refuses FSDP2 × tensor parallel.
 
 Example:
     >>> parse_checkpointing({"every": 2})
@@ -92,40 +95,32 @@ def resolve_compile_scope(
 ) -> str | None:
     """The scope ``torch.compile`` is applied at ('block' or 'model'), or None without compile.
 
-    ``wrapped``: the plan applies FSDP2 (``fully_shard`` or ``replicate``) to the model.
+    ``wrapped``: the plan applies FSDP2 (``fully_shard`` or ``replicate``) to the model. 'auto'
+    picks 'block' without tensor parallelism and 'model' with it (see the module docstring).
     """
     if not options.compile:
         return None
     scope = options.compile_scope
-    if scope == "auto":
-        if sequence_parallel and wrapped:
-            raise PlanError(
-                "compile=True cannot be lowered for tensor parallel with sequence parallelism "
-                f"over '{tp_axis}' together with FSDP2 in torch 2.13: per-block compile fails in "
-                "backward under sequence parallelism (Redistribute.backward: 'Tensor' object has "
-                "no attribute '_local_tensor') and whole-model compile under FSDP2 × TP+SP fails "
-                "with 'Mixing fake modes NYI'. Drop the ('seq', ...) activation rule, or set "
-                "compile=False."
-            )
-        scope = "model" if sequence_parallel else "block"
-    if scope == "block" and sequence_parallel:
+    tp = "tensor parallel" + (" with sequence parallelism" if sequence_parallel else "")
+    if tp_axis is not None and wrapped:
         raise PlanError(
-            "compile scope 'block' under sequence parallelism fails in torch 2.13 (backward of "
-            "a compiled block: Redistribute.backward: 'Tensor' object has no attribute "
-            f"'_local_tensor', tensor-parallel axis '{tp_axis}'). Use compile={{'scope': 'model'}} "
-            "(works without FSDP), drop the ('seq', ...) activation rule, or set compile=False."
+            f"compile=True cannot be lowered for FSDP2 × {tp} over '{tp_axis}' in torch 2.13: "
+            "whole-model compile fails ('Mixing fake modes NYI'), and per-block compile gives a "
+            "wrong gradient for the vocab-parallel embedding (measured: relative error 1.0). "
+            "Compile a plan with FSDP2 alone or tensor parallel alone, or set compile=False."
+        )
+    if scope == "auto":
+        scope = "model" if tp_axis is not None else "block"
+    if scope == "block" and tp_axis is not None:
+        raise PlanError(
+            f"compile scope 'block' under {tp} over '{tp_axis}' fails in torch 2.13 (backward "
+            "of a compiled block: Redistribute: 'Tensor' object has no attribute "
+            "'_local_tensor'). Use compile={'scope': 'model'} (or 'auto'), or compile=False."
         )
     if scope == "model" and wrapped and options.compile_fullgraph:
         raise PlanError(
             "compile={'scope': 'model', 'fullgraph': True} fails under FSDP2 in torch 2.13 (its "
             "hooks are skipped by dynamo: 'Attempted to call function marked as skipped'). Use "
             "scope 'block' (each block compiled before fully_shard), or fullgraph=False."
-        )
-    if scope == "model" and wrapped and sequence_parallel:
-        raise PlanError(
-            "compile scope 'model' fails for FSDP2 × tensor parallel with sequence parallelism "
-            f"over '{tp_axis}' in torch 2.13 ('Mixing fake modes NYI'), and per-block compile "
-            "fails under sequence parallelism. Drop the ('seq', ...) activation rule, or set "
-            "compile=False."
         )
     return scope

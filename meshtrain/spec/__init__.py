@@ -7,6 +7,7 @@ is not asked for an abstract mesh.
 from meshtrain.spec.errors import (
     CheckpointError,
     EquivalenceError,
+    GraphBreakWarning,
     MeshError,
     MeshtrainError,
     PlanError,
@@ -24,6 +25,7 @@ from meshtrain.spec.rules import ParamSpec, Resolution, Rules
 __all__ = [
     "CheckpointError",
     "EquivalenceError",
+    "GraphBreakWarning",
     "Mesh",
     "MeshError",
     "MeshtrainError",

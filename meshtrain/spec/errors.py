@@ -77,6 +77,10 @@ class RecipeError(MeshtrainError):
     """A recipe with an unknown key, a wrong type or an impossible combination."""
 
 
+class GraphBreakWarning(UserWarning):
+    """``torch.compile`` split a compiled region into several graphs (count and reasons given)."""
+
+
 def format_shape(shape: Sequence[int]) -> str:
     """Render a shape the way error messages show it.
 

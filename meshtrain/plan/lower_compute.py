@@ -1,0 +1,152 @@
+"""Lowering the compute policies: activation checkpointing and ``torch.compile``.
+
+Order inside :func:`~meshtrain.plan.lower.parallelize` (torchtitan's): tensor parallel →
+checkpointing → per-block compile → FSDP2 → whole-model compile. Both policies replace a module's
+``forward`` on the instance instead of wrapping the module, so parameter FQNs, state dicts and
+FSDP2's module hooks (which stay outside the compiled code) are untouched.
+
+- ``full``: the block's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant):
+  only its inputs are kept, everything else is recomputed in backward.
+- ``selective``: the same with a policy that keeps the outputs of matmul and attention ops
+  (:data:`~meshtrain.plan.activations.SAVED_OPS`) and recomputes the rest.
+
+Graph breaks are not accepted silently: after the first forward of a compiled model a
+:class:`~meshtrain.spec.errors.GraphBreakWarning` names their count and reasons, and
+:func:`compile_report` returns them.
+
+Example (inside ``parallelize``)::
+
+    apply_checkpointing(plan, model)
+    compile_blocks(plan, model)
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+from meshtrain.plan.activations import SAVED_OPS
+from meshtrain.plan.ir import Plan
+from meshtrain.spec.errors import GraphBreakWarning
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """Graph breaks torch.compile hit in a model's compiled regions since ``plan.apply``."""
+
+    graph_breaks: int
+    reasons: tuple[str, ...]
+
+
+def apply_checkpointing(plan: Plan, model: nn.Module) -> None:
+    """Checkpoint the plan's ``checkpointed`` blocks that this model (or stage) holds."""
+    mode = plan.options.activation_checkpointing
+    modules = dict(model.named_modules())
+    for fqn in plan.checkpointed:
+        if fqn in modules:
+            _checkpoint_forward(modules[fqn], selective=mode == "selective")
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
+    inner = module.forward
+    extra: dict[str, Any] = {}
+    if selective:
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
+def compile_blocks(plan: Plan, model: nn.Module) -> None:
+    """Compile each block's forward (scope 'block'); before FSDP2 wraps the blocks."""
+    if plan.compile_scope != "block":
+        return
+    modules = dict(model.named_modules())
+    for fqn in plan.blocks:
+        if fqn in modules:
+            _compile_forward(plan, modules[fqn])
+    _watch_graph_breaks(model)
+
+
+def compile_model(plan: Plan, model: nn.Module) -> None:
+    """Compile the whole model's forward (scope 'model'); after FSDP2."""
+    if plan.compile_scope != "model":
+        return
+    _compile_forward(plan, model)
+    _watch_graph_breaks(model)
+
+
+def compile_loss(plan: Plan, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``loss_fn`` compiled with the plan's backend when the plan compiles (eager otherwise, and
+    under loss parallelism, whose vocab-sharded cross-entropy runs through DTensor's op table)."""
+    if plan.compile_scope is None or any(s.style == "loss_parallel_head" for s in plan.styles):
+        return loss_fn
+    options = plan.options
+    return torch.compile(
+        loss_fn, backend=options.compile_backend, fullgraph=options.compile_fullgraph
+    )
+
+
+def _compile_forward(plan: Plan, module: nn.Module) -> None:
+    options = plan.options
+    module.forward = torch.compile(  # type: ignore[method-assign]
+        module.forward, backend=options.compile_backend, fullgraph=options.compile_fullgraph
+    )
+
+
+def _graph_breaks() -> Counter[str]:
+    return Counter(torch._dynamo.utils.counters["graph_break"])
+
+
+def _watch_graph_breaks(model: nn.Module) -> None:
+    """Warn once, after the first forward, about graph breaks since now."""
+    before = _graph_breaks()
+    model._meshtrain_graph_breaks = before  # type: ignore[assignment]
+
+    def check(module: nn.Module, args: Any, output: Any) -> None:
+        handle.remove()
+        report = compile_report(module)
+        if report.graph_breaks:
+            warnings.warn(
+                GraphBreakWarning(
+                    f"torch.compile broke {type(module).__name__}'s compiled code into more "
+                    f"graphs {report.graph_breaks} time(s): {'; '.join(report.reasons)}. Each "
+                    "break runs eagerly in between; fix the model code, or compile with "
+                    "{'fullgraph': True} to turn breaks into errors."
+                ),
+                stacklevel=2,
+            )
+
+    handle = model.register_forward_hook(check)
+
+
+def compile_report(model: nn.Module) -> CompileReport:
+    """Graph breaks (count, reasons) torch.compile recorded since ``plan.apply`` compiled
+    ``model`` (counted process-wide: other compiled code in the process adds to it)."""
+    before = getattr(model, "_meshtrain_graph_breaks", None)
+    if before is None:
+        return CompileReport(0, ())
+    delta = _graph_breaks() - before
+    return CompileReport(
+        sum(delta.values()),
+        tuple(f"{reason.strip().splitlines()[0]} (×{count})" for reason, count in delta.items()),
+    )

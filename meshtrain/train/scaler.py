@@ -1,0 +1,110 @@
+"""Dynamic loss scaling for fp16 that decides the same on every rank.
+
+fp16 gradients underflow without scaling and overflow with too much. The loss is multiplied by
+``scale`` before backward; after it, gradients are divided by ``scale`` and checked for inf/NaN.
+With sharded gradients each rank sees only its shards, so the "found non-finite" flag is
+all-reduced (max) over every rank before anyone decides: either every rank steps or every rank
+skips, and the scale stays identical everywhere. On overflow the scale is multiplied by
+``backoff_factor``; after ``growth_interval`` finite steps in a row, by ``growth_factor``.
+
+Example (on every rank, fp16 plan)::
+
+    scaler = LossScaler()
+    scaler.scale(loss).backward()
+    if scaler.unscale_(model.parameters()):      # False on every rank when any rank overflowed
+        clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+    scaler.update()
+    optimizer.zero_grad()
+
+    >>> LossScaler(init_scale=8.0).scale(torch.tensor(2.0))
+    tensor(16.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from meshtrain.spec.errors import PlanError
+
+
+class LossScaler:
+    """Loss scale state and the unscale/check/update steps (see the module docstring)."""
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1:
+            raise PlanError(
+                f"LossScaler(init_scale={init_scale}, growth_factor={growth_factor}, "
+                f"backoff_factor={backoff_factor}) needs init_scale > 0, growth_factor > 1 and "
+                "0 < backoff_factor < 1."
+            )
+        self.scale_value = float(init_scale)
+        self.growth_factor = growth_factor
+        self.backoff_factor = backoff_factor
+        self.growth_interval = growth_interval
+        self.group = group
+        self.finite_steps = 0
+        self.skipped_steps = 0
+        self._found_inf: bool | None = None
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss × scale`` (call ``backward`` on this)."""
+        return loss * self.scale_value
+
+    @torch.no_grad()
+    def unscale_(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide gradients by the scale in place; True when every rank's gradients are finite."""
+        found = torch.zeros(1)
+        inverse = torch.full((1,), 1.0 / self.scale_value)
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in parameters:
+            grad = param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            by_dtype.setdefault(local.dtype, []).append(local)
+        for grads in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        self._found_inf = bool(found.item())
+        return not self._found_inf
+
+    def update(self) -> None:
+        """Adjust the scale after a step (back off on overflow, grow after a finite streak)."""
+        if self._found_inf is None:
+            raise PlanError("LossScaler.update() before unscale_(): unscale the gradients first.")
+        if self._found_inf:
+            self.scale_value *= self.backoff_factor
+            self.finite_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.finite_steps += 1
+            if self.finite_steps == self.growth_interval:
+                self.scale_value *= self.growth_factor
+                self.finite_steps = 0
+        self._found_inf = None
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {
+            "scale": self.scale_value,
+            "finite_steps": self.finite_steps,
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.scale_value = float(state["scale"])
+        self.finite_steps = int(state["finite_steps"])
+        self.skipped_steps = int(state["skipped_steps"])
