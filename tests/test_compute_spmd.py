@@ -12,7 +12,6 @@ Contracts (docs/compute.md):
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,15 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import full, mesh_for, rel, world_size
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import meshtrain as mt
 from meshtrain import Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan.lower_compute import compile_report
 from meshtrain.testing.runner import get_pool
-from meshtrain.train import LossScaler, clip_grad_norm_
+from meshtrain.train import clip_grad_norm_
 
 pytestmark = pytest.mark.spmd
 
@@ -73,7 +70,9 @@ def _plan(case: Case, model: nn.Module, **options: Any) -> mt.Plan:
     )
     zero = 2 if case.pipeline and case.zero == 3 else case.zero
     given = dict(case.axes)
-    axes = tuple((axis, given.get(axis, 1)) for axis in ("pp", "dp", "tp") if axis in given or axis != "pp")
+    axes = tuple(
+        (axis, given.get(axis, 1)) for axis in ("pp", "dp", "tp") if axis in given or axis != "pp"
+    )
     return mt.plan(model, mesh_for(axes), _rules(case), zero=zero, pipeline=pipeline, **options)
 
 
@@ -151,7 +150,9 @@ AC_CASES = {
         (("pp", 2), ("dp", 2)), pipeline="1F1B", options={"activation_checkpointing": "selective"}
     ),
     "full-pp-tp-zbv": Case(
-        (("pp", 2), ("tp", 2)), pipeline="ZBVZeroBubble", options={"activation_checkpointing": "full"}
+        (("pp", 2), ("tp", 2)),
+        pipeline="ZBVZeroBubble",
+        options={"activation_checkpointing": "full"},
     ),
 }
 

@@ -211,15 +211,17 @@ def _cast_axes(
     """Size-1 data axes that carry FSDP2's mixed-precision policy when no data axis is > 1."""
     if options.precision == "fp32" or active_data:
         return ()
-    if not data_axes:
+    carriers = tuple(axis for axis in data_axes if axis in mesh.device_axes)
+    if not carriers:
         raise PlanError(
-            f"precision={options.precision!r} is lowered through FSDP2's mixed-precision policy, "
-            f"which needs a data axis, and mesh {mesh} has none in the rules' fsdp axes. Add a "
-            "data axis of size 1 (e.g. mt.make_mesh(dp=1, tp=2) with Rules(..., fsdp='dp')): it "
-            "costs no communication.",
+            f"precision={options.precision!r} is lowered through FSDP2's mixed-precision policy "
+            f"over a data axis, and mesh {mesh} has no data axis larger than 1 among the rules' "
+            f"fsdp axes {list(data_axes)} (tensor or pipeline parallelism alone; a size-1 axis "
+            "carries it only on a single device). Add data parallelism (a data axis ≥ 2; zero=0 "
+            "replicates like DDP) or train this mesh in fp32.",
             mesh=mesh,
         )
-    return data_axes
+    return carriers
 
 
 def _activation_profile(
