@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``tests_long``.
+"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``tests_long``,
+``bench`` (benchmarks; not part of the default run).
 
 Each session builds its own virtual environment. On machines without a GPU, torch is pinned
 through ``constraints/cpu.txt`` so pip does not fetch the newest (CUDA) build; set
@@ -52,3 +53,10 @@ def docs(session: nox.Session) -> None:
     """Build the documentation site; warnings (broken links, missing pages) are errors."""
     session.install("mkdocs==1.6.1", "mkdocs-material==9.8.1")
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
+    session.install(*PIN, "-e", ".[test]")
+    session.run("python", "benchmarks/compute.py", *session.posargs)

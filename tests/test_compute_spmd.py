@@ -192,6 +192,8 @@ def test_aot_eager_compile_is_bitwise_identical(name: str) -> None:
     assert all(r["graph_breaks"] == 0 for r in results), results
 
 
+# inductor's CPU code path imports a torch module that uses the deprecated torch.jit API
+@pytest.mark.filterwarnings("ignore:.*torch.jit.script_method. is deprecated:DeprecationWarning")
 def test_inductor_compile_within_its_bound() -> None:
     case = Case((("dp", 2),), options={"compile": True, "activation_checkpointing": "selective"})
     results = get_pool(case.world).run(compare_variant, case, _timeout_s=400.0)

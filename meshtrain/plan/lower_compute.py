@@ -73,7 +73,7 @@ def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
     def forward(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
-    module.forward = forward  # type: ignore[method-assign]
+    module.forward = forward
 
 
 def compile_blocks(plan: Plan, model: nn.Module) -> None:
@@ -108,7 +108,7 @@ def compile_loss(plan: Plan, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _compile_forward(plan: Plan, module: nn.Module) -> None:
     options = plan.options
-    module.forward = torch.compile(  # type: ignore[method-assign]
+    module.forward = torch.compile(
         module.forward, backend=options.compile_backend, fullgraph=options.compile_fullgraph
     )
 
