@@ -33,7 +33,6 @@ pytestmark = pytest.mark.spmd
 
 STEPS = 3
 LR = 1e-2
-UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 2.0**-24}
 
 
 @dataclass(frozen=True)

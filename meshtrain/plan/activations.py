@@ -112,10 +112,6 @@ class ActivationProfile:
             recompute = max(recompute, saved - kept)  # what its backward rematerialises
         return total * in_flight + recompute
 
-    def per_block(self) -> int:
-        """Largest single block's saved bytes per rank without checkpointing."""
-        return max((self.peak("none", (), (b.fqn,)) for b in self.blocks), default=0)
-
 
 def trace_activations(
     model: nn.Module,

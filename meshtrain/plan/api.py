@@ -36,7 +36,6 @@ from meshtrain.plan.options import PlanOptions, Precision
 from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
 from meshtrain.plan.policies import (
     block_fqns,
-    checkpointed_units,
     parse_checkpointing,
     parse_compile,
     resolve_compile_scope,
@@ -131,7 +130,7 @@ def plan(
     blocks = block_fqns(all_units)
     cast_axes = _cast_axes(options, data_axes, active_data, mesh)
     units = all_units if active_data or cast_axes else ()
-    checkpointed = checkpointed_units(blocks, options)
+    checkpointed = options.checkpointed_blocks(blocks)
     compile_scope = resolve_compile_scope(
         options,
         sequence_parallel=sequence_parallel,
@@ -198,7 +197,6 @@ def plan(
         pipeline=pipeline_plan,
         notes=tuple(notes),
         blocks=blocks,
-        checkpointed=checkpointed,
         compile_scope=compile_scope,
         cast_axes=cast_axes,
         activation_estimates=estimates,
@@ -269,8 +267,12 @@ def _pipeline_costs(
     ranks = {stage.rank for stage in pipeline.stages}
     memory = max(
         (
-            estimate_memory(
-                [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params], options
+            replace(
+                estimate_memory(
+                    [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params],
+                    options,
+                ),
+                activations=sum(s.activation_bytes for s in pipeline.local_stages(rank)),
             )
             for rank in ranks
         ),

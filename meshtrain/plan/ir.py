@@ -169,8 +169,8 @@ class Plan:
 
     ``activation_rules`` are the logical-axis rules that ``mt.constrain`` resolves activation
     names with (the rules' logical part; ``("seq", tp)`` among them turns sequence parallelism on).
-    ``blocks`` are the repeated blocks (checkpointing and per-block compile act on them),
-    ``checkpointed`` those whose activations are recomputed, ``compile_scope`` 'block', 'model'
+    ``blocks`` are the repeated blocks (checkpointing and per-block compile act on them;
+    :attr:`checkpointed` are those whose activations are recomputed), ``compile_scope`` 'block', 'model'
     or None. ``cast_axes``: size-1 data axes FSDP2 is applied over only to carry the
     mixed-precision policy (no data axis larger than 1). ``activation_estimates``: peak
     activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len).
@@ -190,7 +190,6 @@ class Plan:
     pipeline: PipelinePlan | None = None
     notes: tuple[str, ...] = field(default=())
     blocks: tuple[str, ...] = ()
-    checkpointed: tuple[str, ...] = ()
     compile_scope: str | None = None
     cast_axes: tuple[str, ...] = ()
     activation_estimates: tuple[tuple[str, int], ...] = ()
@@ -217,6 +216,11 @@ class Plan:
         from meshtrain.plan.lower import micro_batch
 
         return micro_batch(self, model, last=last)
+
+    @property
+    def checkpointed(self) -> tuple[str, ...]:
+        """Blocks whose activations are recomputed in backward."""
+        return self.options.checkpointed_blocks(self.blocks)
 
     def compile_loss(self, loss_fn: Any) -> Any:
         """``loss_fn`` compiled with the plan's backend when the plan compiles (else unchanged)."""
@@ -348,7 +352,6 @@ class Plan:
             pipeline=_pipeline_from_data(data["pipeline"]),
             notes=tuple(data["notes"]),
             blocks=tuple(data["blocks"]),
-            checkpointed=tuple(data["checkpointed"]),
             compile_scope=data["compile_scope"],
             cast_axes=tuple(data["cast_axes"]),
             activation_estimates=tuple(
@@ -403,7 +406,6 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "pipeline": None if plan.pipeline is None else _pipeline_data(plan.pipeline),
         "notes": list(plan.notes),
         "blocks": list(plan.blocks),
-        "checkpointed": list(plan.checkpointed),
         "compile_scope": plan.compile_scope,
         "cast_axes": list(plan.cast_axes),
         "activation_estimates": [[name, value] for name, value in plan.activation_estimates],

@@ -7,6 +7,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
 
@@ -95,6 +96,19 @@ class PlanOptions:
                 "offload=True needs sharded data parallelism (zero ≥ 1): FSDP2's CPU offload keeps "
                 "each rank's shard on the host. Use zero=3 with offload."
             )
+
+    def checkpointed_blocks(self, blocks: Sequence[str]) -> tuple[str, ...]:
+        """The blocks whose activations are recomputed: all, or the k-th, 2k-th, … of them.
+
+        Example:
+            >>> PlanOptions(activation_checkpointing="full", checkpoint_every=2).checkpointed_blocks(
+            ...     ["b0", "b1", "b2", "b3"])
+            ('b1', 'b3')
+        """
+        if self.activation_checkpointing == "none":
+            return ()
+        every = self.checkpoint_every
+        return tuple(fqn for position, fqn in enumerate(blocks, start=1) if position % every == 0)
 
     @property
     def param_dtype(self) -> str:

@@ -77,14 +77,6 @@ def parse_compile(value: object) -> dict[str, Any]:
     return {"compile": True, **{_COMPILE_KEYS[key]: item for key, item in value.items()}}
 
 
-def checkpointed_units(units: Sequence[str], options: PlanOptions) -> tuple[str, ...]:
-    """The repeated blocks whose activations are checkpointed (every k-th: the k-th, 2k-th, …)."""
-    if options.activation_checkpointing == "none":
-        return ()
-    every = options.checkpoint_every
-    return tuple(fqn for position, fqn in enumerate(units, start=1) if position % every == 0)
-
-
 def block_fqns(units: Sequence[FSDPUnit]) -> tuple[str, ...]:
     """FSDP units that are repeated blocks (all but the root)."""
     return tuple(unit.fqn for unit in units if unit.fqn)

@@ -66,17 +66,19 @@ class LossScaler:
     @torch.no_grad()
     def unscale_(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
         """Divide gradients by the scale in place; True when every rank's gradients are finite."""
-        found = torch.zeros(1)
-        inverse = torch.full((1,), 1.0 / self.scale_value)
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for param in parameters:
             grad = param.grad
             if grad is None:
                 continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            by_dtype.setdefault(local.dtype, []).append(local)
-        for grads in by_dtype.values():
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
+            groups.setdefault((local.device, local.dtype), []).append(local)
+        found = torch.zeros(1)
+        for (device, _), grads in groups.items():  # the flag and 1/scale live beside the grads
+            found_here = torch.zeros(1, device=device)
+            inverse = torch.full((1,), 1.0 / self.scale_value, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
+            found = torch.maximum(found, found_here.cpu())
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self._found_inf = bool(found.item())
