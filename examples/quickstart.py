@@ -83,6 +83,7 @@ def main() -> None:
                 f"|diff| {abs(global_loss.item() - ref_loss.item()):.1e}",
                 flush=True,
             )
+    dist.barrier()  # every rank finishes its last collective before any tears the group down
     dist.destroy_process_group()
 
 
