@@ -1,0 +1,160 @@
+"""Numerical contracts: how closely a plan must train like one device, and why that close.
+
+A plan changes *where* arithmetic happens; whether that changes the result depends on whether it
+changes the order of any reduction or the places where values are rounded:
+
+* ``bitwise`` — no reduction changes order (activation checkpointing, ``aot_eager`` compile,
+  a pipeline with one micro-batch, tensor-parallel axes nothing is sharded over): losses,
+  gradients, parameters and optimizer states are identical bit for bit.
+* ``reduction-order`` — fp32 throughout, but some sums are taken in another order: the
+  data-parallel gradient sum (each rank sums its own samples first), micro-batch accumulation,
+  tensor-parallel partial products, sequence-parallel norm gradients, inductor's fused kernels.
+* ``approximate`` — a low-precision policy rounds partial results that one device rounds as a
+  whole (see :func:`contract_for` for the sites).
+
+The per-step relative bound (:attr:`Contract.tolerance`, against each tensor's largest magnitude)
+for the loss, the global gradient norm and every gradient is, with ε the fp32 machine epsilon::
+
+    2 · ε · depth · Σ levels(r)        levels(r) = ⌈log₂ ways(r)⌉ + 1
+
+summed over the reorderings ``r``: re-associating a sum into ``ways`` partial sums adds at most
+``⌈log₂ ways⌉`` roundings of the combined sum plus one inside the parts, each ≤ ε of the
+magnitudes involved; a perturbation introduced in one block reaches the loss through the
+``depth`` = blocks + 2 (input and head) layers without growing (residual, normalised blocks),
+once forward and once backward (the 2). ``approximate`` adds ``2u`` per rounding site, u the
+compute dtype's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹): rounding ``a`` and ``b`` separately instead
+of ``a + b`` differs by at most 2u.
+
+Parameters and optimizer states are compared after every step from the same starting point
+(the harness copies the plan's values into the reference after each step); their element-wise
+bounds follow from the gradient bound through the optimizer's update rule
+(:mod:`meshtrain.testing.updates`).
+
+Example:
+    >>> c = Contract("reduction-order", (Reordering("data-parallel gradient sum", 2),), depth=4)
+    >>> round(c.tolerance / EPS_FP32)
+    32
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from meshtrain.plan.ir import Plan
+
+Level = Literal["bitwise", "reduction-order", "approximate"]
+EPS_FP32 = float(torch.finfo(torch.float32).eps)
+UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 0.0}
+
+
+@dataclass(frozen=True)
+class Reordering:
+    """One reduction the plan takes in another order than one device: what, over how many parts."""
+
+    what: str
+    ways: int
+
+    @property
+    def levels(self) -> int:
+        """Extra roundings a value picks up: ⌈log₂ ways⌉ combining the parts, one inside them."""
+        return math.ceil(math.log2(self.ways)) + 1
+
+
+@dataclass(frozen=True)
+class Contract:
+    """A plan's numerical contract against the single-device reference (see the module doc)."""
+
+    level: Level
+    reorderings: tuple[Reordering, ...] = ()
+    depth: int = 1
+    precision: str = "fp32"
+    rounding_sites: tuple[str, ...] = ()
+
+    @property
+    def tolerance(self) -> float:
+        """Relative bound per step for the loss, the gradient norm and each gradient."""
+        if self.level == "bitwise":
+            return 0.0
+        levels = sum(r.levels for r in self.reorderings)
+        bound = 2 * EPS_FP32 * self.depth * levels
+        if self.level == "approximate":
+            bound += 2 * UNIT_ROUNDOFF[self.precision] * max(len(self.rounding_sites), 1)
+        return bound
+
+    def describe(self) -> str:
+        """One paragraph: the level, what changes order or rounding, and the bound it gives."""
+        if self.level == "bitwise":
+            return "bitwise: no reduction changes order; every value must be identical."
+        parts = [
+            f"{r.what} ({r.ways} ways, {r.levels} levels)" for r in self.reorderings
+        ] or ["none"]
+        text = (
+            f"{self.level}: reordered reductions: {'; '.join(parts)}; depth {self.depth}; "
+            f"per-step relative bound {self.tolerance:.2e}"
+        )
+        if self.level == "approximate":
+            sites = ", ".join(self.rounding_sites) or "the policy's own casts"
+            text += f" ({self.precision}, 2u per rounding site: {sites})"
+        return text + "."
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (for the report)."""
+        return {
+            "level": self.level,
+            "tolerance": self.tolerance,
+            "depth": self.depth,
+            "precision": self.precision,
+            "reorderings": [{"what": r.what, "ways": r.ways} for r in self.reorderings],
+            "rounding_sites": list(self.rounding_sites),
+        }
+
+
+def contract_for(plan: Plan) -> Contract:
+    """The contract ``plan`` promises against one device running the same precision policy.
+
+    Example:
+        >>> import meshtrain as mt
+        >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
+        >>> model = build_llama(LlamaConfig.debug(), device="meta")
+        >>> mesh = mt.make_mesh(dp=2, tp=2, world_size=4, abstract=True)
+        >>> contract_for(mt.plan(model, mesh, default_rules())).level
+        'reduction-order'
+    """
+    mesh, options = plan.mesh, plan.options
+    reorderings: list[Reordering] = []
+    data_ways = math.prod(mesh.size(axis) for axis in plan.data_axes)
+    if data_ways > 1:
+        reorderings.append(Reordering("data-parallel gradient and loss sum", data_ways))
+    micro = plan.pipeline.microbatches if plan.pipeline else options.microbatches
+    if micro > 1:
+        reorderings.append(Reordering("micro-batch gradient accumulation", micro))
+    tp_ways = mesh.size(plan.tp_axis) if plan.tp_axis else 1
+    tp_used = tp_ways > 1 and any(
+        plan.tp_axis in layout.spec.axes for layout in plan.params if plan.tp_axis
+    )
+    if tp_used:
+        reorderings.append(Reordering("tensor-parallel partial products", tp_ways))
+    if plan.sequence_parallel and tp_ways > 1:
+        reorderings.append(Reordering("sequence-parallel norm-weight gradient sum", tp_ways))
+    if options.compile and options.compile_backend == "inductor":
+        widest = max((max(layout.shape, default=1) for layout in plan.params), default=2)
+        reorderings.append(
+            Reordering("inductor kernels (fused norms, softmax and reductions)", max(widest, 2))
+        )
+    depth = max(len(plan.blocks), 1) + 2
+    if options.precision != "fp32":
+        sites = []
+        if data_ways > 1:
+            sites.append("each rank's gradient before the data-parallel sum")
+        if tp_used:
+            sites.append("tensor-parallel partial products before their all-reduce")
+        if plan.pipeline is not None:
+            sites.append("stage outputs and the loss from low-precision logits")
+        return Contract("approximate", tuple(reorderings), depth, options.precision, tuple(sites))
+    if not reorderings:
+        return Contract("bitwise", depth=depth)
+    return Contract("reduction-order", tuple(reorderings), depth)

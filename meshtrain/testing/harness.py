@@ -1,0 +1,657 @@
+"""``assert_equivalent``: a plan trains like one device, step by step, within its contract.
+
+Every rank of a pool of real gloo ranks builds the model from the same seed, keeps a deep copy as
+the single-device reference, applies the plan to the original and trains both on the same global
+batches with the same optimizer: the reference on the whole batch, the plan on its data-parallel
+slice in its micro-batches (or through its pipeline). After each backward the loss, the global
+gradient norm and every gradient are compared with the contract's relative bound; after each
+optimizer step every parameter and optimizer state against the element-wise bound the update rule
+gives (:mod:`meshtrain.testing.updates`). The plan's parameters and states are then copied into
+the reference, so every step starts from the same point and the first diverging step is exact.
+
+Example (a model defined at module level, so ranks can import it)::
+
+    report = mt.testing.assert_equivalent(
+        MyModel, {"dp": 2, "tp": 2}, {"rules": rules, "zero": 3}, steps=3, optimizer="adamw"
+    )
+    print(report.format())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from meshtrain.plan.api import plan as make_plan
+from meshtrain.plan.ir import Plan
+from meshtrain.spec.errors import EquivalenceError, PlanError
+from meshtrain.spec.mesh import Mesh, make_mesh
+from meshtrain.spec.rules import Rules
+from meshtrain.testing.contract import Contract, contract_for
+from meshtrain.testing.runner import get_pool
+from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
+from meshtrain.train.clip import clip_grad_norm_
+from meshtrain.train.loss import global_token_count
+from meshtrain.train.scaler import LossScaler
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+OptimizerSpec = str | Callable[..., torch.optim.Optimizer]
+
+
+def summed_cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed over every target (logits ``[..., classes]``, computed in fp32)."""
+    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction="sum")
+
+
+@dataclass(frozen=True)
+class TokenBatches:
+    """Seeded random token batches: ``batches(step)`` → ``(inputs, targets)``, each
+    ``[batch_size, seq_len]``, targets the inputs shifted by one.
+
+    Example:
+        >>> inputs, targets = TokenBatches(vocab_size=32, batch_size=4, seq_len=8)(0)
+        >>> tuple(inputs.shape), bool((inputs[:, 1:] == targets[:, :-1]).all())
+        ((4, 8), True)
+    """
+
+    vocab_size: int
+    batch_size: int = 8
+    seq_len: int = 16
+    seed: int = 1234
+
+    def __call__(self, step: int) -> Batch:
+        generator = torch.Generator().manual_seed(self.seed + step)
+        tokens = torch.randint(
+            0, self.vocab_size, (self.batch_size, self.seq_len + 1), generator=generator
+        )
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One compared quantity at one step: the worst element's error and the contract's verdict.
+
+    ``ratio`` is the largest |difference| / bound over the tensor's elements (> 1 fails);
+    ``rel_error`` is the largest |difference| over the reference's largest magnitude.
+    """
+
+    step: int
+    quantity: str
+    fqn: str
+    abs_error: float
+    rel_error: float
+    ratio: float
+    note: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.ratio <= 1.0
+
+
+@dataclass(frozen=True)
+class EquivalenceReport:
+    """Everything one ``assert_equivalent`` run compared, and how to replay it."""
+
+    contract: Contract
+    comparisons: tuple[Comparison, ...]
+    losses: tuple[tuple[float, float], ...]
+    clipped_steps: int
+    plan_json: str
+    replay: str
+    unchecked: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return all(c.ok for c in self.comparisons)
+
+    @property
+    def failures(self) -> tuple[Comparison, ...]:
+        return tuple(c for c in self.comparisons if not c.ok)
+
+    @property
+    def first_divergence(self) -> Comparison | None:
+        failures = self.failures
+        return min(failures, key=lambda c: c.step) if failures else None
+
+    def worst(self, quantity: str) -> float:
+        """The largest relative error of one quantity ('loss', 'grad', 'param', ...) over all steps."""
+        return max((c.rel_error for c in self.comparisons if c.quantity == quantity), default=0.0)
+
+    def format(self, limit: int = 12) -> str:
+        """The report: verdict, contract, first divergence, worst tensors, losses, replay."""
+        plan = json.loads(self.plan_json)
+        mesh = ", ".join(f"{a}: {s}" for a, s in zip(plan["mesh"]["axes"], plan["mesh"]["sizes"]))
+        verdict = "trains like one device" if self.passed else "does NOT train like one device"
+        lines = [f"plan on mesh {{{mesh}}} {verdict}.", f"contract: {self.contract.describe()}"]
+        first = self.first_divergence
+        if first is not None:
+            lines.append(
+                f"first divergence: step {first.step}, {first.quantity} {first.fqn!r}: max abs "
+                f"error {first.abs_error:.2e}, rel {first.rel_error:.2e}, {_times(first.ratio)} "
+                f"the bound{' (' + first.note + ')' if first.note else ''}"
+            )
+            shown = sorted(self.failures, key=lambda c: (c.step, -c.ratio))[:limit]
+            lines.append(f"diverged: {len(self.failures)} comparisons; the first {len(shown)}:")
+        else:
+            shown = sorted(self.comparisons, key=lambda c: -c.ratio)[:limit]
+            lines.append(f"closest to their bounds (of {len(self.comparisons)} comparisons):")
+        lines.append(f"  {'step':>4}  {'quantity':<18} {'tensor':<36} {'abs err':>9} "
+                     f"{'rel err':>9} {'× bound':>9}")  # fmt: skip
+        for c in shown:
+            lines.append(
+                f"  {c.step:>4}  {c.quantity:<18} {c.fqn:<36} {c.abs_error:>9.2e} "
+                f"{c.rel_error:>9.2e} {_times(c.ratio):>9}"
+            )
+        lines.append(
+            "losses (plan / one device): "
+            + "; ".join(f"{i + 1}: {a:.6f} / {b:.6f}" for i, (a, b) in enumerate(self.losses))
+        )
+        lines.append(f"clipping triggered in {self.clipped_steps} of {len(self.losses)} steps")
+        if self.unchecked:
+            lines.append(self.unchecked)
+        lines.append(f"replay: {self.replay}")
+        if not self.passed:
+            lines.append(f"plan JSON: {self.plan_json}")
+        return "\n".join(lines)
+
+
+def _times(ratio: float) -> str:
+    return "inf×" if math.isinf(ratio) else f"{ratio:.2f}×"
+
+
+@dataclass(frozen=True)
+class _Config:
+    model_fn: Callable[[], nn.Module]
+    mesh_axes: tuple[tuple[str, int], ...]
+    plan_kwargs: dict[str, Any]
+    batches: Callable[[int], Batch] | tuple[Batch, ...]
+    steps: int
+    optimizer: OptimizerSpec
+    loss_fn: LossFn
+    max_norm: float | None
+    seed: int
+    contract: Contract
+    rank_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+
+
+@dataclass
+class _RankResult:
+    comparisons: list[Comparison] = field(default_factory=list)
+    losses: list[tuple[float, float]] = field(default_factory=list)
+    clipped_steps: int = 0
+    held: set[str] = field(default_factory=set)
+    reference_fqns: tuple[str, ...] = ()
+    update: str = ""
+
+
+def assert_equivalent(
+    model_fn: Callable[[], nn.Module],
+    mesh_shape: Mapping[str, int],
+    rules_or_plan_options: Rules | Mapping[str, Any],
+    *,
+    batches: Callable[[int], Batch] | Sequence[Batch] | None = None,
+    steps: int = 3,
+    optimizer: OptimizerSpec = "sgd",
+    loss_fn: LossFn = summed_cross_entropy,
+    max_norm: float | None = 1.0,
+    seed: int = 0,
+    contract: Contract | None = None,
+    rank_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+    timeout_s: float = 600.0,
+) -> EquivalenceReport:
+    """Train ``model_fn()`` under the plan and on one device; raise unless they agree.
+
+    ``model_fn`` builds the model (module level, so ranks can import it; seeded with ``seed``
+    before the call on every rank). ``mesh_shape`` names the axes and sizes (their product is the
+    number of gloo ranks). ``rules_or_plan_options`` is a :class:`~meshtrain.Rules`, or a mapping
+    of ``mt.plan`` keyword arguments with the rules under ``"rules"``. ``batches`` gives the
+    global batch of each step (``step -> (inputs, targets)`` or a sequence); by default
+    :class:`TokenBatches` over the model's first embedding. ``loss_fn(output, targets)`` returns
+    a *summed* loss; both runs divide it by the global target count. ``optimizer`` is 'sgd'
+    (lr 0.1, momentum 0.9), 'adam', 'adamw' (lr 1e-3) or a picklable ``params -> Optimizer``.
+    ``max_norm`` clips by the global norm (``None``: no clipping). ``rank_context`` is entered
+    on every rank around the whole run (e.g. to set flags). The plan is built first in this
+    process on an abstract mesh, so a bad plan raises its ``PlanError`` before any rank starts.
+
+    Returns the :class:`EquivalenceReport`; raises :class:`~meshtrain.EquivalenceError` (with
+    ``.report``) when any comparison exceeds its bound.
+    """
+    plan_kwargs = _plan_kwargs(rules_or_plan_options)
+    mesh_axes = tuple((str(axis), int(size)) for axis, size in mesh_shape.items())
+    world = math.prod(size for _, size in mesh_axes)
+    torch.manual_seed(seed)
+    probe = model_fn()
+    abstract = make_plan(
+        probe, make_mesh(dict(mesh_axes), world_size=world, abstract=True), **plan_kwargs
+    )
+    resolved = _resolve_batches(batches, probe)
+    _check_batch(abstract, resolved[0] if isinstance(resolved, tuple) else resolved(0))
+    config = _Config(
+        model_fn=model_fn,
+        mesh_axes=mesh_axes,
+        plan_kwargs=plan_kwargs,
+        batches=resolved,
+        steps=steps,
+        optimizer=optimizer,
+        loss_fn=loss_fn,
+        max_norm=max_norm,
+        seed=seed,
+        contract=contract or contract_for(abstract),
+        rank_context=rank_context,
+    )
+    results = get_pool(world).run(_run_rank, config, _timeout_s=timeout_s)
+    report = _merge(config, abstract, results)
+    if not report.passed:
+        error = EquivalenceError(report.format())
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
+
+
+def _plan_kwargs(rules_or_options: Rules | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(rules_or_options, Rules):
+        return {"rules": rules_or_options}
+    kwargs = dict(rules_or_options)
+    if not isinstance(kwargs.get("rules"), Rules):
+        raise PlanError(
+            "assert_equivalent needs the rules: pass a meshtrain.Rules, or a mapping of mt.plan "
+            f"options with a Rules under 'rules' (got keys {sorted(kwargs)})."
+        )
+    return kwargs
+
+
+def _resolve_batches(
+    batches: Callable[[int], Batch] | Sequence[Batch] | None, model: nn.Module
+) -> Callable[[int], Batch] | tuple[Batch, ...]:
+    if batches is None:
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+        if embedding is None:
+            raise PlanError(
+                f"{type(model).__name__} has no nn.Embedding to draw token batches for: pass "
+                "batches=step -> (inputs, targets) (or a list of such pairs)."
+            )
+        return TokenBatches(embedding.num_embeddings)
+    return batches if callable(batches) else tuple(batches)
+
+
+def _check_batch(plan: Plan, batch: Batch) -> None:
+    data = math.prod(plan.mesh.size(axis) for axis in plan.data_axes)
+    micro = plan.pipeline.microbatches if plan.pipeline else plan.options.microbatches
+    rows = int(batch[0].shape[0])
+    if rows % (data * micro) or int(batch[1].shape[0]) != rows:
+        raise PlanError(
+            f"a global batch of {rows} rows (targets {int(batch[1].shape[0])}) does not split "
+            f"into {data} data-parallel ranks × {micro} micro-batches on mesh {plan.mesh}: give "
+            f"batches whose dim 0 is a multiple of {data * micro}."
+        )
+
+
+def _batch(config: _Config, step: int) -> Batch:
+    if isinstance(config.batches, tuple):
+        return config.batches[step % len(config.batches)]
+    return config.batches(step)
+
+
+# ----------------------------------------------------------------------------- rank side
+
+
+@functools.cache
+def _mesh(axes: tuple[tuple[str, int], ...]) -> Mesh:
+    return make_mesh(dict(axes))
+
+
+@functools.cache
+def _one_rank_mesh(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (world, 1), mesh_dim_names=("ref", "one"))["one"]
+
+
+def _run_rank(config: _Config) -> _RankResult:
+    context = config.rank_context() if config.rank_context else contextlib.nullcontext()
+    with context:
+        return _Run(config).train()
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The reference's storage: a one-rank DTensor's local tensor is the whole tensor."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _optimizer(spec: OptimizerSpec, params: Iterator[nn.Parameter]) -> torch.optim.Optimizer:
+    if callable(spec):
+        return spec(params)
+    if spec == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if spec == "adam":
+        return torch.optim.Adam(params, lr=1e-3)
+    if spec == "adamw":
+        return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+    raise PlanError(f"optimizer={spec!r}: use 'sgd', 'adam', 'adamw' or a params -> Optimizer.")
+
+
+class _Run:
+    """One rank's run: the plan and the reference side by side."""
+
+    def __init__(self, config: _Config) -> None:
+        self.config = config
+        self.contract = config.contract
+        self.mesh = _mesh(config.mesh_axes)
+        torch.manual_seed(config.seed)
+        model = config.model_fn()
+        self.plan = make_plan(model, self.mesh, **config.plan_kwargs)
+        self.reference = self._reference(copy.deepcopy(model))
+        self.applied = self.plan.apply(model)
+        self.named = dict(self.applied.named_parameters())
+        self.ref_named = dict(self.reference.named_parameters())
+        self.optimizer = _optimizer(config.optimizer, iter(self.named.values()))
+        self.ref_optimizer = _optimizer(config.optimizer, iter(self.ref_named.values()))
+        self.rule: UpdateRule = update_rule(self.ref_optimizer)
+        fp16 = self.plan.options.precision == "fp16"
+        self.scaler, self.ref_scaler = (LossScaler(), LossScaler()) if fp16 else (None, None)
+        self.loss_fn = (
+            self.plan.compile_loss(config.loss_fn) if self.plan.pipeline is None else None
+        )
+        coords = self.mesh.coordinates(dist.get_rank())
+        self.data_ranks, self.data_index = 1, 0
+        for axis in self.plan.data_axes:
+            self.data_index = self.data_index * self.mesh.size(axis) + coords[axis]
+            self.data_ranks *= self.mesh.size(axis)
+        self.result = _RankResult(reference_fqns=tuple(self.ref_named))
+
+    def _reference(self, model: nn.Module) -> nn.Module:
+        """One device; under a low-precision plan, FSDP2's policy on a one-rank mesh."""
+        if self.plan.options.precision == "fp32":
+            return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.plan.options.precision]
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        one = _one_rank_mesh(dist.get_world_size())
+        for fqn in self.plan.blocks:
+            fully_shard(model.get_submodule(fqn), mesh=one, mp_policy=policy)
+        fully_shard(model, mesh=one, mp_policy=policy)
+        return model
+
+    # ---------------------------------------------------------------- one step
+
+    def train(self) -> _RankResult:
+        for step in range(1, self.config.steps + 1):
+            inputs, targets = _batch(self.config, step - 1)
+            ref_loss, ref_finite = self._reference_backward(inputs, targets)
+            loss, finite = self._plan_backward(inputs, targets)
+            self._compare_scalar(step, "loss", loss, ref_loss)
+            if finite != ref_finite:
+                self._record(step, "overflow skip", "<all>", 1.0, 1.0, math.inf,
+                             note=f"plan finite={finite}, one device finite={ref_finite}")  # fmt: skip
+            self._compare_grads(step)
+            ref_grads, old_states = self._clip_and_capture(step)
+            if finite and ref_finite:
+                self.optimizer.step()
+                self.ref_optimizer.step()
+            for scaler in (self.scaler, self.ref_scaler):
+                if scaler is not None:
+                    scaler.update()
+            self.optimizer.zero_grad()
+            self.ref_optimizer.zero_grad()
+            if finite and ref_finite:
+                self._compare_update(step, ref_grads, old_states)
+            self._resync()
+            self.result.losses.append((loss, ref_loss))
+        self.result.held = set(self.named)
+        self.result.update = self.rule.kind if self.rule.kind != "none" else self.rule.name
+        return self.result
+
+    def _reference_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
+        scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
+        loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
+        (loss * scale).backward()
+        finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
+        return float(_full(loss.detach())), bool(finite)
+
+    def _plan_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
+        per_rank = inputs.shape[0] // self.data_ranks
+        mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
+        scale = self.scaler.scale_value if self.scaler else 1.0
+        if self.plan.pipeline is not None:
+            loss = self.applied.step(
+                inputs[mine], targets[mine], self.config.loss_fn, loss_scale=scale
+            )
+        else:
+            loss = self._micro_batches(inputs[mine], targets[mine], scale)
+        finite = self.scaler.unscale_(self.named.values()) if self.scaler else True
+        return float(loss), bool(finite)
+
+    def _micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> Any:
+        micro = self.plan.options.microbatches
+        pairs = list(zip(inputs.chunk(micro), targets.chunk(micro)))
+        total = global_token_count(self.plan, [y.numel() for _, y in pairs])
+        summed = torch.zeros((), dtype=torch.float32)
+        assert self.loss_fn is not None
+        for i, (x, y) in enumerate(pairs):
+            last = i == len(pairs) - 1
+            with self.plan.micro_batch(self.applied, last=last), self.plan.loss_parallel():
+                loss = self.loss_fn(self.applied(x), y) / total
+                (loss * scale).backward()
+            summed += _full(loss.detach()).float()
+        device_mesh = self.mesh.device_mesh
+        for axis in self.plan.data_axes:
+            if device_mesh is not None and self.mesh.size(axis) > 1:
+                dist.all_reduce(summed, group=device_mesh.get_group(axis))
+        return summed
+
+    # ---------------------------------------------------------------- comparisons
+
+    def _record(self, step: int, quantity: str, fqn: str, abs_error: float, rel_error: float,
+                ratio: float, note: str = "") -> None:  # fmt: skip
+        self.result.comparisons.append(
+            Comparison(step, quantity, fqn, abs_error, rel_error, ratio, note)
+        )
+
+    def _relative_ratio(self, abs_error: float, rel_error: float) -> float:
+        tolerance = self.contract.tolerance
+        if tolerance == 0.0:
+            return 0.0 if abs_error == 0.0 else math.inf
+        return rel_error / tolerance
+
+    def _compare_scalar(self, step: int, quantity: str, value: float, reference: float) -> None:
+        abs_error = abs(value - reference)
+        rel_error = abs_error / max(abs(reference), 1e-30)
+        if not math.isfinite(value) and not math.isfinite(reference):
+            abs_error = rel_error = 0.0
+        self._record(step, quantity, "<global>", abs_error, rel_error,
+                     self._relative_ratio(abs_error, rel_error))  # fmt: skip
+
+    def _compare_tensor(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
+                        reference: torch.Tensor) -> None:  # fmt: skip
+        diff = (value.double() - reference.double()).abs()
+        abs_error = float(diff.max()) if diff.numel() else 0.0
+        scale = float(reference.double().abs().max()) if reference.numel() else 0.0
+        rel_error = abs_error / max(scale, 1e-30)
+        self._record(step, quantity, fqn, abs_error, rel_error,
+                     self._relative_ratio(abs_error, rel_error))  # fmt: skip
+
+    def _compare_grads(self, step: int) -> None:
+        for fqn, param in self.named.items():
+            reference = self.ref_named[fqn].grad
+            if param.grad is None or reference is None:
+                if (param.grad is None) != (reference is None):
+                    self._record(step, "grad", fqn, math.inf, math.inf, math.inf,
+                                 note="gradient present on one side only")  # fmt: skip
+                continue
+            self._compare_tensor(step, "grad", fqn, _full(param.grad), _full(reference))
+
+    def _clip_and_capture(
+        self, step: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        plan_for_norm = self.plan if self.plan.pipeline is not None else None
+        params = list(self.named.values())
+        ref_params = list(self.ref_named.values())
+        max_norm = self.config.max_norm if self.config.max_norm is not None else math.inf
+        norm = clip_grad_norm_(params, max_norm, plan=plan_for_norm)
+        ref_norm = clip_grad_norm_(ref_params, max_norm)
+        self._compare_scalar(step, "grad norm", float(norm), float(ref_norm))
+        self.result.clipped_steps += int(float(ref_norm) > max_norm)
+        grads = {
+            fqn: _full(p.grad).detach().clone()
+            for fqn, p in self.ref_named.items()
+            if p.grad is not None
+        }
+        states = {
+            fqn: {
+                key: _full(value).detach().clone()
+                for key, value in self.ref_optimizer.state.get(p, {}).items()
+                if isinstance(value, torch.Tensor) and key in STATE_KEYS[self.rule.kind]
+            }
+            for fqn, p in self.ref_named.items()
+        }
+        return grads, states
+
+    def _compare_update(
+        self,
+        step: int,
+        ref_grads: dict[str, torch.Tensor],
+        old_states: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
+        if self.rule.kind == "none":
+            return
+        bitwise = self.contract.level == "bitwise"
+        for fqn, param in self.named.items():
+            if fqn not in ref_grads:
+                continue
+            ref_param = self.ref_named[fqn]
+            grad = ref_grads[fqn]
+            # The clipped gradient carries the gradient's and the norm's relative error.
+            delta = 2 * self.contract.tolerance * float(grad.abs().max())
+            new_ref = _full(ref_param.detach())
+            bound = None if bitwise else param_bound(
+                self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref
+            )  # fmt: skip
+            self._compare_elementwise(step, "param", fqn, _full(param.detach()), new_ref, bound)
+            state, ref_state = self.optimizer.state[param], self.ref_optimizer.state[ref_param]
+            for key in STATE_KEYS[self.rule.kind]:
+                value, reference = state.get(key), ref_state.get(key)
+                if not isinstance(reference, torch.Tensor) or not isinstance(value, torch.Tensor):
+                    continue
+                reference = _full(reference)
+                bound = None if bitwise else state_bound(self.rule, key, grad, delta, reference)
+                self._compare_elementwise(step, key, fqn, _full(value), reference, bound)
+
+    def _step_count(self, ref_param: torch.Tensor) -> int:
+        value = self.ref_optimizer.state[ref_param].get("step", 1)
+        return int(value.item() if isinstance(value, torch.Tensor) else value)
+
+    def _compare_elementwise(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
+                             reference: torch.Tensor, bound: torch.Tensor | None) -> None:  # fmt: skip
+        diff = (value.double() - reference.double()).abs()
+        abs_error = float(diff.max()) if diff.numel() else 0.0
+        scale = float(reference.double().abs().max()) if reference.numel() else 0.0
+        rel_error = abs_error / max(scale, 1e-30)
+        if bound is None:
+            ratio = 0.0 if abs_error == 0.0 else math.inf
+        else:
+            over = diff / bound.double().clamp_min(1e-300)
+            ratio = float(torch.where(diff == 0, 0.0, over).max()) if diff.numel() else 0.0
+        self._record(step, quantity, fqn, abs_error, rel_error, ratio)
+
+    # ---------------------------------------------------------------- re-sync
+
+    @torch.no_grad()
+    def _resync(self) -> None:
+        """Copy the plan's parameters and optimizer states into the reference (every stage's,
+        gathered over the pipeline axis), so the next step starts from the same point."""
+        keys = STATE_KEYS[self.rule.kind] if self.rule.kind != "none" else ()
+        mine = {
+            fqn: (
+                _full(param.detach()).clone(),
+                {
+                    key: _full(value).clone()
+                    for key, value in self.optimizer.state.get(param, {}).items()
+                    if key in keys and isinstance(value, torch.Tensor)
+                },
+            )
+            for fqn, param in self.named.items()
+        }
+        gathered = [mine]
+        if self.plan.pipeline is not None and self.mesh.device_mesh is not None:
+            group = self.mesh.device_mesh.get_group(self.plan.pipeline.axis)
+            gathered = [{} for _ in range(dist.get_world_size(group))]
+            dist.all_gather_object(gathered, mine, group=group)
+        for values in gathered:
+            for fqn, (value, states) in values.items():
+                ref_param = self.ref_named.get(fqn)
+                if ref_param is None:
+                    continue
+                _local(ref_param.detach()).copy_(value)
+                ref_state = self.ref_optimizer.state.get(ref_param, {})
+                for key, state in states.items():
+                    if isinstance(ref_state.get(key), torch.Tensor):
+                        _local(ref_state[key]).copy_(state)
+
+
+# ----------------------------------------------------------------------------- merge
+
+
+def _merge(config: _Config, plan: Plan, results: list[_RankResult]) -> EquivalenceReport:
+    worst: dict[tuple[int, str, str], Comparison] = {}
+    for result in results:
+        for comparison in result.comparisons:
+            key = (comparison.step, comparison.quantity, comparison.fqn)
+            if key not in worst or comparison.ratio > worst[key].ratio:
+                worst[key] = comparison
+    held = set().union(*(r.held for r in results))
+    for fqn in results[0].reference_fqns:
+        if fqn not in held:
+            worst[(1, "missing", fqn)] = Comparison(
+                1, "missing", fqn, math.inf, math.inf, math.inf,
+                note="no rank holds this parameter of the one-device model",
+            )  # fmt: skip
+    comparisons = tuple(sorted(worst.values(), key=lambda c: (c.step, c.quantity, c.fqn)))
+    update = results[0].update
+    unchecked = (
+        ""
+        if update in ("sgd", "adam")
+        else f"parameters and optimizer states not bounded: no update model for {update} "
+        "(loss, gradient norm and gradients are checked at every step)"
+    )
+    options = {k: v for k, v in config.plan_kwargs.items() if k != "rules"}
+    replay = (
+        f"assert_equivalent({getattr(config.model_fn, '__qualname__', config.model_fn)!s}, "
+        f"{dict(config.mesh_axes)}, {{'rules': <rules>, **{options}}}, steps={config.steps}, "
+        f"optimizer={config.optimizer!r}, seed={config.seed})"
+    )
+    return EquivalenceReport(
+        contract=config.contract,
+        comparisons=comparisons,
+        losses=tuple(results[0].losses),
+        clipped_steps=max(r.clipped_steps for r in results),
+        plan_json=plan.to_json(),
+        replay=replay,
+        unchecked=unchecked,
+    )
+
+
+__all__ = [
+    "Comparison",
+    "EquivalenceReport",
+    "TokenBatches",
+    "assert_equivalent",
+    "summed_cross_entropy",
+]

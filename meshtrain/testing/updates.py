@@ -1,0 +1,128 @@
+"""Element-wise bounds on one optimizer step, given a bound on the gradient it was fed.
+
+Both runs start the step from the same parameters and optimizer states (the harness re-syncs
+them), so the only difference entering the update is the gradient's: at most ``delta`` per
+element (absolute). What that does to the new parameters depends on the update rule:
+
+* SGD (momentum μ, dampening d, weight decay, Nesterov): the update is linear in the gradient,
+  ``|Δθ| ≤ lr · (1 - d) · (1 + μ·nesterov) · delta``.
+* Adam / AdamW: the update ``lr · m̂ / (√v̂ + eps)`` is not Lipschitz where ``v̂`` is near zero.
+  Over the interval ``g ± delta`` the mean-value theorem bounds the change by
+  ``|Δm̂| / (s + eps) + |m̂| · |Δv̂| / (2 s (s + eps)²)``, with ``s`` the smallest ``√v̂`` on the
+  interval. Where a gradient is within ``delta`` of zero at step one, ``s`` is 0 and the change
+  can be a whole update of either sign — Adam's first steps are close to ``lr · sign(g)``, so a
+  reduction-order difference in a near-zero gradient legitimately moves a parameter by up to
+  ``2 lr``. The bound is capped there by ``lr · (|f| + max |f|)``, ``f`` the reference's update
+  direction: never more than the largest update the reference made.
+
+Each bound adds one rounding of the result (ε·|value|). Other optimizers have no update model
+here: the harness then checks loss and gradients at every step and reports, but does not bound,
+their parameters.
+
+Example:
+    >>> import torch
+    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, momentum=0.9)
+    >>> rule = update_rule(opt)
+    >>> rule.kind, rule.lr
+    ('sgd', 0.1)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshtrain.testing.contract import EPS_FP32
+
+#: Optimizer state entries compared after each step, per update rule.
+STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "none": ()}
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """The hyper-parameters of one optimizer's update (``kind`` 'sgd', 'adam' or 'none')."""
+
+    kind: str
+    lr: float = 0.0
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    name: str = ""
+
+
+def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule:
+    """The update rule of ``optimizer`` (its first parameter group), or kind 'none'."""
+    group = optimizer.param_groups[0]
+    name = type(optimizer).__name__
+    if len(optimizer.param_groups) > 1 and any(
+        g["lr"] != group["lr"] for g in optimizer.param_groups
+    ):
+        return UpdateRule("none", name=f"{name} with per-group learning rates")
+    if isinstance(optimizer, torch.optim.SGD):
+        return UpdateRule(
+            "sgd",
+            lr=float(group["lr"]),
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            name=name,
+        )
+    if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not group.get("amsgrad"):
+        beta1, beta2 = group["betas"]
+        return UpdateRule(
+            "adam", lr=float(group["lr"]), betas=(float(beta1), float(beta2)),
+            eps=float(group["eps"]), name=name,
+        )  # fmt: skip
+    return UpdateRule("none", name=name)
+
+
+def param_bound(
+    rule: UpdateRule,
+    grad: torch.Tensor,
+    delta: float,
+    old_state: dict[str, torch.Tensor],
+    step: int,
+    new_param: torch.Tensor,
+) -> torch.Tensor:
+    """Element-wise bound on ``|θ_plan − θ_reference|`` after one step (see the module doc).
+
+    ``grad`` is the reference's (clipped) gradient, ``old_state`` its optimizer state before the
+    step (empty at step one), ``step`` the 1-based step count, ``new_param`` its new value.
+    """
+    rounding = EPS_FP32 * new_param.abs()
+    if rule.kind == "sgd":
+        gain = (1 - rule.dampening if old_state else 1.0) * (1 + rule.momentum * rule.nesterov)
+        return rule.lr * gain * delta + rounding
+    beta1, beta2 = rule.betas
+    bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+    m_old = old_state.get("exp_avg", torch.zeros_like(grad))
+    v_old = old_state.get("exp_avg_sq", torch.zeros_like(grad))
+    smallest_g = (grad.abs() - delta).clamp_min(0)
+    s_min = ((beta2 * v_old + (1 - beta2) * smallest_g**2) / bc2).sqrt()
+    dm_hat = (1 - beta1) * delta / bc1
+    dv_hat = (1 - beta2) * (2 * grad.abs() + delta) * delta / bc2
+    m_hat_max = (beta1 * m_old.abs() + (1 - beta1) * (grad.abs() + delta)) / bc1
+    slope = dm_hat / (s_min + rule.eps) + m_hat_max * dv_hat / (
+        2 * s_min * (s_min + rule.eps) ** 2
+    )
+    m_hat = (beta1 * m_old + (1 - beta1) * grad) / bc1
+    v_hat = (beta2 * v_old + (1 - beta2) * grad**2) / bc2
+    direction = (m_hat / (v_hat.sqrt() + rule.eps)).abs()
+    cap = direction + direction.max()
+    return rule.lr * torch.minimum(torch.nan_to_num(slope, posinf=torch.inf), cap) + rounding
+
+
+def state_bound(
+    rule: UpdateRule, key: str, grad: torch.Tensor, delta: float, new_state: torch.Tensor
+) -> torch.Tensor:
+    """Element-wise bound on one optimizer state entry's difference after the step."""
+    rounding = EPS_FP32 * new_state.abs()
+    if key == "momentum_buffer":
+        return delta + rounding
+    beta1, beta2 = rule.betas
+    if key == "exp_avg":
+        return (1 - beta1) * delta + rounding
+    return (1 - beta2) * (2 * grad.abs() + delta) * delta + rounding
