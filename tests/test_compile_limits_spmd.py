@@ -9,6 +9,7 @@ restriction in ``resolve_compile_scope`` and turn the case into an equivalence t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -24,12 +25,21 @@ pytestmark = pytest.mark.spmd
 
 
 def _forced(
-    axes: tuple[tuple[str, int], ...], scope: str, *, fullgraph: bool = False
+    axes: tuple[tuple[str, int], ...],
+    scope: str,
+    *,
+    fullgraph: bool = False,
+    checkpointing: str = "none",
 ) -> dict[str, float]:
     """Train one step with compile forced to ``scope``; return the worst gradient error."""
     model = build_llama(LlamaConfig.preset("debug", n_layers=2), seed=0)
     reference = build_llama(LlamaConfig.preset("debug", n_layers=2), seed=0)
-    plan = mt.plan(model, mesh_for(axes), Rules(logical=default_rules().logical, fsdp="dp"))
+    plan = mt.plan(
+        model,
+        mesh_for(axes),
+        Rules(logical=default_rules().logical, fsdp="dp"),
+        activation_checkpointing=checkpointing,
+    )
     options = dataclasses.replace(
         plan.options, compile=True, compile_backend="aot_eager", compile_fullgraph=fullgraph
     )
@@ -48,7 +58,7 @@ def _forced(
     }
 
 
-def _run(axes: tuple[tuple[str, int], ...], scope: str, **kwargs: bool) -> list[dict[str, float]]:
+def _run(axes: tuple[tuple[str, int], ...], scope: str, **kwargs: Any) -> list[dict[str, float]]:
     world = 1
     for _, size in axes:
         world *= size
@@ -75,3 +85,35 @@ def test_model_compile_under_fsdp_and_tensor_parallel_fails() -> None:
 def test_model_fullgraph_compile_under_fsdp_fails() -> None:
     with pytest.raises(SPMDTaskError, match="marked as skipped"):
         _run((("dp", 2), ("tp", 1)), "model", fullgraph=True)
+
+
+def test_model_compile_under_tensor_parallel_with_full_checkpointing_fails() -> None:
+    with pytest.raises(SPMDTaskError, match="tensors_saved_with_vc_check"):
+        _run((("dp", 1), ("tp", 2)), "model", checkpointing="full")
+
+
+def _forced_split_backward(axes: tuple[tuple[str, int], ...]) -> None:
+    """One step of a zero-bubble pipeline whose stages are compiled past the planner."""
+    model = build_llama(LlamaConfig.preset("debug", n_layers=4), seed=0)
+    pipeline = mt.Pipeline(schedule="ZBVZeroBubble", microbatches=2, stages_per_rank=2)
+    plan = mt.plan(model, mesh_for(axes), Rules(logical=default_rules().logical, fsdp="dp"),
+                   zero=2, pipeline=pipeline)  # fmt: skip
+    options = dataclasses.replace(plan.options, compile=True, compile_backend="aot_eager")
+    plan = dataclasses.replace(plan, options=options, compile_scope="model")
+    tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    plan.apply(model).step(tokens, tokens)
+
+
+@pytest.mark.parametrize(
+    ("axes", "failure"),
+    [
+        ((("pp", 2), ("dp", 2), ("tp", 1)), "donated buffers"),
+        ((("pp", 2), ("dp", 1), ("tp", 2)), "RecursionError"),
+    ],
+    ids=["fsdp", "tp"],
+)
+def test_compiled_split_backward_pipeline_fails(
+    axes: tuple[tuple[str, int], ...], failure: str
+) -> None:
+    with pytest.raises(SPMDTaskError, match=failure):
+        get_pool(4).run(_forced_split_backward, axes, _timeout_s=300.0)

@@ -136,6 +136,9 @@ def plan(
         sequence_parallel=sequence_parallel,
         wrapped=bool(units),
         tp_axis=tp_axis,
+        split_backward_schedule=(
+            pipeline.schedule if pipeline is not None and pipeline.splits_backward else None
+        ),
     )
     profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel)
     estimates: tuple[tuple[str, int], ...] = ()

@@ -11,10 +11,14 @@ Known torch 2.13 limitations the choice works around (each has a regression test
   × TP it runs but the vocab-parallel embedding's gradient is wrong (relative error 1.0);
 - whole-model compile under FSDP2 with ``fullgraph=True`` fails (FSDP2's hooks are skipped by
   dynamo);
-- whole-model compile under FSDP2 × tensor parallel fails (``Mixing fake modes NYI``).
+- whole-model compile under FSDP2 × tensor parallel fails (``Mixing fake modes NYI``);
+- whole-model compile under tensor parallel with full (non-selective) activation checkpointing
+  fails in backward (the checkpoint saves a ``DeviceMesh``);
+- pipeline schedules that split backward (zero bubble, DualPipeV) fail with compiled stages: the
+  weight-gradient pass runs over a retained graph, which compiled backward functions refuse.
 
 So 'auto' compiles each block for data-parallel plans and the whole model (each pipeline stage)
-for tensor-parallel ones, and refuses FSDP2 × tensor parallel.
+for tensor-parallel ones, and refuses the rest with a ``PlanError`` that says what works.
 
 Example:
     >>> parse_checkpointing({"every": 2})
@@ -83,17 +87,39 @@ def block_fqns(units: Sequence[FSDPUnit]) -> tuple[str, ...]:
 
 
 def resolve_compile_scope(
-    options: PlanOptions, *, sequence_parallel: bool, wrapped: bool, tp_axis: str | None
+    options: PlanOptions,
+    *,
+    sequence_parallel: bool,
+    wrapped: bool,
+    tp_axis: str | None,
+    split_backward_schedule: str | None = None,
 ) -> str | None:
     """The scope ``torch.compile`` is applied at ('block' or 'model'), or None without compile.
 
     ``wrapped``: the plan applies FSDP2 (``fully_shard`` or ``replicate``) to the model. 'auto'
     picks 'block' without tensor parallelism and 'model' with it (see the module docstring).
+    ``split_backward_schedule``: the pipeline schedule, when it splits backward in two.
     """
     if not options.compile:
         return None
     scope = options.compile_scope
     tp = "tensor parallel" + (" with sequence parallelism" if sequence_parallel else "")
+    if split_backward_schedule is not None:
+        raise PlanError(
+            f"compile=True cannot be lowered with pipeline schedule {split_backward_schedule!r} "
+            "in torch 2.13: the schedule runs backward in two passes over a retained graph, "
+            "which compiled backward functions refuse (under FSDP2: 'compiled with non-empty "
+            "donated buffers which requires ... retain_graph=False'; under tensor parallel: "
+            "RecursionError in the backend). Use a schedule without split backward (GPipe, "
+            "1F1B, Interleaved1F1B, LoopedBFS), or compile=False."
+        )
+    if tp_axis is not None and options.activation_checkpointing == "full":
+        raise PlanError(
+            f"compile=True with activation_checkpointing='full' under {tp} over '{tp_axis}' "
+            "fails in torch 2.13 (the checkpointed region saves a DeviceMesh: 'expected all "
+            "tensors_saved_with_vc_check to be Tensors'). Use activation_checkpointing="
+            "'selective' (or {'every': k, 'mode': 'selective'}), or compile=False."
+        )
     if tp_axis is not None and wrapped:
         raise PlanError(
             f"compile=True cannot be lowered for FSDP2 × {tp} over '{tp_axis}' in torch 2.13: "

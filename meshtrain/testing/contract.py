@@ -21,9 +21,10 @@ summed over the reorderings ``r``: re-associating a sum into ``ways`` partial su
 ``⌈log₂ ways⌉`` roundings of the combined sum plus one inside the parts, each ≤ ε of the
 magnitudes involved; a perturbation introduced in one block reaches the loss through the
 ``depth`` = blocks + 2 (input and head) layers without growing (residual, normalised blocks),
-once forward and once backward (the 2). ``approximate`` adds ``2u`` per rounding site, u the
-compute dtype's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹): rounding ``a`` and ``b`` separately instead
-of ``a + b`` differs by at most 2u.
+once forward and once backward (the 2). ``approximate`` adds ``(1 + ways) · u`` per rounding
+site, u the compute dtype's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹): a site rounds ``ways`` partial
+results separately where one device rounds their sum once, which differs by at most
+``u · (|Σ pᵢ| + Σ |pᵢ|)`` — ``(1 + ways) · u`` of the magnitudes involved.
 
 Parameters and optimizer states are compared after every step from the same starting point
 (the harness copies the plan's values into the reference after each step); their element-wise
@@ -72,7 +73,7 @@ class Contract:
     reorderings: tuple[Reordering, ...] = ()
     depth: int = 1
     precision: str = "fp32"
-    rounding_sites: tuple[str, ...] = ()
+    rounding_sites: tuple[Reordering, ...] = ()
 
     @property
     def tolerance(self) -> float:
@@ -82,23 +83,24 @@ class Contract:
         levels = sum(r.levels for r in self.reorderings)
         bound = 2 * EPS_FP32 * self.depth * levels
         if self.level == "approximate":
-            bound += 2 * UNIT_ROUNDOFF[self.precision] * max(len(self.rounding_sites), 1)
+            u = UNIT_ROUNDOFF[self.precision]
+            bound += sum((1 + site.ways) * u for site in self.rounding_sites)
         return bound
 
     def describe(self) -> str:
         """One paragraph: the level, what changes order or rounding, and the bound it gives."""
         if self.level == "bitwise":
             return "bitwise: no reduction changes order; every value must be identical."
-        parts = [
-            f"{r.what} ({r.ways} ways, {r.levels} levels)" for r in self.reorderings
-        ] or ["none"]
+        parts = [f"{r.what} ({r.ways} ways, {r.levels} levels)" for r in self.reorderings] or [
+            "none"
+        ]
         text = (
             f"{self.level}: reordered reductions: {'; '.join(parts)}; depth {self.depth}; "
             f"per-step relative bound {self.tolerance:.2e}"
         )
         if self.level == "approximate":
-            sites = ", ".join(self.rounding_sites) or "the policy's own casts"
-            text += f" ({self.precision}, 2u per rounding site: {sites})"
+            sites = "; ".join(f"{s.what} ({s.ways} ways)" for s in self.rounding_sites)
+            text += f" ({self.precision}, (1 + ways)·u per rounding site: {sites or 'none'})"
         return text + "."
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,7 +111,7 @@ class Contract:
             "depth": self.depth,
             "precision": self.precision,
             "reorderings": [{"what": r.what, "ways": r.ways} for r in self.reorderings],
-            "rounding_sites": list(self.rounding_sites),
+            "rounding_sites": [{"what": s.what, "ways": s.ways} for s in self.rounding_sites],
         }
 
 
@@ -149,11 +151,14 @@ def contract_for(plan: Plan) -> Contract:
     if options.precision != "fp32":
         sites = []
         if data_ways > 1:
-            sites.append("each rank's gradient before the data-parallel sum")
+            sites.append(Reordering("each rank's gradient, before the data-parallel sum", data_ways))
+        if micro > 1:
+            sites.append(Reordering("each micro-batch's gradient, before accumulation", micro))
         if tp_used:
-            sites.append("tensor-parallel partial products before their all-reduce")
+            sites.append(Reordering("tensor-parallel partial products, before their sum", tp_ways))
         if plan.pipeline is not None:
-            sites.append("stage outputs and the loss from low-precision logits")
+            stages = len(plan.pipeline.stages)
+            sites.append(Reordering("casts per pipeline stage instead of per block", stages))
         return Contract("approximate", tuple(reorderings), depth, options.precision, tuple(sites))
     if not reorderings:
         return Contract("bitwise", depth=depth)

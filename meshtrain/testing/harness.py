@@ -123,8 +123,9 @@ class EquivalenceReport:
 
     @property
     def first_divergence(self) -> Comparison | None:
-        failures = self.failures
-        return min(failures, key=lambda c: c.step) if failures else None
+        """The earliest failing comparison; within a step, in the order values are computed
+        (loss, gradients, their norm, parameters, optimizer states), the worst first."""
+        return min(self.failures, key=_divergence_order, default=None)
 
     def worst(self, quantity: str) -> float:
         """The largest relative error of one quantity ('loss', 'grad', 'param', ...) over all steps."""
@@ -133,7 +134,7 @@ class EquivalenceReport:
     def format(self, limit: int = 12) -> str:
         """The report: verdict, contract, first divergence, worst tensors, losses, replay."""
         plan = json.loads(self.plan_json)
-        mesh = ", ".join(f"{a}: {s}" for a, s in zip(plan["mesh"]["axes"], plan["mesh"]["sizes"]))
+        mesh = ", ".join(f"{axis}: {size}" for axis, size in plan["mesh"]["axes"])
         verdict = "trains like one device" if self.passed else "does NOT train like one device"
         lines = [f"plan on mesh {{{mesh}}} {verdict}.", f"contract: {self.contract.describe()}"]
         first = self.first_divergence
@@ -143,7 +144,7 @@ class EquivalenceReport:
                 f"error {first.abs_error:.2e}, rel {first.rel_error:.2e}, {_times(first.ratio)} "
                 f"the bound{' (' + first.note + ')' if first.note else ''}"
             )
-            shown = sorted(self.failures, key=lambda c: (c.step, -c.ratio))[:limit]
+            shown = sorted(self.failures, key=_divergence_order)[:limit]
             lines.append(f"diverged: {len(self.failures)} comparisons; the first {len(shown)}:")
         else:
             shown = sorted(self.comparisons, key=lambda c: -c.ratio)[:limit]
@@ -166,6 +167,15 @@ class EquivalenceReport:
         if not self.passed:
             lines.append(f"plan JSON: {self.plan_json}")
         return "\n".join(lines)
+
+
+_QUANTITY_ORDER = ("missing", "loss", "overflow skip", "grad", "grad norm", "param")
+
+
+def _divergence_order(comparison: Comparison) -> tuple[int, int, float]:
+    quantity = comparison.quantity
+    rank = _QUANTITY_ORDER.index(quantity) if quantity in _QUANTITY_ORDER else len(_QUANTITY_ORDER)
+    return comparison.step, rank, -comparison.ratio
 
 
 def _times(ratio: float) -> str:
@@ -419,7 +429,9 @@ class _Run:
         self.result.update = self.rule.kind if self.rule.kind != "none" else self.rule.name
         return self.result
 
-    def _reference_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
+    def _reference_backward(
+        self, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
         (loss * scale).backward()
@@ -631,11 +643,11 @@ def _merge(config: _Config, plan: Plan, results: list[_RankResult]) -> Equivalen
         else f"parameters and optimizer states not bounded: no update model for {update} "
         "(loss, gradient norm and gradients are checked at every step)"
     )
-    options = {k: v for k, v in config.plan_kwargs.items() if k != "rules"}
+    options = "".join(f", {k!r}: {v!r}" for k, v in config.plan_kwargs.items() if k != "rules")
     replay = (
-        f"assert_equivalent({getattr(config.model_fn, '__qualname__', config.model_fn)!s}, "
-        f"{dict(config.mesh_axes)}, {{'rules': <rules>, **{options}}}, steps={config.steps}, "
-        f"optimizer={config.optimizer!r}, seed={config.seed})"
+        f"assert_equivalent({config.model_fn!r}, {dict(config.mesh_axes)}, "
+        f"{{'rules': <rules>{options}}}, steps={config.steps}, optimizer={config.optimizer!r}, "
+        f"seed={config.seed})"
     )
     return EquivalenceReport(
         contract=config.contract,

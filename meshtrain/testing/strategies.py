@@ -203,3 +203,130 @@ def _spec(choice: ModuleChoice, name: str, tp: str, data: str) -> P:
     if choice == "bad_unknown_axis":
         return P("no_such_axis")
     return P()
+
+
+@dataclass(frozen=True)
+class DebugLlama:
+    """A picklable model factory for plan properties: the debug Llama with ``n_layers`` blocks.
+
+    Example:
+        >>> len(DebugLlama(n_layers=1)().layers)
+        1
+    """
+
+    n_layers: int = 2
+
+    def __call__(self) -> nn.Module:
+        from meshtrain.models import LlamaConfig, build_llama
+
+        return build_llama(LlamaConfig.preset("debug", n_layers=self.n_layers), seed=0)
+
+    def __repr__(self) -> str:
+        return f"DebugLlama(n_layers={self.n_layers})"
+
+
+@dataclass(frozen=True)
+class PlanCase:
+    """A drawn plan: mesh, model size, rules and options, printed with only what is not default.
+
+    ``harness_args()`` gives ``assert_equivalent``'s positional arguments and keyword options.
+    """
+
+    mesh_shape: tuple[tuple[str, int], ...]
+    model_fn: DebugLlama
+    rule_set: RuleSet
+    options: tuple[tuple[str, object], ...]
+    batch_size: int
+    seq_len: int
+
+    def plan_options(self) -> dict[str, object]:
+        """``mt.plan`` keyword arguments, rules included."""
+        return {"rules": self.rule_set.rules, **dict(self.options)}
+
+    def harness_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
+        from meshtrain.testing.harness import TokenBatches
+
+        vocab = self.model_fn().get_submodule("tok_embeddings").num_embeddings
+        batches = TokenBatches(vocab, batch_size=self.batch_size, seq_len=self.seq_len)
+        return (self.model_fn, dict(self.mesh_shape), self.plan_options()), {"batches": batches}
+
+    def __repr__(self) -> str:
+        mesh = ", ".join(f"{axis}: {size}" for axis, size in self.mesh_shape)
+        options = "".join(f", {key}={value!r}" for key, value in self.options)
+        return (
+            f"PlanCase(mesh={{{mesh}}}, {self.model_fn!r}, {self.rule_set!r}{options}, "
+            f"batch={self.batch_size}×{self.seq_len})"
+        )
+
+
+_DEFAULT_OPTIONS: dict[str, object] = {
+    "zero": 3,
+    "microbatches": 1,
+    "pipeline": None,
+    "activation_checkpointing": "none",
+    "compile": False,
+    "precision": "fp32",
+}
+_SCHEDULE_CHOICES = (
+    ("GPipe", 1),
+    ("1F1B", 1),
+    ("Interleaved1F1B", 2),
+    ("LoopedBFS", 2),
+    ("InterleavedZeroBubble", 2),
+    ("ZBVZeroBubble", 2),
+)
+
+
+@st.composite
+def plan_cases(
+    draw: st.DrawFn,
+    world_size: int,
+    *,
+    max_layers: int = 4,
+    compile_backends: Sequence[str] = ("aot_eager",),
+    precisions: Sequence[str] = ("fp32", "bf16", "fp16"),
+) -> PlanCase:
+    """Whole plans for the debug Llama on ``world_size`` ranks: mesh (dp, tp and pp, size-1 axes
+    included), layer count, rules (:func:`rule_sets`), ZeRO stage, micro-batches or a pipeline
+    schedule, activation checkpointing, compile and precision, and a batch that splits evenly.
+
+    Every draw shrinks towards the simplest case: all ranks on dp, one layer, everything
+    replicated, zero=3, no pipeline, no checkpointing, no compile, fp32, the smallest batch.
+    Drawn plans need not be valid: ``mt.plan`` must then raise a ``MeshtrainError``.
+    """
+    sizes = {"dp": 1, "tp": 1, "pp": 1}
+    for factor in _prime_factors(world_size):
+        sizes[draw(st.sampled_from(("dp", "tp", "pp")))] *= factor
+    options = dict(_DEFAULT_OPTIONS)
+    n_stages = 0
+    if sizes["pp"] > 1:
+        schedule, per_rank = draw(st.sampled_from(_SCHEDULE_CHOICES))
+        micro = sizes["pp"] * draw(st.integers(1, 2))
+        from meshtrain.plan.pipeline import Pipeline
+
+        options["pipeline"] = Pipeline(
+            schedule=schedule, microbatches=micro, stages_per_rank=per_rank
+        )
+        n_stages = sizes["pp"] * per_rank
+    n_layers = draw(st.integers(max(n_stages, 1), max(n_stages, max_layers)))
+    model_fn = DebugLlama(n_layers)
+    from meshtrain.models import LlamaConfig, build_llama
+
+    meta = build_llama(LlamaConfig.preset("debug", n_layers=n_layers), device="meta")
+    rule_set = draw(rule_sets(meta))
+    options["zero"] = draw(st.sampled_from((3, 0, 1, 2)))
+    if options["pipeline"] is None:
+        options["microbatches"] = draw(st.sampled_from((1, 2)))
+    options["activation_checkpointing"] = draw(st.sampled_from(("none", "full", "selective")))
+    backend = draw(st.sampled_from((None, *compile_backends)))
+    options["compile"] = {"backend": backend} if backend else False
+    options["precision"] = draw(st.sampled_from(tuple(precisions)))
+    pipeline = options["pipeline"]
+    micro = pipeline.microbatches if pipeline is not None else options["microbatches"]  # type: ignore[attr-defined]
+    batch_size = sizes["dp"] * int(micro) * draw(st.integers(1, 2))  # type: ignore[call-overload]
+    seq_len = draw(st.sampled_from((8, 16)))
+    mesh_shape = tuple(
+        (axis, sizes[axis]) for axis in ("pp", "dp", "tp") if axis != "pp" or sizes[axis] > 1
+    )
+    chosen = tuple((k, v) for k, v in options.items() if v != _DEFAULT_OPTIONS[k])
+    return PlanCase(mesh_shape, model_fn, rule_set, chosen, batch_size, seq_len)

@@ -15,7 +15,8 @@ element (absolute). What that does to the new parameters depends on the update r
   ``2 lr``. The bound is capped there by ``lr · (|f| + max |f|)``, ``f`` the reference's update
   direction: never more than the largest update the reference made.
 
-Each bound adds one rounding of the result (ε·|value|). Other optimizers have no update model
+Each bound adds the rounding of both results (2ε·|value|: one ulp each side, where the two may
+straddle a power of two). Other optimizers have no update model
 here: the harness then checks loss and gradients at every step and reports, but does not bound,
 their parameters.
 
@@ -92,7 +93,7 @@ def param_bound(
     ``grad`` is the reference's (clipped) gradient, ``old_state`` its optimizer state before the
     step (empty at step one), ``step`` the 1-based step count, ``new_param`` its new value.
     """
-    rounding = EPS_FP32 * new_param.abs()
+    rounding = 2 * EPS_FP32 * new_param.abs()
     if rule.kind == "sgd":
         gain = (1 - rule.dampening if old_state else 1.0) * (1 + rule.momentum * rule.nesterov)
         return rule.lr * gain * delta + rounding
@@ -105,9 +106,7 @@ def param_bound(
     dm_hat = (1 - beta1) * delta / bc1
     dv_hat = (1 - beta2) * (2 * grad.abs() + delta) * delta / bc2
     m_hat_max = (beta1 * m_old.abs() + (1 - beta1) * (grad.abs() + delta)) / bc1
-    slope = dm_hat / (s_min + rule.eps) + m_hat_max * dv_hat / (
-        2 * s_min * (s_min + rule.eps) ** 2
-    )
+    slope = dm_hat / (s_min + rule.eps) + m_hat_max * dv_hat / (2 * s_min * (s_min + rule.eps) ** 2)
     m_hat = (beta1 * m_old + (1 - beta1) * grad) / bc1
     v_hat = (beta2 * v_old + (1 - beta2) * grad**2) / bc2
     direction = (m_hat / (v_hat.sqrt() + rule.eps)).abs()
@@ -119,7 +118,7 @@ def state_bound(
     rule: UpdateRule, key: str, grad: torch.Tensor, delta: float, new_state: torch.Tensor
 ) -> torch.Tensor:
     """Element-wise bound on one optimizer state entry's difference after the step."""
-    rounding = EPS_FP32 * new_state.abs()
+    rounding = 2 * EPS_FP32 * new_state.abs()
     if key == "momentum_buffer":
         return delta + rounding
     beta1, beta2 = rule.betas

@@ -1,0 +1,190 @@
+"""The harness catches real parallelism bugs (tier 2: gloo ranks).
+
+Each fault is planted only here, on every rank, for one run (a context manager passed as
+``rank_context``); the library itself is never changed. Every fault must give an
+``EquivalenceError`` whose report names the right step, quantity and tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+import meshtrain as mt
+from meshtrain.models import default_rules
+from meshtrain.testing.harness import EquivalenceReport, assert_equivalent
+from meshtrain.testing.strategies import DebugLlama
+
+pytestmark = pytest.mark.spmd
+
+
+@contextlib.contextmanager
+def missing_reduction_on_one_axis() -> Iterator[None]:
+    """HSDP whose gradients are reduced over the shard axis only, not the replicate axis."""
+    from meshtrain.plan import lower
+
+    original = lower.fully_shard
+
+    def shard_axis_only(module: nn.Module, *, mesh: Any, **kwargs: Any) -> Any:
+        if mesh.ndim > 1:
+            mesh = mesh[mesh.mesh_dim_names[-1]]
+        return original(module, mesh=mesh, **kwargs)
+
+    with mock.patch.object(lower, "fully_shard", shard_axis_only):
+        yield
+
+
+@contextlib.contextmanager
+def gradients_averaged_twice() -> Iterator[None]:
+    """FSDP averages over data-parallel ranks although the loss is already divided by the
+    global token count."""
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+
+    def average(self: FSDPModule, factor: float) -> None:
+        original(self, float(dist.get_world_size()))
+
+    with mock.patch.object(FSDPModule, "set_gradient_divide_factor", average):
+        yield
+
+
+class _WrongDimColwise(ColwiseParallel):
+    """Column-wise, but square weights are cut along dim 1 and the slice labelled dim 0."""
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+        for param_name, param in list(module.named_parameters()):
+            if param.ndim == 2 and param.shape[0] == param.shape[1]:
+                local = distribute_tensor(param.detach(), device_mesh, [Shard(1)]).to_local()
+                sharded = DTensor.from_local(local.t().contiguous(), device_mesh, [Shard(0)])
+            else:
+                sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+            module.register_parameter(param_name, nn.Parameter(sharded))
+
+
+@contextlib.contextmanager
+def wrong_shard_dim_in_colwise() -> Iterator[None]:
+    from meshtrain.plan import lower
+
+    with mock.patch.object(lower, "ColwiseParallel", _WrongDimColwise):
+        yield
+
+
+@contextlib.contextmanager
+def microbatch_losses_not_rescaled() -> Iterator[None]:
+    """Each pipeline micro-batch's loss is its own mean, not a share of the step's tokens."""
+    from meshtrain.plan.lower_pipeline import PipelinedModel
+
+    def own_mean(self: PipelinedModel, output: torch.Tensor, target: torch.Tensor) -> Any:
+        return self._loss_fn(output, target) * self._loss_scale / target.numel()
+
+    with mock.patch.object(PipelinedModel, "_scaled_loss", own_mean):
+        yield
+
+
+@contextlib.contextmanager
+def stage_skips_a_layer() -> Iterator[None]:
+    """The second pipeline stage drops its first block."""
+    from meshtrain.plan import lower_pipeline
+
+    original = lower_pipeline._prune
+
+    def prune_one_more(body: nn.Module, stage: Any) -> None:
+        original(body, stage)
+        if stage.index == 1:
+            layers = body.get_submodule("layers")
+            del layers[next(iter(layers.keys()))]  # type: ignore[operator]
+
+    with mock.patch.object(lower_pipeline, "_prune", prune_one_more):
+        yield
+
+
+@contextlib.contextmanager
+def clipping_by_local_norm() -> Iterator[None]:
+    """Clipping that uses this rank's shard norm instead of the global one."""
+    from meshtrain.train import clip
+
+    def local_norm(parameters: Any, *, plan: Any = None) -> torch.Tensor:
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in parameters:
+            if param.grad is not None:
+                grad = param.grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                squares = squares + local.double().pow(2).sum()
+        return squares.sqrt().float()
+
+    with mock.patch.object(clip, "global_grad_norm", local_norm):
+        yield
+
+
+PIPELINE = {"rules": default_rules(), "zero": 2,
+            "pipeline": mt.Pipeline(schedule="GPipe", microbatches=2)}  # fmt: skip
+FAULTS = {
+    # name: (fault, mesh, plan options, extra harness kwargs, and the quantity and tensor that
+    # must be reported far outside the bound at step 1 ("" where every gradient is wrong)
+    "missing-reduction-on-one-axis": (
+        missing_reduction_on_one_axis, {"rep": 2, "dp": 2, "tp": 1},
+        {"rules": default_rules(fsdp=("rep", "dp"))}, {}, "grad", "",
+    ),
+    "gradients-averaged-twice": (
+        gradients_averaged_twice, {"dp": 2, "tp": 1}, {"rules": default_rules()}, {}, "grad", "",
+    ),
+    "wrong-shard-dim-in-colwise": (
+        wrong_shard_dim_in_colwise, {"dp": 1, "tp": 2}, {"rules": default_rules()}, {}, "grad",
+        "layers.0.attention.w",
+    ),
+    "microbatch-losses-not-rescaled": (
+        microbatch_losses_not_rescaled, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "loss",
+        "<global>",
+    ),
+    "stage-skips-a-layer": (
+        stage_skips_a_layer, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "missing", "layers.2.",
+    ),
+    "clipping-by-local-norm": (
+        clipping_by_local_norm, {"dp": 2, "tp": 1}, {"rules": default_rules()},
+        {"max_norm": 0.1}, "grad norm", "<global>",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_planted_fault_is_caught_with_a_readable_report(name: str) -> None:
+    fault, mesh, options, extra, quantity, tensor = FAULTS[name]
+    # Without the fault the same run is within its contract ...
+    clean = assert_equivalent(DebugLlama(4), mesh, options, steps=1, **extra)
+    assert clean.passed
+    # ... with it, the harness stops at step 1 and names what diverged.
+    with pytest.raises(mt.EquivalenceError) as caught:
+        assert_equivalent(DebugLlama(4), mesh, options, steps=1, rank_context=fault, **extra)
+    report: EquivalenceReport = caught.value.report  # type: ignore[attr-defined]
+    first = report.first_divergence
+    assert first is not None and first.step == 1, report.format()
+    # far outside the contract, not a borderline case
+    assert any(
+        c.step == 1 and c.quantity == quantity and c.fqn.startswith(tensor) and c.ratio > 100
+        for c in report.failures
+    ), report.format()
+    text = str(caught.value)
+    for part in ("does NOT train like one device", "first divergence: step 1", "plan JSON: {",
+                 "replay: assert_equivalent(DebugLlama(n_layers=4)"):  # fmt: skip
+        assert part in text, text
+
+
+def test_report_lists_the_contract_and_worst_tensors() -> None:
+    report = assert_equivalent(
+        DebugLlama(2), {"dp": 2, "tp": 2}, {"rules": default_rules()}, optimizer="adamw"
+    )
+    text = report.format()
+    assert "trains like one device" in text and "reduction-order" in text, text
+    assert "data-parallel gradient and loss sum (2 ways" in text, text
+    assert "tensor-parallel partial products (2 ways" in text, text
+
