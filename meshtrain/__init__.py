@@ -28,6 +28,15 @@ from meshtrain.spec import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    """``mt.testing`` is imported on first use (it pulls in Hypothesis and the SPMD runner)."""
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module("meshtrain.testing")
+    raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+
 __all__ = [
     "CheckpointError",
     "EquivalenceError",

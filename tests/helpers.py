@@ -110,3 +110,34 @@ def worst_grad_error(model: nn.Module, reference: nn.Module) -> float:
         rel(full(param.grad), ref_params[fqn].grad)  # type: ignore[arg-type]
         for fqn, param in model.named_parameters()
     )
+
+
+class ResidualMLPClassifier(nn.Module):
+    """A model meshtrain does not know: features → residual MLP blocks → class logits.
+
+    The "test your own model" guide (docs/testing.md) uses it as written here.
+    """
+
+    def __init__(self, features: int = 16, hidden: int = 64, classes: int = 8, depth: int = 2):
+        super().__init__()
+        self.stem = nn.Linear(features, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                nn.Linear(4 * hidden, hidden),
+            )
+            for _ in range(depth)
+        )  # fmt: skip
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        h = self.stem(features)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def classifier_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded global batch of 8 feature vectors and their class labels."""
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 16, generator=generator), torch.randint(0, 8, (8,), generator=generator)

@@ -187,4 +187,3 @@ def test_report_lists_the_contract_and_worst_tensors() -> None:
     assert "trains like one device" in text and "reduction-order" in text, text
     assert "data-parallel gradient and loss sum (2 ways" in text, text
     assert "tensor-parallel partial products (2 ways" in text, text
-
