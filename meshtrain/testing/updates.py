@@ -16,7 +16,7 @@ element (absolute). What that does to the new parameters depends on the update r
   direction: never more than the largest update the reference made.
 
 Each bound adds the rounding of both results (2ε·|value|: one ulp each side, where the two may
-straddle a power of two). Other optimizers have no update model
+straddle a power of two) and of the update itself (2ε·|update|). Other optimizers have no update model
 here: the harness then checks loss and gradients at every step and reports, but does not bound,
 their parameters.
 
@@ -96,7 +96,9 @@ def param_bound(
     rounding = 2 * EPS_FP32 * new_param.abs()
     if rule.kind == "sgd":
         gain = (1 - rule.dampening if old_state else 1.0) * (1 + rule.momentum * rule.nesterov)
-        return rule.lr * gain * delta + rounding
+        buffer = old_state.get("momentum_buffer", torch.zeros_like(grad)).abs()
+        step_size = rule.lr * (gain * (grad.abs() + delta) + 2 * rule.momentum * buffer)
+        return rule.lr * gain * delta + rounding + 2 * EPS_FP32 * step_size
     beta1, beta2 = rule.betas
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     m_old = old_state.get("exp_avg", torch.zeros_like(grad))
@@ -110,18 +112,46 @@ def param_bound(
     m_hat = (beta1 * m_old + (1 - beta1) * grad) / bc1
     v_hat = (beta2 * v_old + (1 - beta2) * grad**2) / bc2
     direction = (m_hat / (v_hat.sqrt() + rule.eps)).abs()
-    cap = direction + direction.max()
-    return rule.lr * torch.minimum(torch.nan_to_num(slope, posinf=torch.inf), cap) + rounding
+    cap = direction + _largest_direction(rule, m_old, v_old, grad, delta, bc1, bc2)
+    change = torch.minimum(torch.nan_to_num(slope, nan=0.0, posinf=torch.inf), cap)
+    return rule.lr * change + rounding + 2 * EPS_FP32 * rule.lr * (direction + change)
+
+
+def _largest_direction(
+    rule: UpdateRule,
+    m_old: torch.Tensor,
+    v_old: torch.Tensor,
+    grad: torch.Tensor,
+    delta: float,
+    bc1: float,
+    bc2: float,
+) -> torch.Tensor:
+    """The largest ``|m̂ / √v̂|`` any gradient in ``grad ± delta`` gives (an upper bound on the
+    plan's update direction): ``(A + Bx) / √(C + Dx²)`` peaks at an end of the interval or at
+    ``x = BC / (AD)``."""
+    beta1, beta2 = rule.betas
+    a, b = beta1 * m_old.double() / bc1, (1 - beta1) / bc1
+    c, d = beta2 * v_old.double() / bc2, (1 - beta2) / bc2
+    low, high = grad.double() - delta, grad.double() + delta
+    critical = torch.where(a != 0, b * c / (a * d), low).clamp(min=low, max=high)
+    best = torch.zeros_like(low)
+    for x in (low, high, critical):
+        numerator, denominator = (a + b * x).abs(), (c + d * x * x).sqrt()
+        value = torch.where(denominator > 0, numerator / denominator.clamp_min(1e-300), 0.0)
+        best = torch.maximum(best, value)
+    return best.to(grad.dtype)
 
 
 def state_bound(
     rule: UpdateRule, key: str, grad: torch.Tensor, delta: float, new_state: torch.Tensor
 ) -> torch.Tensor:
-    """Element-wise bound on one optimizer state entry's difference after the step."""
-    rounding = 2 * EPS_FP32 * new_state.abs()
-    if key == "momentum_buffer":
-        return delta + rounding
+    """Element-wise bound on one optimizer state entry's difference after the step (plus the
+    rounding of both sides, 2ε of the larger)."""
     beta1, beta2 = rule.betas
-    if key == "exp_avg":
-        return (1 - beta1) * delta + rounding
-    return (1 - beta2) * (2 * grad.abs() + delta) * delta + rounding
+    if key == "momentum_buffer":
+        change = torch.full_like(new_state, delta)
+    elif key == "exp_avg":
+        change = torch.full_like(new_state, (1 - beta1) * delta)
+    else:
+        change = (1 - beta2) * (2 * grad.abs() + delta) * delta
+    return change + 2 * EPS_FP32 * (new_state.abs() + change)
