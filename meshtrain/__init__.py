@@ -37,6 +37,7 @@ def __getattr__(name: str) -> object:
         return importlib.import_module("meshtrain.testing")
     raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
 
+
 __all__ = [
     "CheckpointError",
     "EquivalenceError",

@@ -1,10 +1,10 @@
 """Recipes: one TOML file naming a model, a mesh, rules, parallel options and training settings.
 
-A recipe is read once and validated whole: an unknown section or key, or a value of the wrong
-type, is a :class:`~meshtrain.RecipeError` naming the file, the ``section.key``, the value, what is
-allowed and how to fix it. Each section is a frozen dataclass; a new section is a new dataclass,
-a key table in ``_SECTIONS`` and a field of :class:`Recipe`. :func:`shrink` turns a recipe into the
-same structure on a few CPU ranks, for ``meshtrain check``. See ``docs/recipes.md``.
+A recipe is read once and validated whole (:mod:`meshtrain.recipe_schema`): an unknown section or
+key, or a value of the wrong type, is a :class:`~meshtrain.RecipeError` naming the file, the
+``section.key``, the value, what is allowed and how to fix it. Each section is a frozen dataclass.
+:func:`shrink` gives the same structure on a few CPU ranks, for ``meshtrain check``. See
+``docs/recipes.md``.
 
 Example:
     >>> recipe = load_recipe("debug")
@@ -14,13 +14,10 @@ Example:
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import json
 import math
-import re
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,8 +26,18 @@ import torch
 from torch import nn
 
 from meshtrain.models.llama import Llama, LlamaConfig, build_llama, default_rules
-from meshtrain.plan.pipeline import SCHEDULES, Pipeline
-from meshtrain.spec.errors import MeshtrainError, RecipeError, did_you_mean
+from meshtrain.plan.pipeline import Pipeline
+from meshtrain.recipe_schema import (
+    check_axis_jobs,
+    check_mesh,
+    check_rules,
+    check_sections,
+    check_table,
+    find_recipe,
+    parse_spec,
+    toml_value,
+)
+from meshtrain.spec.errors import MeshtrainError, RecipeError
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
@@ -39,67 +46,20 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-_AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-          list: "an array", dict: "a table"}  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Key:
-    """What one key accepts: Python types as tomllib reads them, an example, allowed values."""
-
-    kinds: tuple[type, ...]
-    example: Any
-    choices: tuple[Any, ...] = ()
-    positive: bool = False
-
-    def describe(self) -> str:
-        if self.choices:
-            return "one of " + ", ".join(_toml(c) for c in self.choices)
-        if self.kinds == (list,):
-            return "an array of strings"
-        what = _KINDS[self.kinds[0]]
-        return f"a positive {what.split()[-1]}" if self.positive else what
-
-
-_POSITIVE_INT = _Key((int,), 1, positive=True)
-_STR, _BOOL = _Key((str,), "tp"), _Key((bool,), True)
-_LLAMA_KEYS = {
-    f.name: _Key((int,), 2, positive=True) if f.type == "int" else _Key((int, float), 1.0, positive=True)
-    for f in dataclasses.fields(LlamaConfig)
-}
-_SECTIONS: dict[str, dict[str, _Key]] = {
-    "model": {"name": _Key((str,), "llama", ("llama",)), "preset": _Key((str,), "debug", PRESETS),
-              **_LLAMA_KEYS},  # fmt: skip
-    "mesh": {},  # axis = size (checked by _mesh)
-    "parallel": {
-        "zero": _Key((int,), 3, (0, 1, 2, 3)),
-        "fsdp": _Key((list,), ["dp"]),
-        "tp": _STR,
-        "sequence_parallel": _BOOL,
-        "activation_checkpointing": _Key((str,), "selective", ("none", "full", "selective")),
-        "compile": _BOOL,
-        "precision": _Key((str,), "bf16", ("fp32", "bf16", "fp16")),
-        "microbatches": _POSITIVE_INT,
-        "pipeline": _Key((dict,), {}),
-    },
-    "parallel.pipeline": {
-        "axis": _Key((str,), "pp"),
-        "schedule": _Key((str,), "1F1B", SCHEDULES),
-        "microbatches": _POSITIVE_INT,
-        "stages_per_rank": _POSITIVE_INT,
-    },
-    "rules": {},  # regex = "P(...)" (checked by _rules)
-    "train": {
-        "batch_size": _Key((int,), 8, positive=True),
-        "seq_len": _Key((int,), 16, positive=True),
-        "optimizer": _Key((str,), "adamw", OPTIMIZERS),
-        "lr": _Key((int, float), 1e-3, positive=True),
-        "steps": _Key((int,), 3, positive=True),
-    },
-}
+__all__ = [
+    "LlamaBuilder",
+    "ModelSection",
+    "OptimizerBuilder",
+    "ParallelSection",
+    "PipelineSection",
+    "Recipe",
+    "TrainSection",
+    "describe_shrink",
+    "load_recipe",
+    "parse_spec",
+    "recipe_from_toml",
+    "shrink",
+]
 
 
 @dataclass(frozen=True)
@@ -120,14 +80,10 @@ class PipelineSection:
     microbatches: int | None = None
     stages_per_rank: int = 1
 
-    def to_pipeline(self) -> Pipeline:
-        return Pipeline(axis=self.axis, schedule=self.schedule, microbatches=self.microbatches,
-                        stages_per_rank=self.stages_per_rank)  # fmt: skip
-
 
 @dataclass(frozen=True)
 class ParallelSection:
-    """``[parallel]``: data-parallel stage, axes, sequence parallelism and compute options."""
+    """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
 
     zero: int = 3
     fsdp: tuple[str, ...] = ("dp",)
@@ -153,7 +109,12 @@ class TrainSection:
 
 @dataclass(frozen=True)
 class LlamaBuilder:
-    """A picklable ``() -> Llama``: ranks rebuild the same seeded model from it."""
+    """A picklable ``() -> Llama``, so ranks can rebuild the same seeded model.
+
+    Example:
+        >>> LlamaBuilder(LlamaConfig.debug())().config.n_layers
+        2
+    """
 
     config: LlamaConfig
     seed: int = 0
@@ -184,12 +145,12 @@ class OptimizerBuilder:
 
 @dataclass(frozen=True)
 class Recipe:
-    """A validated recipe; ``source`` is the file it came from (for messages).
+    """A validated recipe; ``source`` is the file it came from (named in messages).
 
     Example:
-        >>> recipe = recipe_from_toml('[model]\\nname = "llama"\\n[mesh]\\ndp = -1\\n')
-        >>> recipe.parallel.tp, recipe.parallel.fsdp, sorted(recipe.plan_options())[:3]
-        ('', ('dp',), ['activation_checkpointing', 'compile', 'global_batch'])
+        >>> recipe = recipe_from_toml('[model]\\npreset = "debug"\\n[mesh]\\ndp = -1\\n')
+        >>> recipe.parallel.tp, recipe.parallel.fsdp, recipe.plan_options()["zero"]
+        ('', ('dp',), 3)
     """
 
     source: str
@@ -208,7 +169,7 @@ class Recipe:
         return dict(self.mesh)
 
     def build_model(self, device: str | torch.device = "cpu", seed: int = 0) -> Llama:
-        """The model, seeded (``device="meta"``: shapes only)."""
+        """The model, initialised from ``seed`` (``device="meta"``: shapes only)."""
         return build_llama(self.model.config, seed=seed, device=device)
 
     def model_fn(self) -> LlamaBuilder:
@@ -218,7 +179,8 @@ class Recipe:
         return OptimizerBuilder(self.train.optimizer, self.train.lr)
 
     def rules(self) -> Rules:
-        """``[rules]`` as regex rules, else the model's default logical-axis rules."""
+        """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
+        the model's default logical-axis rules."""
         par = self.parallel
         tp = par.tp or None
         if self.explicit_rules is None:
@@ -227,26 +189,24 @@ class Recipe:
         return Rules(self.explicit_rules, logical=logical, fsdp=par.fsdp)
 
     def plan_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``mt.plan`` besides the rules (pipeline included)."""
-        par = self.parallel
+        """Keyword arguments of ``mt.plan`` besides the rules (the pipeline included)."""
+        par, pipe = self.parallel, self.parallel.pipeline
         options: dict[str, Any] = {
-            "zero": par.zero, "precision": par.precision, "compile": par.compile,
+            "zero": par.zero,
+            "precision": par.precision,
             "activation_checkpointing": par.activation_checkpointing,
-            "optimizer": self.train.optimizer, "global_batch": self.train.batch_size,
+            "compile": par.compile,
+            "optimizer": self.train.optimizer,
+            "global_batch": self.train.batch_size,
             "seq_len": self.train.seq_len,
-        }  # fmt: skip
-        if par.pipeline is not None:
-            options["pipeline"] = par.pipeline.to_pipeline()
-        else:
-            options["microbatches"] = par.microbatches
-        return options
-
-    def microbatches(self) -> int:
-        """Micro-batches per step (a pipeline's; one per stage when it does not say)."""
-        pipe = self.parallel.pipeline
+        }
         if pipe is None:
-            return self.parallel.microbatches
-        return pipe.microbatches or self.mesh_axes()[pipe.axis] * pipe.stages_per_rank
+            options["microbatches"] = par.microbatches
+        else:
+            options["pipeline"] = Pipeline(axis=pipe.axis, schedule=pipe.schedule,
+                                           microbatches=pipe.microbatches,
+                                           stages_per_rank=pipe.stages_per_rank)  # fmt: skip
+        return options
 
 
 def load_recipe(path_or_name: str | Path) -> Recipe:
@@ -257,7 +217,7 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
         >>> load_recipe("llama3_8b").model.config.n_layers
         32
     """
-    path = _find(path_or_name)
+    path = find_recipe(path_or_name)
     try:
         text = path.read_text()
     except OSError as err:
@@ -266,204 +226,197 @@ def load_recipe(path_or_name: str | Path) -> Recipe:
 
 
 def recipe_from_toml(text: str, source: str = "<string>") -> Recipe:
-    """Validate recipe text (``source`` names it in errors); see :func:`load_recipe`."""
+    """Validate recipe text; ``source`` names it in errors (see :func:`load_recipe`)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(f"{source}: not valid TOML ({err}). Fix the syntax.") from None
-    for name, table in data.items():
-        if name not in _SECTIONS or name == "parallel.pipeline":
-            raise RecipeError(
-                f"{source}: unknown section [{name}]"
-                f"{did_you_mean(name, _TOP, 'sections')}. Remove it or rename it."
-            )
-        if not isinstance(table, dict):
-            raise RecipeError(
-                f"{source}: {name} = {_toml(table)} is {_kind(table)}, but [{name}] must be a "
-                f"table. Write it as a section: [{name}] followed by key = value lines."
-            )
-    for required in ("model", "mesh"):
-        if required not in data:
-            raise RecipeError(f"{source}: missing section [{required}]; every recipe needs one.")
-    mesh = _mesh(source, data["mesh"])
-    parallel = _parallel(source, data.get("parallel", {}), dict(mesh))
+    check_sections(source, data)
+    mesh = check_mesh(source, data["mesh"])
     return Recipe(
         source=source,
         model=_model(source, data["model"]),
         mesh=mesh,
-        parallel=parallel,
-        train=TrainSection(**_table(source, "train", data.get("train", {}))),
-        explicit_rules=_rules(source, data["rules"]) if "rules" in data else None,
+        parallel=_parallel(source, data.get("parallel", {}), dict(mesh)),
+        train=TrainSection(**check_table(source, "train", data.get("train", {}))),
+        explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
     )
 
 
-def parse_spec(text: str, *, where: str = "spec") -> P:
-    """A ``P(...)`` spec string, without eval: each entry is a literal (None, an axis name, or a
-    tuple of axis names).
-
-    Example:
-        >>> parse_spec("P(('dp', 'tp'), None)")
-        P(('dp', 'tp'), None)
-    """
-    fix = "Write a spec like \"P('tp', None)\": entries None, 'axis' or ('axis1', 'axis2')."
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        raise RecipeError(f"{where} = {_toml(text)} is not P(...) syntax. {fix}") from None
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P"):
-        raise RecipeError(f"{where} = {_toml(text)} is not a call of P(...). {fix}")
-    if node.keywords or any(isinstance(arg, ast.Starred) for arg in node.args):
-        raise RecipeError(f"{where} = {_toml(text)} has keyword or starred arguments. {fix}")
-    entries = []
-    for arg in node.args:
-        try:
-            entry = ast.literal_eval(arg)
-        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-            raise RecipeError(
-                f"{where} = {_toml(text)}: entry {ast.unparse(arg)!r} is not a literal. {fix}"
-            ) from None
-        ok = entry is None or isinstance(entry, str)
-        if not ok and not (isinstance(entry, tuple) and all(isinstance(a, str) for a in entry)):
-            raise RecipeError(f"{where} = {_toml(text)}: entry {entry!r} is not allowed. {fix}")
-        entries.append(entry)
-    try:
-        return P(*entries)
-    except MeshtrainError as err:
-        raise RecipeError(f"{where} = {_toml(text)}: {err.message}") from None
-
-
-# ----------------------------------------------------------------------------- sections
-
-_TOP = tuple(name for name in _SECTIONS if "." not in name)
-
-
 def _model(source: str, table: dict[str, Any]) -> ModelSection:
-    values = _table(source, "model", table)
+    values = check_table(source, "model", table)
     name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
     try:
         config = LlamaConfig.preset(preset, **values)
     except MeshtrainError as err:
-        raise RecipeError(f"{source}: [model] preset {preset!r} with {values}: {err.message}")
+        raise RecipeError(
+            f"{source}: [model] preset {toml_value(preset)} with overrides {values}: {err.message}"
+        ) from None
     return ModelSection(name, preset, config)
 
 
-def _mesh(source: str, table: dict[str, Any]) -> tuple[tuple[str, int], ...]:
-    fix = "Write axis = size, e.g. dp = -1 and tp = 2, in the order of the mesh's dims."
-    if not table:
-        raise RecipeError(f"{source}: [mesh] is empty. {fix}")
-    for axis, size in table.items():
-        if not _AXIS.fullmatch(axis):
-            raise RecipeError(f"{source}: mesh.{axis}: the axis name is not an identifier. {fix}")
-        if type(size) is not int or (size < 1 and size != -1):
-            raise RecipeError(
-                f"{source}: mesh.{axis} = {_toml(size)} is not a positive integer or -1. {fix}"
-            )
-    if sum(size == -1 for size in table.values()) > 1:
-        raise RecipeError(
-            f"{source}: [mesh] has -1 on several axes {[a for a, s in table.items() if s == -1]}; "
-            "only one axis can take the remaining ranks. Give the others explicit sizes."
-        )
-    return tuple(table.items())
-
-
 def _parallel(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
-    values = _table(source, "parallel", table)
-    pipeline = None
+    values = check_table(source, "parallel", table)
+    pipe = None
     if "pipeline" in values:
-        pipeline = PipelineSection(**_table(source, "parallel.pipeline", values.pop("pipeline")))
+        pipe = PipelineSection(**check_table(source, "parallel.pipeline", values.pop("pipeline")))
     values.setdefault("tp", "tp" if "tp" in mesh else "")
     values["fsdp"] = tuple(values.get("fsdp", ("dp",) if "dp" in mesh else ()))
-    parallel = ParallelSection(**values, pipeline=pipeline)
-    roles = [(f"parallel.fsdp = {_toml(list(parallel.fsdp))}", axis) for axis in parallel.fsdp]
-    roles += [(f'parallel.tp = "{parallel.tp}"', parallel.tp)] if parallel.tp else []
-    if pipeline is not None:
-        roles.append((f'parallel.pipeline.axis = "{pipeline.axis}"', pipeline.axis))
-        if parallel.microbatches not in (1, pipeline.microbatches):
+    par = ParallelSection(**values, pipeline=pipe)
+    jobs = [(f"parallel.fsdp = {toml_value(list(par.fsdp))}", axis) for axis in par.fsdp]
+    jobs += [(f"parallel.tp = {toml_value(par.tp)}", par.tp)] if par.tp else []
+    if pipe is not None:
+        jobs.append((f"parallel.pipeline.axis = {toml_value(pipe.axis)}", pipe.axis))
+        if par.microbatches not in (1, pipe.microbatches):
             raise RecipeError(
-                f"{source}: parallel.microbatches = {parallel.microbatches} and "
-                f"parallel.pipeline.microbatches = {_toml(pipeline.microbatches)} disagree; a "
+                f"{source}: parallel.microbatches = {par.microbatches} and "
+                f"parallel.pipeline.microbatches = {toml_value(pipe.microbatches)} disagree; a "
                 "pipeline accumulates over its own micro-batches. Set them in [parallel.pipeline]."
             )
-    seen: dict[str, str] = {}
-    for key, axis in roles:
-        if axis not in mesh:
-            raise RecipeError(
-                f"{source}: {key} names axis '{axis}', which [mesh] does not have"
-                f"{did_you_mean(axis, list(mesh), 'axes')}. Add it to [mesh] or name a mesh axis."
-            )
-        if axis in seen:
-            raise RecipeError(
-                f"{source}: axis '{axis}' has two jobs ({seen[axis]} and {key}); each mesh axis "
-                "is a data, tensor-parallel or pipeline axis. Use separate axes."
-            )
-        seen[axis] = key
-    return parallel
+    check_axis_jobs(source, jobs, mesh)
+    return par
 
 
-def _rules(source: str, table: dict[str, Any]) -> tuple[tuple[str, P], ...]:
-    rules = []
-    for pattern, text in table.items():
-        where = f"{source}: rules.{_toml(pattern)}"
-        if not isinstance(text, str):
-            raise RecipeError(f"{where} = {_toml(text)} is {_kind(text)}; write a spec string "
-                              "such as \"P('tp', None)\".")  # fmt: skip
-        try:
-            re.compile(pattern)
-        except re.error as err:
-            raise RecipeError(f"{where}: the key is not a valid regex ({err}).") from None
-        rules.append((pattern, parse_spec(text, where=where)))
-    return tuple(rules)
+# ----------------------------------------------------------------------------- shrink
 
 
-def _table(source: str, section: str, table: Mapping[str, Any]) -> dict[str, Any]:
-    """Check every key of a section against ``_SECTIONS``; numbers become floats where asked."""
-    keys = _SECTIONS[section]
-    values: dict[str, Any] = {}
-    for key, value in table.items():
-        spec = keys.get(key)
-        where = f"{source}: {section}.{key} = {_toml(value)}"
-        if spec is None:
-            raise RecipeError(
-                f"{source}: unknown key {section}.{key} = {_toml(value)}"
-                f"{did_you_mean(key, list(keys), f'keys of [{section}]')}. Remove it or use one "
-                "of those keys."
-            )
-        example = f"Write e.g. {key} = {_toml(spec.example)}."
-        wrong_type = type(value) not in spec.kinds or (
-            spec.kinds == (list,) and not all(isinstance(item, str) for item in value)
-        )
-        if wrong_type:
-            raise RecipeError(f"{where} is {_kind(value)}, but {key} must be "
-                              f"{spec.describe()}. {example}")  # fmt: skip
-        if spec.choices and value not in spec.choices:
-            raise RecipeError(f"{where} is not allowed; {key} must be {spec.describe()}. {example}")
-        if spec.positive and value <= 0:
-            raise RecipeError(f"{where} is out of range; {key} must be {spec.describe()}. {example}")
-        values[key] = float(value) if float in spec.kinds else value
-    return values
+def shrink(recipe: Recipe, world: int) -> Recipe:
+    """The same structure on ``world`` CPU ranks, small enough for ``meshtrain check``.
 
+    Mesh: axes keep their names and order. First every axis the recipe uses (size ≠ 1) gets the
+    smallest factor of the ranks left (2 for powers of two), in this order: the axes a plan cannot
+    do without (the pipeline axis; under bf16/fp16 also the first data axis, since low precision
+    is lowered through FSDP), then the tensor-parallel axis, then the other data axes. Then the
+    tensor-parallel axis grows towards its recipe size, then the pipeline axis, by the factors
+    left; the first data axis takes the rest; every other axis is 1. A world too small to give
+    a needed axis 2 ranks, or ranks left with no data axis to take them, is a RecipeError.
 
-def _find(path_or_name: str | Path) -> Path:
-    path = Path(path_or_name)
-    if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
-        if not path.is_file():
-            raise RecipeError(f"recipe file {str(path)!r} does not exist.")
-        return path
-    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
-    for root in roots:
-        if (root / f"{path}.toml").is_file():
-            return root / f"{path}.toml"
-    known = sorted({p.stem for root in roots if root.is_dir() for p in root.glob("*.toml")})
-    raise RecipeError(
-        f"no recipe named {str(path)!r} in {' or '.join(str(r) for r in roots)}"
-        f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
+    Model: a Llama of the same structure: ``n_layers = max(2, pipeline stages)``, ``head_dim``
+    16, ``n_heads = max(4, 2·tp)``, ``n_kv_heads`` divisible by tp and as close to the recipe's
+    query/kv ratio as that allows, vocab 256, ``multiple_of`` 32, no ffn multiplier,
+    ``max_seq_len`` ≥ ``seq_len``. Options, rules and the optimizer are kept; micro-batches are
+    capped (2 without a pipeline, one per stage with one); ``seq_len`` ≤ 16 (a multiple of tp
+    under sequence parallelism); ``batch_size`` the smallest multiple of data ranks ×
+    micro-batches that is ≥ min(recipe batch, 8); ``steps`` ≤ 3.
+
+    Example:
+        >>> small = shrink(load_recipe("llama3_8b"), 4)
+        >>> small.mesh_axes(), small.model.config.dim, small.train.batch_size
+        ({'dp': 2, 'tp': 2}, 64, 8)
+    """
+    sizes = _shrink_mesh(recipe, world)
+    par, pipe = recipe.parallel, recipe.parallel.pipeline
+    tp = sizes[par.tp] if par.tp else 1
+    stages = sizes[pipe.axis] * pipe.stages_per_rank if pipe is not None else 1
+    config = recipe.model.config
+    n_heads = max(4, 2 * tp)
+    target = n_heads * config.n_kv_heads / config.n_heads
+    kv_choices = [d for d in range(tp, n_heads + 1, tp) if n_heads % d == 0]
+    n_kv_heads = max((d for d in kv_choices if d <= target), default=kv_choices[0])
+    seq_len = min(recipe.train.seq_len, 16)
+    if par.sequence_parallel:
+        seq_len = -(-seq_len // tp) * tp
+    small = LlamaConfig(
+        dim=16 * n_heads, n_layers=max(2, stages), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        vocab_size=-(-256 // tp) * tp, multiple_of=math.lcm(32, tp), norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, max_seq_len=max(64, seq_len),
+    )  # fmt: skip
+    if pipe is not None:
+        micro = min(pipe.microbatches or stages, stages)
+        pipe = dataclasses.replace(pipe, microbatches=micro)
+        par = dataclasses.replace(par, pipeline=pipe)
+    else:
+        micro = min(par.microbatches, 2)
+        par = dataclasses.replace(par, microbatches=micro)
+    per_step = math.prod(sizes[axis] for axis in par.fsdp) * micro
+    batch = -(-min(recipe.train.batch_size, 8) // per_step) * per_step
+    train = dataclasses.replace(
+        recipe.train, batch_size=batch, seq_len=seq_len, steps=min(recipe.train.steps, 3)
+    )
+    return dataclasses.replace(
+        recipe,
+        model=dataclasses.replace(recipe.model, config=small),
+        mesh=tuple(sizes.items()),
+        parallel=par,
+        train=train,
     )
 
 
-def _toml(value: Any) -> str:
-    return json.dumps(value, default=str, ensure_ascii=False)
+def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
+    """Axis sizes for ``world`` ranks (the rule is in :func:`shrink`'s docstring)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise RecipeError(f"world={world!r}: give a positive number of ranks.")
+    original, par = recipe.mesh_axes(), recipe.parallel
+    data = list(par.fsdp)
+    needed = {par.pipeline.axis: "a pipeline"} if par.pipeline is not None else {}
+    if par.precision != "fp32" and data:
+        needed[data[0]] = f"{par.precision} (lowered through FSDP over a data axis)"
+    least = 2 ** len(needed)
+    if world == 1:  # one rank: low precision needs no data axis
+        needed = {axis: why for axis, why in needed.items() if axis not in data}
+    order = [*needed, *(axis for axis in (par.tp, *data) if axis and axis not in needed)]
+    sizes = dict.fromkeys(original, 1)
+    left = world
+
+    def grow(axis: str, times: float) -> None:
+        nonlocal left
+        while times > 0 and left > 1:
+            factor = min(f for f in range(2, left + 1) if left % f == 0)
+            cap = original[axis] if original[axis] > 0 else math.inf
+            if sizes[axis] * factor > cap:
+                return
+            sizes[axis] *= factor
+            left //= factor
+            times -= 1
+
+    for axis in order:
+        grow(axis, 1 if original[axis] != 1 else 0)
+    for axis in (par.tp, par.pipeline.axis if par.pipeline is not None else ""):
+        if axis:
+            grow(axis, math.inf)
+    short = [f"'{axis}' ≥ 2 for {why}" for axis, why in needed.items() if sizes[axis] < 2]
+    if short:
+        raise RecipeError(
+            f"{recipe.source}: on {world} rank(s) the shrunk recipe cannot keep "
+            f"{' and '.join(short)}; use a world of at least {least} ranks (--world {least})."
+        )
+    if left > 1:
+        if not data:
+            raise RecipeError(
+                f"{recipe.source}: {left} of {world} ranks are left over with no data axis to "
+                f"take them (mesh {_format_mesh(sizes)}, parallel.fsdp empty). Use a smaller world "
+                "or add a data axis."
+            )
+        sizes[data[0]] *= left
+    return sizes
 
 
-def _kind(value: Any) -> str:
-    return _KINDS.get(type(value), type(value).__name__)
+def describe_shrink(recipe: Recipe, small: Recipe) -> str:
+    """One line: the recipe's mesh and model next to the shrunk ones.
 
+    Example:
+        >>> recipe = load_recipe("debug")
+        >>> describe_shrink(recipe, shrink(recipe, 2))
+        'debug: mesh {dp: -1, tp: 2} → {dp: 1, tp: 2}; Llama 131.4K → 131.4K parameters (2 layers, dim 64, 4 heads, 2 kv heads); batch 8 × 16 tokens in 1 micro-batch'
+    """
+    config = small.model.config
+    pipe = small.parallel.pipeline
+    micro = (pipe.microbatches or 1) if pipe is not None else small.parallel.microbatches
+    return (
+        f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "
+        f"{_format_mesh(small.mesh_axes())}; Llama {_count(recipe.model.config.num_params())} → "
+        f"{_count(config.num_params())} parameters ({config.n_layers} layers, dim {config.dim}, "
+        f"{config.n_heads} heads, {config.n_kv_heads} kv heads); batch {small.train.batch_size} × "
+        f"{small.train.seq_len} tokens in {micro} micro-batch{'es' if micro > 1 else ''}"
+    )
+
+
+def _format_mesh(sizes: dict[str, int]) -> str:
+    return "{" + ", ".join(f"{axis}: {size}" for axis, size in sizes.items()) + "}"
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.{2 if unit == 'B' else 1}f}{unit}"
+    return str(n)

@@ -151,7 +151,9 @@ def contract_for(plan: Plan) -> Contract:
     if options.precision != "fp32":
         sites = []
         if data_ways > 1:
-            sites.append(Reordering("each rank's gradient, before the data-parallel sum", data_ways))
+            sites.append(
+                Reordering("each rank's gradient, before the data-parallel sum", data_ways)
+            )
         if micro > 1:
             sites.append(Reordering("each micro-batch's gradient, before accumulation", micro))
         if tp_used:
@@ -159,7 +161,12 @@ def contract_for(plan: Plan) -> Contract:
         if plan.pipeline is not None:
             stages = len(plan.pipeline.stages)
             sites.append(Reordering("casts per pipeline stage instead of per block", stages))
-        return Contract("approximate", tuple(reorderings), depth, options.precision, tuple(sites))
+        if sites or reorderings:
+            return Contract(
+                "approximate", tuple(reorderings), depth, options.precision, tuple(sites)
+            )
+        # one device under the same policy rounds exactly where the plan does
+        return Contract("bitwise", depth=depth, precision=options.precision)
     if not reorderings:
         return Contract("bitwise", depth=depth)
     return Contract("reduction-order", tuple(reorderings), depth)

@@ -40,7 +40,7 @@ from meshtrain.spec.errors import EquivalenceError, PlanError
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import Contract, contract_for
-from meshtrain.testing.runner import get_pool
+from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.loss import global_token_count
@@ -262,13 +262,27 @@ def assert_equivalent(
         contract=contract or contract_for(abstract),
         rank_context=rank_context,
     )
-    results = get_pool(world).run(_run_rank, config, _timeout_s=timeout_s)
+    try:
+        results = get_pool(world).run(_run_rank, config, _timeout_s=timeout_s)
+    except SPMDTaskError as error:
+        _raise_refusal(error)
+        raise
     report = _merge(config, abstract, results)
     if not report.passed:
         error = EquivalenceError(report.format())
         error.report = report  # type: ignore[attr-defined]
         raise error
     return report
+
+
+def _raise_refusal(error: SPMDTaskError) -> None:
+    """A plan refused on the ranks (a check that needs the first forward, such as the pairing
+    of column- and row-wise Linears) is a ``PlanError`` here too, not a crashed run."""
+    kinds = {text.split(":", 1)[0] for text in error.failures.values()}
+    if len(kinds) == 1 and kinds <= {"PlanError", "SpecError", "RuleError"}:
+        rank = min(error.failures)
+        message = error.failures[rank].split("\nTraceback", 1)[0].split(": ", 1)[1]
+        raise PlanError(f"{message} (raised on every failing rank at the first forward)")
 
 
 def _plan_kwargs(rules_or_options: Rules | Mapping[str, Any]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from hypothesis import strategies as st
 from torch import nn
@@ -145,9 +145,13 @@ class RuleSet:
     rules: Rules
     choices: tuple[tuple[str, ModuleChoice], ...]
     sequence_parallel: bool
+    label: str = ""
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))  # Hypothesis prints falsifying examples with this
 
     def __repr__(self) -> str:
-        picked = ", ".join(
+        picked = self.label or ", ".join(
             f"{fqn}={choice}" for fqn, choice in self.choices if choice != "replicated"
         )
         return f"RuleSet(sp={self.sequence_parallel}, {picked or 'all replicated'})"
@@ -250,6 +254,9 @@ class PlanCase:
         batches = TokenBatches(vocab, batch_size=self.batch_size, seq_len=self.seq_len)
         return (self.model_fn, dict(self.mesh_shape), self.plan_options()), {"batches": batches}
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(repr(self))
+
     def __repr__(self) -> str:
         mesh = ", ".join(f"{axis}: {size}" for axis, size in self.mesh_shape)
         options = "".join(f", {key}={value!r}" for key, value in self.options)
@@ -287,7 +294,7 @@ def plan_cases(
     precisions: Sequence[str] = ("fp32", "bf16", "fp16"),
 ) -> PlanCase:
     """Whole plans for the debug Llama on ``world_size`` ranks: mesh (dp, tp and pp, size-1 axes
-    included), layer count, rules (:func:`rule_sets`), ZeRO stage, micro-batches or a pipeline
+    included), layer count, rules (:func:`rule_sets`, or the model's own logical rules), ZeRO stage, micro-batches or a pipeline
     schedule, activation checkpointing, compile and precision, and a batch that splits evenly.
 
     Every draw shrinks towards the simplest case: all ranks on dp, one layer, everything
@@ -313,7 +320,14 @@ def plan_cases(
     from meshtrain.models import LlamaConfig, build_llama
 
     meta = build_llama(LlamaConfig.preset("debug", n_layers=n_layers), device="meta")
-    rule_set = draw(rule_sets(meta))
+    if draw(st.booleans()):  # the model's own logical rules (column-/row-wise pairs, TP-ready)
+        from meshtrain.models import default_rules
+
+        sequence_parallel = draw(st.booleans())
+        rules = default_rules(sequence_parallel=sequence_parallel)
+        rule_set = RuleSet(rules, (), sequence_parallel, label="llama default rules")
+    else:
+        rule_set = draw(rule_sets(meta))
     options["zero"] = draw(st.sampled_from((3, 0, 1, 2)))
     if options["pipeline"] is None:
         options["microbatches"] = draw(st.sampled_from((1, 2)))

@@ -1,0 +1,275 @@
+"""What a recipe file may contain, and the checks that turn a bad one into a clear RecipeError.
+
+Every message names the file, the ``section.key``, the value, what is allowed and how to fix it.
+The key tables in :data:`SECTIONS` are the whole schema: a new section is one more entry here and
+one more dataclass in :mod:`meshtrain.recipes`.
+
+Example:
+    >>> check_table("r.toml", "train", {"steps": "3"})
+    Traceback (most recent call last):
+    ...
+    meshtrain.spec.errors.RecipeError: r.toml: train.steps = "3" is a string, but steps must be a positive integer. Write e.g. steps = 3.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from meshtrain.models.llama import LlamaConfig
+from meshtrain.plan.pipeline import SCHEDULES
+from meshtrain.spec.errors import MeshtrainError, RecipeError, did_you_mean
+from meshtrain.spec.partition import P
+
+PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+_AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+          list: "an array", dict: "a table"}  # fmt: skip
+_SPEC_FIX = "Write a spec like \"P('tp', None)\": entries None, 'axis' or ('axis1', 'axis2')."
+
+
+@dataclass(frozen=True)
+class Key:
+    """What one key accepts: Python types as tomllib reads them, an example, allowed values."""
+
+    kinds: tuple[type, ...]
+    example: Any
+    choices: tuple[Any, ...] = ()
+    positive: bool = False
+
+    def describe(self) -> str:
+        if self.choices:
+            return "one of " + ", ".join(toml_value(choice) for choice in self.choices)
+        if self.kinds == (list,):
+            return "an array of strings"
+        what = _KINDS[float if float in self.kinds else self.kinds[0]]
+        return f"a positive {what.split()[-1]}" if self.positive else what
+
+
+def _positive(example: Any, *kinds: type) -> Key:
+    return Key(kinds or (int,), example, positive=True)
+
+
+_LLAMA_KEYS = {
+    f.name: _positive(2) if f.type == "int" else _positive(1.0, int, float)
+    for f in dataclasses.fields(LlamaConfig)
+}
+
+#: Section → key → what it accepts. ``mesh`` (axis = size) and ``rules`` (regex = spec string)
+#: have free-form keys and their own checks.
+SECTIONS: dict[str, dict[str, Key]] = {
+    "model": {
+        "name": Key((str,), "llama", ("llama",)),
+        "preset": Key((str,), "debug", PRESETS),
+        **_LLAMA_KEYS,
+    },
+    "mesh": {},
+    "parallel": {
+        "zero": Key((int,), 3, (0, 1, 2, 3)),
+        "fsdp": Key((list,), ["dp"]),
+        "tp": Key((str,), "tp"),
+        "sequence_parallel": Key((bool,), True),
+        "activation_checkpointing": Key((str,), "selective", ("none", "full", "selective")),
+        "compile": Key((bool,), True),
+        "precision": Key((str,), "bf16", ("fp32", "bf16", "fp16")),
+        "microbatches": _positive(2),
+        "pipeline": Key((dict,), {}),
+    },
+    "parallel.pipeline": {
+        "axis": Key((str,), "pp"),
+        "schedule": Key((str,), "1F1B", SCHEDULES),
+        "microbatches": _positive(8),
+        "stages_per_rank": _positive(2),
+    },
+    "rules": {},
+    "train": {
+        "batch_size": _positive(8),
+        "seq_len": _positive(16),
+        "optimizer": Key((str,), "adamw", OPTIMIZERS),
+        "lr": _positive(1e-3, int, float),
+        "steps": _positive(3),
+    },
+}
+TOP_SECTIONS = tuple(name for name in SECTIONS if "." not in name)
+
+
+def check_sections(source: str, data: Mapping[str, Any]) -> None:
+    """Only known top-level sections, each a table; ``[model]`` and ``[mesh]`` present."""
+    for name, table in data.items():
+        if name not in TOP_SECTIONS:
+            raise RecipeError(
+                f"{source}: unknown section [{name}]"
+                f"{did_you_mean(name, TOP_SECTIONS, 'sections')}. Remove it or rename it."
+            )
+        if not isinstance(table, dict):
+            raise RecipeError(
+                f"{source}: {name} = {toml_value(table)} is {_kind(table)}, but [{name}] must be "
+                f"a table. Write it as a section: [{name}] followed by key = value lines."
+            )
+    for required in ("model", "mesh"):
+        if required not in data:
+            raise RecipeError(f"{source}: missing section [{required}]; every recipe needs one.")
+
+
+def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str, Any]:
+    """The section's values, each checked against :data:`SECTIONS` (numbers become floats where
+    a float is wanted)."""
+    keys = SECTIONS[section]
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        spec = keys.get(key)
+        where = f"{source}: {section}.{key} = {toml_value(value)}"
+        if spec is None:
+            raise RecipeError(
+                f"{source}: unknown key {section}.{key} = {toml_value(value)}"
+                f"{did_you_mean(key, list(keys), f'keys of [{section}]')}. Remove it or use one "
+                "of those keys."
+            )
+        example = f"Write e.g. {key} = {toml_value(spec.example)}."
+        wrong_type = type(value) not in spec.kinds or (
+            spec.kinds == (list,) and not all(isinstance(item, str) for item in value)
+        )
+        if wrong_type:
+            raise RecipeError(
+                f"{where} is {_kind(value)}, but {key} must be {spec.describe()}. {example}"
+            )
+        if spec.choices and value not in spec.choices:
+            raise RecipeError(f"{where} is not allowed; {key} must be {spec.describe()}. {example}")
+        if spec.positive and value <= 0:
+            raise RecipeError(
+                f"{where} is out of range; {key} must be {spec.describe()}. {example}"
+            )
+        values[key] = float(value) if float in spec.kinds else value
+    return values
+
+
+def check_mesh(source: str, table: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
+    """``[mesh]``: identifier axes with positive sizes, at most one -1, in file order."""
+    fix = "Write axis = size, e.g. dp = -1 and tp = 2, in the order of the mesh's dims."
+    if not table:
+        raise RecipeError(f"{source}: [mesh] is empty. {fix}")
+    for axis, size in table.items():
+        if not _AXIS.fullmatch(axis):
+            raise RecipeError(f"{source}: mesh.{axis}: the axis name is not an identifier. {fix}")
+        if type(size) is not int or (size < 1 and size != -1):
+            raise RecipeError(
+                f"{source}: mesh.{axis} = {toml_value(size)} is {_kind(size)}, but mesh sizes "
+                f"must be positive integers or -1. {fix}"
+            )
+    free = [axis for axis, size in table.items() if size == -1]
+    if len(free) > 1:
+        raise RecipeError(
+            f"{source}: [mesh] has -1 on several axes {free}; only one axis can take the "
+            "remaining ranks. Give the others explicit sizes."
+        )
+    return tuple(table.items())
+
+
+def check_axis_jobs(source: str, jobs: list[tuple[str, str]], mesh: Mapping[str, int]) -> None:
+    """Each ``(key, axis)`` names a mesh axis, and no axis has two jobs (data, tp, pipeline)."""
+    seen: dict[str, str] = {}
+    for key, axis in jobs:
+        if axis not in mesh:
+            raise RecipeError(
+                f"{source}: {key} names axis '{axis}', which [mesh] does not have"
+                f"{did_you_mean(axis, list(mesh), 'axes')}. Add it to [mesh] or name a mesh axis."
+            )
+        if axis in seen:
+            raise RecipeError(
+                f"{source}: axis '{axis}' has two jobs ({seen[axis]} and {key}); each mesh axis "
+                "is a data, tensor-parallel or pipeline axis. Use separate axes."
+            )
+        seen[axis] = key
+
+
+def check_rules(source: str, table: Mapping[str, Any]) -> tuple[tuple[str, P], ...]:
+    """``[rules]``: ordered ``regex = "P(...)"`` pairs."""
+    rules = []
+    for pattern, text in table.items():
+        where = f"{source}: rules.{toml_value(pattern)}"
+        if not isinstance(text, str):
+            raise RecipeError(
+                f"{where} = {toml_value(text)} is {_kind(text)}, but a rule's value must be a "
+                "spec string. " + _SPEC_FIX
+            )
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise RecipeError(f"{where}: the key is not a valid regex ({err}).") from None
+        rules.append((pattern, parse_spec(text, where=where)))
+    return tuple(rules)
+
+
+def parse_spec(text: str, *, where: str = "spec") -> P:
+    """A ``P(...)`` spec string, never eval'd: the call's arguments are read with
+    ``ast.literal_eval``; each must be None, an axis name or a tuple of axis names.
+
+    Example:
+        >>> parse_spec("P(('dp', 'tp'), None)")
+        P(('dp', 'tp'), None)
+    """
+    shown = f"{where} = {toml_value(text)}"
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        raise RecipeError(f"{shown} is not P(...) syntax. {_SPEC_FIX}") from None
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "P"):
+        raise RecipeError(f"{shown} is not a call of P(...). {_SPEC_FIX}")
+    if node.keywords or any(isinstance(arg, ast.Starred) for arg in node.args):
+        raise RecipeError(f"{shown} has keyword or starred arguments. {_SPEC_FIX}")
+    entries: list[object] = []
+    for arg in node.args:
+        try:
+            entry = ast.literal_eval(arg)
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            raise RecipeError(
+                f"{shown}: entry {ast.unparse(arg)} is not a literal. {_SPEC_FIX}"
+            ) from None
+        axes = entry if isinstance(entry, tuple) else (entry,)
+        if not (entry is None or all(isinstance(axis, str) for axis in axes)):
+            raise RecipeError(f"{shown}: entry {entry!r} is not allowed. {_SPEC_FIX}")
+        entries.append(entry)
+    try:
+        return P(*entries)
+    except MeshtrainError as err:
+        raise RecipeError(f"{shown}: {err.message}") from None
+
+
+def find_recipe(path_or_name: str | Path) -> Path:
+    """A path as given, or ``recipes/<name>.toml`` under the current directory, then under the
+    repository root."""
+    path = Path(path_or_name)
+    if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
+        if not path.is_file():
+            raise RecipeError(f"recipe file {str(path)!r} does not exist.")
+        return path
+    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
+    for root in roots:
+        if (root / f"{path}.toml").is_file():
+            return root / f"{path}.toml"
+    known = sorted({p.stem for root in roots if root.is_dir() for p in root.glob("*.toml")})
+    raise RecipeError(
+        f"no recipe named {str(path)!r} in {' or '.join(str(root) for root in roots)}"
+        f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
+    )
+
+
+def toml_value(value: Any) -> str:
+    """A value as a recipe would write it.
+
+    Example:
+        >>> toml_value(["dp"]), toml_value(True)
+        ('["dp"]', 'true')
+    """
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _kind(value: Any) -> str:
+    return _KINDS.get(type(value), type(value).__name__)
