@@ -60,3 +60,4 @@ def bench(session: nox.Session) -> None:
     """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
     session.install(*PIN, "-e", ".[test]")
     session.run("python", "benchmarks/compute.py", *session.posargs)
+    session.run("python", "benchmarks/harness.py")
