@@ -1,8 +1,8 @@
 """What a recipe file may contain, and the checks that turn a bad one into a clear RecipeError.
 
 Every message names the file, the ``section.key``, the value, what is allowed and how to fix it.
-The key tables in :data:`SECTIONS` are the whole schema: a new section is one more entry here and
-one more dataclass in :mod:`meshtrain.recipes`.
+The key tables in :data:`SECTIONS` and the section dataclasses are the whole schema: a new section
+is one more key table and dataclass here and one more field of :class:`meshtrain.recipes.Recipe`.
 
 Example:
     >>> check_table("r.toml", "train", {"steps": "3"})
@@ -100,6 +100,51 @@ SECTIONS: dict[str, dict[str, Key]] = {
 TOP_SECTIONS = tuple(name for name in SECTIONS if "." not in name)
 
 
+@dataclass(frozen=True)
+class ModelSection:
+    """``[model]``: the architecture (only ``llama`` for now) and its config, overrides applied."""
+
+    name: str
+    preset: str
+    config: LlamaConfig
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """``[parallel.pipeline]``: the arguments of :class:`~meshtrain.Pipeline`."""
+
+    axis: str = "pp"
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
+
+    zero: int = 3
+    fsdp: tuple[str, ...] = ("dp",)
+    tp: str = "tp"
+    sequence_parallel: bool = False
+    activation_checkpointing: str = "none"
+    compile: bool = False
+    precision: str = "fp32"
+    microbatches: int = 1
+    pipeline: PipelineSection | None = None
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """``[train]``: global sequences per step, tokens per sequence, optimizer, steps."""
+
+    batch_size: int = 8
+    seq_len: int = 16
+    optimizer: str = "adamw"
+    lr: float = 1e-3
+    steps: int = 3
+
+
 def check_sections(source: str, data: Mapping[str, Any]) -> None:
     """Only known top-level sections, each a table; ``[model]`` and ``[mesh]`` present."""
     for name, table in data.items():
@@ -187,6 +232,43 @@ def check_axis_jobs(source: str, jobs: list[tuple[str, str]], mesh: Mapping[str,
                 "is a data, tensor-parallel or pipeline axis. Use separate axes."
             )
         seen[axis] = key
+
+
+def model_section(source: str, table: dict[str, Any]) -> ModelSection:
+    """``[model]``: the preset with its overrides, built (and so checked) as a LlamaConfig."""
+    values = check_table(source, "model", table)
+    name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
+    try:
+        config = LlamaConfig.preset(preset, **values)
+    except MeshtrainError as err:
+        raise RecipeError(
+            f"{source}: [model] preset {toml_value(preset)} with overrides {values}: {err.message}"
+        ) from None
+    return ModelSection(name, preset, config)
+
+
+def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
+    """``[parallel]``: tp defaults to "tp" and fsdp to ["dp"] when the mesh has those axes; every
+    named axis must exist and have one job."""
+    values = check_table(source, "parallel", table)
+    pipe = None
+    if "pipeline" in values:
+        pipe = PipelineSection(**check_table(source, "parallel.pipeline", values.pop("pipeline")))
+    values.setdefault("tp", "tp" if "tp" in mesh else "")
+    values["fsdp"] = tuple(values.get("fsdp", ("dp",) if "dp" in mesh else ()))
+    par = ParallelSection(**values, pipeline=pipe)
+    jobs = [(f"parallel.fsdp = {toml_value(list(par.fsdp))}", axis) for axis in par.fsdp]
+    jobs += [(f"parallel.tp = {toml_value(par.tp)}", par.tp)] if par.tp else []
+    if pipe is not None:
+        jobs.append((f"parallel.pipeline.axis = {toml_value(pipe.axis)}", pipe.axis))
+        if par.microbatches not in (1, pipe.microbatches):
+            raise RecipeError(
+                f"{source}: parallel.microbatches = {par.microbatches} and "
+                f"parallel.pipeline.microbatches = {toml_value(pipe.microbatches)} disagree; a "
+                "pipeline accumulates over its own micro-batches. Set them in [parallel.pipeline]."
+            )
+    check_axis_jobs(source, jobs, mesh)
+    return par
 
 
 def check_rules(source: str, table: Mapping[str, Any]) -> tuple[tuple[str, P], ...]:

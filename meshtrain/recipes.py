@@ -1,10 +1,10 @@
 """Recipes: one TOML file naming a model, a mesh, rules, parallel options and training settings.
 
-A recipe is read once and validated whole (:mod:`meshtrain.recipe_schema`): an unknown section or
-key, or a value of the wrong type, is a :class:`~meshtrain.RecipeError` naming the file, the
-``section.key``, the value, what is allowed and how to fix it. Each section is a frozen dataclass.
-:func:`shrink` gives the same structure on a few CPU ranks, for ``meshtrain check``. See
-``docs/recipes.md``.
+A recipe is read once and validated whole against :mod:`meshtrain.recipe_schema` (one frozen
+dataclass per section): an unknown section or key, or a value of the wrong type, is a
+:class:`~meshtrain.RecipeError` naming the file, the ``section.key``, the value, what is allowed and
+how to fix it. :func:`shrink` gives the same structure on a few CPU ranks, for ``meshtrain check``.
+See ``docs/recipes.md``.
 
 Example:
     >>> recipe = load_recipe("debug")
@@ -28,16 +28,20 @@ from torch import nn
 from meshtrain.models.llama import Llama, LlamaConfig, build_llama, default_rules
 from meshtrain.plan.pipeline import Pipeline
 from meshtrain.recipe_schema import (
-    check_axis_jobs,
+    ModelSection,
+    ParallelSection,
+    PipelineSection,
+    TrainSection,
     check_mesh,
     check_rules,
     check_sections,
     check_table,
     find_recipe,
+    model_section,
+    parallel_section,
     parse_spec,
-    toml_value,
 )
-from meshtrain.spec.errors import MeshtrainError, RecipeError
+from meshtrain.spec.errors import RecipeError
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
@@ -60,51 +64,6 @@ __all__ = [
     "recipe_from_toml",
     "shrink",
 ]
-
-
-@dataclass(frozen=True)
-class ModelSection:
-    """``[model]``: the architecture (only ``llama`` for now) and its config, overrides applied."""
-
-    name: str
-    preset: str
-    config: LlamaConfig
-
-
-@dataclass(frozen=True)
-class PipelineSection:
-    """``[parallel.pipeline]``: the arguments of :class:`~meshtrain.Pipeline`."""
-
-    axis: str = "pp"
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    stages_per_rank: int = 1
-
-
-@dataclass(frozen=True)
-class ParallelSection:
-    """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
-
-    zero: int = 3
-    fsdp: tuple[str, ...] = ("dp",)
-    tp: str = "tp"
-    sequence_parallel: bool = False
-    activation_checkpointing: str = "none"
-    compile: bool = False
-    precision: str = "fp32"
-    microbatches: int = 1
-    pipeline: PipelineSection | None = None
-
-
-@dataclass(frozen=True)
-class TrainSection:
-    """``[train]``: global sequences per step, tokens per sequence, optimizer, steps."""
-
-    batch_size: int = 8
-    seq_len: int = 16
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    steps: int = 3
 
 
 @dataclass(frozen=True)
@@ -235,46 +194,12 @@ def recipe_from_toml(text: str, source: str = "<string>") -> Recipe:
     mesh = check_mesh(source, data["mesh"])
     return Recipe(
         source=source,
-        model=_model(source, data["model"]),
+        model=model_section(source, data["model"]),
         mesh=mesh,
-        parallel=_parallel(source, data.get("parallel", {}), dict(mesh)),
+        parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
         train=TrainSection(**check_table(source, "train", data.get("train", {}))),
         explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
     )
-
-
-def _model(source: str, table: dict[str, Any]) -> ModelSection:
-    values = check_table(source, "model", table)
-    name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
-    try:
-        config = LlamaConfig.preset(preset, **values)
-    except MeshtrainError as err:
-        raise RecipeError(
-            f"{source}: [model] preset {toml_value(preset)} with overrides {values}: {err.message}"
-        ) from None
-    return ModelSection(name, preset, config)
-
-
-def _parallel(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
-    values = check_table(source, "parallel", table)
-    pipe = None
-    if "pipeline" in values:
-        pipe = PipelineSection(**check_table(source, "parallel.pipeline", values.pop("pipeline")))
-    values.setdefault("tp", "tp" if "tp" in mesh else "")
-    values["fsdp"] = tuple(values.get("fsdp", ("dp",) if "dp" in mesh else ()))
-    par = ParallelSection(**values, pipeline=pipe)
-    jobs = [(f"parallel.fsdp = {toml_value(list(par.fsdp))}", axis) for axis in par.fsdp]
-    jobs += [(f"parallel.tp = {toml_value(par.tp)}", par.tp)] if par.tp else []
-    if pipe is not None:
-        jobs.append((f"parallel.pipeline.axis = {toml_value(pipe.axis)}", pipe.axis))
-        if par.microbatches not in (1, pipe.microbatches):
-            raise RecipeError(
-                f"{source}: parallel.microbatches = {par.microbatches} and "
-                f"parallel.pipeline.microbatches = {toml_value(pipe.microbatches)} disagree; a "
-                "pipeline accumulates over its own micro-batches. Set them in [parallel.pipeline]."
-            )
-    check_axis_jobs(source, jobs, mesh)
-    return par
 
 
 # ----------------------------------------------------------------------------- shrink

@@ -245,7 +245,7 @@ def test_explicit_rules_keep_their_order_and_plan() -> None:
     assert rules.logical == (("seq", "tp"),) and rules.fsdp == ("dp",)
     plan = _plan(recipe, 4)
     assert plan.tp_axis == "tp" and plan.sequence_parallel
-    assert 'rules."[" = "P()": the key is not a valid regex' in _error(
+    assert 'bad.toml: rules."[": the key is not a valid regex' in _error(
         BASE + "[rules]\n'[' = \"P()\"\n"
     )
     assert "is an integer, but a rule's value must be a spec string" in _error(

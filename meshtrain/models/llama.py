@@ -23,6 +23,7 @@ import abc
 import dataclasses
 import hashlib
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -409,9 +410,13 @@ def build_llama(config: LlamaConfig, *, seed: int = 0, device: str | torch.devic
 
 
 def default_rules(
-    tp: str | None = "tp", fsdp: str | None = "dp", *, sequence_parallel: bool = False
+    tp: str | None = "tp",
+    fsdp: str | Sequence[str] | None = "dp",
+    *,
+    sequence_parallel: bool = False,
 ) -> Rules:
-    """Logical-axis rules for FSDP over ``fsdp`` plus tensor parallel over ``tp`` (``None``: no TP).
+    """Logical-axis rules for FSDP over ``fsdp`` (an axis, or two for HSDP) plus tensor parallel
+    over ``tp`` (``None``: no TP).
 
     ``sequence_parallel`` adds the activation rule ``("seq", tp)``: norms then run on sequence
     shards between the tensor-parallel attention and feed-forward blocks.

@@ -66,7 +66,12 @@ class PlanError(MeshtrainError):
 
 
 class EquivalenceError(MeshtrainError):
-    """A distributed run that does not match the single-device reference within its contract."""
+    """A distributed run that does not match the single-device reference within its contract.
+
+    ``report`` is the harness's :class:`~meshtrain.testing.EquivalenceReport` (when it raised).
+    """
+
+    report: Any = None
 
 
 class CheckpointError(MeshtrainError):

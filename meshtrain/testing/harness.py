@@ -269,9 +269,9 @@ def assert_equivalent(
         raise
     report = _merge(config, abstract, results)
     if not report.passed:
-        error = EquivalenceError(report.format())
-        error.report = report  # type: ignore[attr-defined]
-        raise error
+        failure = EquivalenceError(report.format())
+        failure.report = report
+        raise failure
     return report
 
 
@@ -389,7 +389,8 @@ class _Run:
         self.ref_optimizer = _optimizer(config.optimizer, iter(self.ref_named.values()))
         self.rule: UpdateRule = update_rule(self.ref_optimizer)
         fp16 = self.plan.options.precision == "fp16"
-        self.scaler, self.ref_scaler = (LossScaler(), LossScaler()) if fp16 else (None, None)
+        self.scaler: LossScaler | None = LossScaler() if fp16 else None
+        self.ref_scaler: LossScaler | None = LossScaler() if fp16 else None
         self.loss_fn = (
             self.plan.compile_loss(config.loss_fn) if self.plan.pipeline is None else None
         )

@@ -250,8 +250,11 @@ class PlanCase:
     def harness_args(self) -> tuple[tuple[object, ...], dict[str, object]]:
         from meshtrain.testing.harness import TokenBatches
 
-        vocab = self.model_fn().get_submodule("tok_embeddings").num_embeddings
-        batches = TokenBatches(vocab, batch_size=self.batch_size, seq_len=self.seq_len)
+        embedding = self.model_fn().get_submodule("tok_embeddings")
+        assert isinstance(embedding, nn.Embedding)
+        batches = TokenBatches(
+            embedding.num_embeddings, batch_size=self.batch_size, seq_len=self.seq_len
+        )
         return (self.model_fn, dict(self.mesh_shape), self.plan_options()), {"batches": batches}
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
@@ -294,8 +297,8 @@ def plan_cases(
     precisions: Sequence[str] = ("fp32", "bf16", "fp16"),
 ) -> PlanCase:
     """Whole plans for the debug Llama on ``world_size`` ranks: mesh (dp, tp and pp, size-1 axes
-    included), layer count, rules (:func:`rule_sets`, or the model's own logical rules), ZeRO stage, micro-batches or a pipeline
-    schedule, activation checkpointing, compile and precision, and a batch that splits evenly.
+    included), layer count, rules (:func:`rule_sets`, or the model's own logical rules), ZeRO
+    stage, micro-batches or a pipeline schedule, activation checkpointing, compile and precision, and a batch that splits evenly.
 
     Every draw shrinks towards the simplest case: all ranks on dp, one layer, everything
     replicated, zero=3, no pipeline, no checkpointing, no compile, fp32, the smallest batch.
@@ -305,7 +308,7 @@ def plan_cases(
     for factor in _prime_factors(world_size):
         sizes[draw(st.sampled_from(("dp", "tp", "pp")))] *= factor
     options = dict(_DEFAULT_OPTIONS)
-    n_stages = 0
+    n_stages, micro = 0, 1
     if sizes["pp"] > 1:
         schedule, per_rank = draw(st.sampled_from(_SCHEDULE_CHOICES))
         micro = sizes["pp"] * draw(st.integers(1, 2))
@@ -330,14 +333,13 @@ def plan_cases(
         rule_set = draw(rule_sets(meta))
     options["zero"] = draw(st.sampled_from((3, 0, 1, 2)))
     if options["pipeline"] is None:
-        options["microbatches"] = draw(st.sampled_from((1, 2)))
+        micro = draw(st.sampled_from((1, 2)))
+        options["microbatches"] = micro
     options["activation_checkpointing"] = draw(st.sampled_from(("none", "full", "selective")))
     backend = draw(st.sampled_from((None, *compile_backends)))
     options["compile"] = {"backend": backend} if backend else False
     options["precision"] = draw(st.sampled_from(tuple(precisions)))
-    pipeline = options["pipeline"]
-    micro = pipeline.microbatches if pipeline is not None else options["microbatches"]  # type: ignore[attr-defined]
-    batch_size = sizes["dp"] * int(micro) * draw(st.integers(1, 2))  # type: ignore[call-overload]
+    batch_size = sizes["dp"] * micro * draw(st.integers(1, 2))
     seq_len = draw(st.sampled_from((8, 16)))
     mesh_shape = tuple(
         (axis, sizes[axis]) for axis in ("pp", "dp", "tp") if axis != "pp" or sizes[axis] > 1
