@@ -34,7 +34,7 @@ bounds follow from the gradient bound through the optimizer's update rule
 Example:
     >>> c = Contract("reduction-order", (Reordering("data-parallel gradient sum", 2),), depth=4)
     >>> round(c.tolerance / EPS_FP32)
-    32
+    16
 """
 
 from __future__ import annotations
