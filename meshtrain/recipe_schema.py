@@ -268,6 +268,11 @@ def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -
                 "pipeline accumulates over its own micro-batches. Set them in [parallel.pipeline]."
             )
     check_axis_jobs(source, jobs, mesh)
+    if pipe is not None and mesh[pipe.axis] == 1:
+        raise RecipeError(
+            f"{source}: mesh.{pipe.axis} = 1, but [parallel.pipeline] lays its stages along "
+            f"'{pipe.axis}'. Give it at least 2 ranks, or remove [parallel.pipeline]."
+        )
     return par
 
 

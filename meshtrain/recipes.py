@@ -331,9 +331,14 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
         f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "
         f"{_format_mesh(small.mesh_axes())}; Llama {_count(recipe.model.config.num_params())} → "
         f"{_count(config.num_params())} parameters ({config.n_layers} layers, dim {config.dim}, "
-        f"{config.n_heads} heads, {config.n_kv_heads} kv heads); batch {small.train.batch_size} × "
-        f"{small.train.seq_len} tokens in {micro} micro-batch{'es' if micro > 1 else ''}"
+        f"{config.n_heads} heads, {_plural(config.n_kv_heads, 'kv head')}); batch "
+        f"{small.train.batch_size} × {small.train.seq_len} tokens in "
+        f"{_plural(micro, 'micro-batch', 'es')}"
     )
+
+
+def _plural(count: int, noun: str, ending: str = "s") -> str:
+    return f"{count} {noun}{ending if count != 1 else ''}"
 
 
 def _format_mesh(sizes: dict[str, int]) -> str:

@@ -178,6 +178,7 @@ def test_a_wrong_value_names_the_key_the_value_and_what_is_allowed(
         (BASE + "[parallel]\ntp = 'dp'\n", "axis 'dp' has two jobs"),
         (BASE + "[parallel.pipeline]\naxis = 'pp'\n", "parallel.pipeline.axis = \"pp\" names axis 'pp'"),
         (BASE + "[parallel]\nmicrobatches = 2\n[parallel.pipeline]\nmicrobatches = 4\n", "disagree"),
+        (BASE + "pp = 1\n[parallel.pipeline]\n", "mesh.pp = 1, but [parallel.pipeline] lays"),
         (BASE.replace('preset = "debug"', 'preset = "debug"\ndim = 65'), "not divisible by n_heads=4"),
         (BASE.replace('preset = "debug"', 'preset = "llama2"'), 'preset must be one of "debug"'),
         ("parallel = 3\n" + BASE, "parallel = 3 is an integer, but [parallel] must be a table"),
