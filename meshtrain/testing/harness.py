@@ -242,8 +242,9 @@ def assert_equivalent(
     plan_kwargs = _plan_kwargs(rules_or_plan_options)
     mesh_axes = tuple((str(axis), int(size)) for axis, size in mesh_shape.items())
     world = math.prod(size for _, size in mesh_axes)
-    torch.manual_seed(seed)
-    probe = model_fn()
+    with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
+        torch.manual_seed(seed)
+        probe = model_fn()
     abstract = make_plan(
         probe, make_mesh(dict(mesh_axes), world_size=world, abstract=True), **plan_kwargs
     )
