@@ -14,6 +14,7 @@ from meshtrain.spec.errors import (
     RecipeError,
     RuleError,
     SpecError,
+    TrainingError,
 )
 from meshtrain.spec.layout import local_shape, shard_slices, validate_spec
 from meshtrain.spec.logical import annotate, named_logical_axes
@@ -37,6 +38,7 @@ __all__ = [
     "RuleError",
     "Rules",
     "SpecError",
+    "TrainingError",
     "annotate",
     "distribute",
     "from_placements",

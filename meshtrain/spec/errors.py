@@ -82,6 +82,11 @@ class RecipeError(MeshtrainError):
     """A recipe with an unknown key, a wrong type or an impossible combination."""
 
 
+class TrainingError(MeshtrainError):
+    """A run that must stop: a non-finite loss or gradient under ``on_nonfinite="stop"``, ranks
+    that disagree on their plan, a state that does not belong to the train step."""
+
+
 class GraphBreakWarning(UserWarning):
     """``torch.compile`` split a compiled region into several graphs (count and reasons given)."""
 

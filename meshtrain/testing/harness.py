@@ -42,9 +42,10 @@ from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import Contract, contract_for
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
+from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.clip import clip_grad_norm_
-from meshtrain.train.loss import global_token_count
 from meshtrain.train.scaler import LossScaler
+from meshtrain.train.step import forward_backward
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -458,32 +459,16 @@ class _Run:
         per_rank = inputs.shape[0] // self.data_ranks
         mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
         scale = self.scaler.scale_value if self.scaler else 1.0
-        if self.plan.pipeline is not None:
-            loss = self.applied.step(
-                inputs[mine], targets[mine], self.config.loss_fn, loss_scale=scale
-            )
-        else:
-            loss = self._micro_batches(inputs[mine], targets[mine], scale)
+        loss_fn = self.loss_fn if self.loss_fn is not None else self.config.loss_fn
+        loss, _ = forward_backward(
+            self.plan,
+            self.applied,
+            StepBatch(inputs[mine], targets[mine]),
+            loss_fn,
+            loss_scale=scale,
+        )
         finite = self.scaler.unscale_(self.named.values()) if self.scaler else True
-        return float(loss), bool(finite)
-
-    def _micro_batches(self, inputs: torch.Tensor, targets: torch.Tensor, scale: float) -> Any:
-        micro = self.plan.options.microbatches
-        pairs = list(zip(inputs.chunk(micro), targets.chunk(micro)))
-        total = global_token_count(self.plan, [y.numel() for _, y in pairs])
-        summed = torch.zeros((), dtype=torch.float32)
-        assert self.loss_fn is not None
-        for i, (x, y) in enumerate(pairs):
-            last = i == len(pairs) - 1
-            with self.plan.micro_batch(self.applied, last=last), self.plan.loss_parallel():
-                loss = self.loss_fn(self.applied(x), y) / total
-                (loss * scale).backward()
-            summed += _full(loss.detach()).float()
-        device_mesh = self.mesh.device_mesh
-        for axis in self.plan.data_axes:
-            if device_mesh is not None and self.mesh.size(axis) > 1:
-                dist.all_reduce(summed, group=device_mesh.get_group(axis))
-        return summed
+        return loss, bool(finite)
 
     # ---------------------------------------------------------------- comparisons
 

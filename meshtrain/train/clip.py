@@ -65,8 +65,14 @@ def clip_grad_norm_(
     """
     params = [p for p in parameters if p.grad is not None]
     norm = global_grad_norm(params, plan=plan)
-    scale = min(1.0, max_norm / (norm.item() + 1e-6))
-    for param in params:
-        assert param.grad is not None
-        param.grad.mul_(scale)
+    scale_grads_(params, float(norm), max_norm)
     return norm
+
+
+@torch.no_grad()
+def scale_grads_(parameters: Iterable[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    """Clip gradients whose global norm ``norm`` is already known (no collective) to ``max_norm``."""
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for param in parameters:
+        if param.grad is not None:
+            param.grad.mul_(scale)

@@ -1,0 +1,80 @@
+"""Learning-rate schedules: linear warmup then cosine decay, and the linear scaling rule.
+
+A schedule is a pure function of the optimizer step (steps count from 0), so it needs no state
+of its own in a checkpoint: the :class:`~meshtrain.train.state.TrainState`'s step is enough.
+
+Example:
+    >>> schedule = WarmupCosine(peak_lr=1e-3, warmup_steps=10, total_steps=110, min_lr=1e-4)
+    >>> schedule(0), schedule(9), round(schedule(60), 6), schedule(110)
+    (0.0001, 0.001, 0.00055, 0.0001)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshtrain.spec.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class WarmupCosine:
+    """``peak_lr × (step + 1) / warmup_steps`` for the first ``warmup_steps`` steps, then a
+    cosine from ``peak_lr`` down to ``min_lr`` at ``total_steps`` (and ``min_lr`` after it).
+
+    ``warmup_steps = 0`` starts at the peak; ``min_lr = peak_lr`` gives a constant rate after
+    warmup.
+    """
+
+    peak_lr: float
+    warmup_steps: int = 0
+    total_steps: int = 1
+    min_lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not self.peak_lr > 0:
+            problems.append(f"peak_lr={self.peak_lr} must be positive")
+        if not 0 <= self.min_lr <= self.peak_lr:
+            problems.append(f"min_lr={self.min_lr} must be in [0, peak_lr={self.peak_lr}]")
+        if self.warmup_steps < 0 or self.total_steps < 1:
+            problems.append(
+                f"warmup_steps={self.warmup_steps} must be ≥ 0 and total_steps="
+                f"{self.total_steps} ≥ 1"
+            )
+        elif self.warmup_steps > self.total_steps:
+            problems.append(
+                f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}"
+            )
+        if problems:
+            raise RecipeError(
+                "WarmupCosine: " + "; ".join(problems) + ". Fix the schedule's settings "
+                "(in a recipe: train.lr, train.min_lr, train.warmup_steps, train.steps)."
+            )
+
+    def __call__(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return self.peak_lr * (step + 1) / self.warmup_steps
+        decay_steps = self.total_steps - self.warmup_steps
+        if decay_steps <= 0 or step >= self.total_steps:
+            return self.min_lr if decay_steps > 0 else self.peak_lr
+        progress = (step - self.warmup_steps) / decay_steps
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr + (self.peak_lr - self.min_lr) * cosine
+
+
+def linear_scaling(base_lr: float, base_batch: int, global_batch: int) -> float:
+    """The linear scaling rule (Goyal et al., 2017): scale the learning rate tuned at
+    ``base_batch`` sequences per step by ``global_batch / base_batch``.
+
+    Example:
+        >>> linear_scaling(3e-4, base_batch=256, global_batch=1024)
+        0.0012
+    """
+    if base_lr <= 0 or base_batch < 1 or global_batch < 1:
+        raise RecipeError(
+            f"linear_scaling(base_lr={base_lr}, base_batch={base_batch}, "
+            f"global_batch={global_batch}) needs a positive rate and batch sizes ≥ 1."
+        )
+    return base_lr * global_batch / base_batch
