@@ -29,6 +29,7 @@ from meshtrain.spec.partition import P
 
 PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+DATA_SOURCES = ("corpus", "synthetic", "tokens")
 _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
           list: "an array", dict: "a table"}  # fmt: skip
@@ -43,6 +44,7 @@ class Key:
     example: Any
     choices: tuple[Any, ...] = ()
     positive: bool = False
+    nonnegative: bool = False
 
     def describe(self) -> str:
         if self.choices:
@@ -50,11 +52,17 @@ class Key:
         if self.kinds == (list,):
             return "an array of strings"
         what = _KINDS[float if float in self.kinds else self.kinds[0]]
+        if self.nonnegative:
+            return f"a non-negative {what.split()[-1]} (0 or more)"
         return f"a positive {what.split()[-1]}" if self.positive else what
 
 
 def _positive(example: Any, *kinds: type) -> Key:
     return Key(kinds or (int,), example, positive=True)
+
+
+def _nonnegative(example: Any, *kinds: type) -> Key:
+    return Key(kinds or (int,), example, nonnegative=True)
 
 
 _LLAMA_KEYS = {
@@ -94,7 +102,40 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "seq_len": _positive(16),
         "optimizer": Key((str,), "adamw", OPTIMIZERS),
         "lr": _positive(1e-3, int, float),
+        "min_lr": _nonnegative(1e-4, int, float),
+        "warmup_steps": _nonnegative(10),
         "steps": _positive(3),
+        "weight_decay": _nonnegative(0.1, int, float),
+        "max_norm": _positive(1.0, int, float),
+        "seed": _nonnegative(0),
+        "on_nonfinite": Key((str,), "skip", ("skip", "stop")),
+    },
+    "data": {
+        "source": Key((str,), "corpus", DATA_SOURCES),
+        "path": Key((str,), "data/tokens"),
+        "tokenizer": Key((str,), "byte"),
+        "corpus_bytes": _positive(4_000_000),
+        "samples": _positive(4096),
+        "shuffle": Key((bool,), True),
+        "seed": _nonnegative(0),
+    },
+    "checkpoint": {
+        "dir": Key((str,), "runs/debug/checkpoints"),
+        "interval": _nonnegative(100),
+        "keep_last": _nonnegative(3),
+        "async": Key((bool,), False),
+        "resume": Key((bool,), True),
+        "init_from": Key((str,), "model.safetensors"),
+        "export": Key((str,), "runs/debug/model.safetensors"),
+    },
+    "logging": {
+        "run_dir": Key((str,), "runs/debug"),
+        "console": Key((bool,), True),
+        "jsonl": Key((bool,), True),
+        "wandb": Key((str,), "offline", ("offline", "online", "disabled")),
+        "wandb_project": Key((str,), "meshtrain"),
+        "wandb_entity": Key((str,), "my-team"),
+        "log_every": _positive(10),
     },
 }
 TOP_SECTIONS = tuple(name for name in SECTIONS if "." not in name)
@@ -136,13 +177,65 @@ class ParallelSection:
 
 @dataclass(frozen=True)
 class TrainSection:
-    """``[train]``: global sequences per step, tokens per sequence, optimizer, steps."""
+    """``[train]``: global sequences per step, tokens per sequence, optimizer and its schedule
+    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed and
+    what a non-finite loss does."""
 
     batch_size: int = 8
     seq_len: int = 16
     optimizer: str = "adamw"
     lr: float = 1e-3
+    min_lr: float = 0.0
+    warmup_steps: int = 0
     steps: int = 3
+    weight_decay: float = 0.1
+    max_norm: float = 1.0
+    seed: int = 0
+    on_nonfinite: str = "skip"
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """``[data]``: ``corpus`` (the Python standard library's docstrings, tokenized locally into
+    ``path`` on first use), ``tokens`` (a prepared token directory at ``path``) or ``synthetic``
+    (``samples`` random sequences); the tokenizer; shuffling and its seed."""
+
+    source: str = "corpus"
+    path: str = "data/corpus"
+    tokenizer: str = "byte"
+    corpus_bytes: int | None = None
+    samples: int = 4096
+    shuffle: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """``[checkpoint]``: where and how often to save (``interval`` 0: only at the end), how many
+    to keep (0: all), async saving, resuming from the latest one in ``dir``, a safetensors file
+    to start from and one to export the final model to."""
+
+    dir: str = ""
+    interval: int = 0
+    keep_last: int = 3
+    async_save: bool = False
+    resume: bool = True
+    init_from: str = ""
+    export: str = ""
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """``[logging]``: the run directory (metrics.jsonl, plan files, wandb's offline run), the
+    console progress bar, the JSONL file, wandb's mode and project, and how often to log."""
+
+    run_dir: str = ""
+    console: bool = True
+    jsonl: bool = True
+    wandb: str = "offline"
+    wandb_project: str = "meshtrain"
+    wandb_entity: str = ""
+    log_every: int = 1
 
 
 def check_sections(source: str, data: Mapping[str, Any]) -> None:
@@ -187,7 +280,7 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
             )
         if spec.choices and value not in spec.choices:
             raise RecipeError(f"{where} is not allowed; {key} must be {spec.describe()}. {example}")
-        if spec.positive and value <= 0:
+        if (spec.positive and value <= 0) or (spec.nonnegative and value < 0):
             raise RecipeError(
                 f"{where} is out of range; {key} must be {spec.describe()}. {example}"
             )

@@ -14,10 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,10 @@ from torch import nn
 from meshtrain.models.llama import Llama, LlamaConfig, build_llama, default_rules
 from meshtrain.plan.pipeline import Pipeline
 from meshtrain.recipe_schema import (
+    SECTIONS,
+    CheckpointSection,
+    DataSection,
+    LoggingSection,
     ModelSection,
     ParallelSection,
     PipelineSection,
@@ -51,13 +56,17 @@ else:
     import tomli as tomllib
 
 __all__ = [
+    "CheckpointSection",
+    "DataSection",
     "LlamaBuilder",
+    "LoggingSection",
     "ModelSection",
     "OptimizerBuilder",
     "ParallelSection",
     "PipelineSection",
     "Recipe",
     "TrainSection",
+    "apply_overrides",
     "describe_shrink",
     "load_recipe",
     "parse_spec",
@@ -93,13 +102,14 @@ class OptimizerBuilder:
 
     name: str
     lr: float
+    weight_decay: float = 0.1
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if self.name == "adam":
             return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.1)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
 
 
 @dataclass(frozen=True)
@@ -118,10 +128,24 @@ class Recipe:
     parallel: ParallelSection = field(default_factory=ParallelSection)
     train: TrainSection = field(default_factory=TrainSection)
     explicit_rules: tuple[tuple[str, P], ...] | None = None
+    data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def name(self) -> str:
-        return Path(self.source).stem
+        return Path(self.source.split(" (")[0]).stem
+
+    @property
+    def run_dir(self) -> Path:
+        """``logging.run_dir``, by default ``runs/<recipe name>``."""
+        return Path(self.logging.run_dir or f"runs/{self.name}")
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """``checkpoint.dir``, by default ``<run_dir>/checkpoints``."""
+        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
 
     def mesh_axes(self) -> dict[str, int]:
         """Axis → size, in order, as ``mt.make_mesh`` takes them (one may be -1)."""
@@ -135,7 +159,7 @@ class Recipe:
         return LlamaBuilder(self.model.config)
 
     def optimizer_fn(self) -> OptimizerBuilder:
-        return OptimizerBuilder(self.train.optimizer, self.train.lr)
+        return OptimizerBuilder(self.train.optimizer, self.train.lr, self.train.weight_decay)
 
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
@@ -168,30 +192,39 @@ class Recipe:
         return options
 
 
-def load_recipe(path_or_name: str | Path) -> Recipe:
+def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read a recipe from a path, or a bare name as ``recipes/<name>.toml`` under the current
-    directory, then under the repository root.
+    directory, then under the repository root; ``overrides`` are ``section.key=value`` strings
+    (``--set``), applied before validation.
 
     Example:
         >>> load_recipe("llama3_8b").model.config.n_layers
         32
+        >>> load_recipe("debug", ["train.steps=5", "data.source=synthetic"]).train.steps
+        5
     """
     path = find_recipe(path_or_name)
     try:
         text = path.read_text()
     except OSError as err:
         raise RecipeError(f"cannot read recipe {str(path)!r}: {err}.") from None
-    return recipe_from_toml(text, source=str(path))
+    return recipe_from_toml(text, source=str(path), overrides=overrides)
 
 
-def recipe_from_toml(text: str, source: str = "<string>") -> Recipe:
+def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> Recipe:
     """Validate recipe text; ``source`` names it in errors (see :func:`load_recipe`)."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as err:
         raise RecipeError(f"{source}: not valid TOML ({err}). Fix the syntax.") from None
+    if overrides:
+        data = apply_overrides(data, overrides, source)
+        source = f"{source} (with --set {' '.join(overrides)})"
     check_sections(source, data)
     mesh = check_mesh(source, data["mesh"])
+    checkpoint = check_table(source, "checkpoint", data.get("checkpoint", {}))
+    if "async" in checkpoint:
+        checkpoint["async_save"] = checkpoint.pop("async")
     return Recipe(
         source=source,
         model=model_section(source, data["model"]),
@@ -199,7 +232,49 @@ def recipe_from_toml(text: str, source: str = "<string>") -> Recipe:
         parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
         train=TrainSection(**check_table(source, "train", data.get("train", {}))),
         explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
+        data=DataSection(**check_table(source, "data", data.get("data", {}))),
+        checkpoint=CheckpointSection(**checkpoint),
+        logging=LoggingSection(**check_table(source, "logging", data.get("logging", {}))),
+        raw=data,
     )
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str], source: str = "<string>"
+) -> dict[str, Any]:
+    """``data`` with each ``section.key=value`` set. The value is read as a TOML value
+    (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one is taken as a
+    bare string (``data.source=synthetic``). The section is the longest known section name the
+    path starts with (``parallel.pipeline.schedule=GPipe``); keys are checked afterwards with the
+    rest of the recipe, so an unknown key is the usual RecipeError.
+
+    Example:
+        >>> apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "mesh.tp=4"])
+        {'train': {'lr': 0.0003}, 'mesh': {'tp': 4}}
+    """
+    result = copy.deepcopy(data)
+    for override in overrides:
+        path, sep, text = override.partition("=")
+        section = max(
+            (name for name in SECTIONS if path.startswith(name + ".")), key=len, default=""
+        )
+        key = path[len(section) + 1 :] if section else ""
+        if not sep or not section or not key:
+            raise RecipeError(
+                f"{source}: --set {override!r} is not section.key=value with a known section "
+                f"({', '.join(SECTIONS)}). Write e.g. --set train.steps=100."
+            )
+        try:
+            value = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        table = result
+        for part in section.split("."):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise RecipeError(f"{source}: --set {override!r}: [{section}] is not a table.")
+        table[key] = value
+    return result
 
 
 # ----------------------------------------------------------------------------- shrink
