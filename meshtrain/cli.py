@@ -1,5 +1,11 @@
 """The ``meshtrain`` command line: argument parsing only; each command calls Python functions.
 
+``meshtrain train RECIPE [--set section.key=value ...]`` trains a recipe
+(:func:`meshtrain.train.loop.train`). Under ``torchrun`` it joins the process group; run directly
+it starts ``--nproc`` local ranks through torchrun (one node by default; ``--nnodes``,
+``--node-rank`` and ``--rdzv-endpoint`` make this machine one node of several). The recipe is
+validated before any rank starts.
+
 ``meshtrain check RECIPE [--world N] [--steps S]`` shrinks a recipe to ``N`` CPU ranks
 (:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testing.assert_equivalent`
 that its plan trains like one device. Exit status: 0 when it does, 1 when it does not
@@ -13,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -38,7 +45,64 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--steps", type=_positive, default=None, metavar="S",
                        help="training steps to compare (default: the shrunk recipe's)")  # fmt: skip
     check.set_defaults(run=check_command)
+
+    train = commands.add_parser(
+        "train",
+        help="train a recipe (under torchrun, or on --nproc local ranks)",
+        description="Train RECIPE. Under torchrun every rank runs this command; otherwise it "
+        "starts the ranks itself through torchrun.",
+    )
+    train.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    train.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="SECTION.KEY=VALUE",
+                       help="override a recipe value, e.g. --set train.steps=100 (repeatable)")  # fmt: skip
+    train.add_argument("--nproc", type=_positive, default=None, metavar="N",
+                       help="ranks to start on this machine when not under torchrun (default 1)")  # fmt: skip
+    train.add_argument("--nnodes", type=_positive, default=1, metavar="N",
+                       help="number of nodes (machines), each running this command")  # fmt: skip
+    train.add_argument("--node-rank", type=int, default=0, metavar="R",
+                       help="this node's index, 0..nnodes-1")  # fmt: skip
+    train.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                       help="where the nodes meet (node 0's address), for --nnodes > 1")  # fmt: skip
+    train.set_defaults(run=train_command)
     return parser
+
+
+def train_command(args: argparse.Namespace) -> int:
+    """``meshtrain train``: validate the recipe, then train on this rank or start the ranks."""
+    from meshtrain.launch import (
+        init_distributed,
+        run_under_torchrun,
+        torchrun_command,
+        under_torchrun,
+    )
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    if not under_torchrun():
+        sets = [item for override in args.overrides for item in ("--set", override)]
+        command = torchrun_command(
+            ["train", args.recipe, *sets], nproc=args.nproc or 1, nnodes=args.nnodes,
+            node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        )  # fmt: skip
+        return run_under_torchrun(command)
+    import torch.distributed as dist
+
+    from meshtrain.train.loop import train
+
+    device = init_distributed()
+    try:
+        result = train(recipe, device=device)
+        dist.barrier()
+    except MeshtrainError as err:
+        print(f"[rank {dist.get_rank()}] {type(err).__name__}: {err.message}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    if result.losses and int(os.environ.get("RANK", "0")) == 0:
+        last = max(result.losses)
+        print(f"{recipe.name}: trained to step {last}, loss {result.losses[last]:.4f}; "
+              f"run directory {result.run_dir}")  # fmt: skip
+    return 0
 
 
 def check_command(args: argparse.Namespace) -> int:
