@@ -1,0 +1,601 @@
+"""Where a training run's metrics go: the console, a JSONL file, wandb, and the run's plan files.
+
+Every rank calls the same three methods; only the logging rank (rank 0 unless told otherwise)
+gets real sinks, every other rank gets an empty :class:`Sinks` whose methods do nothing. The loss
+and gradient norm arrive already reduced to global values on every rank, so one rank is enough.
+
+Example (the train loop, on every rank)::
+
+    sinks = make_sinks(LoggingConfig(), run_dir=Path("runs/debug"), rank=dist.get_rank(),
+                       total_steps=100, run_name="debug")
+    sinks.start(config=recipe_as_dict, plan_text=plan.explain(), plan_json=plan.to_json())
+    meter = Throughput(flops_per_token=llama_flops_per_token(config, seq_len), device=device)
+    for step in range(1, 101):
+        ...
+        sinks.log(step, meter.update({"loss": loss, "grad_norm": norm, "lr": lr, "tokens": n}))
+    sinks.close()
+
+On the logging rank ``start`` writes ``plan.txt``, ``plan.json`` and ``config.json`` into
+``run_dir``; ``log`` prints a line (or moves a progress bar on a terminal), appends one JSON
+object to ``run_dir/metrics.jsonl`` and logs to wandb (offline unless configured ``"online"``).
+
+    >>> LoggingConfig(wandb="offline", log_every=10).log_every
+    10
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import logging
+import math
+import netrc
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol, TextIO
+from urllib.parse import urlsplit
+
+from meshtrain.spec.errors import MeshtrainError, RecipeError
+
+_LOGGER = logging.getLogger(__name__)
+WANDB_MODES = ("offline", "online", "disabled")
+METRICS_FILE = "metrics.jsonl"
+_DEFAULT_WANDB_HOST = "https://api.wandb.ai"
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Which sinks a run logs to; checked on construction.
+
+    ``wandb`` is ``"offline"`` by default: the run is written under ``run_dir/wandb`` with no
+    network and no API key, and ``wandb sync`` uploads it later. ``"online"`` streams to the
+    server and needs credentials (``WANDB_API_KEY`` or ``wandb login``); ``"disabled"`` writes
+    nothing. Sinks log every ``log_every``-th step, plus the first and the last.
+
+    Example:
+        >>> LoggingConfig(wandb="on")
+        Traceback (most recent call last):
+        ...
+        meshtrain.spec.errors.RecipeError: logging.wandb = 'on' is not a wandb mode; use one of 'offline', 'online', 'disabled'.
+    """
+
+    console: bool = True
+    jsonl: bool = True
+    wandb: str = "offline"
+    wandb_project: str = "meshtrain"
+    wandb_entity: str | None = None
+    log_every: int = 1
+
+    def __post_init__(self) -> None:
+        if self.wandb not in WANDB_MODES:
+            choices = ", ".join(repr(mode) for mode in WANDB_MODES)
+            raise RecipeError(
+                f"logging.wandb = {self.wandb!r} is not a wandb mode; use one of {choices}."
+            )
+        if isinstance(self.log_every, bool) or not isinstance(self.log_every, int):
+            raise RecipeError(
+                f"logging.log_every = {self.log_every!r} must be a positive integer "
+                "(log every N-th step), e.g. log_every = 10."
+            )
+        if self.log_every < 1:
+            raise RecipeError(
+                f"logging.log_every = {self.log_every} must be >= 1 (1 logs every step)."
+            )
+        if not self.wandb_project:
+            raise RecipeError(
+                "logging.wandb_project is empty; name the wandb project, e.g. "
+                'wandb_project = "meshtrain".'
+            )
+
+
+class Sink(Protocol):
+    """One destination for a run's metrics."""
+
+    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        """Begin the run: ``config`` is the recipe as a dict, the plan as text and JSON."""
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record the metrics of one step."""
+
+    def close(self, *, failed: bool = False) -> None:
+        """End the run (``failed`` when training raised); safe to call twice."""
+
+
+class Sinks:
+    """The sinks of one run behind one start/log/close; empty (a no-op) on non-logging ranks.
+
+    ``log`` forwards the first step, every ``log_every``-th step and the last one (when
+    ``total_steps`` is known). Used as a context manager it closes the sinks on the way out,
+    marking the run failed when the block raised.
+
+    Example:
+        >>> sinks = Sinks([], log_every=10, total_steps=25)
+        >>> [step for step in range(1, 26) if sinks.is_due(step)]
+        [1, 10, 20, 25]
+        >>> sinks.enabled
+        False
+    """
+
+    def __init__(
+        self, sinks: Sequence[Sink], *, log_every: int = 1, total_steps: int | None = None
+    ) -> None:
+        self.sinks = tuple(sinks)
+        self.log_every = log_every
+        self.total_steps = total_steps
+
+    @property
+    def enabled(self) -> bool:
+        """True on the logging rank (there is at least one sink)."""
+        return bool(self.sinks)
+
+    def is_due(self, step: int) -> bool:
+        """Whether ``log`` forwards this step."""
+        return step == 1 or step % self.log_every == 0 or step == self.total_steps
+
+    def start(
+        self, *, config: Mapping[str, Any] | None = None, plan_text: str = "", plan_json: str = "{}"
+    ) -> None:
+        """Start every sink (writes the plan files, opens the wandb run); on an error the sinks
+        already started are closed before it propagates."""
+        try:
+            for sink in self.sinks:
+                sink.start(config=dict(config or {}), plan_text=plan_text, plan_json=plan_json)
+        except BaseException:
+            self.close(failed=True)
+            raise
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Hand a step's metrics to every sink when the step is due."""
+        if self.sinks and self.is_due(step):
+            for sink in self.sinks:
+                sink.log(step, metrics)
+
+    def close(self, *, failed: bool = False) -> None:
+        """Close every sink, even when one of them raises (the first error is re-raised)."""
+        first_error: BaseException | None = None
+        for sink in self.sinks:
+            try:
+                sink.close(failed=failed)
+            except Exception as error:
+                first_error = first_error or error
+        if first_error is not None:
+            raise first_error
+
+    def __enter__(self) -> Sinks:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        self.close(failed=exc_type is not None)
+
+
+def make_sinks(
+    config: LoggingConfig,
+    *,
+    run_dir: Path | str,
+    rank: int,
+    total_steps: int | None,
+    run_name: str,
+    logging_rank: int = 0,
+) -> Sinks:
+    """The sinks ``config`` asks for on the logging rank; empty :class:`Sinks` on the others.
+
+    ``logging_rank`` picks the rank that logs (e.g. the last pipeline stage's first rank when the
+    loss is not reduced to every rank). wandb ``"online"`` credentials are checked on every rank,
+    so a missing key stops all ranks before training starts rather than one of them mid-run.
+
+    Example:
+        >>> make_sinks(LoggingConfig(), run_dir="runs/x", rank=1, total_steps=10, run_name="x").enabled
+        False
+    """
+    if config.wandb == "online":
+        check_wandb_credentials(config)
+    if rank != logging_rank:
+        return Sinks((), log_every=config.log_every, total_steps=total_steps)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    sinks: list[Sink] = [RunFilesSink(run_dir)]
+    if config.jsonl:
+        sinks.append(JsonlSink(run_dir / METRICS_FILE))
+    if config.wandb != "disabled":
+        sinks.append(WandbSink(config, run_dir=run_dir, run_name=run_name))
+    if config.console:  # last: its progress bar starts only once the others have
+        sinks.append(ConsoleSink(total_steps, run_name=run_name))
+    return Sinks(sinks, log_every=config.log_every, total_steps=total_steps)
+
+
+class RunFilesSink:
+    """Writes ``plan.txt`` (``plan.explain()``), ``plan.json`` and ``config.json`` into the run dir.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     RunFilesSink(run_dir).start(config={}, plan_text="plan", plan_json="{}")
+        ...     sorted(path.name for path in Path(run_dir).iterdir())
+        ['config.json', 'plan.json', 'plan.txt']
+    """
+
+    def __init__(self, run_dir: Path | str) -> None:
+        self.run_dir = Path(run_dir)
+
+    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        _parse_plan_json(plan_json)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "plan.txt").write_text(_with_newline(plan_text), encoding="utf-8")
+        (self.run_dir / "plan.json").write_text(_with_newline(plan_json), encoding="utf-8")
+        config_text = json.dumps(config, indent=2, sort_keys=True, default=str)
+        (self.run_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Nothing per step."""
+
+    def close(self, *, failed: bool = False) -> None:
+        """Nothing to close."""
+
+
+class JsonlSink:
+    """One JSON object per line, ``{"step": ..., "time": <unix s>, **metrics}``, flushed per line.
+
+    The file is opened for appending, so a resumed run continues its history; a crash loses at
+    most the line being written (:func:`read_jsonl` skips a torn last line). Non-finite floats are
+    written as ``NaN``/``Infinity``, as Python's json module reads them back.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     sink = JsonlSink(Path(run_dir) / "metrics.jsonl")
+        ...     sink.log(1, {"loss": 2.5})
+        ...     sink.close()
+        ...     [row["loss"] for row in read_jsonl(sink.path)]
+        [2.5]
+    """
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self._file: TextIO | None = None
+
+    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        self._open()
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        row = {"step": step, "time": time.time()}
+        row.update((key, _plain_value(key, value)) for key, value in metrics.items())
+        file = self._open()
+        file.write(json.dumps(row) + "\n")
+        file.flush()
+
+    def close(self, *, failed: bool = False) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def _open(self) -> TextIO:
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.path.open("a", encoding="utf-8")
+        return self._file
+
+
+def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
+    """The rows of a metrics JSONL file, in order; a torn last line (a crash mid-write) is skipped.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     path = Path(run_dir) / "m.jsonl"
+        ...     _ = path.write_text('{"step": 1, "loss": 2.0}\\n{"step": 2, "lo')
+        ...     read_jsonl(path)
+        [{'step': 1, 'loss': 2.0}]
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    rows: list[dict[str, Any]] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as error:
+            if number == len(lines):  # the last line has no newline: torn by a crash
+                break
+            raise MeshtrainError(
+                f"{path}:{number} is not a JSON object ({error.msg}); a metrics file holds one "
+                "object per line. Remove or repair that line."
+            ) from error
+        if not isinstance(row, dict):
+            raise MeshtrainError(
+                f"{path}:{number} holds {type(row).__name__}, not a JSON object; a metrics file "
+                "holds one object per line. Remove or repair that line."
+            )
+        rows.append(row)
+    return rows
+
+
+class ConsoleSink:
+    """Human-readable progress: a rich progress bar on a terminal, plain lines elsewhere.
+
+    Each logged step becomes one line, ``step 3/100 | loss 2.3010 | grad_norm 0.912 | lr 1.00e-03
+    | tok/s 12,345 | rss 1.21 GiB | mfu 41.2% | 0.512 s/step`` (the fields present); on a terminal
+    the lines scroll above a bar with the step count, elapsed and remaining time. Without a
+    terminal (CI logs, files, pytest) nothing but those lines is written: no escape codes.
+
+    Example:
+        >>> console = ConsoleSink(100, stream=sys.stdout)
+        >>> console.log(3, {"loss": 2.301, "lr": 1e-3, "tokens": 4096})
+        step 3/100 | loss 2.3010 | lr 1.00e-03
+    """
+
+    def __init__(
+        self, total_steps: int | None, *, run_name: str = "train", stream: TextIO | None = None
+    ) -> None:
+        self.total_steps = total_steps
+        self.run_name = run_name
+        self._stream = stream
+        self._progress: Any = None
+        self._task: Any = None
+
+    @property
+    def stream(self) -> TextIO:
+        """Where lines go: the given stream, else ``sys.stdout`` as it is now."""
+        return self._stream if self._stream is not None else sys.stdout
+
+    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        steps = f"{self.total_steps} steps" if self.total_steps is not None else "open-ended"
+        if _is_terminal(self.stream):
+            self._start_progress()
+        self._print(f"run {self.run_name}: {steps}")
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        self._print(format_metrics(step, metrics, self.total_steps))
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def close(self, *, failed: bool = False) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+        if failed:
+            self._print(f"run {self.run_name}: stopped by an error")
+
+    def _start_progress(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=Console(file=self.stream),
+        )
+        self._task = self._progress.add_task(self.run_name, total=self.total_steps)
+        self._progress.start()
+
+    def _print(self, line: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.stream, flush=True)
+
+
+def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | None = None) -> str:
+    """One console line for a step: known fields in a fixed order, then any other numbers.
+
+    Example:
+        >>> format_metrics(7, {"loss": 1.5, "grad_norm": 0.25, "tokens_per_s": 12345.6,
+        ...                    "cuda_memory_gib": 30.5, "mfu": 0.412, "loss_scale": 65536.0})
+        'step 7 | loss 1.5000 | grad_norm 0.25 | tok/s 12,346 | cuda 30.50 GiB | mfu 41.2% | loss_scale 6.554e+04'
+    """
+    fields = [f"step {step}/{total_steps}" if total_steps is not None else f"step {step}"]
+    for key, render in _CONSOLE_FIELDS.items():
+        value = metrics.get(key)
+        if _is_number(value) and not (key == "skipped" and not value):
+            fields.append(render(_plain_value(key, value)))
+    for key, value in metrics.items():
+        if key not in _CONSOLE_FIELDS and key not in _CONSOLE_HIDDEN and _is_number(value):
+            fields.append(f"{key} {_plain_value(key, value):.4g}")
+    return " | ".join(fields)
+
+
+#: How the console shows each known metric, in display order.
+_CONSOLE_FIELDS: dict[str, Callable[[Any], str]] = {
+    "loss": lambda value: f"loss {value:.4f}",
+    "grad_norm": lambda value: f"grad_norm {value:.4g}",
+    "lr": lambda value: f"lr {value:.2e}",
+    "tokens_per_s": lambda value: f"tok/s {value:,.0f}",
+    "cuda_memory_gib": lambda value: f"cuda {value:.2f} GiB",
+    "rss_gib": lambda value: f"rss {value:.2f} GiB",
+    "mfu": lambda value: f"mfu {value:.1%}",
+    "step_time_s": lambda value: f"{value:.3f} s/step",
+    "skipped": lambda value: f"skipped {value}",
+}
+_CONSOLE_HIDDEN = frozenset({"tokens", "warmup", "step", "time"})
+
+
+class WandbSink:
+    """A wandb run under ``run_dir/wandb``, offline by default, with the plan attached.
+
+    ``start`` calls ``wandb.init(project, entity, name, dir=run_dir, mode, config)`` with the
+    recipe as config and the parsed plan JSON under ``config["plan"]``, quiet (``silent``) and
+    without console capture; ``plan.txt`` and ``plan.json`` are saved into the run's files. Offline
+    runs need no network and no key; upload one later with ``wandb sync run_dir/wandb/offline-run-*``.
+    wandb is imported here, not when meshtrain is.
+    """
+
+    def __init__(self, config: LoggingConfig, *, run_dir: Path | str, run_name: str) -> None:
+        if config.wandb == "disabled":
+            raise RecipeError(
+                "WandbSink was built with logging.wandb = 'disabled'; build no WandbSink for a "
+                "disabled run (make_sinks leaves it out)."
+            )
+        if config.wandb == "online":
+            check_wandb_credentials(config)
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.run: Any = None
+
+    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        import wandb
+
+        if "plan" in config:
+            raise RecipeError(
+                "the run config already has a 'plan' key, where WandbSink puts the parsed plan "
+                "JSON; rename that key in the config passed to Sinks.start."
+            )
+        run_config = {**config, "plan": _parse_plan_json(plan_json)}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        mode: Literal["online", "offline"] = (
+            "online" if self.config.wandb == "online" else "offline"
+        )
+        try:
+            self.run = wandb.init(
+                project=self.config.wandb_project,
+                entity=self.config.wandb_entity,
+                name=self.run_name,
+                dir=str(self.run_dir),
+                mode=mode,
+                config=run_config,
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        except Exception as error:
+            raise MeshtrainError(
+                f"wandb.init failed for project {self.config.wandb_project!r} in mode "
+                f"{self.config.wandb!r} (run dir {self.run_dir}): {error}. Fix the wandb "
+                "settings, or set logging.wandb = 'offline' to log without a server."
+            ) from error
+        files_dir = Path(self.run.dir)
+        for name, text in (("plan.txt", plan_text), ("plan.json", plan_json)):
+            # Written inside the run's files dir, so wandb saves it without linking or warning.
+            (files_dir / name).write_text(_with_newline(text), encoding="utf-8")
+            self.run.save(str(files_dir / name), base_path=str(files_dir), policy="now", glob=False)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self.run is None:
+            return
+        numbers = {key: value for key, value in metrics.items() if _is_number(value)}
+        self.run.log({key: _plain_value(key, value) for key, value in numbers.items()}, step=step)
+
+    def close(self, *, failed: bool = False) -> None:
+        if self.run is None:
+            return
+        run, self.run = self.run, None
+        run.finish(exit_code=1 if failed else 0)
+        if self.config.wandb == "offline":
+            sync_dir = run.settings.sync_dir
+            _LOGGER.info(
+                "wandb offline run in %s; upload it with `wandb sync %s`", sync_dir, sync_dir
+            )
+
+    @property
+    def sync_dir(self) -> Path | None:
+        """The run's directory (``run_dir/wandb/offline-run-…``) while the run is open."""
+        return None if self.run is None else Path(self.run.settings.sync_dir)
+
+
+def check_wandb_credentials(config: LoggingConfig) -> None:
+    """Raise :class:`RecipeError` when wandb ``"online"`` has no credentials to log in with.
+
+    Looks, without importing wandb or touching the network, where wandb looks: the
+    ``WANDB_API_KEY`` and ``WANDB_IDENTITY_TOKEN_FILE`` variables, then a netrc entry (what
+    ``wandb login`` writes) for the server's host. A key that the server would reject is not
+    caught here; ``wandb.init`` reports it.
+
+    Example:
+        >>> check_wandb_credentials(LoggingConfig(wandb="offline"))  # offline needs nothing
+    """
+    if config.wandb != "online":
+        return
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urlsplit(_wandb_base_url()).netloc
+    if host and _netrc_has_password(host):
+        return
+    raise RecipeError(
+        f"logging.wandb = 'online' for project {config.wandb_project!r}, but no wandb "
+        f"credentials were found (no WANDB_API_KEY and no netrc entry for {host!r}). Set "
+        "WANDB_API_KEY, run `wandb login` on every node, or set logging.wandb = 'offline' and "
+        "upload later with `wandb sync`."
+    )
+
+
+def _wandb_base_url() -> str:
+    if url := os.environ.get("WANDB_BASE_URL"):
+        return url
+    config_dir = os.environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb")
+    settings = configparser.ConfigParser()
+    try:
+        settings.read(os.path.join(config_dir, "settings"))
+    except configparser.Error:
+        return _DEFAULT_WANDB_HOST
+    return settings.get("default", "base_url", fallback=_DEFAULT_WANDB_HOST)
+
+
+def _netrc_has_password(host: str) -> bool:
+    """Whether the netrc file wandb reads (``$NETRC``, else ``~/.netrc`` or ``~/_netrc``) has a
+    password for ``host``."""
+    if explicit := os.environ.get("NETRC"):
+        candidates = [Path(explicit).expanduser()]
+    else:
+        candidates = [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    path = next((candidate for candidate in candidates if candidate.is_file()), None)
+    if path is None:
+        return False
+    try:
+        entry = netrc.netrc(path).authenticators(host)
+    except (netrc.NetrcParseError, OSError):
+        return False
+    return bool(entry and entry[2])
+
+
+def _parse_plan_json(plan_json: str) -> Any:
+    try:
+        return json.loads(plan_json)
+    except (TypeError, json.JSONDecodeError) as error:
+        raise MeshtrainError(
+            f"plan_json passed to Sinks.start is not JSON ({error}); pass plan.to_json()."
+        ) from error
+
+
+def _with_newline(text: str) -> str:
+    return text if text.endswith("\n") else text + "\n"
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) or (hasattr(value, "item") and _size(value) == 1)
+
+
+def _size(value: Any) -> int:
+    size = getattr(value, "size", None)
+    if callable(size):  # torch tensors: .size() is the shape
+        return math.prod(value.shape)
+    return int(size) if size is not None else 1
+
+
+def _plain_value(key: str, value: Any) -> Any:
+    """JSON-ready value: tensors and numpy scalars of one element become Python numbers."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "item") and _size(value) == 1:
+        return value.item()
+    raise MeshtrainError(
+        f"metric {key!r} is a {type(value).__name__}, which a metrics sink cannot record; "
+        "pass numbers (call .item() on one-element tensors) or strings."
+    )
+
+
+def _is_terminal(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty()) and os.environ.get("TERM") != "dumb"
