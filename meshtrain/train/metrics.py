@@ -432,6 +432,11 @@ class WandbSink:
     without console capture; ``plan.txt`` and ``plan.json`` are saved into the run's files. Offline
     runs need no network and no key; upload one later with ``wandb sync run_dir/wandb/offline-run-*``.
     wandb is imported here, not when meshtrain is.
+
+    Example::
+
+        sink = WandbSink(LoggingConfig(), run_dir="runs/debug", run_name="debug")
+        sink.start(config={"train": {"lr": 1e-3}}, plan_text=plan.explain(), plan_json=plan.to_json())
     """
 
     def __init__(self, config: LoggingConfig, *, run_dir: Path | str, run_name: str) -> None:
@@ -481,6 +486,8 @@ class WandbSink:
             # Written inside the run's files dir, so wandb saves it without linking or warning.
             (files_dir / name).write_text(_with_newline(text), encoding="utf-8")
             self.run.save(str(files_dir / name), base_path=str(files_dir), policy="now", glob=False)
+        if mode == "online":  # silent hides wandb's own banner; the URL is still worth a log line
+            _LOGGER.info("wandb run %s: %s", self.run_name, self.run.url)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self.run is None:
