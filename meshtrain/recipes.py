@@ -230,13 +230,29 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
         model=model_section(source, data["model"]),
         mesh=mesh,
         parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
-        train=TrainSection(**check_table(source, "train", data.get("train", {}))),
+        train=_train_section(source, check_table(source, "train", data.get("train", {}))),
         explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
         data=DataSection(**check_table(source, "data", data.get("data", {}))),
         checkpoint=CheckpointSection(**checkpoint),
         logging=LoggingSection(**check_table(source, "logging", data.get("logging", {}))),
         raw=data,
     )
+
+
+def _train_section(source: str, values: dict[str, Any]) -> TrainSection:
+    """``[train]`` with its schedule consistent: warmup within the run, ``min_lr`` ≤ ``lr``."""
+    train = TrainSection(**values)
+    if train.warmup_steps > train.steps:
+        raise RecipeError(
+            f"{source}: train.warmup_steps = {train.warmup_steps} is longer than train.steps = "
+            f"{train.steps}; the warmup must end within the run. Lower warmup_steps or raise steps."
+        )
+    if train.min_lr > train.lr:
+        raise RecipeError(
+            f"{source}: train.min_lr = {train.min_lr} is above train.lr = {train.lr}; the cosine "
+            "decays from lr down to min_lr. Set min_lr ≤ lr."
+        )
+    return train
 
 
 def apply_overrides(
