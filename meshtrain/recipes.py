@@ -200,8 +200,8 @@ def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Reci
     Example:
         >>> load_recipe("llama3_8b").model.config.n_layers
         32
-        >>> load_recipe("debug", ["train.steps=5", "data.source=synthetic"]).train.steps
-        5
+        >>> load_recipe("debug", ["train.steps=50", "data.source=synthetic"]).train.steps
+        50
     """
     path = find_recipe(path_or_name)
     try:
@@ -347,7 +347,11 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     per_step = math.prod(sizes[axis] for axis in par.fsdp) * micro
     batch = -(-min(recipe.train.batch_size, 8) // per_step) * per_step
     train = dataclasses.replace(
-        recipe.train, batch_size=batch, seq_len=seq_len, steps=min(recipe.train.steps, 3)
+        recipe.train,
+        batch_size=batch,
+        seq_len=seq_len,
+        steps=min(recipe.train.steps, 3),
+        warmup_steps=min(recipe.train.warmup_steps, recipe.train.steps, 3),
     )
     return dataclasses.replace(
         recipe,
