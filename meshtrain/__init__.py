@@ -9,6 +9,7 @@ Example:
 from meshtrain.plan import Pipeline, Plan, constrain, plan, shard_map
 from meshtrain.spec import (
     CheckpointError,
+    DataError,
     EquivalenceError,
     GraphBreakWarning,
     Mesh,
@@ -41,6 +42,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "CheckpointError",
+    "DataError",
     "EquivalenceError",
     "GraphBreakWarning",
     "Mesh",

@@ -6,6 +6,7 @@ is not asked for an abstract mesh.
 
 from meshtrain.spec.errors import (
     CheckpointError,
+    DataError,
     EquivalenceError,
     GraphBreakWarning,
     MeshError,
@@ -25,6 +26,7 @@ from meshtrain.spec.rules import ParamSpec, Resolution, Rules
 
 __all__ = [
     "CheckpointError",
+    "DataError",
     "EquivalenceError",
     "GraphBreakWarning",
     "Mesh",

@@ -82,6 +82,10 @@ class RecipeError(MeshtrainError):
     """A recipe with an unknown key, a wrong type or an impossible combination."""
 
 
+class DataError(MeshtrainError):
+    """A corpus, tokenizer, token file, dataset or sampler that cannot be used as asked."""
+
+
 class TrainingError(MeshtrainError):
     """A run that must stop: a non-finite loss or gradient under ``on_nonfinite="stop"``, ranks
     that disagree on their plan, a state that does not belong to the train step."""

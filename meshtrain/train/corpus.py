@@ -26,7 +26,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.spec.errors import DataError
 
 __all__ = [
     "DataError",
@@ -43,10 +43,6 @@ _SKIPPED_DIRS = frozenset(
 )
 _MIN_DOCUMENT_CHARS = 40
 _DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-class DataError(MeshtrainError):
-    """A corpus, tokenizer, token file, dataset or sampler that cannot be used as asked."""
 
 
 def stdlib_root() -> Path:
