@@ -1,0 +1,368 @@
+"""Distributed checkpoints: save on every rank, resume under any mesh, export for inference.
+
+A checkpoint is keyed by full-model parameter FQN, not by module or rank: ``model.<fqn>`` for
+each parameter and ``optim.<fqn>.<state key>`` for each optimizer state, built from what
+``named_parameters()`` yields on this rank (DTensors under FSDP/TP, plain tensors otherwise, a
+subset of FQNs under a pipeline). torch.distributed.checkpoint (DCP) writes each rank's shards
+and, on load, reshards them into whatever targets the *current* mesh and rules built: dp, tp and
+pp may all change between save and load. Nothing is rebuilt from the checkpoint's metadata.
+
+Saves are atomic: ranks write into ``step_<8 digits>.tmp-<id>/``; only after every rank's writes
+and DCP's metadata are on disk does rank 0 add ``meshtrain.json`` and rename the directory to
+``step_<8 digits>``. Loading reads DCP's pickled metadata with a restricted unpickler (see
+:mod:`meshtrain.train.checkpoint_files`); non-tensor state is JSON.
+
+Example (on every rank)::
+
+    checkpointer = Checkpointer(CheckpointConfig("runs/ckpt", interval=100, keep_last=3))
+    params = dict(applied.named_parameters())
+    for step in range(1, steps + 1):
+        ...  # train
+        if checkpointer.due(step):
+            checkpointer.save(step, params, optimizer, {"step": step, "data": position})
+    checkpointer.wait()
+    # later, under any mesh:
+    extra = load_checkpoint(latest_checkpoint("runs/ckpt"), params, optimizer)
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import uuid
+from collections.abc import Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+
+from meshtrain.spec.errors import CheckpointError
+from meshtrain.train.checkpoint_files import (
+    MODEL_PREFIX,
+    RestrictedFileSystemReader,
+    checkpoint_name,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    publish,
+    read_state_file,
+    remove_stale,
+    single_process_dcp,
+    write_state_file,
+)
+from meshtrain.train.checkpoint_state import (
+    PreparedOptimizer,
+    canonical_params,
+    prepare_optimizer,
+    state_dict_to_save,
+    state_json,
+    target_problems,
+    unexpected_message,
+)
+from meshtrain.train.safetensors_io import export_safetensors, load_safetensors
+
+__all__ = [
+    "CheckpointConfig",
+    "Checkpointer",
+    "export_safetensors",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "load_safetensors",
+]
+
+_LOG = logging.getLogger(__name__)
+# DCP's CheckpointException (one rank's failure, re-raised on every rank) is a BaseException.
+_FAILURES = (Exception, CheckpointException)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where and how often to checkpoint.
+
+    ``interval``: save every ``interval`` steps (0: never by schedule; call ``save`` yourself).
+    ``keep_last``: complete checkpoints kept, older ones removed after each save (0: keep all).
+    ``async_save``: write in a background thread over a separate gloo group; ``save`` returns
+    once the state is copied, and the checkpoint is published by the next ``save`` or ``wait``.
+
+    Example:
+        >>> CheckpointConfig("runs/ckpt", interval=100).path.name
+        'ckpt'
+    """
+
+    directory: str | Path
+    interval: int = 0
+    keep_last: int = 3
+    async_save: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "keep_last"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise CheckpointError(
+                    f"CheckpointConfig.{name}={value!r} is invalid: use a whole number ≥ 0 "
+                    f"(0 means {'never' if name == 'interval' else 'keep all'})."
+                )
+
+    @property
+    def path(self) -> Path:
+        """``directory`` as a path."""
+        return Path(self.directory)
+
+
+@dataclass
+class _PendingSave:
+    step: int
+    scratch: Path
+    final: Path
+    future: Future[Any]
+    state_text: str
+
+
+class Checkpointer:
+    """Saves checkpoints of one run on its schedule; call every method on every rank alike.
+
+    Example:
+        >>> import tempfile
+        >>> checkpointer = Checkpointer(CheckpointConfig(tempfile.mkdtemp(), interval=10))
+        >>> [step for step in range(25) if checkpointer.due(step)]
+        [10, 20]
+    """
+
+    def __init__(self, config: CheckpointConfig) -> None:
+        self.config = config
+        self._pending: _PendingSave | None = None
+        self._async_group: dist.ProcessGroup | None = None
+        self._told_sync = False
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` (the number of optimizer steps done) is on the save interval."""
+        interval = self.config.interval
+        return interval > 0 and step > 0 and step % interval == 0
+
+    def save(
+        self,
+        step: int,
+        params: Mapping[str, Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        extra: Mapping[str, Any],
+    ) -> Path:
+        """Checkpoint ``params`` (FQN → local tensor), ``optimizer``'s state and the JSON-ready
+        ``extra`` (rank 0's is written) as step ``step``; return the checkpoint's path.
+
+        Synchronous: returns once the checkpoint is complete and visible to every rank. Async
+        (``config.async_save`` with a process group): returns once this rank's state is copied;
+        a previous async save is finalised first. Raises :class:`CheckpointError` on every rank
+        when any rank fails; the previous complete checkpoint stays the latest.
+        """
+        self._finalise_pending()
+        directory = self.config.path
+        problems: list[str] = []
+        state_dict = state_dict_to_save(params, optimizer, problems)
+        state_text = state_json(step, _world_size(), optimizer, extra, problems)
+        token = uuid.uuid4().hex[:8]
+        gathered = _all_gather((problems, token))
+        _raise_problems(f"cannot save checkpoint step {step} in {str(directory)!r}", gathered)
+        token = gathered[0][1]
+        final = directory / checkpoint_name(step)
+        scratch = directory / f"{final.name}.tmp-{token}"
+        if _rank() == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            remove_stale(directory, keep=scratch)
+        if self.config.async_save and not _distributed() and not self._told_sync:
+            self._told_sync = True
+            _LOG.info("async_save needs a process group; saving synchronously in one process")
+        if self.config.async_save and _distributed():
+            group = self._checkpoint_group()
+            response = dcp.async_save(
+                state_dict, storage_writer=FileSystemWriter(scratch), process_group=group
+            )
+            upload = response if isinstance(response, Future) else response.upload_completion
+            self._pending = _PendingSave(step, scratch, final, upload, state_text)
+            return final
+        written: Future[None] = Future()
+        try:
+            with single_process_dcp():
+                dcp.save(state_dict, storage_writer=FileSystemWriter(scratch),
+                         no_dist=not _distributed())  # fmt: skip
+            written.set_result(None)
+        except _FAILURES as err:  # DCP raises on every rank when any rank failed
+            written.set_exception(err)
+        self._pending = _PendingSave(step, scratch, final, written, state_text)
+        self._finalise_pending()
+        return final
+
+    def wait(self) -> None:
+        """Finalise a pending async save (publish it, prune); call at the end of training."""
+        self._finalise_pending()
+
+    def _checkpoint_group(self) -> dist.ProcessGroup:
+        # Background writes must not share a group with training's collectives (gloo matches
+        # collectives by order per group); DCP's async save needs a CPU backend anyway.
+        if self._async_group is None:
+            group = dist.new_group(backend="gloo")
+            assert group is not None
+            self._async_group = group
+        return self._async_group
+
+    def _finalise_pending(self) -> None:
+        """Every rank: wait for the write; rank 0: publish and prune; then agree on the outcome
+        (this collective is also the barrier after which every rank sees the new directory)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        problems: list[str] = []
+        try:
+            pending.future.result()
+        except _FAILURES as err:
+            problems.append(f"writing {str(pending.scratch)!r} failed: {_describe(err)}")
+        if _rank() == 0:
+            try:
+                if not problems:
+                    write_state_file(pending.scratch, pending.state_text)
+                    publish(pending.scratch, pending.final)
+                    for removed in prune(pending.final.parent, self.config.keep_last):
+                        _LOG.info("removed old checkpoint %s (keep_last)", removed)
+            except OSError as err:
+                problems.append(f"publishing {str(pending.final)!r} failed: {err}")
+            if problems:  # every rank's writes are over: DCP reported the failure to all of them
+                shutil.rmtree(pending.scratch, ignore_errors=True)
+        gathered = _all_gather((problems, None))
+        if any(rank_problems for rank_problems, _ in gathered):
+            latest = latest_checkpoint(pending.final.parent)
+            _raise_problems(
+                f"checkpoint step {pending.step} was not saved (the latest complete checkpoint "
+                f"is still {str(latest) if latest else 'none'})",
+                gathered,
+            )
+
+
+def load_checkpoint(
+    path: str | Path,
+    params: Mapping[str, Tensor],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    trust_pickle: bool = False,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` into ``params`` and ``optimizer`` in place; return the
+    ``extra`` it was saved with. Call on every rank alike.
+
+    ``params`` maps FQN → this rank's parameter as the *current* plan laid it out; DCP reshards
+    the saved shards into it, so the mesh may differ from the one that saved. A fresh
+    ``optimizer`` gets its state created first (a step with zero gradients and lr 0), then
+    overwritten; its param groups' hyper-parameters are restored from the checkpoint. Before
+    any tensor is read, every rank's targets are compared with the checkpoint (missing or
+    unexpected FQNs, shapes, dtypes), and every rank raises the same :class:`CheckpointError`.
+
+    ``trust_pickle=True`` reads DCP's pickled metadata with ``pickle.load`` instead of the
+    restricted unpickler; pass it only for checkpoints whose origin you trust.
+
+    Example::
+
+        extra = load_checkpoint(latest_checkpoint("runs/ckpt"), params, optimizer)
+        step = extra["step"]
+    """
+    path = Path(path)
+    problems: list[str] = []
+    state: dict[str, Any] | None = None
+    metadata: Metadata | None = None
+    reader = RestrictedFileSystemReader(path, trust_pickle=trust_pickle)
+    try:
+        state = read_state_file(path)
+        metadata = reader.read_metadata()
+    except CheckpointError as err:
+        problems.append(err.message)
+    named = canonical_params(params, problems)
+    targets: dict[str, Tensor] = {}
+    prepared: PreparedOptimizer | None = None
+    if state is not None and metadata is not None and not problems:
+        saved = metadata.state_dict_metadata
+        targets = {MODEL_PREFIX + fqn: tensor.detach() for fqn, tensor in named.items()}
+        if optimizer is not None and state.get("optimizer") is None:
+            problems.append(
+                "it was saved without an optimizer: pass optimizer=None to load the model only"
+            )
+        elif optimizer is not None:
+            prepared = prepare_optimizer(optimizer, state["optimizer"], saved, named, problems)
+            targets.update(prepared.targets)
+        problems += target_problems(targets, saved)
+    model_fqns = sorted(key for key in targets if key.startswith(MODEL_PREFIX))
+    gathered = _all_gather((problems, model_fqns))
+    if metadata is not None and not any(rank_problems for rank_problems, _ in gathered):
+        wanted = {fqn for _, fqns in gathered for fqn in fqns}
+        unexpected = sorted(
+            key
+            for key in metadata.state_dict_metadata
+            if key.startswith(MODEL_PREFIX) and key not in wanted
+        )
+        if unexpected:  # the same on every rank: computed from the same gathered lists
+            gathered = [([unexpected_message(unexpected)], [])]
+    try:
+        _raise_problems(f"cannot load checkpoint {str(path)!r}", gathered)
+        with single_process_dcp():
+            dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
+    except _FAILURES as err:
+        if prepared is not None:
+            prepared.undo()
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointError(f"loading {str(path)!r} failed: {_describe(err)}") from err
+    if prepared is not None:
+        prepared.finish()
+    assert state is not None
+    return dict(state.get("extra", {}))
+
+
+# ------------------------------------------------------------------ agreement across ranks
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if _distributed() else 1
+
+
+def _rank() -> int:
+    return dist.get_rank() if _distributed() else 0
+
+
+def _all_gather(value: Any) -> list[Any]:
+    if not _distributed():
+        return [value]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _raise_problems(header: str, gathered: list[tuple[list[str], Any]]) -> None:
+    """Raise one error listing every rank's problems (the same text on every rank), if any."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, (problems, _) in enumerate(gathered):
+        for problem in problems:
+            ranks_of.setdefault(problem, []).append(rank)
+    if not ranks_of:
+        return
+    lines = []
+    for problem, ranks in ranks_of.items():
+        where = "" if len(ranks) == len(gathered) else f" (rank {', '.join(map(str, ranks))})"
+        lines.append(f"  - {problem}{where}")
+    raise CheckpointError(f"{header}:\n" + "\n".join(lines))
+
+
+def _describe(err: BaseException) -> str:
+    """One line per failing rank: DCP's CheckpointException carries each rank's exception."""
+    if isinstance(err, CheckpointException) and err.failures:
+        return "; ".join(
+            f"rank {rank}: {_describe(failure)}" for rank, (failure, _) in err.failures.items()
+        )
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"
