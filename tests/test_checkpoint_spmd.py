@@ -7,6 +7,7 @@ Every comparison is bit for bit: a checkpoint moves bytes, it does no arithmetic
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -199,18 +200,31 @@ def test_a_rank_failing_mid_save_publishes_nothing(tmp_path: Path) -> None:
 
 
 def save_asynchronously(directory: str) -> dict[str, Any]:
-    """Two async saves with training in between (it changes parameters while step 1 is written)."""
+    """Two async saves; step 1's writes are held back until training has changed every
+    parameter in place, so step 1 can only hold the right values if save() copied them."""
     plan, applied = _build((("dp", 2),), seed=0)
     params = dict(applied.named_parameters())
     optimizer = _adamw(params)
     checkpointer = Checkpointer(CheckpointConfig(directory, keep_last=0, async_save=True))
+    gate, original = threading.Event(), FileSystemWriter.write_data
+
+    def write_when_allowed(self: FileSystemWriter, *args: Any, **kwargs: Any) -> Any:
+        assert gate.wait(timeout=30), "the training thread never let the write start"
+        return original(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = write_when_allowed  # type: ignore[method-assign]
     snapshots, listed = [], []
-    for step in (1, 2):
-        _train_step(plan, applied, optimizer, seed=step)
-        snapshots.append(_snapshot(params, optimizer))
-        checkpointer.save(step, params, optimizer, {"step": step})
-        listed.append([path.name for path in list_checkpoints(directory)])
-    checkpointer.wait()
+    try:
+        for step in (1, 2):
+            _train_step(plan, applied, optimizer, seed=step)
+            if step == 2:  # parameters have now changed since step 1 was staged
+                gate.set()
+            snapshots.append(_snapshot(params, optimizer))
+            checkpointer.save(step, params, optimizer, {"step": step})
+            listed.append([path.name for path in list_checkpoints(directory)])
+        checkpointer.wait()
+    finally:
+        FileSystemWriter.write_data = original  # type: ignore[method-assign]
     listed.append([path.name for path in list_checkpoints(directory)])
     loaded = []
     for step in (1, 2):
