@@ -66,7 +66,7 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
 def _fake_checkpoint(root: Path, name: str, *, state: bool = True, metadata: bool = True) -> None:
     (root / name).mkdir(parents=True)
     if state:
-        (root / name / STATE_FILE).write_text('{"format": "meshtrain-checkpoint"}')
+        (root / name / STATE_FILE).write_text('{"format": "meshtrain-checkpoint", "version": 1}')
     if metadata:
         (root / name / METADATA_FILE).touch()
 
@@ -372,6 +372,9 @@ def test_a_damaged_state_file_is_reported(tmp_path: Path) -> None:
         load_checkpoint(path, {"w": torch.ones(1)}, None)
     (path / STATE_FILE).write_text(json.dumps({"format": "other"}))
     with pytest.raises(CheckpointError, match="not a meshtrain checkpoint state file"):
+        load_checkpoint(path, {"w": torch.ones(1)}, None)
+    (path / STATE_FILE).write_text(json.dumps({"format": "meshtrain-checkpoint", "version": 9}))
+    with pytest.raises(CheckpointError, match="format version 9; this meshtrain reads versions"):
         load_checkpoint(path, {"w": torch.ones(1)}, None)
 
 

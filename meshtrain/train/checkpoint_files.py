@@ -20,7 +20,7 @@ Example:
     >>> for name in ("step_00000010", "step_00000020", "step_00000030.tmp-1a2b3c4d"):
     ...     (root / name).mkdir()
     ...     (root / name / METADATA_FILE).touch()
-    ...     write_state_file(root / name, '{"format": "meshtrain-checkpoint"}')
+    ...     write_state_file(root / name, '{"format": "meshtrain-checkpoint", "version": 1}')
     >>> [path.name for path in list_checkpoints(root)]
     ['step_00000010', 'step_00000020']
 """
@@ -221,10 +221,11 @@ def read_state_file(path: str | Path) -> dict[str, Any]:
             f"{str(state_path)!r} is not a meshtrain checkpoint state file (its 'format' is not "
             f"{FORMAT!r}). Point at a directory written by Checkpointer.save."
         )
-    if state.get("version", 0) > FORMAT_VERSION:
+    version = state.get("version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(
-            f"{str(state_path)!r} has format version {state['version']}, newer than this "
-            f"meshtrain reads ({FORMAT_VERSION}). Upgrade meshtrain to load it."
+            f"{str(state_path)!r} has format version {version!r}; this meshtrain reads versions "
+            f"up to {FORMAT_VERSION}. Upgrade meshtrain to load it."
         )
     return state
 
