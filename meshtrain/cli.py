@@ -98,10 +98,15 @@ def train_command(args: argparse.Namespace) -> int:
         return 2
     finally:
         dist.destroy_process_group()
-    if result.losses and int(os.environ.get("RANK", "0")) == 0:
-        last = max(result.losses)
-        print(f"{recipe.name}: trained to step {last}, loss {result.losses[last]:.4f}; "
-              f"run directory {result.run_dir}")  # fmt: skip
+    if int(os.environ.get("RANK", "0")) == 0:
+        if result.losses:
+            last = max(result.losses)
+            print(f"{recipe.name}: trained to step {last}, loss {result.losses[last]:.4f}; "
+                  f"run directory {result.run_dir}")  # fmt: skip
+        else:
+            print(f"{recipe.name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
+                  f"{result.resumed_from} of {recipe.train.steps}; nothing to train. Raise "
+                  "train.steps or start a new run directory.")  # fmt: skip
     return 0
 
 
