@@ -1,0 +1,116 @@
+"""``meshtrain train`` end to end under torchrun (tier 3): one node of 4 CPU ranks with the
+shipped debug recipe on the real corpus, and two launcher processes on 127.0.0.1 as two nodes of
+2 ranks each — which also stop together, with a clear message, when their recipes differ."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain.train.metrics import read_jsonl
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tokenized corpus for the module (built by the first run, reused by the others)."""
+    return tmp_path_factory.mktemp("corpus") / "tokens"
+
+
+def _environment(tmp_path: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+    env.pop("WANDB_API_KEY", None)
+    env["WANDB_DIR"] = str(tmp_path)
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _train(args: list[str], tmp_path: Path, **popen: object) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", "meshtrain", "train", *args]
+    return subprocess.Popen(
+        command, cwd=ROOT, env=_environment(tmp_path), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def _sets(run_dir: Path, corpus: Path, steps: int, *extra: str) -> list[str]:
+    values = [
+        f"train.steps={steps}", "train.warmup_steps=2", f"logging.run_dir={run_dir}",
+        f"data.path={corpus}", "data.corpus_bytes=1000000", "checkpoint.interval=0",
+        "logging.log_every=5", *extra,
+    ]  # fmt: skip
+    return [item for value in values for item in ("--set", value)]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_debug_recipe_trains_on_four_local_ranks(tmp_path: Path, corpus_dir: Path) -> None:
+    run_dir = tmp_path / "run"
+    process = _train(["debug", "--nproc", "4", *_sets(run_dir, corpus_dir, 20)], tmp_path)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 5, 10, 15, 20]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5  # it learns the corpus's bytes
+    assert all(row["tokens"] == 8 * 64 for row in rows)
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["mesh"]["axes"] == [["dp", 2], ["tp", 2]]
+    assert (run_dir / "plan.txt").read_text().strip()
+    assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
+    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    assert "debug: trained to step 20" in output
+
+
+def _two_nodes(
+    tmp_path: Path, corpus: Path, node1_extra: tuple[str, ...] = ()
+) -> list[tuple[int, str]]:
+    port = _free_port()
+    run_dir = tmp_path / "run"
+    launchers = [
+        _train(
+            ["debug", "--nproc", "2", "--nnodes", "2", "--node-rank", str(node),
+             "--rdzv-endpoint", f"127.0.0.1:{port}",
+             *_sets(run_dir, corpus, 4, *(node1_extra if node == 1 else ()))],
+            tmp_path,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    results = []
+    for launcher in launchers:
+        output, _ = launcher.communicate(timeout=300)
+        results.append((launcher.returncode, output))
+    return results
+
+
+def test_two_launchers_on_localhost_train_as_two_nodes(tmp_path: Path, corpus_dir: Path) -> None:
+    results = _two_nodes(tmp_path, corpus_dir)
+    for code, output in results:
+        assert code == 0, output
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["mesh"]["axes"] == [["dp", 2], ["tp", 2]]
+    rows = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 4]  # written once, by global rank 0
+
+
+def test_nodes_with_different_recipes_stop_with_a_clear_message(
+    tmp_path: Path, corpus_dir: Path
+) -> None:
+    results = _two_nodes(tmp_path, corpus_dir, node1_extra=("train.lr=0.001",))
+    assert all(code != 0 for code, _ in results)
+    joined = "\n".join(output for _, output in results)
+    assert "TrainingError" in joined and "do not agree on what to train" in joined
+    messages = [line for line in joined.splitlines() if "TrainingError" in line]
+    assert len(messages) == 4, joined  # every rank says it, on both nodes
+    assert all("train.lr = 0.003 vs 0.001" in line for line in messages), messages
