@@ -27,6 +27,7 @@ from meshtrain.spec import (
     distribute,
     make_mesh,
 )
+from meshtrain.train import TrainState, make_train_step
 
 __version__ = "0.1.0"
 
@@ -57,12 +58,14 @@ __all__ = [
     "RuleError",
     "Rules",
     "SpecError",
+    "TrainState",
     "TrainingError",
     "__version__",
     "annotate",
     "constrain",
     "distribute",
     "make_mesh",
+    "make_train_step",
     "plan",
     "shard_map",
 ]

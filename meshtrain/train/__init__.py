@@ -1,8 +1,31 @@
-"""Training runtime pieces: loss normalisation by global tokens, global-norm clipping and fp16
-loss scaling."""
+"""The training runtime: ``TrainState`` and the train step, the learning-rate schedule, loss
+normalisation by global tokens, global-norm clipping and fp16 loss scaling.
 
+Data (:mod:`meshtrain.train.data`), checkpoints (:mod:`meshtrain.train.checkpoint`), metrics
+(:mod:`meshtrain.train.metrics`) and the recipe loop (:mod:`meshtrain.train.loop`) are imported
+from their modules (they pull in DCP, numpy memory maps, wandb).
+"""
+
+from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.clip import clip_grad_norm_, global_grad_norm
 from meshtrain.train.loss import global_token_count
 from meshtrain.train.scaler import LossScaler
+from meshtrain.train.schedule import WarmupCosine, linear_scaling
+from meshtrain.train.state import TrainState
+from meshtrain.train.step import TrainStep, forward_backward, make_train_step, summed_cross_entropy
 
-__all__ = ["LossScaler", "clip_grad_norm_", "global_grad_norm", "global_token_count"]
+__all__ = [
+    "Batch",
+    "DataPosition",
+    "LossScaler",
+    "TrainState",
+    "TrainStep",
+    "WarmupCosine",
+    "clip_grad_norm_",
+    "forward_backward",
+    "global_grad_norm",
+    "global_token_count",
+    "linear_scaling",
+    "make_train_step",
+    "summed_cross_entropy",
+]
