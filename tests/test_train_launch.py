@@ -58,7 +58,8 @@ def _free_port() -> int:
 
 def test_debug_recipe_trains_on_four_local_ranks(tmp_path: Path, corpus_dir: Path) -> None:
     run_dir = tmp_path / "run"
-    process = _train(["debug", "--nproc", "4", *_sets(run_dir, corpus_dir, 20)], tmp_path)
+    sets = _sets(run_dir, corpus_dir, 20, "checkpoint.interval=10", "checkpoint.async=true")
+    process = _train(["debug", "--nproc", "4", *sets], tmp_path)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -69,8 +70,13 @@ def test_debug_recipe_trains_on_four_local_ranks(tmp_path: Path, corpus_dir: Pat
     assert plan["mesh"]["axes"] == [["dp", 2], ["tp", 2]]
     assert (run_dir / "plan.txt").read_text().strip()
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
-    assert (run_dir / "checkpoints").is_dir() and any((run_dir / "checkpoints").iterdir())
+    saved = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert saved == ["step_00000010", "step_00000020"]  # async saves, both published
     assert "debug: trained to step 20" in output
+    again = _train(["debug", "--nproc", "4", *sets], tmp_path)
+    output, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, output
+    assert "already at step 20 of 20; nothing to train" in output
 
 
 def _two_nodes(

@@ -9,13 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import meshtrain as mt
 from meshtrain.recipes import load_recipe
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
-from meshtrain.train.data import prepare_corpus
+from meshtrain.train.checkpoint import load_safetensors
+from meshtrain.train.data import DistributedBatches, TokenWindows, prepare_corpus
 from meshtrain.train.loop import train
+from meshtrain.train.step import summed_cross_entropy
 
 pytestmark = [pytest.mark.spmd, pytest.mark.slow]
 STEPS = 6
@@ -88,3 +91,33 @@ def test_resumed_run_continues_the_uninterrupted_losses(
     for k, step in enumerate((4, 5, 6), start=1):
         error = abs(second["losses"][step] - straight[step]) / abs(straight[step])
         assert error <= k * tolerance, (step, error, tolerance)
+
+
+def test_exported_safetensors_start_a_new_run(
+    uninterrupted: tuple[Path, Path, dict[int, float]],
+) -> None:
+    """A run exports its final weights to one safetensors file; a new run that starts from that
+    file (``checkpoint.init_from``) sees, at its first step, the loss those weights give on one
+    device for the first global batch."""
+    root, corpus, straight = uninterrupted
+    exported = root / "exported.safetensors"
+    first = get_pool(4).run(
+        run_recipe, _overrides(root, "export", corpus, f"checkpoint.export={exported}"), 3
+    )[0]
+    assert first["losses"] == {step: straight[step] for step in (1, 2, 3)}
+    assert exported.is_file()
+    start = _overrides(root, "from-export", corpus, f"checkpoint.init_from={exported}")
+    second = get_pool(4).run(run_recipe, start, 1)[0]
+
+    recipe = load_recipe("debug", start)
+    model = recipe.build_model(seed=123)  # a different init: every weight must come from the file
+    load_safetensors(exported, model)
+    loader = DistributedBatches(TokenWindows(corpus, recipe.train.seq_len), recipe.train.batch_size,
+                                0, 1, seed=recipe.data.seed)  # fmt: skip
+    batch = next(iter(loader.batches()))
+    with torch.no_grad():
+        expected = (
+            float(summed_cross_entropy(model(batch.inputs), batch.targets)) / batch.targets.numel()
+        )
+    assert abs(second["losses"][1] - expected) <= second["tolerance"] * abs(expected)
+    assert second["losses"][1] != straight[1]  # it did not start from the seed's weights
