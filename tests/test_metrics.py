@@ -355,6 +355,9 @@ def test_offline_wandb_run_holds_metrics_config_and_plan(
         for step, metrics in enumerate(STEP_METRICS, start=1):
             sinks.log(step, meter.update(metrics))
     assert capsys.readouterr() == ("", "")  # silent, and no console capture
+    import wandb
+
+    wandb.teardown()  # the service exits only after its writer has flushed the run's log
 
     (offline_run,) = (run_dir / "wandb").glob("offline-run-*")
     assert (offline_run / "files" / "plan.txt").read_text() == PLAN_TEXT + "\n"

@@ -30,7 +30,7 @@ from meshtrain.plan.lower_pipeline import summed_cross_entropy
 from meshtrain.recipes import Recipe
 from meshtrain.spec.errors import RecipeError
 from meshtrain.spec.mesh import make_mesh
-from meshtrain.train.batch import DataPosition
+from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -121,6 +121,8 @@ def train(
         for batch in loader.batches(state.data):
             if state.step >= train_cfg.steps or len(losses) == stop_after:
                 break
+            if device.type != "cpu":
+                batch = Batch(batch.inputs.to(device), batch.targets.to(device), batch.position)
             state, metrics = step_fn(state, batch)
             losses[state.step] = metrics["loss"]
             sinks.log(state.step, meter.update(metrics))
