@@ -20,6 +20,7 @@ from meshtrain.testing.strategies import DebugLlama
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.fingerprint import check_same_plan
+from meshtrain.train.loss import data_parallel_rank
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step, summed_cross_entropy
@@ -35,14 +36,6 @@ def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
         0, 256, (GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(step)
     )
     return data[:, :-1], data[:, 1:]
-
-
-def _data_rank(plan: mt.Plan) -> tuple[int, int]:
-    coords = plan.mesh.coordinates(dist.get_rank())
-    index, size = 0, 1
-    for axis in plan.data_axes:
-        index, size = index * plan.mesh.size(axis) + coords[axis], size * plan.mesh.size(axis)
-    return index, size
 
 
 def _reference_steps(
@@ -76,7 +69,7 @@ def train_and_compare(
     optimizer = torch.optim.AdamW(applied.parameters(), lr=1.0, weight_decay=0.1)
     train_step = make_train_step(plan, summed_cross_entropy, optimizer, SCHEDULE, max_norm=max_norm)
     state = TrainState.create(applied, optimizer)
-    index, size = _data_rank(plan)
+    index, size = data_parallel_rank(plan)
     metrics = []
     for step in range(steps):
         inputs, targets = _tokens(step)

@@ -44,6 +44,7 @@ from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.clip import clip_grad_norm_
+from meshtrain.train.loss import data_parallel_rank
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.step import forward_backward
 
@@ -396,11 +397,7 @@ class _Run:
         self.loss_fn = (
             self.plan.compile_loss(config.loss_fn) if self.plan.pipeline is None else None
         )
-        coords = self.mesh.coordinates(dist.get_rank())
-        self.data_ranks, self.data_index = 1, 0
-        for axis in self.plan.data_axes:
-            self.data_index = self.data_index * self.mesh.size(axis) + coords[axis]
-            self.data_ranks *= self.mesh.size(axis)
+        self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
 
     def _reference(self, model: nn.Module) -> nn.Module:

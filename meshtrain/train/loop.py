@@ -47,6 +47,7 @@ from meshtrain.train.data import (
     prepare_corpus,
 )
 from meshtrain.train.fingerprint import check_same_plan
+from meshtrain.train.loss import data_parallel_rank
 from meshtrain.train.metrics import LoggingConfig, make_sinks
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
@@ -84,7 +85,7 @@ def train(
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
-                            min(train_cfg.min_lr, train_cfg.lr))  # fmt: skip
+                            train_cfg.min_lr)  # fmt: skip
     step_fn = make_train_step(plan, summed_cross_entropy, optimizer, schedule,
                               max_norm=train_cfg.max_norm,
                               on_nonfinite=train_cfg.on_nonfinite)  # type: ignore[arg-type]  # fmt: skip
@@ -140,17 +141,6 @@ def train(
             export_safetensors(saved, Path(recipe.checkpoint.export))
         dist.barrier()
     return RunResult(losses, resumed_from, saved, recipe.run_dir, fingerprint)
-
-
-def data_parallel_rank(plan: Plan) -> tuple[int, int]:
-    """This rank's index among the plan's data-parallel ranks, and their number (tensor- and
-    pipeline-parallel ranks of one data-parallel index share its data)."""
-    coords = plan.mesh.coordinates(dist.get_rank())
-    index, size = 0, 1
-    for axis in plan.data_axes:
-        index = index * plan.mesh.size(axis) + coords[axis]
-        size *= plan.mesh.size(axis)
-    return index, size
 
 
 def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:

@@ -30,3 +30,14 @@ def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -
         for axis in plan.data_axes:
             dist.all_reduce(total, group=device_mesh.get_group(axis))
     return total
+
+
+def data_parallel_rank(plan: Plan) -> tuple[int, int]:
+    """This rank's index among the plan's data-parallel ranks, and their number (tensor- and
+    pipeline-parallel ranks of one data-parallel index share its data)."""
+    coords = plan.mesh.coordinates(dist.get_rank())
+    index, size = 0, 1
+    for axis in plan.data_axes:
+        index = index * plan.mesh.size(axis) + coords[axis]
+        size *= plan.mesh.size(axis)
+    return index, size
