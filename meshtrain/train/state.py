@@ -80,13 +80,6 @@ class TrainState:
             data=data,
         )
 
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's hyper-parameters per group (no tensors): what a checkpoint keeps."""
-        return [
-            {key: value for key, value in group.items() if key != "params"}
-            for group in self.optimizer.param_groups
-        ]
-
 
 def _named_parameters(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_parameters()
