@@ -359,3 +359,22 @@ def test_a_mesh_without_a_data_axis_cannot_absorb_extra_ranks() -> None:
     assert shrink(recipe, 2).mesh_axes() == {"tp": 2}
     with pytest.raises(RecipeError, match="2 of 4 ranks are left over with no data axis"):
         shrink(recipe, 4)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_rules_give_the_plan_of_the_models_logical_axes(name: str) -> None:
+    """The ``[rules]`` block each shipped recipe spells out lays every parameter out as the
+    model's logical-axis rules do: same specs, styles, units and memory (on the recipe shrunk to
+    8 ranks, which keeps every parameter name and mesh axis)."""
+    recipe = shrink(load_recipe(name), 8)
+    assert recipe.explicit_rules is not None
+    logical = dataclasses.replace(recipe, explicit_rules=None)
+    explicit, implicit = _plan(recipe, 8), _plan(logical, 8)
+
+    def layouts(plan: mt.Plan) -> list[tuple[str, tuple[object, ...]]]:
+        """Each parameter's spec, padded with None to its rank (P('tp') is P('tp', None))."""
+        return [(p.fqn, (*p.spec, *(None,) * (len(p.shape) - len(p.spec)))) for p in plan.params]
+
+    assert layouts(explicit) == layouts(implicit)
+    assert explicit.styles == implicit.styles and explicit.units == implicit.units
+    assert explicit.memory == implicit.memory
