@@ -10,7 +10,7 @@ Example:
     ['--nproc-per-node=4', '--nnodes=1', '--standalone']
     >>> torchrun_command(["train", "debug"], nproc=2, nnodes=2, node_rank=1,
     ...                  rdzv_endpoint="10.0.0.1:29500")[5:8]
-    ['--node-rank=1', '--rdzv-backend=c10d', '--rdzv-endpoint=10.0.0.1:29500']
+    ['--node-rank=1', '--rdzv-backend=static', '--rdzv-endpoint=10.0.0.1:29500']
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def torchrun_command(
 ) -> list[str]:
     """The ``torchrun`` command line that runs ``python -m meshtrain <args>`` on ``nproc`` local
     ranks (one node standalone, or node ``node_rank`` of ``nnodes`` meeting at
-    ``rdzv_endpoint``)."""
+    ``rdzv_endpoint``, node 0's address: node ``R`` holds global ranks ``R·nproc`` to
+    ``R·nproc + nproc - 1``)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
         command += ["--nnodes=1", "--standalone"]
@@ -81,7 +82,9 @@ def torchrun_command(
                 f"--node-rank={node_rank} is not in 0..{nnodes - 1} (--nnodes={nnodes}): give "
                 "each node a distinct rank below the node count."
             )
-        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+        # Static rendezvous: node R's ranks are R·nproc … R·nproc + nproc - 1, and node 0 hosts
+        # the store at the endpoint (c10d rendezvous would number nodes in joining order).
+        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
                     f"--rdzv-endpoint={rdzv_endpoint}"]  # fmt: skip
     return [*command, "-m", "meshtrain", *args]
 
