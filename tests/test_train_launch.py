@@ -118,7 +118,9 @@ def test_nodes_with_different_recipes_stop_with_a_clear_message(
     joined = "\n".join(output for _, output in results)
     assert "TrainingError" in joined and "do not agree on what to train" in joined
     messages = [line for line in joined.splitlines() if "TrainingError" in line]
-    assert len(messages) == 4, joined  # every rank says it, on both nodes
+    # Every rank raises; a node's agent may stop a rank's sibling before it prints, so each
+    # node shows at least one message.
+    assert all("TrainingError" in output for _, output in results), joined
     # node 1 holds ranks 2 and 3 (static rendezvous by --node-rank) and was given lr 0.001
     assert all(
         "ranks [2, 3]" in line and "train.lr = 0.003 vs 0.001" in line for line in messages
