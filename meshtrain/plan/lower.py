@@ -306,6 +306,14 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     yield
 
 
+def plan_device(plan: Plan) -> torch.device:
+    """The device this rank computes on under ``plan`` (the current CUDA device on a CUDA mesh);
+    scalars that go through the plan's collectives live there (NCCL reduces CUDA tensors only)."""
+    if plan.mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(plan.mesh.device_type)
+
+
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
     """``loss_parallel()`` when the plan keeps the head's logits vocab-sharded, else a no-op."""
     if any(style.style == "loss_parallel_head" for style in plan.styles):

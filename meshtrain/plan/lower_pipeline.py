@@ -34,7 +34,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan, StagePlan
-from meshtrain.plan.lower import _PartialGradSync, loss_context, parallelize
+from meshtrain.plan.lower import _PartialGradSync, loss_context, parallelize, plan_device
 from meshtrain.plan.lower_compute import compile_loss
 from meshtrain.spec.errors import PlanError, format_shape
 
@@ -115,7 +115,7 @@ class PipelinedModel:
                 "data-parallel rank, with as many targets."
             )
         count = token_count if token_count is not None else targets.numel()
-        self._tokens = self._data_sum(torch.tensor(float(count)))
+        self._tokens = self._data_sum(torch.tensor(float(count), device=plan_device(self.plan)))
         if loss_fn not in self._compiled_losses:
             self._compiled_losses[loss_fn] = compile_loss(self.plan, loss_fn)
         self._loss_fn = self._compiled_losses[loss_fn]
@@ -125,7 +125,7 @@ class PipelinedModel:
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
         with self._hold_partial_grads(), loss_context(self.plan):
             self.schedule.step(*args, **kwargs)
-        total = torch.zeros(())
+        total = torch.zeros((), device=plan_device(self.plan))
         for loss in losses:
             value = loss.detach()
             total += value.full_tensor() if isinstance(value, DTensor) else value
@@ -167,7 +167,7 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
     local = pipeline.local_stages(pp_mesh.get_local_rank())
     # Copy first: the last local stage reuses (and prunes) the model itself.
     bodies = [copy.deepcopy(model) for _ in local[:-1]] + [model]
-    device = _device(plan)
+    device = plan_device(plan)
     modules, stages = [], []
     for stage, body in zip(local, bodies):
         _prune(body, stage)
@@ -179,12 +179,6 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
             )
         )
     return PipelinedModel(plan, modules, stages)
-
-
-def _device(plan: Plan) -> torch.device:
-    if plan.mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(plan.mesh.device_type)
 
 
 def _stage_plan(plan: Plan, stage: StagePlan, body: nn.Module) -> Plan:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.lower import plan_device
 from meshtrain.spec.placements import is_sharded
 
 
@@ -30,9 +31,11 @@ def global_grad_norm(
     Under a pipelined ``plan`` each rank holds some stages' parameters only: the squares are
     summed over the pipeline axis as well.
     """
+    params = [p for p in parameters if p.grad is not None]
+    device = plan_device(plan) if plan is not None else _grad_device(params)
     groups: dict[tuple[object, tuple[int, ...]], torch.Tensor] = {}
-    plain = torch.zeros((), dtype=torch.float64)
-    for param in parameters:
+    plain = torch.zeros((), dtype=torch.float64, device=device)
+    for param in params:
         grad = param.grad
         if grad is None:
             continue
@@ -42,7 +45,9 @@ def global_grad_norm(
             sharded = tuple(i for i, p in enumerate(grad.placements) if is_sharded(p))
             key = (grad.device_mesh, sharded)
             local = grad.to_local().detach().double().pow(2).sum()
-            groups[key] = groups.get(key, torch.zeros((), dtype=torch.float64)) + local
+            groups[key] = (
+                groups.get(key, torch.zeros((), dtype=torch.float64, device=device)) + local
+            )
         else:
             plain = plain + grad.detach().double().pow(2).sum()
     total = plain
@@ -53,6 +58,15 @@ def global_grad_norm(
     if plan is not None and plan.pipeline is not None and plan.mesh.device_mesh is not None:
         dist.all_reduce(total, group=plan.mesh.device_mesh.get_group(plan.pipeline.axis))
     return total.sqrt().float()
+
+
+def _grad_device(params: list[torch.nn.Parameter]) -> torch.device:
+    """Where the gradients live (their squares are reduced there: NCCL wants CUDA tensors)."""
+    for param in params:
+        grad = param.grad
+        assert grad is not None
+        return (grad.to_local() if isinstance(grad, DTensor) else grad).device
+    return torch.device("cpu")
 
 
 @torch.no_grad()

@@ -43,10 +43,11 @@ def check_same_plan(plan_json: str, recipe: Mapping[str, Any]) -> str:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     world = dist.get_world_size()
-    local = torch.frombuffer(bytearray(bytes.fromhex(mine)), dtype=torch.uint8)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"  # NCCL gathers CUDA tensors only
+    local = torch.frombuffer(bytearray(bytes.fromhex(mine)), dtype=torch.uint8).to(device)
     gathered = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
-    digests = [bytes(t.tolist()).hex() for t in gathered]
+    digests = [bytes(t.cpu().tolist()).hex() for t in gathered]
     if len(set(digests)) == 1:
         return mine
     recipes: list[Any] = [None] * world

@@ -20,11 +20,12 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.lower import plan_device
 
 
 def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -> torch.Tensor:
     """Loss tokens of one step over every micro-batch and every data-parallel rank."""
-    total = torch.tensor(float(sum(int(count) for count in local_counts)))
+    total = torch.tensor(float(sum(int(count) for count in local_counts)), device=plan_device(plan))
     device_mesh = plan.mesh.device_mesh
     if plan.data_axes and device_mesh is not None:
         for axis in plan.data_axes:

@@ -73,12 +73,13 @@ class LossScaler:
                 continue
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             groups.setdefault((local.device, local.dtype), []).append(local)
-        found = torch.zeros(1)
+        flag_device = _flag_device(self.group)
+        found = torch.zeros(1, device=flag_device)
         for (device, _), grads in groups.items():  # the flag and 1/scale live beside the grads
             found_here = torch.zeros(1, device=device)
             inverse = torch.full((1,), 1.0 / self.scale_value, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
-            found = torch.maximum(found, found_here.cpu())
+            found = torch.maximum(found, found_here.to(flag_device))
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
         self._found_inf = bool(found.item())
@@ -110,3 +111,10 @@ class LossScaler:
         self.scale_value = float(state["scale"])
         self.finite_steps = int(state["finite_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+
+
+def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
+    """CUDA under NCCL (which reduces CUDA tensors only), else the CPU."""
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.lower import plan_device
 from meshtrain.plan.lower_pipeline import summed_cross_entropy
 from meshtrain.spec.errors import TrainingError
 from meshtrain.train.batch import Batch
@@ -155,7 +156,8 @@ def forward_backward(
     if plan.pipeline is not None:
         local = int((targets != IGNORE_INDEX).sum())
         loss = model.step(inputs, targets, loss_fn, token_count=local, loss_scale=loss_scale)
-        return float(loss), float(_data_sum(plan, torch.tensor(float(local))))
+        local_tokens = torch.tensor(float(local), device=plan_device(plan))
+        return float(loss), float(_data_sum(plan, local_tokens))
     micro = plan.options.microbatches
     if inputs.shape[0] % micro:
         raise TrainingError(
@@ -165,7 +167,7 @@ def forward_backward(
         )
     pairs = list(zip(inputs.chunk(micro), targets.chunk(micro)))
     total = global_token_count(plan, [(y != IGNORE_INDEX).sum() for _, y in pairs])
-    summed = torch.zeros((), dtype=torch.float32)
+    summed = torch.zeros((), dtype=torch.float32, device=plan_device(plan))
     for i, (x, y) in enumerate(pairs):
         with plan.micro_batch(model, last=i == len(pairs) - 1), plan.loss_parallel():
             loss = loss_fn(model(x), y) / total
