@@ -298,10 +298,10 @@ def test_crash_between_binary_and_metadata_leaves_no_valid_looking_file(
 ) -> None:
     prepare_tokens(["old"], BYTE, tmp_path)
 
-    def crash(path: Path, data: dict[str, object]) -> None:
+    def crash(path: Path, text: str) -> None:
         raise KeyboardInterrupt  # the process dies after renaming the new binary into place
 
-    monkeypatch.setattr(data_module, "_write_json_atomically", crash)
+    monkeypatch.setattr(data_module, "write_text_atomically", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_tokens(["new and longer"], BYTE, tmp_path)
     with pytest.raises(

@@ -74,6 +74,11 @@ class PipelinedModel:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * (self._loss_scale / self._tokens)
 
+    @property
+    def step_tokens(self) -> float:
+        """Loss tokens of the last :meth:`step` over every data-parallel rank."""
+        return float(self._tokens)
+
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every local parameter under its full-model FQN."""
         for module in self.modules:

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from meshtrain.spec.errors import CheckpointError
+from meshtrain.train.atomic import write_text_atomically
 
 __all__ = [
     "FORMAT",
@@ -188,13 +189,7 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 def write_state_file(directory: Path, text: str) -> None:
     """Write ``meshtrain.json`` into ``directory`` whole (a temp file, fsync, rename)."""
-    target = directory / STATE_FILE
-    scratch = directory / f"{STATE_FILE}{TMP_MARKER}{uuid.uuid4().hex[:8]}"
-    with open(scratch, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(scratch, target)
+    write_text_atomically(directory / STATE_FILE, text)
 
 
 def read_state_file(path: str | Path) -> dict[str, Any]:

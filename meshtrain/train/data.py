@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from meshtrain.train.atomic import replaced_atomically, write_text_atomically
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.corpus import DataError, stdlib_documents, stdlib_source_description
 from meshtrain.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
@@ -235,12 +236,9 @@ def prepare_tokens(
     directory.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)
     bin_path, meta_path = directory / TOKENS_BIN, directory / TOKENS_JSON
-    temp_path = directory / f".{TOKENS_BIN}.{os.getpid()}.tmp"
-    try:
+    with replaced_atomically(bin_path) as temp_path:
         with open(temp_path, "wb") as stream:
             num_tokens, num_documents, sha256 = _write_tokens(documents, tokenizer, dtype, stream)
-            stream.flush()
-            os.fsync(stream.fileno())
         if num_tokens == 0:
             raise DataError(
                 f"prepare_tokens('{directory}'): {source} gave no text to tokenize. Pass at "
@@ -256,11 +254,8 @@ def prepare_tokens(
             sha256=sha256,
             source=source,
         )
-        meta_path.unlink(missing_ok=True)
-        os.replace(temp_path, bin_path)
-        _write_json_atomically(meta_path, info.to_json())
-    finally:
-        temp_path.unlink(missing_ok=True)
+        meta_path.unlink(missing_ok=True)  # until the new metadata lands, nothing looks valid
+    write_text_atomically(meta_path, json.dumps(info.to_json(), indent=2, sort_keys=True) + "\n")
     return TokenFile(directory)
 
 
@@ -585,19 +580,6 @@ def _write_tokens(
             flush()
     flush()
     return num_tokens, num_documents, digest.hexdigest()
-
-
-def _write_json_atomically(path: Path, data: dict[str, Any]) -> None:
-    temp_path = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(temp_path, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, indent=2, sort_keys=True)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temp_path, path)
-    finally:
-        temp_path.unlink(missing_ok=True)
 
 
 def _rebuild_hint(directory: Path) -> str:

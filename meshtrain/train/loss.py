@@ -26,11 +26,16 @@ from meshtrain.plan.lower import plan_device
 def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -> torch.Tensor:
     """Loss tokens of one step over every micro-batch and every data-parallel rank."""
     total = torch.tensor(float(sum(int(count) for count in local_counts)), device=plan_device(plan))
+    return data_parallel_sum(plan, total)
+
+
+def data_parallel_sum(plan: Plan, value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed in place over the plan's data-parallel axes (size-1 axes skipped)."""
     device_mesh = plan.mesh.device_mesh
-    if plan.data_axes and device_mesh is not None:
-        for axis in plan.data_axes:
-            dist.all_reduce(total, group=device_mesh.get_group(axis))
-    return total
+    for axis in plan.data_axes:
+        if device_mesh is not None and plan.mesh.size(axis) > 1:
+            dist.all_reduce(value, group=device_mesh.get_group(axis))
+    return value
 
 
 def data_parallel_rank(plan: Plan) -> tuple[int, int]:

@@ -16,8 +16,6 @@ Example::
 
 from __future__ import annotations
 
-import os
-import uuid
 from pathlib import Path
 
 import torch
@@ -30,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from meshtrain.spec.errors import CheckpointError, format_shape
+from meshtrain.train.atomic import replaced_atomically
 from meshtrain.train.checkpoint_files import (
     MODEL_PREFIX,
     RestrictedFileSystemReader,
@@ -95,12 +94,8 @@ def export_safetensors(
         "source": str(checkpoint.resolve()),
     }
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    scratch = out_file.with_name(f"{out_file.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with replaced_atomically(out_file) as scratch:
         save_file(named, str(scratch), metadata=header)
-        os.replace(scratch, out_file)
-    finally:
-        scratch.unlink(missing_ok=True)
     return out_file
 
 

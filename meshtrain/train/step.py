@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan
@@ -36,7 +35,7 @@ from meshtrain.plan.lower_pipeline import summed_cross_entropy
 from meshtrain.spec.errors import TrainingError
 from meshtrain.train.batch import Batch
 from meshtrain.train.clip import global_grad_norm, scale_grads_
-from meshtrain.train.loss import global_token_count
+from meshtrain.train.loss import data_parallel_sum, global_token_count
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.state import TrainState
 
@@ -156,8 +155,7 @@ def forward_backward(
     if plan.pipeline is not None:
         local = int((targets != IGNORE_INDEX).sum())
         loss = model.step(inputs, targets, loss_fn, token_count=local, loss_scale=loss_scale)
-        local_tokens = torch.tensor(float(local), device=plan_device(plan))
-        return float(loss), float(_data_sum(plan, local_tokens))
+        return float(loss), model.step_tokens
     micro = plan.options.microbatches
     if inputs.shape[0] % micro:
         raise TrainingError(
@@ -174,15 +172,7 @@ def forward_backward(
             (loss * loss_scale).backward()
         detached = loss.detach()
         summed += (detached.full_tensor() if isinstance(detached, DTensor) else detached).float()
-    return float(_data_sum(plan, summed)), float(total)
-
-
-def _data_sum(plan: Plan, value: torch.Tensor) -> torch.Tensor:
-    device_mesh = plan.mesh.device_mesh
-    for axis in plan.data_axes:
-        if device_mesh is not None and plan.mesh.size(axis) > 1:
-            dist.all_reduce(value, group=device_mesh.get_group(axis))
-    return value
+    return float(data_parallel_sum(plan, summed)), float(total)
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:
