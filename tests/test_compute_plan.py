@@ -91,8 +91,10 @@ def test_checkpointing_every_k_never_beats_every_block(n_blocks: int, every: int
 
 
 def _measured_saved_bytes(model: nn.Module, blocks: tuple[str, ...], tokens: torch.Tensor) -> dict:
-    """Bytes autograd really saves per block (real CPU tensors, each storage once)."""
+    """Bytes autograd really saves per block (real CPU tensors, each storage once), parameters'
+    and buffers' own storages left out (the memory model counts those as parameters/buffers)."""
     owner: list[str | None] = [None]
+    weights = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, tuple[int, str | None]] = {}
     modules = dict(model.named_modules())
     handles = []
@@ -105,6 +107,8 @@ def _measured_saved_bytes(model: nn.Module, blocks: tuple[str, ...], tokens: tor
         handles.append(modules[fqn].register_forward_hook(leave))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() in weights:
+            return t
         saved.setdefault(t.untyped_storage().data_ptr(), (t.untyped_storage().nbytes(), owner[-1]))
         return t
 
@@ -131,6 +135,21 @@ def test_traced_activations_equal_what_autograd_saves(kind: str) -> None:
     for block in profile.blocks:
         assert block.saved.tp + block.saved.rest == measured[block.fqn] > 0
     assert profile.other.rest == measured[None]
+
+
+def test_repeated_blocks_are_traced_once_with_the_same_result(monkeypatch) -> None:
+    from meshtrain.plan import activations
+
+    model = build_llama(LlamaConfig.preset("debug", n_layers=4), device="meta")
+    blocks = tuple(f"layers.{i}" for i in range(4))
+    tp_modules = [f"{block}.{part}" for block in blocks for part in ("attention", "feed_forward")]
+    kwargs = {"batch_size": 2, "seq_len": 16, "tp_modules": tp_modules, "tp_size": 2}
+    once = trace_activations(model, blocks, **kwargs)
+    monkeypatch.setattr(activations, "_skip_repeated_blocks", lambda *args: lambda: None)
+    every = trace_activations(model, blocks, **kwargs)
+    assert once == every
+    assert once.blocks[0].saved.tp > 0 and once.blocks[0].gathered_inputs > 0
+    assert not any("forward" in vars(module) for module in model.modules())  # restored
 
 
 def test_tensor_parallel_divides_activations() -> None:

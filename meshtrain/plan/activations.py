@@ -12,7 +12,14 @@ compute dtype, and records per repeated block:
 
 each split into the part computed inside tensor-parallel modules (divided by the tensor-parallel
 size per rank) and the rest (divided too under sequence parallelism). Bytes saved outside the
-blocks (embedding, final norm, head) are counted once as ``other``.
+blocks (embedding, final norm, head) are counted once as ``other``. Storages of parameters and
+buffers that autograd keeps (a weight saved for a matmul's backward) are not activations: the
+memory model counts them as parameters (or gathered compute copies) and buffers.
+
+Repeated blocks of the same class with the same parameter and buffer shapes save the same bytes
+for the same input, so only the first of each kind is traced; the others pass their input through
+(shape-preserving blocks only — a block whose output shape differs from its input's is traced
+every time). This keeps planning Llama 3 405B's 126 layers about as fast as planning two.
 
 Peak per rank for a checkpointing mode: the kept bytes of every block + ``other`` + the largest
 recomputed part of one block (its activations live again while its backward runs: all of them
@@ -28,7 +35,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +137,7 @@ def trace_activations(
     """
     recorder = _Recorder(set(blocks), set(tp_modules))
     handles = _register(model, recorder)
+    restore = _skip_repeated_blocks(model, blocks, recorder)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as fake:
             state = {
@@ -142,13 +150,56 @@ def trace_activations(
                     for name, value in model.named_buffers()
                 }
             )
+            recorder.ignore(state.values())
             tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
             with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
                 torch.func.functional_call(model, state, (tokens,))
     finally:
         for handle in handles:
             handle.remove()
+        restore()
     return recorder.profile(blocks, tp_size, sequence_parallel)
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks save the same activations: class and parameter/buffer shapes."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+
+
+def _skip_repeated_blocks(
+    model: nn.Module, blocks: Sequence[str], recorder: _Recorder
+) -> Callable[[], None]:
+    """Let the first block of each signature run; later look-alikes pass their input through
+    when the first one preserved its input's shape (their profile is copied from it)."""
+    modules = dict(model.named_modules())
+    first: dict[tuple[Any, ...], str] = {}
+    patched: list[nn.Module] = []
+    for fqn in blocks:
+        module = modules[fqn]
+        representative = first.setdefault(_signature(module), fqn)
+        if representative == fqn or "forward" in vars(module):
+            continue
+        module.forward = _pass_through(module.forward, recorder, representative, fqn)
+        patched.append(module)
+
+    def restore() -> None:
+        for module in patched:
+            del module.forward
+
+    return restore
+
+
+def _pass_through(
+    forward: Callable[..., Any], recorder: _Recorder, representative: str, fqn: str
+) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if representative in recorder.shape_preserving and args:
+            recorder.copies[fqn] = representative
+            return args[0]
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def _fake_like(
@@ -181,6 +232,12 @@ class _Recorder(TorchDispatchMode):
         self.kept: dict[int, tuple[int, str | None, bool]] = {}  # SAVED_OPS outputs
         self.saved: dict[int, tuple[int, str | None, bool]] = {}
         self.alive: list[torch.Tensor] = []  # keeps storages (and their ids) alive while tracing
+        self.ignored: set[int] = set()  # parameter and buffer storages
+        self.shape_preserving: set[str] = set()  # blocks whose output has their input's shape
+        self.copies: dict[str, str] = {}  # block passed through → the block it copies
+
+    def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
+        self.ignored.update(_key(tensor) for tensor in tensors)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -191,7 +248,7 @@ class _Recorder(TorchDispatchMode):
 
     def _note(self, table: dict[int, tuple[int, str | None, bool]], tensor: torch.Tensor) -> None:
         key = _key(tensor)
-        if key not in table:
+        if key not in table and key not in self.ignored:
             size = tensor.untyped_storage().nbytes()
             table[key] = (size, self.block, self.tp_depth > 0)
             self.alive.append(tensor)
@@ -208,17 +265,18 @@ class _Recorder(TorchDispatchMode):
             )
             return Split(tp, rest)
 
+        def block(fqn: str) -> BlockActivations:
+            source = self.copies.get(fqn, fqn)
+            return BlockActivations(
+                fqn=fqn,
+                input=self.inputs.get(fqn, 0),
+                saved=split(self.saved, source),
+                kept_selective=split(self.kept, source),
+                gathered_inputs=self.gathered.get(source, 0),
+            )
+
         return ActivationProfile(
-            blocks=tuple(
-                BlockActivations(
-                    fqn=fqn,
-                    input=self.inputs.get(fqn, 0),
-                    saved=split(self.saved, fqn),
-                    kept_selective=split(self.kept, fqn),
-                    gathered_inputs=self.gathered.get(fqn, 0),
-                )
-                for fqn in blocks
-            ),
+            blocks=tuple(block(fqn) for fqn in blocks),
             other=split(self.saved, None),
             tp_size=tp_size,
             sequence_parallel=sp,
@@ -254,7 +312,17 @@ def _block_enter(recorder: _Recorder, fqn: str) -> Any:
 
 def _block_exit(recorder: _Recorder) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        block = recorder.block
         recorder.block = recorder.outer.pop()
+        first = args[0] if args else None
+        if (
+            isinstance(first, torch.Tensor)
+            and isinstance(output, torch.Tensor)
+            and output.shape == first.shape
+            and output.dtype == first.dtype
+            and block is not None
+        ):
+            recorder.shape_preserving.add(block)
 
     return hook
 
