@@ -44,19 +44,31 @@ def test_without_loss_parallel_the_head_is_gathered_and_flagged() -> None:
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_memory_matches_the_zero_stage_formulas(zero: int) -> None:
-    # Pure FSDP over 4 ranks, AdamW, fp32: 4 bytes each for parameter, gradient, 2 states.
-    plan = mt.plan(MODEL, mesh(dp=4), Rules({r".*": P()}, fsdp="dp"), zero=zero)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_memory_matches_the_zero_stage_formulas(zero: int, precision: str) -> None:
+    # Pure FSDP over 4 ranks, AdamW: at rest 4 bytes each for master parameter, gradient and
+    # 2 states, sharded under zero >= 1; during a step gathered compute copies and unsharded
+    # gradients of the units in flight (see meshtrain.plan.cost).
+    plan = mt.plan(
+        MODEL, mesh(dp=4), Rules({r".*": P()}, fsdp="dp"), zero=zero, precision=precision
+    )
     full = 4 * N_PARAMS
     shard = full // 4  # every dim 0 of the debug model divides by 4: no FSDP padding
-    expected = {
-        0: (full, full, 2 * full),
-        1: (full, full, 2 * shard),
-        2: (full, shard, 2 * shard),
-        3: (shard, shard, 2 * shard),
-    }[zero]
     m = plan.memory
-    assert (m.params, m.grads, m.optimizer_states) == expected
+    at_rest = full if zero == 0 else shard
+    assert (m.params, m.grads, m.optimizer_states) == (at_rest, at_rest, 2 * at_rest)
+    assert m.buffers == 2 * 64 * 8 * 4  # rope cos and sin, [max_seq_len, head_dim / 2] fp32
+    numel = {u.fqn: sum(p.local_numel for p in plan.params if p.fqn in u.params) for u in plan.units}
+    compute_bytes = 2 if precision == "bf16" else 4
+    if zero == 0:
+        gathered = N_PARAMS * compute_bytes if precision == "bf16" else 0
+    elif zero == 3:  # the root (kept after forward), the running block and the prefetched one
+        gathered = (numel[""] + 2 * numel["layers.0"]) * compute_bytes
+    else:
+        gathered = N_PARAMS * compute_bytes
+    assert m.gathered_params == gathered
+    assert m.unsharded_grads == (0 if zero == 0 else 4 * max(numel.values()))
+    assert m.total == m.at_rest + m.transient == m.at_rest + gathered + m.unsharded_grads
 
 
 def test_tensor_parallel_divides_local_bytes_by_tp_for_sharded_params() -> None:

@@ -31,7 +31,16 @@ from meshtrain.plan.infer import (
     infer_units,
     shard_axes_of,
 )
-from meshtrain.plan.ir import Collective, Memory, ModuleStyle, ParamLayout, PipelinePlan, Plan
+from meshtrain.plan.ir import (
+    Collective,
+    FSDPUnit,
+    Memory,
+    ModuleStyle,
+    ParamLayout,
+    PipelinePlan,
+    Plan,
+    StagePlan,
+)
 from meshtrain.plan.options import PlanOptions, Precision
 from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
 from meshtrain.plan.policies import (
@@ -118,7 +127,9 @@ def plan(
     )
     active_data = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
     shard_axes = shard_axes_of(active_data)
-    layouts = infer_layouts(resolution, shard_axes, options)
+    element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
+    layouts = infer_layouts(resolution, shard_axes, options, element_bytes)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and seq_len is not None and tp_axis is not None:
@@ -152,7 +163,9 @@ def plan(
         )
     pipeline_plan = None
     if pipeline is None:
-        memory = estimate_memory(layouts, options)
+        memory = estimate_memory(
+            layouts, units, options, buffers=buffers, sharded=bool(active_data)
+        )
         if profile is not None:
             memory = replace(
                 memory,
@@ -176,11 +189,13 @@ def plan(
             options,
             seq_shards=seq_shards,
             resharded=bool(active_data) and zero == 3,
-            param_bytes={p.fqn: p.bytes_at_rest(zero) for p in layouts},
+            param_bytes={p.fqn: p.bytes_at_rest for p in layouts},
             activations=profile,
             checkpointed=checkpointed,
         )
-        memory, collectives = _pipeline_costs(pipeline_plan, layouts, options)
+        memory, collectives = _pipeline_costs(
+            pipeline_plan, layouts, units, options, buffers=buffers, sharded=bool(active_data)
+        )
         notes.append(
             "memory is the busiest pipeline rank's; data- and tensor-parallel collectives inside "
             "pipeline stages are not itemised (the schedule reduces gradients once per step)"
@@ -263,9 +278,19 @@ _TP_REGION_STYLES = frozenset({"prepare_input", "colwise", "loss_parallel_head",
 
 
 def _pipeline_costs(
-    pipeline: PipelinePlan, layouts: tuple[ParamLayout, ...], options: PlanOptions
+    pipeline: PipelinePlan,
+    layouts: tuple[ParamLayout, ...],
+    units: tuple[FSDPUnit, ...],
+    options: PlanOptions,
+    *,
+    buffers: int,
+    sharded: bool,
 ) -> tuple[Memory, tuple[Collective, ...]]:
-    """The busiest pipeline rank's memory, and the point-to-point traffic per step."""
+    """The busiest pipeline rank's memory, and the point-to-point traffic per step.
+
+    Each stage is wrapped like a model of its own: its blocks are units, the rest of its
+    parameters (embedding, norm, head) its root unit. Every rank keeps the model's buffers.
+    """
     by_fqn = {layout.fqn: layout for layout in layouts}
     ranks = {stage.rank for stage in pipeline.stages}
     memory = max(
@@ -273,7 +298,10 @@ def _pipeline_costs(
             replace(
                 estimate_memory(
                     [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params],
+                    _stage_units(pipeline.local_stages(rank), units),
                     options,
+                    buffers=buffers,
+                    sharded=sharded,
                 ),
                 activations=sum(s.activation_bytes for s in pipeline.local_stages(rank)),
             )
@@ -289,6 +317,21 @@ def _pipeline_costs(
         "activations to the next stage, their gradients back (per pipeline rank pair)",
     )
     return memory, (send,)
+
+
+def _stage_units(
+    stages: Sequence[StagePlan], units: tuple[FSDPUnit, ...]
+) -> tuple[FSDPUnit, ...]:
+    """The FSDP units of one pipeline rank: its stages' blocks, then one root per stage."""
+    if not units:
+        return ()
+    result: list[FSDPUnit] = []
+    for stage in stages:
+        blocks = [u for u in units if u.fqn and u.fqn in stage.modules]
+        owned = {fqn for unit in blocks for fqn in unit.params}
+        result += blocks
+        result.append(FSDPUnit("", tuple(fqn for fqn in stage.params if fqn not in owned)))
+    return tuple(result)
 
 
 def _batch_size(

@@ -1,23 +1,30 @@
 """Analytic per-rank memory and data-parallel communication of a plan, per optimizer step.
 
-Memory is the peak held per rank for fp32 master parameters, gradients and optimizer states:
+Memory per rank comes in two parts. *At rest* — what a rank holds between steps, checked byte for
+byte against real runs (``tests/test_memory_spmd.py``): master parameters, gradients and
+optimizer states in the parameters' own dtype (fp32 unless the model was built otherwise), plus
+buffers. *Transient* — what lives only during a step: the gathered compute copies of parameters,
+unsharded gradients before their reduce-scatter, and activations.
 
-======  ===========================  ===========================  ===========================
-zero    parameters                   gradients                    optimizer states
-======  ===========================  ===========================  ===========================
-0       local (TP shard)             local                        local × states
-1       local (gathered all step)    local (synced once)          shard × states
-2       local (gathered fwd→bwd)     shard                        shard × states
-3       shard                        shard                        shard × states
-======  ===========================  ===========================  ===========================
+======  ====================  ==============  ================  ===================================
+zero    parameters (master)   gradients       optimizer states  gathered compute copies (param dtype)
+======  ====================  ==============  ================  ===================================
+0       local (TP shard)      local           local × states    local when cast to bf16/fp16, else 0
+1       shard                 shard           shard × states    local (all units, whole step)
+2       shard                 shard           shard × states    local (all units, forward→backward)
+3       shard                 shard           shard × states    root + 2 × largest block (prefetch)
+======  ====================  ==============  ================  ===================================
 
-"local" is the tensor-parallel shard a rank computes with; "shard" is its data-parallel slice.
-With offload, parameters, gradients and optimizer states live on the host and the device figures
-are zero. Data-parallel collectives follow FSDP2's schedule: one all-gather per unit in forward
-(the root's parameters are not resharded after forward), one more per non-root unit in backward
-under zero=3, one reduce-scatter per unit per gradient sync, and an all-reduce over the replicate
-axis under HSDP. zero 0 and 1 sync gradients once per step; zero 2 and 3 on every micro-batch so
-gradients stay sharded.
+"local" is the tensor-parallel shard a rank computes with; "shard" is its data-parallel slice
+(dim 0 padded as FSDP2 pads). Unsharded gradients (in the reduce dtype): the largest unit's
+while its reduce-scatter runs, and every unit's under zero 1 with micro-batches (accumulated
+whole until the step's one reduce-scatter). Without a data axis larger than 1 nothing is wrapped
+and everything is local. With offload, master parameters, gradients and optimizer states live on
+the host and count 0 on the device. Data-parallel collectives follow FSDP2's schedule: one
+all-gather per unit in forward (the root's parameters are not resharded after forward), one more
+per non-root unit in backward under zero=3, one reduce-scatter per unit per gradient sync, and an
+all-reduce over the replicate axis under HSDP. zero 0 and 1 sync gradients once per step; zero 2
+and 3 on every micro-batch so gradients stay sharded.
 
 Example:
     >>> from meshtrain.plan.options import PlanOptions
@@ -35,16 +42,54 @@ from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLa
 from meshtrain.plan.options import PlanOptions
 
 
-def estimate_memory(layouts: Sequence[ParamLayout], options: PlanOptions) -> Memory:
-    """Peak bytes per rank for parameters, gradients and optimizer states (see the table above)."""
-    if options.offload:
-        return Memory(0, 0, 0)
+def estimate_memory(
+    layouts: Sequence[ParamLayout],
+    units: Sequence[FSDPUnit],
+    options: PlanOptions,
+    *,
+    buffers: int = 0,
+    sharded: bool = True,
+) -> Memory:
+    """Bytes per rank: at rest and transient (see the table above), activations left at 0.
+
+    ``units`` are the FSDP units over ``layouts`` (empty: nothing is wrapped); ``sharded``:
+    the units shard over a data axis larger than 1 (False when FSDP2 only carries the
+    mixed-precision policy over size-1 axes).
+    """
     local = sum(p.local_numel * p.element_bytes for p in layouts)
     shard = sum(p.shard_numel * p.element_bytes for p in layouts)
-    params = shard if options.zero == 3 else local
-    grads = shard if options.zero >= 2 else local
-    states = (shard if options.zero >= 1 else local) * options.optimizer_states
-    return Memory(params, grads, states)
+    at_rest = shard if units and sharded and options.zero >= 1 else local
+    states = at_rest * options.optimizer_states
+    host = options.offload and bool(units)
+    numel = _unit_numel(layouts, units)
+    param_bytes = getattr(torch, options.param_dtype).itemsize
+    reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
+    blocks = [n for unit, n in zip(units, numel) if unit.fqn]
+    largest = max(numel, default=0)
+    gathered = unsharded = 0
+    if units and (options.zero >= 1 or options.precision != "fp32"):
+        if options.zero == 3:
+            root = sum(n for unit, n in zip(units, numel) if not unit.fqn)
+            gathered = (root + 2 * max(blocks, default=0)) * param_bytes
+        else:
+            gathered = sum(numel) * param_bytes
+    if units and options.zero >= 1:
+        whole = options.zero == 1 and options.microbatches > 1
+        unsharded = (sum(numel) if whole else largest) * reduce_bytes
+    return Memory(
+        params=0 if host else at_rest,
+        grads=0 if host else at_rest,
+        optimizer_states=0 if host else states,
+        gathered_params=gathered,
+        unsharded_grads=unsharded,
+        buffers=buffers,
+    )
+
+
+def _unit_numel(layouts: Sequence[ParamLayout], units: Sequence[FSDPUnit]) -> list[int]:
+    """Local (tensor-parallel shard) elements of each unit's own parameters."""
+    by_fqn = {p.fqn: p for p in layouts}
+    return [sum(by_fqn[fqn].local_numel for fqn in unit.params if fqn in by_fqn) for unit in units]
 
 
 def estimate_collectives(
@@ -56,8 +101,7 @@ def estimate_collectives(
     """Data-parallel collectives per optimizer step, per kind and axis, with payload bytes."""
     if not data_axes:
         return ()
-    by_fqn = {p.fqn: p for p in layouts}
-    unit_numel = [sum(by_fqn[fqn].local_numel for fqn in unit.params) for unit in units]
+    unit_numel = _unit_numel(layouts, units)
     param_bytes = getattr(torch, options.param_dtype).itemsize
     reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
     micro = options.microbatches

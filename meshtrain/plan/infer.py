@@ -23,7 +23,7 @@ A sharded spec on any other module (a norm, a custom module) is an error that sa
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from torch import nn
@@ -444,9 +444,13 @@ def infer_units(model: nn.Module, explicit: Sequence[str] | None) -> tuple[FSDPU
 
 
 def infer_layouts(
-    resolution: Resolution, shard_axes: Sequence[str], options: PlanOptions
+    resolution: Resolution,
+    shard_axes: Sequence[str],
+    options: PlanOptions,
+    element_bytes: Mapping[str, int] | None = None,
 ) -> tuple[ParamLayout, ...]:
-    """Per-parameter compute layout and FSDP shard shape (dim 0 split over ``shard_axes``, padded)."""
+    """Per-parameter compute layout and FSDP shard shape (dim 0 split over ``shard_axes``, padded);
+    ``element_bytes``: each parameter's dtype size (default 4, fp32 master parameters)."""
     mesh = resolution.mesh
     ways = math.prod(mesh.size(axis) for axis in shard_axes) if options.zero >= 1 else 1
     layouts = []
@@ -455,7 +459,13 @@ def infer_layouts(
         shard = (-(-local[0] // ways), *local[1:]) if local else local
         layouts.append(
             ParamLayout(
-                param.fqn, param.shape, param.spec, param.source, local, shard, _ELEMENT_BYTES
+                param.fqn,
+                param.shape,
+                param.spec,
+                param.source,
+                local,
+                shard,
+                (element_bytes or {}).get(param.fqn, _ELEMENT_BYTES),
             )
         )
     return tuple(layouts)

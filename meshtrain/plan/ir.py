@@ -50,10 +50,11 @@ class ParamLayout:
     def shard_numel(self) -> int:
         return math.prod(self.shard_shape)
 
-    def bytes_at_rest(self, zero: int) -> int:
-        """Bytes a rank keeps between steps: the data-parallel shard under zero=3, else the
-        tensor-parallel shard."""
-        return (self.shard_numel if zero == 3 else self.local_numel) * self.element_bytes
+    @property
+    def bytes_at_rest(self) -> int:
+        """Bytes of this parameter's master copy a rank keeps between steps: its data-parallel
+        shard under zero ≥ 1 (``shard_shape`` is the local shape otherwise)."""
+        return self.shard_numel * self.element_bytes
 
 
 @dataclass(frozen=True)
@@ -88,17 +89,38 @@ class Collective:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes per rank at peak: parameters, gradients and optimizer states (fp32 master copy),
-    and activations under the plan's checkpointing mode."""
+    """Bytes per rank: what is held at rest between steps (master parameters, their gradients and
+    optimizer states, buffers) and what lives only during a step (gathered compute copies of
+    parameters, unsharded gradients before their reduce-scatter, activations under the plan's
+    checkpointing mode — 0 when the plan has no batch_size/seq_len). See ``meshtrain.plan.cost``.
+
+    Example:
+        >>> Memory(params=4, grads=4, optimizer_states=8, activations=10).total
+        26
+    """
 
     params: int
     grads: int
     optimizer_states: int
-    activations: int = 0  # peak for one micro-batch (0 when batch_size/seq_len are not given)
+    activations: int = 0
+    gathered_params: int = 0
+    unsharded_grads: int = 0
+    buffers: int = 0
+
+    @property
+    def at_rest(self) -> int:
+        """Bytes held between steps."""
+        return self.params + self.grads + self.optimizer_states + self.buffers
+
+    @property
+    def transient(self) -> int:
+        """Bytes that exist only while a step runs, at its peak."""
+        return self.gathered_params + self.unsharded_grads + self.activations
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer_states + self.activations
+        """Peak bytes per rank: at rest + transient."""
+        return self.at_rest + self.transient
 
 
 @dataclass(frozen=True)
@@ -243,7 +265,7 @@ class Plan:
             lines.append(
                 f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
                 f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
-                f"{p.bytes_at_rest(self.options.zero):>10,}"
+                f"{p.bytes_at_rest:>10,}"
             )
         lines += ["", "tensor-parallel styles:"]
         lines += [
@@ -258,8 +280,10 @@ class Plan:
         lines += ["", *self._compute_lines()]
         lines += [
             "",
-            f"memory per rank: params {m.params:,} B, grads {m.grads:,} B, optimizer states "
-            f"{m.optimizer_states:,} B, activations {m.activations:,} B, total {m.total:,} B",
+            f"memory per rank at rest: params {m.params:,} B, grads {m.grads:,} B, optimizer "
+            f"states {m.optimizer_states:,} B, buffers {m.buffers:,} B",
+            f"  during a step: gathered params {m.gathered_params:,} B, unsharded grads "
+            f"{m.unsharded_grads:,} B, activations {m.activations:,} B; peak total {m.total:,} B",
             "",
             "collectives per step (kind, axis, count, payload bytes):",
         ]
