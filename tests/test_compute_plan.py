@@ -146,6 +146,7 @@ def test_repeated_blocks_are_traced_once_with_the_same_result(monkeypatch) -> No
     kwargs = {"batch_size": 2, "seq_len": 16, "tp_modules": tp_modules, "tp_size": 2}
     once = trace_activations(model, blocks, **kwargs)
     monkeypatch.setattr(activations, "_skip_repeated_blocks", lambda *args: lambda: None)
+    activations._PROFILES.clear()  # trace again, every block
     every = trace_activations(model, blocks, **kwargs)
     assert once == every
     assert once.blocks[0].saved.tp > 0 and once.blocks[0].gathered_inputs > 0

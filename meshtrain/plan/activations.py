@@ -35,8 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -133,8 +134,34 @@ def trace_activations(
 ) -> ActivationProfile:
     """Trace ``model``'s forward on a fake ``[batch_size, seq_len]`` token batch (see module doc).
 
-    Raises whatever the model's forward raises on such an input (callers report it).
+    Raises whatever the model's forward raises on such an input (callers report it). Profiles are
+    remembered per model (while it lives) for the same blocks, batch, dtype, tensor-parallel
+    modules and parameter shapes, so planning one model many ways traces it once per batch shape.
     """
+    key = (
+        tuple(blocks), batch_size, seq_len, dtype, frozenset(tp_modules),
+        tuple((fqn, tuple(p.shape), p.dtype) for fqn, p in model.named_parameters()),
+    )  # fmt: skip
+    known = _PROFILES.setdefault(model, {})
+    if key not in known:
+        known[key] = _trace(model, blocks, batch_size, seq_len, dtype, tp_modules)
+    return replace(known[key], tp_size=tp_size, sequence_parallel=sequence_parallel)
+
+
+#: model → traced profiles (tensor-parallel size 1, no sequence parallelism), freed with the model
+_PROFILES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], ActivationProfile]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _trace(
+    model: nn.Module,
+    blocks: Sequence[str],
+    batch_size: int,
+    seq_len: int,
+    dtype: torch.dtype,
+    tp_modules: Sequence[str],
+) -> ActivationProfile:
     recorder = _Recorder(set(blocks), set(tp_modules))
     handles = _register(model, recorder)
     restore = _skip_repeated_blocks(model, blocks, recorder)
@@ -158,7 +185,7 @@ def trace_activations(
         for handle in handles:
             handle.remove()
         restore()
-    return recorder.profile(blocks, tp_size, sequence_parallel)
+    return recorder.profile(blocks, 1, False)
 
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:

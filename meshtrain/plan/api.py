@@ -193,12 +193,20 @@ def plan(
             activations=profile,
             checkpointed=checkpointed,
         )
-        memory, collectives = _pipeline_costs(
-            pipeline_plan, layouts, units, options, buffers=buffers, sharded=bool(active_data)
+        memory, collectives, busiest = _pipeline_costs(
+            pipeline_plan,
+            layouts,
+            units,
+            options,
+            buffers=buffers,
+            data_axes=active_data,
+            styles=styles,
+            tp_axis=tp_axis,
+            sequence_parallel=sequence_parallel,
         )
         notes.append(
-            "memory is the busiest pipeline rank's; data- and tensor-parallel collectives inside "
-            "pipeline stages are not itemised (the schedule reduces gradients once per step)"
+            f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
+            f"{busiest}); inside the schedule gradients are reduced once per step"
         )
     return Plan(
         mesh=mesh,
@@ -284,30 +292,42 @@ def _pipeline_costs(
     options: PlanOptions,
     *,
     buffers: int,
-    sharded: bool,
-) -> tuple[Memory, tuple[Collective, ...]]:
-    """The busiest pipeline rank's memory, and the point-to-point traffic per step.
+    data_axes: tuple[str, ...],
+    styles: tuple[ModuleStyle, ...],
+    tp_axis: str | None,
+    sequence_parallel: bool,
+) -> tuple[Memory, tuple[Collective, ...], int]:
+    """The busiest pipeline rank: its memory, its collectives per step, and its pipeline rank.
 
     Each stage is wrapped like a model of its own: its blocks are units, the rest of its
     parameters (embedding, norm, head) its root unit. Every rank keeps the model's buffers.
     """
     by_fqn = {layout.fqn: layout for layout in layouts}
-    ranks = {stage.rank for stage in pipeline.stages}
-    memory = max(
-        (
-            replace(
-                estimate_memory(
-                    [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params],
-                    _stage_units(pipeline.local_stages(rank), units),
-                    options,
-                    buffers=buffers,
-                    sharded=sharded,
-                ),
-                activations=sum(s.activation_bytes for s in pipeline.local_stages(rank)),
-            )
-            for rank in ranks
-        ),
-        key=lambda m: m.total,
+
+    def rank_layouts(rank: int) -> list[ParamLayout]:
+        return [by_fqn[fqn] for s in pipeline.local_stages(rank) for fqn in s.params]
+
+    def rank_memory(rank: int) -> Memory:
+        stages = pipeline.local_stages(rank)
+        memory = estimate_memory(
+            rank_layouts(rank),
+            _stage_units(stages, units),
+            options,
+            buffers=buffers,
+            sharded=bool(data_axes),
+        )
+        return replace(memory, activations=sum(s.activation_bytes for s in stages))
+
+    memory, busiest = max(
+        ((rank_memory(rank), rank) for rank in sorted({s.rank for s in pipeline.stages})),
+        key=lambda pair: pair[0].total,
+    )
+    stages = pipeline.local_stages(busiest)
+    modules = tuple(module for stage in stages for module in stage.modules)
+    local_styles = tuple(
+        style
+        for style in styles
+        if any(style.fqn == m or style.fqn.startswith(m + ".") for m in modules)
     )
     send = Collective(
         "send/recv",
@@ -316,7 +336,22 @@ def _pipeline_costs(
         pipeline.p2p_bytes,
         "activations to the next stage, their gradients back (per pipeline rank pair)",
     )
-    return memory, (send,)
+    collectives = (
+        send,
+        *estimate_collectives(
+            rank_layouts(busiest), _stage_units(stages, units), data_axes, options, pipelined=True
+        ),
+        *estimate_tp_collectives(
+            local_styles,
+            layouts,
+            tp_axis,
+            options,
+            sequence_parallel=sequence_parallel,
+            data_parallel=bool(data_axes),
+            pipelined=True,
+        ),
+    )
+    return memory, collectives, busiest
 
 
 def _stage_units(

@@ -97,15 +97,21 @@ def estimate_collectives(
     units: Sequence[FSDPUnit],
     data_axes: tuple[str, ...],
     options: PlanOptions,
+    *,
+    pipelined: bool = False,
 ) -> tuple[Collective, ...]:
-    """Data-parallel collectives per optimizer step, per kind and axis, with payload bytes."""
+    """Data-parallel collectives per optimizer step, per kind and axis, with payload bytes.
+
+    ``pipelined``: inside a pipeline schedule, which syncs gradients (and reshards after
+    backward) on a stage's last backward only, whatever the ZeRO stage.
+    """
     if not data_axes:
         return ()
     unit_numel = _unit_numel(layouts, units)
     param_bytes = getattr(torch, options.param_dtype).itemsize
     reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
     micro = options.microbatches
-    syncs = micro if options.zero >= 2 else 1
+    syncs = micro if options.zero >= 2 and not pipelined else 1
     n_units = len(units)
     total = sum(unit_numel)
     root = unit_numel[-1]
@@ -121,7 +127,7 @@ def estimate_collectives(
             ),
         )
     replicate_axis, shard_axis = data_axes if len(data_axes) == 2 else (None, data_axes[0])
-    gathers = micro if options.zero >= 2 else 1
+    gathers = micro if options.zero == 3 or (options.zero == 2 and not pipelined) else 1
     result = [
         Collective(
             "all_gather",
@@ -178,6 +184,7 @@ def estimate_tp_collectives(
     *,
     sequence_parallel: bool = False,
     data_parallel: bool = False,
+    pipelined: bool = False,
 ) -> tuple[Collective, ...]:
     """Tensor-parallel collectives per optimizer step, with payloads when the batch is known.
 
@@ -190,7 +197,8 @@ def estimate_tp_collectives(
     replicated norm weights' partial gradients are all-reduced once per gradient sync. The
     loss-parallel cross-entropy adds none. Payload: the full activation each collective handles,
     ``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
-    ``batch_size`` and ``seq_len``). Measured against real steps in the tests.
+    ``batch_size`` and ``seq_len``). Measured against real steps in the tests. ``pipelined``:
+    the norm weights' partial gradients are reduced once per step (the schedule holds them).
     """
     if tp_axis is None or not styles:
         return ()
@@ -283,7 +291,7 @@ def estimate_tp_collectives(
         for (kind, why), (count, payload) in rows.items()
     ]
     if norms:
-        syncs = micro if data_parallel and options.zero >= 2 else 1
+        syncs = micro if data_parallel and options.zero >= 2 and not pipelined else 1
         grad_bytes = getattr(torch, options.param_dtype).itemsize
         result.append(
             Collective(
