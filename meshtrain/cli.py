@@ -6,6 +6,10 @@ it starts ``--nproc`` local ranks through torchrun (one node by default; ``--nno
 ``--node-rank`` and ``--rdzv-endpoint`` make this machine one node of several). The recipe is
 validated before any rank starts.
 
+``meshtrain plan RECIPE --world N [--device-memory 80GiB] [--strategy auto] [--json]`` plans a
+recipe on N abstract ranks (:func:`meshtrain.sizing.size_recipe`) and prints one rank's memory
+and communication; exit status 3 when it does not fit the device memory.
+
 ``meshtrain check RECIPE [--world N] [--steps S]`` shrinks a recipe to ``N`` CPU ranks
 (:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testing.assert_equivalent`
 that its plan trains like one device. Exit status: 0 when it does, 1 when it does not
@@ -65,7 +69,47 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="where the nodes meet (node 0's address), for --nnodes > 1")  # fmt: skip
     train.set_defaults(run=train_command)
+
+    plan = commands.add_parser(
+        "plan",
+        help="per-rank memory and communication of a recipe at any world size, without hardware",
+        description="Build RECIPE's model on the meta device, plan it on N abstract ranks and "
+        "report one rank's memory (at rest and peak), activations per checkpointing mode, "
+        "communication per mesh axis and the pipeline bubble.",
+    )
+    plan.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    plan.add_argument("--world", type=_positive, required=True, metavar="N",
+                      help="number of ranks to plan for")  # fmt: skip
+    plan.add_argument("--device-memory", default=None, metavar="SIZE",
+                      help="memory per device, e.g. 80GiB: says whether the plan fits")  # fmt: skip
+    plan.add_argument("--strategy", choices=("recipe", "auto"), default="recipe",
+                      help="the recipe's degrees, or let meshtrain choose (needs --device-memory)")  # fmt: skip
+    plan.add_argument("--node-size", type=_positive, default=8, metavar="N",
+                      help="devices per node, for --strategy auto (default 8)")  # fmt: skip
+    plan.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="SECTION.KEY=VALUE", help="override a recipe value (repeatable)")  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    plan.set_defaults(run=plan_command)
     return parser
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``meshtrain plan``: size the recipe at ``--world`` ranks and print the report."""
+    import json
+
+    from meshtrain.sizing import size_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)
+    sizing = size_recipe(
+        recipe, world=args.world, device_memory=args.device_memory, strategy=args.strategy,
+        node_size=args.node_size,
+    )  # fmt: skip
+    if args.json:
+        print(json.dumps(sizing.to_json(), indent=1, sort_keys=True))
+    else:
+        print(sizing.format(), end="")
+    fits = sizing.footprint.fits
+    return 0 if fits in (None, True) else 3
 
 
 def train_command(args: argparse.Namespace) -> int:

@@ -354,9 +354,7 @@ def _pipeline_costs(
     return memory, collectives, busiest
 
 
-def _stage_units(
-    stages: Sequence[StagePlan], units: tuple[FSDPUnit, ...]
-) -> tuple[FSDPUnit, ...]:
+def _stage_units(stages: Sequence[StagePlan], units: tuple[FSDPUnit, ...]) -> tuple[FSDPUnit, ...]:
     """The FSDP units of one pipeline rank: its stages' blocks, then one root per stage."""
     if not units:
         return ()

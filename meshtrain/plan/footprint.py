@@ -127,7 +127,7 @@ class Footprint:
         m = self.memory
         mesh = ", ".join(f"{axis}: {size}" for axis, size in self.mesh.items())
         batch = (
-            f"{self.batch_size} sequences × {self.seq_len} tokens per micro-batch per data-parallel"
+            f"{self.batch_size} sequence(s) × {self.seq_len} tokens per micro-batch per data-parallel"
             f" rank, {self.microbatches} micro-batch(es) per step"
             if self.batch_size and self.seq_len
             else "batch not given: activations and activation collectives not sized"

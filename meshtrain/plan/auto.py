@@ -1,0 +1,468 @@
+"""``strategy="auto"``: choose the data/tensor/pipeline degrees, ZeRO stage and checkpointing.
+
+The decision procedure, for a model, a world of ``world_size`` devices in nodes of ``node_size``,
+``device_memory`` bytes per device and a global batch:
+
+1. **Candidates.** Every mesh ``{pp, dp, tp}`` (tensor parallel fastest, so its groups are
+   neighbouring ranks) with ``tp`` a power of two up to ``node_size`` (tensor parallel stays
+   inside a node), ``pp`` a power of two up to the number of blocks, ``dp`` the rest; every ZeRO
+   stage 0–3; checkpointing none, selective, full. A pipeline runs 1F1B with the most
+   micro-batches up to ``4 × pp`` that split the data-parallel rank's batch (at least ``pp``).
+   Candidates the planner rejects (heads that do not split, a batch that does not divide) drop
+   out, each with its reason.
+2. **Memory.** Each candidate is planned by ``mt.plan`` itself; it *fits* when its peak per rank
+   (:attr:`~meshtrain.plan.ir.Memory.total`: master parameters, gradients, optimizer states,
+   buffers, gathered copies, unsharded gradients, activations) is at most ``device_memory``.
+3. **Cost.** The modelled time a step spends on more than its model FLOPs (:class:`Links`):
+   every collective's ring bytes over its axis's link (inside a node or across nodes) plus a
+   latency per collective, the pipeline bubble (idle fraction of the compute time) and the
+   recomputation full checkpointing adds (one more forward: a third of the step's FLOPs).
+4. **Choice.** The fitting candidate of least cost; ties go to the simpler plan (fewer pipeline
+   stages, less tensor parallelism, lower ZeRO stage, less checkpointing).
+
+The textbook ladder falls out of the costs: a model that fits one device runs DDP (ZeRO-1/2 move
+the same bytes with twice the collectives when gradients are reduced in the dtype parameters are
+gathered in); otherwise optimizer states are sharded, then gradients, then parameters (ZeRO-3
+adds an all-gather per block in backward); tensor parallelism, whose per-layer activation
+collectives only pay on fast links, stays inside a node; pipelines cut the data-parallel traffic
+of the largest models across nodes at the price of the bubble. One deviation: with bf16 compute
+and fp32 gradient reduction, ZeRO-1 gathers parameters in bf16 and reduce-scatters gradients in
+fp32 (6 bytes per parameter) where DDP all-reduces fp32 gradients (8), so ZeRO-1 wins even when
+DDP fits.
+
+Example:
+    >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
+    >>> model = build_llama(LlamaConfig.debug(), device="meta")
+    >>> choice = choose_plan(model, 4, default_rules(), device_memory=2**30, global_batch=8,
+    ...                      seq_len=32)
+    >>> choice.plan.mesh, choice.plan.options.zero
+    (Mesh({pp: 1, dp: 4, tp: 1}), 0)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from meshtrain.plan.footprint import GiB, footprint
+from meshtrain.plan.ir import Plan
+from meshtrain.spec.errors import MeshtrainError, PlanError
+from meshtrain.spec.mesh import Mesh, make_mesh
+from meshtrain.spec.rules import Rules
+
+MODES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the cost model assumes of the machine (defaults: H100 nodes of 8 with NVLink inside
+    and 400 Gb/s InfiniBand per GPU across nodes, and 40% of bf16 peak FLOPs achieved).
+
+    Example:
+        >>> Links().seconds(4 * 10**9, inside_node=False)
+        0.08003
+    """
+
+    intra_bytes_per_s: float = 360e9
+    inter_bytes_per_s: float = 50e9
+    intra_latency_s: float = 15e-6
+    inter_latency_s: float = 30e-6
+    flops_per_s: float = 0.4 * 989e12
+
+    def seconds(self, sent_bytes: float, *, inside_node: bool, collectives: int = 1) -> float:
+        """Time to send ``sent_bytes`` in ``collectives`` collectives over one kind of link."""
+        if inside_node:
+            return sent_bytes / self.intra_bytes_per_s + collectives * self.intra_latency_s
+        return sent_bytes / self.inter_bytes_per_s + collectives * self.inter_latency_s
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the search: a mesh, a ZeRO stage, a checkpointing mode, the micro-batches."""
+
+    pp: int
+    dp: int
+    tp: int
+    zero: int
+    checkpointing: str
+    microbatches: int
+
+    @property
+    def simplicity(self) -> tuple[int, ...]:
+        """Tie-break order: fewer pipeline stages, less tensor parallelism, lower ZeRO stage,
+        less checkpointing."""
+        return (self.pp, self.tp, self.zero, MODES.index(self.checkpointing))
+
+    def describe(self) -> str:
+        if self.pp > 1:
+            pipe = f", 1F1B over {self.microbatches} micro-batches"
+        else:
+            pipe = (
+                f", {self.microbatches} accumulated micro-batches" if self.microbatches > 1 else ""
+            )
+        return (
+            f"pp {self.pp} × dp {self.dp} × tp {self.tp}, zero {self.zero}, "
+            f"{self.checkpointing} checkpointing{pipe}"
+        )
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    """A candidate with its planned peak memory and modelled cost (or why it cannot be planned)."""
+
+    candidate: Candidate
+    peak_bytes: int | None
+    cost_s: float | None
+    rejected: str = ""
+
+    def fits(self, device_memory: int) -> bool:
+        return self.peak_bytes is not None and self.peak_bytes <= device_memory
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The chosen plan, every candidate considered, and the reasons, for ``explain()``."""
+
+    plan: Plan
+    chosen: Evaluated
+    candidates: tuple[Evaluated, ...]
+    device_memory: int
+    reasons: tuple[str, ...] = field(default=())
+
+
+def choose_plan(
+    model: nn.Module,
+    world_size: int,
+    rules: Rules,
+    *,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    node_size: int = 8,
+    links: Links | None = None,
+    device_type: str = "cpu",
+    real_mesh: bool = False,
+    **plan_options: Any,
+) -> AutoChoice:
+    """Run the decision procedure (module docstring) and return the chosen plan.
+
+    ``rules`` must name the mesh axes ``dp`` (FSDP) and, for tensor parallelism, ``tp``;
+    ``plan_options`` are ``mt.plan``'s other options (precision, optimizer, ...), shared by every
+    candidate. ``real_mesh``: build the chosen mesh for real (``make_mesh``), so the plan can be
+    applied. Raises :class:`PlanError` when nothing fits, with the smallest world (at this
+    device memory) and the smallest device memory (at this world) that would.
+    """
+    from meshtrain.plan.api import plan as make_plan
+
+    links = links or Links()
+    n_blocks = _n_blocks(model)
+    evaluated = list(
+        _evaluate_all(
+            model, world_size, rules, device_memory, global_batch, seq_len, node_size, links,
+            device_type, n_blocks, make_plan, plan_options,
+        )
+    )  # fmt: skip
+    fitting = [e for e in evaluated if e.fits(device_memory)]
+    if not fitting:
+        raise _nothing_fits(
+            model, world_size, rules, device_memory, global_batch, seq_len, node_size,
+            evaluated, plan_options,
+        )  # fmt: skip
+    best = min(fitting, key=lambda e: (e.cost_s, e.candidate.simplicity))
+    c = best.candidate
+    mesh = make_mesh(
+        {"pp": c.pp, "dp": c.dp, "tp": c.tp},
+        world_size=world_size,
+        abstract=not real_mesh,
+        device_type=device_type,
+    )
+    plan = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len, plan_options))
+    reasons = _reasons(best, evaluated, device_memory, world_size, node_size)
+    plan = _with_notes(plan, reasons)
+    return AutoChoice(plan, best, tuple(evaluated), device_memory, reasons)
+
+
+def step_cost(plan: Plan, node_size: int, links: Links, tokens_per_step: int) -> float:
+    """Modelled seconds a step spends beyond its model FLOPs: collectives (ring bytes over each
+    axis's link + latency), the pipeline bubble and full checkpointing's recomputation."""
+    report = footprint(plan)
+    strides = _strides(plan.mesh)
+    comm = 0.0
+    for traffic in report.traffic:
+        axes = traffic.axis.split("+")
+        span = max(strides[a] * plan.mesh.size(a) for a in axes)
+        comm += links.seconds(traffic.sent_bytes, inside_node=span <= node_size,
+                              collectives=traffic.count)  # fmt: skip
+    params = sum(math.prod(p.shape) for p in plan.params)
+    compute = 6 * params * tokens_per_step / plan.mesh.world_size / links.flops_per_s
+    bubble = report.bubble_fraction / (1 - report.bubble_fraction) * compute
+    recompute = compute / 3 if plan.options.activation_checkpointing == "full" else 0.0
+    return comm + bubble + recompute
+
+
+def candidates(world_size: int, node_size: int, n_blocks: int) -> Iterator[tuple[int, int, int]]:
+    """(pp, dp, tp) meshes of the search: powers of two for tp (≤ node) and pp (≤ blocks).
+
+    Example:
+        >>> list(candidates(8, 8, 2))
+        [(1, 8, 1), (2, 4, 1), (1, 4, 2), (2, 2, 2), (1, 2, 4), (2, 1, 4), (1, 1, 8)]
+    """
+    tp = 1
+    while tp <= min(node_size, world_size):
+        if world_size % tp == 0:
+            pp = 1
+            while pp <= n_blocks and world_size % (tp * pp) == 0:
+                yield pp, world_size // (tp * pp), tp
+                pp *= 2
+        tp *= 2
+
+
+# --- internals -------------------------------------------------------------------------------
+
+
+def _strides(mesh: Mesh) -> dict[str, int]:
+    strides, step = {}, 1
+    for name in reversed(mesh.axis_names):
+        strides[name] = step
+        step *= mesh.size(name)
+    return strides
+
+
+def _n_blocks(model: nn.Module) -> int:
+    from meshtrain.plan.infer import infer_units
+
+    return max(1, sum(1 for unit in infer_units(model, None) if unit.fqn))
+
+
+def _microbatches(pp: int, dp: int, global_batch: int) -> tuple[int, ...]:
+    """Micro-batch counts to try: without a pipeline 1 and one sequence per micro-batch
+    (gradient accumulation); with one, the most ≤ 4·pp (≥ pp) that split a dp rank's batch."""
+    if global_batch % dp:
+        return ()
+    per_rank = global_batch // dp
+    if pp == 1:
+        return tuple(sorted({1, per_rank}))
+    for micro in range(min(4 * pp, per_rank), pp - 1, -1):
+        if per_rank % micro == 0:
+            return (micro,)
+    return ()
+
+
+def _at_rest_floor(model: nn.Module, c: Candidate, plan_options: dict[str, Any]) -> int:
+    """A lower bound of a candidate's memory at rest: every parameter split tp·pp ways (and dp
+    ways under ZeRO ≥ 1) with its gradient and optimizer states (0 under offload)."""
+    from meshtrain.plan.options import PlanOptions
+
+    if plan_options.get("offload"):
+        return 0
+    states = PlanOptions(optimizer=plan_options.get("optimizer", "adamw")).optimizer_states
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    ways = c.tp * c.pp * (c.dp if c.zero >= 1 else 1)
+    return total * (2 + states) // ways
+
+
+def _options(
+    c: Candidate, global_batch: int, seq_len: int, plan_options: dict[str, Any]
+) -> dict[str, Any]:
+    from meshtrain.plan.pipeline import Pipeline
+
+    options = {**plan_options, "zero": c.zero, "activation_checkpointing": c.checkpointing,
+               "global_batch": global_batch, "seq_len": seq_len}  # fmt: skip
+    if c.pp > 1:
+        options["pipeline"] = Pipeline(axis="pp", schedule="1F1B", microbatches=c.microbatches)
+    else:
+        options["microbatches"] = c.microbatches
+    return options
+
+
+def _evaluate_all(
+    model: nn.Module,
+    world_size: int,
+    rules: Rules,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    node_size: int,
+    links: Links,
+    device_type: str,
+    n_blocks: int,
+    make_plan: Callable[..., Plan],
+    plan_options: dict[str, Any],
+) -> Iterator[Evaluated]:
+    """Every candidate, planned — with three shortcuts that never hide a fitting one: a memory
+    floor at rest above the device's rejects a candidate unplanned; a flat plan's one planning
+    gives all three checkpointing modes (only activations differ); a pipeline is planned with
+    full checkpointing first, and when that does not fit, neither do the modes that keep more."""
+    tokens = global_batch * seq_len
+    for pp, dp, tp in candidates(world_size, node_size, n_blocks):
+        micros = _microbatches(pp, dp, global_batch)
+        mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world_size, abstract=True,
+                         device_type=device_type)  # fmt: skip
+        if not micros:
+            c = Candidate(pp, dp, tp, 0, "none", 0)
+            yield Evaluated(c, None, None, f"global batch {global_batch} does not split into "
+                            f"{dp} data-parallel ranks × ≥{pp} micro-batches")  # fmt: skip
+            continue
+        for micro in micros:
+            for zero in (0, 1, 2, 3):
+                yield from _evaluate_modes(
+                    model, mesh, rules, Candidate(pp, dp, tp, zero, "full", micro),
+                    device_memory, global_batch, seq_len, node_size, links, tokens, make_plan,
+                    plan_options,
+                )  # fmt: skip
+
+
+def _evaluate_modes(
+    model: nn.Module,
+    mesh: Mesh,
+    rules: Rules,
+    base: Candidate,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    node_size: int,
+    links: Links,
+    tokens: int,
+    make_plan: Callable[..., Plan],
+    plan_options: dict[str, Any],
+) -> Iterator[Evaluated]:
+    from dataclasses import replace
+
+    floor = _at_rest_floor(model, base, plan_options)
+    if floor > device_memory:
+        for mode in MODES:
+            yield Evaluated(replace(base, checkpointing=mode), None, None,
+                            f"memory at rest ≥ {floor / GiB:.1f} GiB")  # fmt: skip
+        return
+    try:
+        plan = make_plan(model, mesh, rules, **_options(base, global_batch, seq_len, plan_options))
+    except MeshtrainError as error:
+        yield Evaluated(base, None, None, error.message.split(". ")[0])
+        return
+    estimates = dict(plan.activation_estimates)
+    full = Evaluated(base, plan.memory.total, step_cost(plan, node_size, links, tokens))
+    if plan.pipeline is None and estimates:
+        other = plan.memory.total - plan.memory.activations
+        for mode in MODES:
+            c = replace(base, checkpointing=mode)
+            if mode == "full":
+                yield full
+                continue
+            # no recomputation: collectives only (a flat plan has no bubble)
+            yield Evaluated(c, other + estimates[mode], step_cost(plan, node_size, links, 0))
+        return
+    monotone = not estimates or estimates["none"] >= estimates["selective"] >= estimates["full"]
+    yield full
+    for mode in ("selective", "none"):
+        c = replace(base, checkpointing=mode)
+        if monotone and not full.fits(device_memory):
+            yield Evaluated(c, None, None, "keeps more activations than full checkpointing, "
+                            "which does not fit")  # fmt: skip
+            continue
+        planned = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len, plan_options))
+        yield Evaluated(c, planned.memory.total, step_cost(planned, node_size, links, tokens))
+
+
+def _reasons(
+    best: Evaluated,
+    evaluated: list[Evaluated],
+    device_memory: int,
+    world_size: int,
+    node_size: int,
+) -> tuple[str, ...]:
+    planned = [e for e in evaluated if e.peak_bytes is not None]
+    fitting = [e for e in planned if e.fits(device_memory)]
+    lines = [
+        f"strategy auto on {world_size} devices of {device_memory / GiB:.1f} GiB (nodes of "
+        f"{node_size}): chose {best.candidate.describe()}: peak {best.peak_bytes / GiB:.2f} GiB "
+        f"per rank, modelled overhead {best.cost_s * 1e3:.1f} ms per step",
+        f"{len(evaluated)} candidates: {len(planned)} planned, {len(fitting)} fit; the cheapest "
+        "fitting one wins (collectives + bubble + recomputation; ties: simpler plan)",
+    ]
+    cheaper = sorted(
+        (e for e in planned if not e.fits(device_memory) and e.cost_s < best.cost_s),
+        key=lambda e: e.cost_s,
+    )[:3]
+    for e in cheaper:
+        lines.append(
+            f"cheaper but too big: {e.candidate.describe()} needs {e.peak_bytes / GiB:.2f} GiB "
+            f"({e.cost_s * 1e3:.1f} ms)"
+        )
+    return tuple(lines)
+
+
+def _with_notes(plan: Plan, reasons: tuple[str, ...]) -> Plan:
+    from dataclasses import replace
+
+    return replace(plan, notes=(*reasons, *plan.notes))
+
+
+def _nothing_fits(
+    model: nn.Module,
+    world_size: int,
+    rules: Rules,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    node_size: int,
+    evaluated: list[Evaluated],
+    plan_options: dict[str, Any],
+) -> PlanError:
+    planned = [e for e in evaluated if e.peak_bytes is not None]
+    if not planned:
+        reasons = sorted({e.rejected for e in evaluated})[:3]
+        return PlanError(
+            f"strategy auto found no plan for {world_size} ranks: no candidate mesh can be planned "
+            f"({'; '.join(reasons)}). Use a world size with a valid factorisation (a multiple of "
+            f"the tensor-parallel degree the heads allow) or a global batch that divides into it."
+        )
+    smallest = min(planned, key=lambda e: e.peak_bytes or 0)
+    world_hint = _smallest_world(
+        model, world_size, rules, device_memory, global_batch, seq_len, node_size, plan_options
+    )
+    return PlanError(
+        f"strategy auto: the model does not fit {world_size} devices of "
+        f"{device_memory / GiB:.1f} GiB at any degree. The smallest peak among {len(planned)} "
+        f"candidates is {smallest.peak_bytes / GiB:.2f} GiB per rank "
+        f"({smallest.candidate.describe()}). Use devices of at least "
+        f"{smallest.peak_bytes / GiB:.2f} GiB{world_hint}."
+    )
+
+
+def _smallest_world(
+    model: nn.Module,
+    world_size: int,
+    rules: Rules,
+    device_memory: int,
+    global_batch: int,
+    seq_len: int,
+    node_size: int,
+    plan_options: dict[str, Any],
+) -> str:
+    """', or at least N devices of this memory' — doubling the world (with the global batch)."""
+    from meshtrain.plan.api import plan as make_plan
+
+    world, batch = world_size, global_batch
+    n_blocks = _n_blocks(model)
+    for _ in range(12):
+        world, batch = world * 2, batch * 2
+        for pp, dp, tp in candidates(world, node_size, n_blocks):
+            micro = _microbatches(pp, dp, batch)
+            if micro is None:
+                continue
+            mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world, abstract=True)
+            c = Candidate(pp, dp, tp, 3, "full", micro)
+            try:
+                plan = make_plan(model, mesh, rules, **_options(c, batch, seq_len, plan_options))
+            except MeshtrainError:
+                continue
+            if plan.memory.total <= device_memory:
+                return (
+                    f", or at least {world} devices of this memory ({c.describe()}, global batch "
+                    f"{batch}: the same sequences per data-parallel rank)"
+                )
+    return ""
