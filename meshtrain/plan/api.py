@@ -73,6 +73,9 @@ def plan(
     global_batch: int | None = None,
     activation_checkpointing: str | Mapping[str, Any] = "none",
     compile: bool | Mapping[str, Any] = False,
+    strategy: str = "manual",
+    device_memory: int | str | None = None,
+    node_size: int = 8,
 ) -> Plan:
     """Compile ``rules`` for ``model`` on ``mesh`` into a :class:`Plan` (pure; meta models work).
 
@@ -94,7 +97,18 @@ def plan(
     model where torch cannot compile blocks; 'block'; 'model'). ``precision`` 'bf16'/'fp16' casts
     parameters for compute through FSDP2's mixed-precision policy (a data axis of size 1 is
     enough); fp16 also needs :class:`~meshtrain.train.LossScaler`.
+
+    ``strategy="auto"`` chooses the mesh's pp/dp/tp degrees (over ``mesh.world_size`` ranks in
+    nodes of ``node_size``), the ZeRO stage (``zero`` is ignored), gradient accumulation or
+    pipeline micro-batches and checkpointing so that the plan fits ``device_memory`` (bytes or
+    "80GiB") at the least modelled step overhead (:mod:`meshtrain.plan.auto`); it needs
+    ``global_batch`` and ``seq_len``, and ``rules`` over the axes ``dp`` and ``tp``. The returned
+    plan's mesh is the chosen one (built for real when ``mesh`` was) and ``explain()`` says why.
     """
+    if strategy == "auto":
+        return _auto(model, mesh, rules, locals())
+    if strategy != "manual":
+        raise PlanError(f"strategy={strategy!r} is not one of 'manual' or 'auto'.")
     if pipeline is not None:
         check_pipeline_axis(mesh, pipeline)
         if microbatches not in (1, pipeline.microbatches):
@@ -227,6 +241,34 @@ def plan(
         cast_axes=cast_axes,
         activation_estimates=estimates,
     )
+
+
+def _auto(model: nn.Module, mesh: Mesh, rules: Rules, given: dict[str, Any]) -> Plan:
+    """``strategy="auto"``: check what auto chooses was left alone, then search."""
+    from meshtrain.plan.auto import choose_plan
+    from meshtrain.plan.footprint import parse_bytes
+
+    chosen = {"pipeline": None, "microbatches": 1, "activation_checkpointing": "none",
+              "batch_size": None}  # fmt: skip
+    clashes = [
+        f"{name}={given[name]!r}" for name, default in chosen.items() if given[name] != default
+    ]
+    missing = [name for name in ("device_memory", "global_batch", "seq_len") if given[name] is None]
+    if clashes or missing:
+        raise PlanError(
+            f"strategy='auto' on mesh {mesh}: "
+            + (f"it chooses {', '.join(clashes)} itself — leave them out; " if clashes else "")
+            + (f"it needs {', '.join(missing)}." if missing else ""),
+            mesh=mesh,
+        )
+    fixed = ("zero", "offload", "precision", "reduce_precision", "optimizer", "loss_parallel",
+             "fsdp_units", "compile")  # fmt: skip
+    return choose_plan(
+        model, mesh.world_size, rules, device_memory=parse_bytes(given["device_memory"]),
+        global_batch=given["global_batch"], seq_len=given["seq_len"],
+        node_size=given["node_size"], device_type=mesh.device_type,
+        real_mesh=not mesh.is_abstract, **{name: given[name] for name in fixed if name != "zero"},
+    ).plan  # fmt: skip
 
 
 def _cast_axes(

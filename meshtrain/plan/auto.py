@@ -118,6 +118,7 @@ class Evaluated:
     peak_bytes: int | None
     cost_s: float | None
     rejected: str = ""
+    floor_bytes: int | None = None  # a lower bound of the peak, when rejected without planning
 
     def fits(self, device_memory: int) -> bool:
         return self.peak_bytes is not None and self.peak_bytes <= device_memory
@@ -336,7 +337,7 @@ def _evaluate_modes(
     if floor > device_memory:
         for mode in MODES:
             yield Evaluated(replace(base, checkpointing=mode), None, None,
-                            f"memory at rest ≥ {floor / GiB:.1f} GiB")  # fmt: skip
+                            f"memory at rest ≥ {_size(floor)}", floor)  # fmt: skip
         return
     try:
         plan = make_plan(model, mesh, rules, **_options(base, global_batch, seq_len, plan_options))
@@ -377,8 +378,8 @@ def _reasons(
     planned = [e for e in evaluated if e.peak_bytes is not None]
     fitting = [e for e in planned if e.fits(device_memory)]
     lines = [
-        f"strategy auto on {world_size} devices of {device_memory / GiB:.1f} GiB (nodes of "
-        f"{node_size}): chose {best.candidate.describe()}: peak {best.peak_bytes / GiB:.2f} GiB "
+        f"strategy auto on {world_size} devices of {_size(device_memory)} (nodes of "
+        f"{node_size}): chose {best.candidate.describe()}: peak {_size(best.peak_bytes or 0)} "
         f"per rank, modelled overhead {best.cost_s * 1e3:.1f} ms per step",
         f"{len(evaluated)} candidates: {len(planned)} planned, {len(fitting)} fit; the cheapest "
         "fitting one wins (collectives + bubble + recomputation; ties: simpler plan)",
@@ -389,7 +390,7 @@ def _reasons(
     )[:3]
     for e in cheaper:
         lines.append(
-            f"cheaper but too big: {e.candidate.describe()} needs {e.peak_bytes / GiB:.2f} GiB "
+            f"cheaper but too big: {e.candidate.describe()} needs {_size(e.peak_bytes or 0)} "
             f"({e.cost_s * 1e3:.1f} ms)"
         )
     return tuple(lines)
@@ -412,25 +413,61 @@ def _nothing_fits(
     evaluated: list[Evaluated],
     plan_options: dict[str, Any],
 ) -> PlanError:
-    planned = [e for e in evaluated if e.peak_bytes is not None]
-    if not planned:
+    sized = [e for e in evaluated if (e.peak_bytes or e.floor_bytes) is not None]
+    if not sized:
         reasons = sorted({e.rejected for e in evaluated})[:3]
         return PlanError(
             f"strategy auto found no plan for {world_size} ranks: no candidate mesh can be planned "
             f"({'; '.join(reasons)}). Use a world size with a valid factorisation (a multiple of "
             f"the tensor-parallel degree the heads allow) or a global batch that divides into it."
         )
-    smallest = min(planned, key=lambda e: e.peak_bytes or 0)
+    planned = [e for e in sized if e.peak_bytes is not None] + _plan_leanest(
+        model, world_size, rules, global_batch, seq_len, plan_options,
+        {(e.candidate.pp, e.candidate.dp, e.candidate.tp, e.candidate.microbatches)
+         for e in sized if e.peak_bytes is None},
+    )  # fmt: skip
     world_hint = _smallest_world(
         model, world_size, rules, device_memory, global_batch, seq_len, node_size, plan_options
     )
+    smallest = min(planned, key=lambda e: e.peak_bytes or 0)
+    need = f"{_size(smallest.peak_bytes or 0)} ({smallest.candidate.describe()})"
     return PlanError(
         f"strategy auto: the model does not fit {world_size} devices of "
-        f"{device_memory / GiB:.1f} GiB at any degree. The smallest peak among {len(planned)} "
-        f"candidates is {smallest.peak_bytes / GiB:.2f} GiB per rank "
-        f"({smallest.candidate.describe()}). Use devices of at least "
-        f"{smallest.peak_bytes / GiB:.2f} GiB{world_hint}."
+        f"{_size(device_memory)} at any degree ({len(evaluated)} candidates). Use devices of at "
+        f"least {need}{world_hint}."
     )
+
+
+def _plan_leanest(
+    model: nn.Module,
+    world_size: int,
+    rules: Rules,
+    global_batch: int,
+    seq_len: int,
+    plan_options: dict[str, Any],
+    meshes: set[tuple[int, int, int, int]],
+) -> list[Evaluated]:
+    """Plan the leanest variant (ZeRO-3, full checkpointing) of meshes rejected unplanned."""
+    from meshtrain.plan.api import plan as make_plan
+
+    result = []
+    for pp, dp, tp, micro in sorted(meshes):
+        c = Candidate(pp, dp, tp, 3, "full", micro)
+        mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world_size, abstract=True)
+        try:
+            planned = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len,
+                                                               plan_options))  # fmt: skip
+        except MeshtrainError:
+            continue
+        result.append(Evaluated(c, planned.memory.total, None))
+    return result
+
+
+def _size(value: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value} B"
 
 
 def _smallest_world(
@@ -451,9 +488,10 @@ def _smallest_world(
     for _ in range(12):
         world, batch = world * 2, batch * 2
         for pp, dp, tp in candidates(world, node_size, n_blocks):
-            micro = _microbatches(pp, dp, batch)
-            if micro is None:
+            micros = _microbatches(pp, dp, batch)
+            if not micros:
                 continue
+            micro = micros[-1]
             mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world, abstract=True)
             c = Candidate(pp, dp, tp, 3, "full", micro)
             try:
@@ -465,4 +503,4 @@ def _smallest_world(
                     f", or at least {world} devices of this memory ({c.describe()}, global batch "
                     f"{batch}: the same sequences per data-parallel rank)"
                 )
-    return ""
+    return f" (no world up to {world:,} devices of this memory fits either)"

@@ -231,3 +231,23 @@ def _gib(value: int) -> str:
 def to_json_text(report: Footprint, **extra: object) -> str:
     """JSON text of ``report`` with ``extra`` top-level keys."""
     return json.dumps({**extra, **report.to_json()}, indent=1, sort_keys=True)
+
+
+def textbook_bytes(params: int, zero: int, ranks: int) -> float:
+    """Per-rank bytes of mixed-precision Adam after the ZeRO paper (Rajbhandari et al. 2020):
+    2 bytes of bf16 weights, 2 of bf16 gradients and 12 of fp32 master weights, momentum and
+    variance per parameter — 16Φ unsharded, (4 + 12/N)Φ under ZeRO-1, (2 + 14/N)Φ under ZeRO-2,
+    16Φ/N under ZeRO-3. The planner's figures differ where FSDP2 does (docs/sizing.md).
+
+    Example:
+        >>> textbook_bytes(7 * 10**9, 0, 8) / 1e9, textbook_bytes(7 * 10**9, 3, 8) / 1e9
+        (112.0, 14.0)
+    """
+    weights, grads, states = 2 * params, 2 * params, 12 * params
+    if zero >= 1:
+        states /= ranks
+    if zero >= 2:
+        grads /= ranks
+    if zero >= 3:
+        weights /= ranks
+    return weights + grads + states
