@@ -58,7 +58,9 @@ def test_memory_matches_the_zero_stage_formulas(zero: int, precision: str) -> No
     at_rest = full if zero == 0 else shard
     assert (m.params, m.grads, m.optimizer_states) == (at_rest, at_rest, 2 * at_rest)
     assert m.buffers == 2 * 64 * 8 * 4  # rope cos and sin, [max_seq_len, head_dim / 2] fp32
-    numel = {u.fqn: sum(p.local_numel for p in plan.params if p.fqn in u.params) for u in plan.units}
+    numel = {
+        u.fqn: sum(p.local_numel for p in plan.params if p.fqn in u.params) for u in plan.units
+    }
     compute_bytes = 2 if precision == "bf16" else 4
     if zero == 0:
         gathered = N_PARAMS * compute_bytes if precision == "bf16" else 0

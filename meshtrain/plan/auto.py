@@ -123,6 +123,11 @@ class Evaluated:
     def fits(self, device_memory: int) -> bool:
         return self.peak_bytes is not None and self.peak_bytes <= device_memory
 
+    @property
+    def cost(self) -> float:
+        """Modelled seconds (infinite when not planned)."""
+        return math.inf if self.cost_s is None else self.cost_s
+
 
 @dataclass(frozen=True)
 class AutoChoice:
@@ -173,7 +178,7 @@ def choose_plan(
             model, world_size, rules, device_memory, global_batch, seq_len, node_size,
             evaluated, plan_options,
         )  # fmt: skip
-    best = min(fitting, key=lambda e: (e.cost_s, e.candidate.simplicity))
+    best = min(fitting, key=lambda e: (e.cost, e.candidate.simplicity))
     c = best.candidate
     mesh = make_mesh(
         {"pp": c.pp, "dp": c.dp, "tp": c.tp},
@@ -380,18 +385,18 @@ def _reasons(
     lines = [
         f"strategy auto on {world_size} devices of {_size(device_memory)} (nodes of "
         f"{node_size}): chose {best.candidate.describe()}: peak {_size(best.peak_bytes or 0)} "
-        f"per rank, modelled overhead {best.cost_s * 1e3:.1f} ms per step",
+        f"per rank, modelled overhead {best.cost * 1e3:.1f} ms per step",
         f"{len(evaluated)} candidates: {len(planned)} planned, {len(fitting)} fit; the cheapest "
         "fitting one wins (collectives + bubble + recomputation; ties: simpler plan)",
     ]
     cheaper = sorted(
-        (e for e in planned if not e.fits(device_memory) and e.cost_s < best.cost_s),
-        key=lambda e: e.cost_s,
+        (e for e in planned if not e.fits(device_memory) and e.cost < best.cost),
+        key=lambda e: e.cost,
     )[:3]
     for e in cheaper:
         lines.append(
             f"cheaper but too big: {e.candidate.describe()} needs {_size(e.peak_bytes or 0)} "
-            f"({e.cost_s * 1e3:.1f} ms)"
+            f"({e.cost * 1e3:.1f} ms)"
         )
     return tuple(lines)
 

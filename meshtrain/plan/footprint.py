@@ -243,7 +243,7 @@ def textbook_bytes(params: int, zero: int, ranks: int) -> float:
         >>> textbook_bytes(7 * 10**9, 0, 8) / 1e9, textbook_bytes(7 * 10**9, 3, 8) / 1e9
         (112.0, 14.0)
     """
-    weights, grads, states = 2 * params, 2 * params, 12 * params
+    weights, grads, states = 2.0 * params, 2.0 * params, 12.0 * params
     if zero >= 1:
         states /= ranks
     if zero >= 2:
