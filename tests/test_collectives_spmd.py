@@ -90,3 +90,53 @@ def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
     results = get_pool(world).run(measure, axes, rules_kind, zero, micro, loss_parallel)
     for measured, predicted in results:
         assert measured == predicted
+
+
+def measure_pipelined(zero: int, tp: bool) -> tuple[dict, dict] | None:
+    """Runs on every rank of pp 2 × dp 2 (× tp 2): one warm-up step, one counted step; on the
+    busiest pipeline rank (the one ``plan.collectives`` describes) returns the data- and
+    tensor-parallel collectives counted and predicted."""
+    import re
+
+    import torch.distributed as dist
+
+    axes = (("pp", 2), ("dp", 2), ("tp", 2)) if tp else (("pp", 2), ("dp", 2))
+    mesh = mesh_for(axes)
+    model = build_llama(LlamaConfig.preset("debug", n_layers=4), seed=0)
+    rules = (
+        Rules(logical=default_rules().logical, fsdp="dp") if tp else Rules({r".*": P()}, fsdp="dp")
+    )
+    plan = mt.plan(model, mesh, rules, zero=zero, pipeline=mt.Pipeline(microbatches=4))
+    pipelined = plan.apply(model)
+    tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    pipelined.step(tokens[:, :-1], tokens[:, 1:])  # lazy initialisation issues its own
+    counter = CollectiveCounter(mesh)
+    with counter:
+        pipelined.step(tokens[:, :-1], tokens[:, 1:])
+    (busiest,) = (
+        int(match.group(1))
+        for note in plan.notes
+        if (match := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))
+    )
+    if mesh.coordinates(dist.get_rank())["pp"] != busiest:
+        return None
+    # the schedule's own reductions of the step's token count and loss are not the plan's
+    kinds = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if tp else set())
+    measured = {k: n for k, n in counter.counts.items() if k[0] in kinds and k[1] != "pp"}
+    if tp:
+        measured.pop(("all_reduce", "dp"), None)
+    predicted: Counter[tuple[str, str]] = Counter()
+    for collective in plan.collectives:
+        if collective.kind in kinds:
+            predicted[(collective.kind, collective.axis)] += collective.count
+    return measured, dict(predicted)
+
+
+@pytest.mark.parametrize(("zero", "tp"), [(2, False), (3, False), (2, True)])
+def test_pipelined_step_issues_the_predicted_data_and_tensor_parallel_collectives(
+    zero: int, tp: bool
+) -> None:
+    results = [r for r in get_pool(8 if tp else 4).run(measure_pipelined, zero, tp) if r]
+    assert results
+    for measured, predicted in results:
+        assert measured == predicted

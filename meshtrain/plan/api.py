@@ -42,7 +42,12 @@ from meshtrain.plan.ir import (
     StagePlan,
 )
 from meshtrain.plan.options import PlanOptions, Precision
-from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
+from meshtrain.plan.pipeline import (
+    Pipeline,
+    check_pipeline_axis,
+    plan_pipeline,
+    resharded_gathers,
+)
 from meshtrain.plan.policies import (
     block_fqns,
     parse_checkpointing,
@@ -360,8 +365,9 @@ def _pipeline_costs(
         )
         return replace(memory, activations=sum(s.activation_bytes for s in stages))
 
+    ranks = sorted({s.rank for s in pipeline.stages})
     memory, busiest = max(
-        ((rank_memory(rank), rank) for rank in sorted({s.rank for s in pipeline.stages})),
+        ((rank_memory(rank), rank) for rank in ranks),
         key=lambda pair: pair[0].total,
     )
     stages = pipeline.local_stages(busiest)
@@ -378,11 +384,19 @@ def _pipeline_costs(
         pipeline.p2p_bytes,
         "activations to the next stage, their gradients back (per pipeline rank pair)",
     )
+    gathers = resharded_gathers(
+        pipeline.schedule, len(ranks),
+        pipeline.microbatches, pipeline.stages_per_rank,
+    ) if options.zero == 3 and data_axes else {}  # fmt: skip
+    data_parallel: list[Collective] = []
+    for stage in stages:
+        data_parallel += estimate_collectives(
+            [by_fqn[fqn] for fqn in stage.params], _stage_units((stage,), units), data_axes,
+            options, pipelined=True, block_gathers=gathers.get(stage.index, (1, 1)),
+        )  # fmt: skip
     collectives = (
         send,
-        *estimate_collectives(
-            rank_layouts(busiest), _stage_units(stages, units), data_axes, options, pipelined=True
-        ),
+        *_merged(data_parallel),
         *estimate_tp_collectives(
             local_styles,
             layouts,
@@ -394,6 +408,17 @@ def _pipeline_costs(
         ),
     )
     return memory, collectives, busiest
+
+
+def _merged(collectives: Sequence[Collective]) -> tuple[Collective, ...]:
+    """Rows of the same kind, axis and reason summed (one rank's stages together)."""
+    rows: dict[tuple[str, str, str], Collective] = {}
+    for c in collectives:
+        key = (c.kind, c.axis, c.why)
+        old = rows.get(key)
+        rows[key] = c if old is None else replace(old, count=old.count + c.count,
+                                                   bytes=old.bytes + c.bytes)  # fmt: skip
+    return tuple(rows.values())
 
 
 def _stage_units(stages: Sequence[StagePlan], units: tuple[FSDPUnit, ...]) -> tuple[FSDPUnit, ...]:

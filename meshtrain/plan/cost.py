@@ -99,11 +99,15 @@ def estimate_collectives(
     options: PlanOptions,
     *,
     pipelined: bool = False,
+    block_gathers: tuple[int, int] = (1, 1),
 ) -> tuple[Collective, ...]:
     """Data-parallel collectives per optimizer step, per kind and axis, with payload bytes.
 
     ``pipelined``: inside a pipeline schedule, which syncs gradients (and reshards after
-    backward) on a stage's last backward only, whatever the ZeRO stage.
+    backward) on a stage's last backward only, whatever the ZeRO stage; ``units`` are then one
+    stage's (its blocks, its root last) and under zero=3 ``block_gathers`` says how often the
+    blocks are gathered in forward and in backward
+    (:func:`~meshtrain.plan.pipeline.resharded_gathers`).
     """
     if not data_axes:
         return ()
@@ -128,16 +132,23 @@ def estimate_collectives(
         )
     replicate_axis, shard_axis = data_axes if len(data_axes) == 2 else (None, data_axes[0])
     gathers = micro if options.zero == 3 or (options.zero == 2 and not pipelined) else 1
-    result = [
-        Collective(
-            "all_gather",
-            shard_axis,
-            n_units * gathers,
-            total * param_bytes * gathers,
-            "parameters, one per unit in forward",
+    result: list[Collective]
+    if pipelined and options.zero == 3:
+        forward, backward = block_gathers
+        result = list(
+            _stage_zero3(shard_axis, n_units, total - root, root, param_bytes, forward, backward)
         )
-    ]
-    if options.zero == 3 and n_units > 1:
+    else:
+        result = [
+            Collective(
+                "all_gather",
+                shard_axis,
+                n_units * gathers,
+                total * param_bytes * gathers,
+                "parameters, one per unit in forward",
+            )
+        ]
+    if options.zero == 3 and n_units > 1 and not pipelined:
         result.append(
             Collective(
                 "all_gather",
@@ -168,6 +179,23 @@ def estimate_collectives(
             )
         )
     return tuple(result)
+
+
+def _stage_zero3(
+    axis: str, n_units: int, blocks: int, root: int, param_bytes: int, forward: int, backward: int
+) -> tuple[Collective, ...]:
+    """A pipeline stage's parameter all-gathers under zero=3 (see ``estimate_collectives``)."""
+    n_blocks = n_units - 1
+    return (
+        Collective(
+            "all_gather", axis, n_blocks * forward + 1, (blocks * forward + root) * param_bytes,
+            "parameters in forward: the stage's root once, its blocks whenever resharded",
+        ),
+        Collective(
+            "all_gather", axis, n_blocks * backward, blocks * backward * param_bytes,
+            "parameters in backward: blocks resharded since their last backward",
+        ),
+    )  # fmt: skip
 
 
 _HEADS = ("colwise_gathered", "loss_parallel_head")

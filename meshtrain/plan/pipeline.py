@@ -301,6 +301,35 @@ def schedule_order(
     return order
 
 
+def resharded_gathers(
+    schedule: str, pp_size: int, microbatches: int, stages_per_rank: int
+) -> dict[int, tuple[int, int]]:
+    """Per stage, how often its blocks are all-gathered in forward and in backward under ZeRO-3.
+
+    Inside a schedule FSDP2 reshards a stage's blocks after every forward
+    (``reshard_after_forward``) but not after a backward other than the stage's last one
+    (torch's ``PipelineStage`` turns ``reshard_after_backward`` off until then): a forward right
+    after a backward finds them gathered, a backward always needs them again.
+
+    Example:
+        >>> resharded_gathers("1F1B", 2, 4, 1)  # stage 0: F F B F B F B B; stage 1: F B F B ...
+        {0: (2, 3), 1: (1, 4)}
+    """
+    gathered: dict[int, bool] = {}
+    counts: dict[int, list[int]] = {}
+    for actions in schedule_order(schedule, pp_size, microbatches, stages_per_rank).values():
+        for parts in actions:
+            for kind, stage, _ in parts:
+                row = counts.setdefault(stage, [0, 0])
+                if kind == "F":
+                    row[0] += not gathered.get(stage, False)
+                    gathered[stage] = False
+                elif kind in ("B", "I"):
+                    row[1] += not gathered.get(stage, False)
+                    gathered[stage] = True
+    return {stage: (f, b) for stage, (f, b) in sorted(counts.items())}
+
+
 def _single_order(schedule: str, rank: int, pp_size: int, micro: int) -> list[tuple[Part, ...]]:
     forwards: list[tuple[Part, ...]] = [(("F", rank, m),) for m in range(micro)]
     backwards: list[tuple[Part, ...]] = [(("B", rank, m),) for m in range(micro)]

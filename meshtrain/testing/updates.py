@@ -101,8 +101,12 @@ def param_bound(
         return rule.lr * gain * delta + rounding + 2 * EPS_FP32 * step_size
     beta1, beta2 = rule.betas
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    m_old = old_state.get("exp_avg", torch.zeros_like(grad))
-    v_old = old_state.get("exp_avg_sq", torch.zeros_like(grad))
+    # in float64: products of tiny gradients and perturbations underflow fp32 to 0, and a 0/0
+    # read as "no change" would hide a real one (a 1e-30 perturbation moves Adam by ~1e-26)
+    dtype = new_param.dtype
+    grad = grad.double()
+    m_old = old_state.get("exp_avg", torch.zeros_like(grad)).double()
+    v_old = old_state.get("exp_avg_sq", torch.zeros_like(grad)).double()
     smallest_g = (grad.abs() - delta).clamp_min(0)
     s_min = ((beta2 * v_old + (1 - beta2) * smallest_g**2) / bc2).sqrt()
     dm_hat = (1 - beta1) * delta / bc1
@@ -114,7 +118,8 @@ def param_bound(
     direction = (m_hat / (v_hat.sqrt() + rule.eps)).abs()
     cap = direction + _largest_direction(rule, m_old, v_old, grad, delta, bc1, bc2)
     change = torch.minimum(torch.nan_to_num(slope, nan=0.0, posinf=torch.inf), cap)
-    return rule.lr * change + rounding + 2 * EPS_FP32 * rule.lr * (direction + change)
+    bound = rule.lr * change + rounding + 2 * EPS_FP32 * rule.lr * (direction + change)
+    return bound.to(dtype)
 
 
 def _largest_direction(
