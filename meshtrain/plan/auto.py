@@ -42,7 +42,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,31 +162,14 @@ def choose_plan(
     applied. Raises :class:`PlanError` when nothing fits, with the smallest world (at this
     device memory) and the smallest device memory (at this world) that would.
     """
-    from meshtrain.plan.api import plan as make_plan
-
-    links = links or Links()
-    n_blocks = _n_blocks(model)
-    evaluated = list(
-        _evaluate_all(
-            model, world_size, rules, device_memory, global_batch, seq_len, node_size, links,
-            device_type, n_blocks, make_plan, plan_options,
-        )
-    )  # fmt: skip
+    search = _Search(model, world_size, rules, device_memory, global_batch, seq_len, node_size,
+                     links or Links(), device_type, plan_options)  # fmt: skip
+    evaluated = list(search.evaluate_all())
     fitting = [e for e in evaluated if e.fits(device_memory)]
     if not fitting:
-        raise _nothing_fits(
-            model, world_size, rules, device_memory, global_batch, seq_len, node_size,
-            evaluated, plan_options,
-        )  # fmt: skip
+        raise search.nothing_fits(evaluated)
     best = min(fitting, key=lambda e: (e.cost, e.candidate.simplicity))
-    c = best.candidate
-    mesh = make_mesh(
-        {"pp": c.pp, "dp": c.dp, "tp": c.tp},
-        world_size=world_size,
-        abstract=not real_mesh,
-        device_type=device_type,
-    )
-    plan = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len, plan_options))
+    plan = search.plan(best.candidate, real_mesh=real_mesh)
     reasons = _reasons(best, evaluated, device_memory, world_size, node_size)
     plan = _with_notes(plan, reasons)
     return AutoChoice(plan, best, tuple(evaluated), device_memory, reasons)
@@ -285,92 +268,146 @@ def _options(
     return options
 
 
-def _evaluate_all(
-    model: nn.Module,
-    world_size: int,
-    rules: Rules,
-    device_memory: int,
-    global_batch: int,
-    seq_len: int,
-    node_size: int,
-    links: Links,
-    device_type: str,
-    n_blocks: int,
-    make_plan: Callable[..., Plan],
-    plan_options: dict[str, Any],
-) -> Iterator[Evaluated]:
-    """Every candidate, planned — with three shortcuts that never hide a fitting one: a memory
-    floor at rest above the device's rejects a candidate unplanned; a flat plan's one planning
-    gives all three checkpointing modes (only activations differ); a pipeline is planned with
-    full checkpointing first, and when that does not fit, neither do the modes that keep more."""
-    tokens = global_batch * seq_len
-    for pp, dp, tp in candidates(world_size, node_size, n_blocks):
-        micros = _microbatches(pp, dp, global_batch)
-        mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world_size, abstract=True,
-                         device_type=device_type)  # fmt: skip
-        if not micros:
-            c = Candidate(pp, dp, tp, 0, "none", 0)
-            yield Evaluated(c, None, None, f"global batch {global_batch} does not split into "
-                            f"{dp} data-parallel ranks × ≥{pp} micro-batches")  # fmt: skip
-            continue
-        for micro in micros:
-            for zero in (0, 1, 2, 3):
-                yield from _evaluate_modes(
-                    model, mesh, rules, Candidate(pp, dp, tp, zero, "full", micro),
-                    device_memory, global_batch, seq_len, node_size, links, tokens, make_plan,
-                    plan_options,
-                )  # fmt: skip
+@dataclass(frozen=True)
+class _Search:
+    """The inputs every step of the decision procedure shares."""
+
+    model: nn.Module
+    world_size: int
+    rules: Rules
+    device_memory: int
+    global_batch: int
+    seq_len: int
+    node_size: int
+    links: Links
+    device_type: str
+    plan_options: dict[str, Any]
+
+    def plan(
+        self, c: Candidate, *, world: int | None = None, batch: int | None = None,
+        real_mesh: bool = False,
+    ) -> Plan:  # fmt: skip
+        """``mt.plan`` of candidate ``c`` (on ``world`` ranks with global ``batch`` if given)."""
+        from meshtrain.plan.api import plan as make_plan
+
+        mesh = make_mesh({"pp": c.pp, "dp": c.dp, "tp": c.tp},
+                         world_size=world or self.world_size, abstract=not real_mesh,
+                         device_type=self.device_type)  # fmt: skip
+        options = _options(c, batch or self.global_batch, self.seq_len, self.plan_options)
+        return make_plan(self.model, mesh, self.rules, **options)
+
+    def cost(self, plan: Plan, *, recompute: bool = True) -> float:
+        tokens = self.global_batch * self.seq_len if recompute else 0
+        return step_cost(plan, self.node_size, self.links, tokens)
+
+    def evaluate_all(self) -> Iterator[Evaluated]:
+        """Every candidate, planned — with three shortcuts that never hide a fitting one: a
+        memory floor at rest above the device's rejects a candidate unplanned; a flat plan's one
+        planning gives all three checkpointing modes (only activations differ); a pipeline is
+        planned with full checkpointing first, and when that does not fit, neither do the modes
+        that keep more."""
+        for pp, dp, tp in candidates(self.world_size, self.node_size, _n_blocks(self.model)):
+            micros = _microbatches(pp, dp, self.global_batch)
+            if not micros:
+                yield Evaluated(Candidate(pp, dp, tp, 0, "none", 0), None, None,
+                                f"global batch {self.global_batch} does not split into {dp} "
+                                f"data-parallel ranks × ≥{pp} micro-batches")  # fmt: skip
+                continue
+            for micro in micros:
+                for zero in (0, 1, 2, 3):
+                    yield from self.evaluate_modes(Candidate(pp, dp, tp, zero, "full", micro))
+
+    def evaluate_modes(self, base: Candidate) -> Iterator[Evaluated]:
+        """``base`` (full checkpointing) and its selective and no-checkpointing variants."""
+        from dataclasses import replace
+
+        floor = _at_rest_floor(self.model, base, self.plan_options)
+        if floor > self.device_memory:
+            for mode in MODES:
+                yield Evaluated(replace(base, checkpointing=mode), None, None,
+                                f"memory at rest ≥ {_size(floor)}", floor)  # fmt: skip
+            return
+        try:
+            plan = self.plan(base)
+        except MeshtrainError as error:
+            yield Evaluated(base, None, None, error.message.split(". ")[0])
+            return
+        estimates = dict(plan.activation_estimates)
+        full = Evaluated(base, plan.memory.total, self.cost(plan))
+        if plan.pipeline is None and estimates:
+            other = plan.memory.total - plan.memory.activations
+            for mode in MODES:
+                if mode == "full":
+                    yield full
+                else:  # no recomputation: collectives only (a flat plan has no bubble)
+                    yield Evaluated(replace(base, checkpointing=mode), other + estimates[mode],
+                                    self.cost(plan, recompute=False))  # fmt: skip
+            return
+        monotone = not estimates or estimates["none"] >= estimates["selective"] >= estimates["full"]
+        yield full
+        for mode in ("selective", "none"):
+            c = replace(base, checkpointing=mode)
+            if monotone and not full.fits(self.device_memory):
+                yield Evaluated(c, None, None, "keeps more activations than full checkpointing, "
+                                "which does not fit")  # fmt: skip
+                continue
+            planned = self.plan(c)
+            yield Evaluated(c, planned.memory.total, self.cost(planned))
+
+    def nothing_fits(self, evaluated: list[Evaluated]) -> PlanError:
+        """The error for a search where nothing fits: what memory and what world would."""
+        sized = [e for e in evaluated if (e.peak_bytes or e.floor_bytes) is not None]
+        if not sized:
+            reasons = sorted({e.rejected for e in evaluated})[:3]
+            return PlanError(
+                f"strategy auto found no plan for {self.world_size} ranks: no candidate mesh can "
+                f"be planned ({'; '.join(reasons)}). Use a world size with a valid factorisation "
+                "(a multiple of the tensor-parallel degree the heads allow) or a global batch "
+                "that divides into it."
+            )
+        unplanned = {_leanest(e.candidate) for e in sized if e.peak_bytes is None}
+        planned = [e for e in sized if e.peak_bytes is not None] + [
+            e for e in (self.try_plan(c) for c in sorted(unplanned, key=str)) if e is not None
+        ]
+        smallest = min(planned, key=lambda e: e.peak_bytes or 0)
+        need = f"{_size(smallest.peak_bytes or 0)} ({smallest.candidate.describe()})"
+        return PlanError(
+            f"strategy auto: the model does not fit {self.world_size} devices of "
+            f"{_size(self.device_memory)} at any degree ({len(evaluated)} candidates). Use "
+            f"devices of at least {need}{self.smallest_world()}."
+        )
+
+    def try_plan(self, c: Candidate, world: int | None = None,
+                 batch: int | None = None) -> Evaluated | None:  # fmt: skip
+        """``c`` planned (its peak, no cost), or None when the planner rejects it."""
+        try:
+            return Evaluated(c, self.plan(c, world=world, batch=batch).memory.total, None)
+        except MeshtrainError:
+            return None
+
+    def smallest_world(self) -> str:
+        """', or at least N devices of this memory': the world doubled (with the global batch,
+        so each rank keeps its sequences) until the leanest plan of some mesh fits."""
+        world, batch = self.world_size, self.global_batch
+        for _ in range(12):
+            world, batch = world * 2, batch * 2
+            for pp, dp, tp in candidates(world, self.node_size, _n_blocks(self.model)):
+                micros = _microbatches(pp, dp, batch)
+                if not micros:
+                    continue
+                c = Candidate(pp, dp, tp, 3, "full", micros[-1])
+                result = self.try_plan(c, world, batch)
+                if result is not None and result.fits(self.device_memory):
+                    return (f", or at least {world} devices of this memory ({c.describe()}, "
+                            f"global batch {batch}: the same sequences per data-parallel rank)")  # fmt: skip
+        return f" (no world up to {world:,} devices of this memory fits either)"
 
 
-def _evaluate_modes(
-    model: nn.Module,
-    mesh: Mesh,
-    rules: Rules,
-    base: Candidate,
-    device_memory: int,
-    global_batch: int,
-    seq_len: int,
-    node_size: int,
-    links: Links,
-    tokens: int,
-    make_plan: Callable[..., Plan],
-    plan_options: dict[str, Any],
-) -> Iterator[Evaluated]:
+def _leanest(c: Candidate) -> Candidate:
+    """The leanest variant of ``c``'s mesh: ZeRO-3 with full checkpointing."""
     from dataclasses import replace
 
-    floor = _at_rest_floor(model, base, plan_options)
-    if floor > device_memory:
-        for mode in MODES:
-            yield Evaluated(replace(base, checkpointing=mode), None, None,
-                            f"memory at rest ≥ {_size(floor)}", floor)  # fmt: skip
-        return
-    try:
-        plan = make_plan(model, mesh, rules, **_options(base, global_batch, seq_len, plan_options))
-    except MeshtrainError as error:
-        yield Evaluated(base, None, None, error.message.split(". ")[0])
-        return
-    estimates = dict(plan.activation_estimates)
-    full = Evaluated(base, plan.memory.total, step_cost(plan, node_size, links, tokens))
-    if plan.pipeline is None and estimates:
-        other = plan.memory.total - plan.memory.activations
-        for mode in MODES:
-            c = replace(base, checkpointing=mode)
-            if mode == "full":
-                yield full
-                continue
-            # no recomputation: collectives only (a flat plan has no bubble)
-            yield Evaluated(c, other + estimates[mode], step_cost(plan, node_size, links, 0))
-        return
-    monotone = not estimates or estimates["none"] >= estimates["selective"] >= estimates["full"]
-    yield full
-    for mode in ("selective", "none"):
-        c = replace(base, checkpointing=mode)
-        if monotone and not full.fits(device_memory):
-            yield Evaluated(c, None, None, "keeps more activations than full checkpointing, "
-                            "which does not fit")  # fmt: skip
-            continue
-        planned = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len, plan_options))
-        yield Evaluated(c, planned.memory.total, step_cost(planned, node_size, links, tokens))
+    return replace(c, zero=3, checkpointing="full")
 
 
 def _reasons(
@@ -407,105 +444,8 @@ def _with_notes(plan: Plan, reasons: tuple[str, ...]) -> Plan:
     return replace(plan, notes=(*reasons, *plan.notes))
 
 
-def _nothing_fits(
-    model: nn.Module,
-    world_size: int,
-    rules: Rules,
-    device_memory: int,
-    global_batch: int,
-    seq_len: int,
-    node_size: int,
-    evaluated: list[Evaluated],
-    plan_options: dict[str, Any],
-) -> PlanError:
-    sized = [e for e in evaluated if (e.peak_bytes or e.floor_bytes) is not None]
-    if not sized:
-        reasons = sorted({e.rejected for e in evaluated})[:3]
-        return PlanError(
-            f"strategy auto found no plan for {world_size} ranks: no candidate mesh can be planned "
-            f"({'; '.join(reasons)}). Use a world size with a valid factorisation (a multiple of "
-            f"the tensor-parallel degree the heads allow) or a global batch that divides into it."
-        )
-    planned = [e for e in sized if e.peak_bytes is not None] + _plan_leanest(
-        model, world_size, rules, global_batch, seq_len, plan_options,
-        {(e.candidate.pp, e.candidate.dp, e.candidate.tp, e.candidate.microbatches)
-         for e in sized if e.peak_bytes is None},
-    )  # fmt: skip
-    world_hint = _smallest_world(
-        model, world_size, rules, device_memory, global_batch, seq_len, node_size, plan_options
-    )
-    smallest = min(planned, key=lambda e: e.peak_bytes or 0)
-    need = f"{_size(smallest.peak_bytes or 0)} ({smallest.candidate.describe()})"
-    return PlanError(
-        f"strategy auto: the model does not fit {world_size} devices of "
-        f"{_size(device_memory)} at any degree ({len(evaluated)} candidates). Use devices of at "
-        f"least {need}{world_hint}."
-    )
-
-
-def _plan_leanest(
-    model: nn.Module,
-    world_size: int,
-    rules: Rules,
-    global_batch: int,
-    seq_len: int,
-    plan_options: dict[str, Any],
-    meshes: set[tuple[int, int, int, int]],
-) -> list[Evaluated]:
-    """Plan the leanest variant (ZeRO-3, full checkpointing) of meshes rejected unplanned."""
-    from meshtrain.plan.api import plan as make_plan
-
-    result = []
-    for pp, dp, tp, micro in sorted(meshes):
-        c = Candidate(pp, dp, tp, 3, "full", micro)
-        mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world_size, abstract=True)
-        try:
-            planned = make_plan(model, mesh, rules, **_options(c, global_batch, seq_len,
-                                                               plan_options))  # fmt: skip
-        except MeshtrainError:
-            continue
-        result.append(Evaluated(c, planned.memory.total, None))
-    return result
-
-
 def _size(value: int) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if value >= scale:
             return f"{value / scale:.2f} {unit}"
     return f"{value} B"
-
-
-def _smallest_world(
-    model: nn.Module,
-    world_size: int,
-    rules: Rules,
-    device_memory: int,
-    global_batch: int,
-    seq_len: int,
-    node_size: int,
-    plan_options: dict[str, Any],
-) -> str:
-    """', or at least N devices of this memory' — doubling the world (with the global batch)."""
-    from meshtrain.plan.api import plan as make_plan
-
-    world, batch = world_size, global_batch
-    n_blocks = _n_blocks(model)
-    for _ in range(12):
-        world, batch = world * 2, batch * 2
-        for pp, dp, tp in candidates(world, node_size, n_blocks):
-            micros = _microbatches(pp, dp, batch)
-            if not micros:
-                continue
-            micro = micros[-1]
-            mesh = make_mesh({"pp": pp, "dp": dp, "tp": tp}, world_size=world, abstract=True)
-            c = Candidate(pp, dp, tp, 3, "full", micro)
-            try:
-                plan = make_plan(model, mesh, rules, **_options(c, batch, seq_len, plan_options))
-            except MeshtrainError:
-                continue
-            if plan.memory.total <= device_memory:
-                return (
-                    f", or at least {world} devices of this memory ({c.describe()}, global batch "
-                    f"{batch}: the same sequences per data-parallel rank)"
-                )
-    return f" (no world up to {world:,} devices of this memory fits either)"
