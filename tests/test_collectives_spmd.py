@@ -40,7 +40,8 @@ def measure(
             fsdp=data,
         ),
     }[rules_kind]
-    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel)
+    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel,
+                   batch_size=2, seq_len=8)  # fmt: skip
     plan.apply(model)
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -58,9 +59,12 @@ def measure(
     with counter:
         step()
     predicted: Counter[tuple[str, str]] = Counter()
+    predicted_bytes: Counter[tuple[str, str]] = Counter()
     for collective in plan.collectives:
         predicted[(collective.kind, collective.axis)] += collective.count
-    return dict(counter.counts), dict(predicted)
+        predicted_bytes[(collective.kind, collective.axis)] += collective.bytes
+    return {"counts": (dict(counter.counts), dict(predicted)),
+            "bytes": (dict(counter.bytes), dict(predicted_bytes))}  # fmt: skip
 
 
 CASES = {
@@ -88,14 +92,17 @@ def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
     for _, size in axes:
         world *= size
     results = get_pool(world).run(measure, axes, rules_kind, zero, micro, loss_parallel)
-    for measured, predicted in results:
+    for result in results:
+        measured, predicted = result["counts"]
         assert measured == predicted
+        measured_bytes, predicted_bytes = result["bytes"]
+        assert measured_bytes == predicted_bytes
 
 
-def measure_pipelined(zero: int, tp: bool) -> tuple[dict, dict] | None:
+def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dict, dict]] | None:
     """Runs on every rank of pp 2 × dp 2 (× tp 2): one warm-up step, one counted step; on the
     busiest pipeline rank (the one ``plan.collectives`` describes) returns the data- and
-    tensor-parallel collectives counted and predicted."""
+    tensor-parallel collectives counted and predicted (counts, then payload bytes)."""
     import re
 
     import torch.distributed as dist
@@ -106,9 +113,12 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[dict, dict] | None:
     rules = (
         Rules(logical=default_rules().logical, fsdp="dp") if tp else Rules({r".*": P()}, fsdp="dp")
     )
-    plan = mt.plan(model, mesh, rules, zero=zero, pipeline=mt.Pipeline(microbatches=4))
+    plan = mt.plan(model, mesh, rules, zero=zero, pipeline=mt.Pipeline(microbatches=4),
+                   global_batch=8, seq_len=8)  # fmt: skip
     pipelined = plan.apply(model)
-    tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, 256, (4, 9), generator=torch.Generator().manual_seed(0)
+    )  # per dp rank
     pipelined.step(tokens[:, :-1], tokens[:, 1:])  # lazy initialisation issues its own
     counter = CollectiveCounter(mesh)
     with counter:
@@ -123,13 +133,17 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[dict, dict] | None:
     # the schedule's own reductions of the step's token count and loss are not the plan's
     kinds = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if tp else set())
     measured = {k: n for k, n in counter.counts.items() if k[0] in kinds and k[1] != "pp"}
+    measured_bytes = {k: counter.bytes[k] for k in measured}
     if tp:
         measured.pop(("all_reduce", "dp"), None)
+        measured_bytes.pop(("all_reduce", "dp"), None)
     predicted: Counter[tuple[str, str]] = Counter()
+    predicted_bytes: Counter[tuple[str, str]] = Counter()
     for collective in plan.collectives:
         if collective.kind in kinds:
             predicted[(collective.kind, collective.axis)] += collective.count
-    return measured, dict(predicted)
+            predicted_bytes[(collective.kind, collective.axis)] += collective.bytes
+    return (measured, measured_bytes), (dict(predicted), dict(predicted_bytes))
 
 
 @pytest.mark.parametrize(("zero", "tp"), [(2, False), (3, False), (2, True)])

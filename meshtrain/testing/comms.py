@@ -10,6 +10,8 @@ Example (on every rank)::
     with CollectiveCounter(mesh) as counter:
         loss.backward()
     counter.counts   # {("reduce_scatter", "dp"): 3, ...}
+    counter.bytes    # payload per (kind, axis), as the plan counts it: the gathered output of an
+                     # all-gather, the unreduced input of a reduce-scatter, an all-reduce's tensor
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self, mesh: Mesh) -> None:
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
+        self.bytes: Counter[tuple[str, str]] = Counter()
         self._axis_by_group: dict[str, str] = {}
         device_mesh = mesh.device_mesh
         if device_mesh is not None:
@@ -57,9 +60,12 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         namespace = func.namespace
         name = func.overloadpacket.__name__
+        out = func(*args, **(kwargs or {}))
         if namespace in ("c10d", "_c10d_functional", "c10d_functional") and name in _KINDS:
-            self.counts[(_KINDS[name], self._axis_of(args, kwargs or {}))] += 1
-        return func(*args, **(kwargs or {}))
+            key = (_KINDS[name], self._axis_of(args, kwargs or {}))
+            self.counts[key] += 1
+            self.bytes[key] += _payload((*args, *(kwargs or {}).values(), out))
+        return out
 
     def _axis_of(self, args: Any, kwargs: dict[str, Any]) -> str:
         for value in (*args, *kwargs.values()):
@@ -72,3 +78,20 @@ class CollectiveCounter(TorchDispatchMode):
             if group_name in self._axis_by_group:
                 return self._axis_by_group[group_name]
         return "?"
+
+
+def _payload(values: Any) -> int:
+    """The largest tensor (or list of tensors, summed) among a collective's arguments and output:
+    an all-gather's output, a reduce-scatter's input, an all-reduce's tensor."""
+    best = 0
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            best = max(best, value.numel() * value.element_size())
+        elif isinstance(value, (list, tuple)) and value:
+            tensors = [v for v in value if isinstance(v, torch.Tensor)]
+            if tensors:
+                best = max(best, sum(t.numel() * t.element_size() for t in tensors))
+            nested = [v for v in value if isinstance(v, (list, tuple))]
+            if nested:
+                best = max(best, _payload(nested))
+    return best
