@@ -59,5 +59,5 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
     session.install(*PIN, "-e", ".[test]")
-    session.run("python", "benchmarks/compute.py", *session.posargs)
-    session.run("python", "benchmarks/harness.py")
+    for name in ("overhead", "planning", "compute", "harness"):
+        session.run("python", f"benchmarks/{name}.py", "--out", f"benchmarks/results/{name}.json")

@@ -1,0 +1,322 @@
+"""meshtrain's plans against the same parallelism written by hand, in one run on the same ranks.
+
+For FSDP (ZeRO-3 over dp 4), FSDP + tensor parallel (dp 2 × tp 2) and PP + FSDP (pp 2 × dp 2,
+1F1B over 4 micro-batches), every rank builds the same Llama twice: one copy goes through
+``mt.plan(...).apply(model)``, the other through the calls torchtitan's parallelize functions make
+(``parallelize_module`` with column-/row-wise styles, ``fully_shard`` per block then the root,
+``PipelineStage`` + ``Schedule1F1B``). Both train with AdamW on the same batches; their steps are
+interleaved (A B, then B A, ...) and each is timed between barriers, so drift hits both alike.
+
+Reported per configuration: median step time of each and their ratio (meshtrain / hand-written;
+target ≤ 1.02) with the round-by-round ratios' median and quartiles (their spread is this
+machine's noise: 4 ranks share 2 cores), and the collectives one step issues — count and payload bytes per kind and mesh
+axis, meshtrain's and the hand-written code's as counted on the ranks, against the plan's
+prediction (the minimum the parallelism needs; target: equal).
+
+Usage::
+
+    python benchmarks/overhead.py --rounds 20 --out benchmarks/results/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import platform
+import re
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import meshtrain as mt
+from meshtrain import P, Rules
+from meshtrain.models import LlamaConfig, build_llama, default_rules
+from meshtrain.testing.comms import CollectiveCounter
+from meshtrain.testing.runner import get_pool
+
+CONFIG = LlamaConfig.preset("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
+                            vocab_size=2048, max_seq_len=128)  # fmt: skip
+BATCH, SEQ, MICRO = 8, 128, 4  # sequences per data-parallel rank per step, tokens, pp micro-batches
+SETUPS = {
+    "fsdp": (("dp", 4),),
+    "fsdp_tp": (("dp", 2), ("tp", 2)),
+    "pp_fsdp": (("pp", 2), ("dp", 2)),
+}
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + dp_rank)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _meshtrain(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Module]:
+    model = build_llama(CONFIG, seed=0)
+    tp = "tp" in mesh.axis_names
+    rules = default_rules() if tp else Rules({r".*": P()}, fsdp="dp")
+    pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
+    plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline, global_batch=BATCH * mesh.size("dp"),
+                   seq_len=SEQ)  # fmt: skip
+    applied = plan.apply(model)
+    optimizer = torch.optim.AdamW(applied.parameters(), lr=1e-4)
+    dp_rank = mesh.coordinates(dist.get_rank())["dp"]
+    global_tokens = BATCH * SEQ * mesh.size("dp")
+
+    def step(index: int) -> None:
+        inputs, targets = _batch(index, dp_rank)
+        if pipeline is not None:
+            applied.step(inputs, targets)
+        else:
+            with plan.micro_batch(applied, last=True), plan.loss_parallel():
+                logits = applied(inputs)
+                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+                (loss / global_tokens).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, applied
+
+
+def _by_hand(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Module]:
+    """The same parallelism with PyTorch's calls, the way torchtitan's parallelize_llama makes them."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        loss_parallel,
+        parallelize_module,
+    )
+
+    model = build_llama(CONFIG, seed=0)
+    device_mesh = mesh.device_mesh
+    assert device_mesh is not None
+    dp_mesh = device_mesh["dp"]
+    dp_rank = mesh.coordinates(dist.get_rank())["dp"]
+    if setup == "fsdp_tp":
+        tp_mesh = device_mesh["tp"]
+        parallelize_module(model, tp_mesh, {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+        })  # fmt: skip
+        for block in model.layers.values():
+            parallelize_module(block, tp_mesh, {
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+            })  # fmt: skip
+    if setup == "pp_fsdp":
+        return _pipeline_by_hand(model, mesh, dp_rank)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    context = loss_parallel if setup == "fsdp_tp" else _no_context
+
+    def step(index: int) -> None:
+        inputs, targets = _batch(index, dp_rank)
+        with context():
+            logits = model(inputs)
+            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, model
+
+
+def _pipeline_by_hand(
+    model: nn.Module, mesh: mt.Mesh, dp_rank: int
+) -> tuple[Callable[[int], None], nn.Module]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    device_mesh = mesh.device_mesh
+    assert device_mesh is not None
+    pp_rank = mesh.coordinates(dist.get_rank())["pp"]
+    stage = copy.deepcopy(model)
+    keep = {"0", "1"} if pp_rank == 0 else {"2", "3"}  # meshtrain's balanced split of 4 blocks
+    for name in list(stage.layers.keys()):
+        if name not in keep:
+            del stage.layers[name]
+    if pp_rank == 0:
+        stage.norm, stage.output = None, None
+    else:
+        stage.tok_embeddings = None
+    for block in stage.layers.values():
+        fully_shard(block, mesh=device_mesh["dp"], reshard_after_forward=True)
+    fully_shard(stage, mesh=device_mesh["dp"], reshard_after_forward=False)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    pipeline_stage = PipelineStage(stage, pp_rank, 2, torch.device("cpu"),
+                                   group=device_mesh.get_group("pp"))  # fmt: skip
+    schedule = Schedule1F1B(pipeline_stage, MICRO, loss_fn=loss_fn)
+    optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
+
+    def step(index: int) -> None:
+        inputs, targets = _batch(index, dp_rank)
+        if pp_rank == 0:
+            schedule.step(inputs)
+        else:
+            schedule.step(target=targets)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step, stage
+
+
+class _no_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _timed(step: Callable[[int], None], index: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step(index)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def _counted(step: Callable[[int], None], mesh: mt.Mesh, index: int) -> dict[str, list[int]]:
+    counter = CollectiveCounter(mesh)
+    with counter:
+        step(index)
+    return {f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
+            for (kind, axis), n in sorted(counter.counts.items())}  # fmt: skip
+
+
+def measure(setup: str, rounds: int) -> dict[str, Any]:
+    """Runs on every rank: build both, warm up, time interleaved steps, count one step each."""
+    mesh = mt.make_mesh(dict(SETUPS[setup]))
+    steps = {"meshtrain": _meshtrain(setup, mesh)[0], "hand": _by_hand(setup, mesh)[0]}
+    for name in steps:  # lazy initialisation and first-step allocations
+        steps[name](0)
+        steps[name](1)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for index in range(rounds):
+        order = ("meshtrain", "hand") if index % 2 == 0 else ("hand", "meshtrain")
+        for name in order:
+            times[name].append(_timed(steps[name], 2 + index))
+    counts = {name: _counted(step, mesh, 2 + rounds) for name, step in steps.items()}
+    return {"times": times, "counts": counts, "coordinates": mesh.coordinates(dist.get_rank())}
+
+
+def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
+    """The plan's collectives per step on the busiest rank (abstract mesh: no processes), and
+    that rank's pipeline coordinate (0 without a pipeline)."""
+    axes = dict(SETUPS[setup])
+    mesh = mt.make_mesh(axes, world_size=4, abstract=True)
+    model = build_llama(CONFIG, device="meta")
+    rules = default_rules() if "tp" in axes else Rules({r".*": P()}, fsdp="dp")
+    pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
+    plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline,
+                   global_batch=BATCH * axes["dp"], seq_len=SEQ)  # fmt: skip
+    rows: dict[str, list[int]] = {}
+    for c in plan.collectives:
+        row = rows.setdefault(f"{c.kind}@{c.axis}", [0, 0])
+        row[0] += c.count
+        row[1] += c.bytes
+    busiest = next(
+        (int(m.group(1)) for note in plan.notes
+         if (m := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))),
+        0,
+    )  # fmt: skip
+    return dict(sorted(rows.items())), busiest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--setups", nargs="*", default=list(SETUPS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    for setup in args.setups:
+        per_rank = get_pool(4).run(measure, setup, args.rounds, _timeout_s=1800)
+        step_times = {  # a step ends when its slowest rank does: the barrier-to-barrier time
+            name: [max(r["times"][name][i] for r in per_rank) for i in range(args.rounds)]
+            for name in ("meshtrain", "hand")
+        }
+        medians = {name: statistics.median(values) for name, values in step_times.items()}
+        paired = sorted(a / b for a, b in zip(step_times["meshtrain"], step_times["hand"]))
+        quartiles = statistics.quantiles(paired, n=4)
+        plan_rows, pp_rank = predicted(setup)
+        busiest = next(r for r in per_rank if r["coordinates"].get("pp", 0) == pp_rank)["counts"]
+        results[setup] = {
+            "mesh": dict(SETUPS[setup]),
+            "median_step_s": medians,
+            "ratio": medians["meshtrain"] / medians["hand"],
+            "paired_ratio": {
+                "median": statistics.median(paired),
+                "q1": quartiles[0],
+                "q3": quartiles[2],
+            },
+            "collectives": {
+                "meshtrain": busiest["meshtrain"],
+                "hand": busiest["hand"],
+                "plan": plan_rows,
+            },
+        }
+        print(_table(setup, results[setup]), flush=True)
+    record = {
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU gloo, 4 ranks",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": _commit(),
+        "torch": torch.__version__,
+        "model": {
+            "dim": CONFIG.dim,
+            "layers": CONFIG.n_layers,
+            "vocab": CONFIG.vocab_size,
+            "batch_per_dp_rank": BATCH,
+            "seq_len": SEQ,
+        },
+        "rounds": args.rounds,
+        "results": results,
+    }
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _table(setup: str, result: dict[str, Any]) -> str:
+    m = result["median_step_s"]
+    lines = [
+        f"{setup} {result['mesh']}: meshtrain {m['meshtrain'] * 1e3:.1f} ms, by hand "
+        f"{m['hand'] * 1e3:.1f} ms, ratio {result['ratio']:.3f} (round by round: median "
+        f"{result['paired_ratio']['median']:.3f}, quartiles {result['paired_ratio']['q1']:.3f}–"
+        f"{result['paired_ratio']['q3']:.3f})",
+        f"  {'collective@axis':<22} {'plan':>16} {'meshtrain':>16} {'by hand':>16}  (count/bytes)",
+    ]
+    c = result["collectives"]
+    for key in sorted(set(c["plan"]) | set(c["meshtrain"]) | set(c["hand"])):
+        cells = [c[name].get(key) for name in ("plan", "meshtrain", "hand")]
+        shown = [f"{v[0]}/{v[1]:,}" if v else "-" for v in cells]
+        lines.append(f"  {key:<22} {shown[0]:>16} {shown[1]:>16} {shown[2]:>16}")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
