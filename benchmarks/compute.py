@@ -18,10 +18,10 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
+import provenance
 import torch
 import torch.nn.functional as F
 
@@ -107,9 +107,7 @@ def main() -> None:
     compiled = pool.run(step_times, "inductor", args.steps, _timeout_s=600.0)[0]
     pool.close()
     memory = activation_memory()
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    commit = provenance.commit()
     result = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
         f"torch {torch.__version__}",

@@ -19,11 +19,11 @@ import argparse
 import json
 import math
 import platform
-import subprocess
 import time
 import warnings
 from pathlib import Path
 
+import provenance
 from hypothesis import HealthCheck, given, settings
 
 import meshtrain as mt
@@ -108,8 +108,7 @@ def main() -> None:
         print(f"{row['tier']:<31} {row['world']:>5} {row['examples']:>8} {row['trained']:>7} "
               f"{row['refused']:>7} {row['seconds']:>7} {row['examples_per_minute']:>8} "
               f"{row['trained_per_minute']:>11}")  # fmt: skip
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip()  # fmt: skip
+    commit = provenance.commit()
     result = {"machine": platform.machine(), "python": platform.python_version(),
               "commit": commit, "date": time.strftime("%Y-%m-%d"), "rows": rows}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)

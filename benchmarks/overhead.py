@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import re
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from provenance import provenance
 from torch import nn
 
 import meshtrain as mt
@@ -274,10 +273,8 @@ def main() -> None:
         }
         print(_table(setup, results[setup]), flush=True)
     record = {
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, CPU gloo, 4 ranks",
-        "date": time.strftime("%Y-%m-%d"),
-        "commit": _commit(),
-        "torch": torch.__version__,
+        **provenance(),
+        "ranks": "4 CPU gloo ranks",
         "model": {
             "dim": CONFIG.dim,
             "layers": CONFIG.n_layers,
@@ -308,14 +305,6 @@ def _table(setup: str, result: dict[str, Any]) -> str:
         shown = [f"{v[0]}/{v[1]:,}" if v else "-" for v in cells]
         lines.append(f"  {key:<22} {shown[0]:>16} {shown[1]:>16} {shown[2]:>16}")
     return "\n".join(lines)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

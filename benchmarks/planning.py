@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from provenance import provenance
 
 from meshtrain.recipes import load_recipe
 from meshtrain.sizing import size_recipe
@@ -70,22 +68,8 @@ def main() -> None:
                       f"{row['peak_gib']:>7.1f} GiB{'' if row['fits_80gib'] else ' (>80)'}")  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
-            "date": time.strftime("%Y-%m-%d"),
-            "commit": _commit(),
-            "torch": torch.__version__,
-            "results": results,
-        }
+        record = {**provenance(), "results": results}
         args.out.write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":
