@@ -21,6 +21,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import re
@@ -120,7 +121,7 @@ def _by_hand(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Modul
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    context = loss_parallel if setup == "fsdp_tp" else _no_context
+    context = loss_parallel if setup == "fsdp_tp" else contextlib.nullcontext
 
     def step(index: int) -> None:
         inputs, targets = _batch(index, dp_rank)
@@ -173,14 +174,6 @@ def _pipeline_by_hand(
         optimizer.zero_grad()
 
     return step, stage
-
-
-class _no_context:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None
 
 
 def _timed(step: Callable[[int], None], index: int) -> float:

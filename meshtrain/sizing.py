@@ -100,36 +100,9 @@ def size_recipe(
         plan = make_plan(model, mesh, recipe.rules(), global_batch=used, seq_len=seq_len, **options)
     else:
         raise PlanError(f"strategy {strategy!r} is unknown: use 'recipe' or 'auto'.")
-    by_mode = None
-    if plan.pipeline is not None:  # the busiest stage's activations depend on the mode
-        by_mode = {
-            mode: make_plan(
-                model,
-                plan.mesh,
-                recipe.rules(),
-                global_batch=used,
-                seq_len=seq_len,
-                **{**_plan_kwargs(plan, options), "activation_checkpointing": mode},
-            ).memory.activations
-            for mode in ("none", "full", "selective")
-        }
-    report = footprint(plan, memory, by_mode)
+    report = footprint(plan, memory)
     return Sizing(recipe.name, world, strategy, used, note, plan, report,
                   time.perf_counter() - start)  # fmt: skip
-
-
-def _plan_kwargs(plan: Plan, options: dict[str, Any]) -> dict[str, Any]:
-    """The options ``plan`` was made with (the recipe's, or auto's choice)."""
-    from meshtrain.plan.pipeline import Pipeline
-
-    chosen = {**options, "zero": plan.options.zero}
-    chosen.pop("microbatches", None)
-    if plan.pipeline is not None:
-        p = plan.pipeline
-        chosen["pipeline"] = Pipeline(axis=p.axis, schedule=p.schedule,
-                                      microbatches=p.microbatches,
-                                      stages_per_rank=p.stages_per_rank)  # fmt: skip
-    return chosen
 
 
 def _mesh(recipe: Recipe, world: int) -> Any:

@@ -136,6 +136,7 @@ def test_big_recipes_plan_on_fake_worlds(recipe: str, world: int) -> None:
     assert {"dp", "tp"} <= axes and (("pp" in axes) == (sizing.plan.pipeline is not None))
     assert set(report.activations_by_mode) == {"none", "full", "selective"}
     assert report.activations_by_mode["full"] < report.activations_by_mode["none"]
+    assert report.total_with(report.checkpointing) == report.memory.total  # pipelines too
     # the batch rule: whole sequences per micro-batch per data-parallel rank
     dp, micro = sizing.plan.mesh.size("dp"), sizing.plan.options.microbatches
     assert sizing.global_batch == dp * micro * (sizing.plan.options.batch_size or 0)

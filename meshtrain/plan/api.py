@@ -42,12 +42,7 @@ from meshtrain.plan.ir import (
     StagePlan,
 )
 from meshtrain.plan.options import PlanOptions, Precision
-from meshtrain.plan.pipeline import (
-    Pipeline,
-    check_pipeline_axis,
-    plan_pipeline,
-    resharded_gathers,
-)
+from meshtrain.plan.pipeline import Pipeline, check_pipeline_axis, plan_pipeline
 from meshtrain.plan.policies import (
     block_fqns,
     parse_checkpointing,
@@ -227,6 +222,13 @@ def plan(
             f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
             f"{busiest}); inside the schedule gradients are reduced once per step"
         )
+        if profile is not None:  # per mode, for the busiest rank's stages and micro-batches
+            local = pipeline_plan.local_stages(busiest)
+            estimates = tuple(
+                (mode, sum(profile.peak(mode, blocks if mode != "none" else (), stage.modules,
+                                        stage.in_flight) for stage in local))
+                for mode, _ in estimates
+            )  # fmt: skip
     return Plan(
         mesh=mesh,
         options=options,
@@ -266,13 +268,13 @@ def _auto(model: nn.Module, mesh: Mesh, rules: Rules, given: dict[str, Any]) -> 
             + (f"it needs {', '.join(missing)}." if missing else ""),
             mesh=mesh,
         )
-    fixed = ("zero", "offload", "precision", "reduce_precision", "optimizer", "loss_parallel",
-             "fsdp_units", "compile")  # fmt: skip
+    shared = ("offload", "precision", "reduce_precision", "optimizer", "loss_parallel",
+              "fsdp_units", "compile")  # fmt: skip
     return choose_plan(
         model, mesh.world_size, rules, device_memory=parse_bytes(given["device_memory"]),
         global_batch=given["global_batch"], seq_len=given["seq_len"],
         node_size=given["node_size"], device_type=mesh.device_type,
-        real_mesh=not mesh.is_abstract, **{name: given[name] for name in fixed if name != "zero"},
+        real_mesh=not mesh.is_abstract, **{name: given[name] for name in shared},
     ).plan  # fmt: skip
 
 
@@ -384,15 +386,11 @@ def _pipeline_costs(
         pipeline.p2p_bytes,
         "activations to the next stage, their gradients back (per pipeline rank pair)",
     )
-    gathers = resharded_gathers(
-        pipeline.schedule, len(ranks),
-        pipeline.microbatches, pipeline.stages_per_rank,
-    ) if options.zero == 3 and data_axes else {}  # fmt: skip
     data_parallel: list[Collective] = []
     for stage in stages:
         data_parallel += estimate_collectives(
             [by_fqn[fqn] for fqn in stage.params], _stage_units((stage,), units), data_axes,
-            options, pipelined=True, block_gathers=gathers.get(stage.index, (1, 1)),
+            options, pipelined=True, block_gathers=stage.zero3_gathers,
         )  # fmt: skip
     collectives = (
         send,

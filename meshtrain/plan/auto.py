@@ -48,10 +48,10 @@ from typing import Any
 
 from torch import nn
 
-from meshtrain.plan.footprint import GiB, footprint
+from meshtrain.plan.footprint import footprint, format_bytes
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.errors import MeshtrainError, PlanError
-from meshtrain.spec.mesh import Mesh, make_mesh
+from meshtrain.spec.mesh import make_mesh
 from meshtrain.spec.rules import Rules
 
 MODES = ("none", "selective", "full")
@@ -162,8 +162,11 @@ def choose_plan(
     applied. Raises :class:`PlanError` when nothing fits, with the smallest world (at this
     device memory) and the smallest device memory (at this world) that would.
     """
-    search = _Search(model, world_size, rules, device_memory, global_batch, seq_len, node_size,
-                     links or Links(), device_type, plan_options)  # fmt: skip
+    search = _Search(
+        model, world_size, rules, device_memory, global_batch, seq_len, node_size,
+        links or Links(), device_type, plan_options, n_blocks=_n_blocks(model),
+        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+    )  # fmt: skip
     evaluated = list(search.evaluate_all())
     fitting = [e for e in evaluated if e.fits(device_memory)]
     if not fitting:
@@ -175,22 +178,28 @@ def choose_plan(
     return AutoChoice(plan, best, tuple(evaluated), device_memory, reasons)
 
 
-def step_cost(plan: Plan, node_size: int, links: Links, tokens_per_step: int) -> float:
+def step_cost(
+    plan: Plan,
+    node_size: int,
+    links: Links,
+    tokens_per_step: int,
+    checkpointing: str | None = None,
+) -> float:
     """Modelled seconds a step spends beyond its model FLOPs: collectives (ring bytes over each
-    axis's link + latency), the pipeline bubble and full checkpointing's recomputation."""
+    axis's link + latency), the pipeline bubble and full checkpointing's recomputation (under
+    ``checkpointing``, default the plan's own mode; a flat plan's three modes share one planning).
+    """
     report = footprint(plan)
-    strides = _strides(plan.mesh)
     comm = 0.0
     for traffic in report.traffic:
-        axes = traffic.axis.split("+")
-        span = max(strides[a] * plan.mesh.size(a) for a in axes)
+        span = max(plan.mesh.span(axis) for axis in traffic.axis.split("+"))
         comm += links.seconds(traffic.sent_bytes, inside_node=span <= node_size,
                               collectives=traffic.count)  # fmt: skip
     params = sum(math.prod(p.shape) for p in plan.params)
     compute = 6 * params * tokens_per_step / plan.mesh.world_size / links.flops_per_s
     bubble = report.bubble_fraction / (1 - report.bubble_fraction) * compute
-    recompute = compute / 3 if plan.options.activation_checkpointing == "full" else 0.0
-    return comm + bubble + recompute
+    mode = checkpointing or plan.options.activation_checkpointing
+    return comm + bubble + (compute / 3 if mode == "full" else 0.0)
 
 
 def candidates(world_size: int, node_size: int, n_blocks: int) -> Iterator[tuple[int, int, int]]:
@@ -213,14 +222,6 @@ def candidates(world_size: int, node_size: int, n_blocks: int) -> Iterator[tuple
 # --- internals -------------------------------------------------------------------------------
 
 
-def _strides(mesh: Mesh) -> dict[str, int]:
-    strides, step = {}, 1
-    for name in reversed(mesh.axis_names):
-        strides[name] = step
-        step *= mesh.size(name)
-    return strides
-
-
 def _n_blocks(model: nn.Module) -> int:
     from meshtrain.plan.infer import infer_units
 
@@ -241,17 +242,16 @@ def _microbatches(pp: int, dp: int, global_batch: int) -> tuple[int, ...]:
     return ()
 
 
-def _at_rest_floor(model: nn.Module, c: Candidate, plan_options: dict[str, Any]) -> int:
-    """A lower bound of a candidate's memory at rest: every parameter split tp·pp ways (and dp
-    ways under ZeRO ≥ 1) with its gradient and optimizer states (0 under offload)."""
+def _at_rest_floor(param_bytes: int, c: Candidate, plan_options: dict[str, Any]) -> int:
+    """A lower bound of a candidate's memory at rest: the model's ``param_bytes`` split tp·pp
+    ways (and dp ways under ZeRO ≥ 1) with its gradient and optimizer states (0 under offload)."""
     from meshtrain.plan.options import PlanOptions
 
     if plan_options.get("offload"):
         return 0
     states = PlanOptions(optimizer=plan_options.get("optimizer", "adamw")).optimizer_states
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
     ways = c.tp * c.pp * (c.dp if c.zero >= 1 else 1)
-    return total * (2 + states) // ways
+    return param_bytes * (2 + states) // ways
 
 
 def _options(
@@ -282,6 +282,8 @@ class _Search:
     links: Links
     device_type: str
     plan_options: dict[str, Any]
+    n_blocks: int  # repeated blocks: the most pipeline stages
+    param_bytes: int  # the whole model's parameters
 
     def plan(
         self, c: Candidate, *, world: int | None = None, batch: int | None = None,
@@ -296,9 +298,9 @@ class _Search:
         options = _options(c, batch or self.global_batch, self.seq_len, self.plan_options)
         return make_plan(self.model, mesh, self.rules, **options)
 
-    def cost(self, plan: Plan, *, recompute: bool = True) -> float:
-        tokens = self.global_batch * self.seq_len if recompute else 0
-        return step_cost(plan, self.node_size, self.links, tokens)
+    def cost(self, plan: Plan, checkpointing: str | None = None) -> float:
+        tokens = self.global_batch * self.seq_len
+        return step_cost(plan, self.node_size, self.links, tokens, checkpointing)
 
     def evaluate_all(self) -> Iterator[Evaluated]:
         """Every candidate, planned — with three shortcuts that never hide a fitting one: a
@@ -306,7 +308,7 @@ class _Search:
         planning gives all three checkpointing modes (only activations differ); a pipeline is
         planned with full checkpointing first, and when that does not fit, neither do the modes
         that keep more."""
-        for pp, dp, tp in candidates(self.world_size, self.node_size, _n_blocks(self.model)):
+        for pp, dp, tp in candidates(self.world_size, self.node_size, self.n_blocks):
             micros = _microbatches(pp, dp, self.global_batch)
             if not micros:
                 yield Evaluated(Candidate(pp, dp, tp, 0, "none", 0), None, None,
@@ -321,11 +323,11 @@ class _Search:
         """``base`` (full checkpointing) and its selective and no-checkpointing variants."""
         from dataclasses import replace
 
-        floor = _at_rest_floor(self.model, base, self.plan_options)
+        floor = _at_rest_floor(self.param_bytes, base, self.plan_options)
         if floor > self.device_memory:
             for mode in MODES:
                 yield Evaluated(replace(base, checkpointing=mode), None, None,
-                                f"memory at rest ≥ {_size(floor)}", floor)  # fmt: skip
+                                f"memory at rest ≥ {format_bytes(floor)}", floor)  # fmt: skip
             return
         try:
             plan = self.plan(base)
@@ -339,9 +341,9 @@ class _Search:
             for mode in MODES:
                 if mode == "full":
                     yield full
-                else:  # no recomputation: collectives only (a flat plan has no bubble)
+                else:
                     yield Evaluated(replace(base, checkpointing=mode), other + estimates[mode],
-                                    self.cost(plan, recompute=False))  # fmt: skip
+                                    self.cost(plan, mode))  # fmt: skip
             return
         monotone = not estimates or estimates["none"] >= estimates["selective"] >= estimates["full"]
         yield full
@@ -370,10 +372,10 @@ class _Search:
             e for e in (self.try_plan(c) for c in sorted(unplanned, key=str)) if e is not None
         ]
         smallest = min(planned, key=lambda e: e.peak_bytes or 0)
-        need = f"{_size(smallest.peak_bytes or 0)} ({smallest.candidate.describe()})"
+        need = f"{format_bytes(smallest.peak_bytes or 0)} ({smallest.candidate.describe()})"
         return PlanError(
             f"strategy auto: the model does not fit {self.world_size} devices of "
-            f"{_size(self.device_memory)} at any degree ({len(evaluated)} candidates). Use "
+            f"{format_bytes(self.device_memory)} at any degree ({len(evaluated)} candidates). Use "
             f"devices of at least {need}{self.smallest_world()}."
         )
 
@@ -391,7 +393,7 @@ class _Search:
         world, batch = self.world_size, self.global_batch
         for _ in range(12):
             world, batch = world * 2, batch * 2
-            for pp, dp, tp in candidates(world, self.node_size, _n_blocks(self.model)):
+            for pp, dp, tp in candidates(world, self.node_size, self.n_blocks):
                 micros = _microbatches(pp, dp, batch)
                 if not micros:
                     continue
@@ -420,8 +422,8 @@ def _reasons(
     planned = [e for e in evaluated if e.peak_bytes is not None]
     fitting = [e for e in planned if e.fits(device_memory)]
     lines = [
-        f"strategy auto on {world_size} devices of {_size(device_memory)} (nodes of "
-        f"{node_size}): chose {best.candidate.describe()}: peak {_size(best.peak_bytes or 0)} "
+        f"strategy auto on {world_size} devices of {format_bytes(device_memory)} (nodes of "
+        f"{node_size}): chose {best.candidate.describe()}: peak {format_bytes(best.peak_bytes or 0)} "
         f"per rank, modelled overhead {best.cost * 1e3:.1f} ms per step",
         f"{len(evaluated)} candidates: {len(planned)} planned, {len(fitting)} fit; the cheapest "
         "fitting one wins (collectives + bubble + recomputation; ties: simpler plan)",
@@ -432,7 +434,7 @@ def _reasons(
     )[:3]
     for e in cheaper:
         lines.append(
-            f"cheaper but too big: {e.candidate.describe()} needs {_size(e.peak_bytes or 0)} "
+            f"cheaper but too big: {e.candidate.describe()} needs {format_bytes(e.peak_bytes or 0)} "
             f"({e.cost * 1e3:.1f} ms)"
         )
     return tuple(lines)
@@ -442,10 +444,3 @@ def _with_notes(plan: Plan, reasons: tuple[str, ...]) -> Plan:
     from dataclasses import replace
 
     return replace(plan, notes=(*reasons, *plan.notes))
-
-
-def _size(value: int) -> str:
-    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if value >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value} B"

@@ -107,7 +107,7 @@ def estimate_collectives(
     backward) on a stage's last backward only, whatever the ZeRO stage; ``units`` are then one
     stage's (its blocks, its root last) and under zero=3 ``block_gathers`` says how often the
     blocks are gathered in forward and in backward
-    (:func:`~meshtrain.plan.pipeline.resharded_gathers`).
+    (``StagePlan.zero3_gathers``, from :func:`~meshtrain.plan.pipeline.resharded_gathers`).
     """
     if not data_axes:
         return ()

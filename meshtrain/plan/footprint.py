@@ -23,7 +23,6 @@ Example:
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 
@@ -124,6 +123,10 @@ class Footprint:
 
     def format(self) -> str:
         """The table ``meshtrain plan`` prints."""
+
+        def gib(value: int) -> str:
+            return format_bytes(value, "GiB")
+
         m = self.memory
         mesh = ", ".join(f"{axis}: {size}" for axis, size in self.mesh.items())
         batch = (
@@ -142,11 +145,11 @@ class Footprint:
             (f"activations ({self.checkpointing} checkpointing)", m.activations),
         ]
         lines = [f"mesh {{{mesh}}}; {batch}", "", "memory per rank (busiest rank):"]
-        lines += [f"  {name:<40} {_gib(value):>12}" for name, value in rows]
-        lines.append(f"  {'total (peak)':<40} {_gib(m.total):>12}")
+        lines += [f"  {name:<40} {gib(value):>12}" for name, value in rows]
+        lines.append(f"  {'total (peak)':<40} {gib(m.total):>12}")
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
-            lines.append(f"  {verdict} in {_gib(self.device_memory)} per device")
+            lines.append(f"  {verdict} in {gib(self.device_memory)} per device")
         if self.activations_by_mode:
             lines += ["", "activations and peak total by checkpointing mode:"]
             for mode, value in self.activations_by_mode.items():
@@ -154,7 +157,7 @@ class Footprint:
                 if self.device_memory is not None:
                     fits = "  fits" if self.total_with(mode) <= self.device_memory else "  too big"
                 lines.append(
-                    f"  {mode:<10} activations {_gib(value):>12}   total {_gib(self.total_with(mode)):>12}{fits}"
+                    f"  {mode:<10} activations {gib(value):>12}   total {gib(self.total_with(mode)):>12}{fits}"
                 )
         lines += ["", "communication per step, this rank (ring algorithm):"]
         lines.append(f"  {'axis':<6} {'size':>6}  {'collective':<15} {'count':>6}  "
@@ -162,11 +165,11 @@ class Footprint:
         for t in self.traffic:
             lines.append(
                 f"  {t.axis:<6} {t.axis_size:>6}  {t.kind:<15} {t.count:>6}  "
-                f"{_gib(t.payload_bytes):>12}  {_gib(t.sent_bytes):>12}"
+                f"{gib(t.payload_bytes):>12}  {gib(t.sent_bytes):>12}"
             )
         if not self.traffic:
             lines.append("  none")
-        lines.append(f"  {'total sent':<38} {_gib(self.sent_bytes()):>12}")
+        lines.append(f"  {'total sent':<38} {gib(self.sent_bytes()):>12}")
         if self.bubble_fraction:
             lines += [
                 "",
@@ -175,16 +178,8 @@ class Footprint:
         return "\n".join(lines) + "\n"
 
 
-def footprint(
-    plan: Plan,
-    device_memory: int | None = None,
-    activations_by_mode: dict[str, int] | None = None,
-) -> Footprint:
+def footprint(plan: Plan, device_memory: int | None = None) -> Footprint:
     """The :class:`Footprint` of ``plan`` on devices of ``device_memory`` bytes.
-
-    ``activations_by_mode`` defaults to the plan's per-mode estimates (a flat plan's); for a
-    pipelined plan give the busiest rank's activations re-planned under each mode
-    (:func:`meshtrain.sizing.size_recipe` does).
 
     Example:
         >>> import meshtrain as mt
@@ -211,9 +206,7 @@ def footprint(
     return Footprint(
         mesh=dict(sizes),
         memory=plan.memory,
-        activations_by_mode=(
-            dict(plan.activation_estimates) if activations_by_mode is None else activations_by_mode
-        ),
+        activations_by_mode=dict(plan.activation_estimates),
         checkpointing=plan.options.activation_checkpointing,
         device_memory=device_memory,
         traffic=tuple(traffic),
@@ -224,13 +217,17 @@ def footprint(
     )
 
 
-def _gib(value: int) -> str:
-    return f"{value / GiB:,.2f} GiB"
+def format_bytes(value: int, unit: str | None = None) -> str:
+    """``value`` bytes in ``unit`` ("GiB", "MiB", "KiB", "B"), or the largest unit it reaches.
 
-
-def to_json_text(report: Footprint, **extra: object) -> str:
-    """JSON text of ``report`` with ``extra`` top-level keys."""
-    return json.dumps({**extra, **report.to_json()}, indent=1, sort_keys=True)
+    Example:
+        >>> format_bytes(3 * 2**29), format_bytes(2**20, "GiB")
+        ('1.50 GiB', '0.00 GiB')
+    """
+    scales = {"GiB": GiB, "MiB": 2**20, "KiB": 2**10}
+    if unit is None:
+        unit = next((name for name, scale in scales.items() if value >= scale), "B")
+    return f"{value} B" if unit == "B" else f"{value / scales[unit]:,.2f} {unit}"
 
 
 def textbook_bytes(params: int, zero: int, ranks: int) -> float:

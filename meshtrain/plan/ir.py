@@ -136,6 +136,7 @@ class StagePlan:
     param_bytes: int
     in_flight: int
     activation_bytes: int
+    zero3_gathers: tuple[int, int] = (1, 1)  # block all-gathers (forward, backward) under ZeRO-3
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,8 @@ class Plan:
     :attr:`checkpointed` are those whose activations are recomputed), ``compile_scope`` 'block', 'model'
     or None. ``cast_axes``: size-1 data axes FSDP2 is applied over only to carry the
     mixed-precision policy (no data axis larger than 1). ``activation_estimates``: peak
-    activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len).
+    activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len; a
+    pipeline's are its busiest rank's, with the micro-batches its stages hold at once).
     """
 
     mesh: Mesh
@@ -393,7 +395,14 @@ def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
             **data,
             "split": split if isinstance(split, str) else tuple(split),
             "stages": tuple(
-                StagePlan(**{**s, "modules": tuple(s["modules"]), "params": tuple(s["params"])})
+                StagePlan(
+                    **{
+                        **s,
+                        "modules": tuple(s["modules"]),
+                        "params": tuple(s["params"]),
+                        "zero3_gathers": tuple(s["zero3_gathers"]),
+                    }
+                )
                 for s in data["stages"]
             ),
         }

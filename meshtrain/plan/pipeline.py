@@ -171,9 +171,9 @@ def plan_pipeline(
         )
     n_stages = pp_size * pipeline.stages_per_rank
     micro = options.microbatches
-    tasks = _tasks(
-        schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank), n_stages
-    )
+    order = schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank)
+    tasks = _tasks(order, n_stages)
+    gathers = resharded_gathers(order)
     stages = split_stages(model, n_stages, split=pipeline.split)
     params_of = _stage_params(model, stages)
     ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
@@ -192,6 +192,7 @@ def plan_pipeline(
             params=params_of[stage.index],
             param_bytes=sum(bytes_of.get(fqn, 0) for fqn in params_of[stage.index]),
             in_flight=in_flight[stage.index],
+            zero3_gathers=gathers.get(stage.index, (1, 1)),
             activation_bytes=(
                 activations.peak(
                     options.activation_checkpointing,
@@ -301,23 +302,22 @@ def schedule_order(
     return order
 
 
-def resharded_gathers(
-    schedule: str, pp_size: int, microbatches: int, stages_per_rank: int
-) -> dict[int, tuple[int, int]]:
-    """Per stage, how often its blocks are all-gathered in forward and in backward under ZeRO-3.
+def resharded_gathers(order: dict[int, list[tuple[Part, ...]]]) -> dict[int, tuple[int, int]]:
+    """Per stage, how often its blocks are all-gathered in forward and in backward under ZeRO-3,
+    given the schedule's action order (:func:`schedule_order`).
 
     Inside a schedule FSDP2 reshards a stage's blocks after every forward
     (``reshard_after_forward``) but not after a backward other than the stage's last one
-    (torch's ``PipelineStage`` turns ``reshard_after_backward`` off until then): a forward right
-    after a backward finds them gathered, a backward always needs them again.
+    (torch's ``PipelineStage`` turns ``reshard_after_backward`` off until then): an action finds
+    the blocks gathered exactly when the stage's previous action was a backward.
 
     Example:
-        >>> resharded_gathers("1F1B", 2, 4, 1)  # stage 0: F F B F B F B B; stage 1: F B F B ...
+        >>> resharded_gathers(schedule_order("1F1B", 2, 4, 1))  # stage 0: F F B F B F B B
         {0: (2, 3), 1: (1, 4)}
     """
     gathered: dict[int, bool] = {}
     counts: dict[int, list[int]] = {}
-    for actions in schedule_order(schedule, pp_size, microbatches, stages_per_rank).values():
+    for actions in order.values():
         for parts in actions:
             for kind, stage, _ in parts:
                 row = counts.setdefault(stage, [0, 0])

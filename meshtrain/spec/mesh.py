@@ -96,6 +96,16 @@ class Mesh:
             rank, coords[name] = divmod(rank, size)
         return {name: coords[name] for name in self.axis_names}
 
+    def span(self, axis: str) -> int:
+        """How many consecutive ranks one group along ``axis`` spans (its size × the sizes of the
+        axes after it): a group lies inside a node of ``n`` ranks when its span is at most ``n``.
+
+        Example:
+            >>> Mesh(("dp", "tp"), (4, 8)).span("tp"), Mesh(("dp", "tp"), (4, 8)).span("dp")
+            (8, 32)
+        """
+        return math.prod(self.axis_sizes[self.axis_names.index(axis) :]) if axis in self else 1
+
     def __contains__(self, axis: object) -> bool:
         return axis in self.axis_names
 
