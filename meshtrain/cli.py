@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Shrink RECIPE to N CPU ranks (same mesh axes, a small model of the same "
         "structure) and compare its plan with single-device training, step by step.",
     )
-    check.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    _add_recipe(check, overrides=False)
     check.add_argument("--world", type=_positive, default=4, metavar="N",
                        help="number of CPU (gloo) ranks (default: 4)")  # fmt: skip
     check.add_argument("--steps", type=_positive, default=None, metavar="S",
@@ -56,10 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train RECIPE. Under torchrun every rank runs this command; otherwise it "
         "starts the ranks itself through torchrun.",
     )
-    train.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
-    train.add_argument("--set", dest="overrides", action="append", default=[],
-                       metavar="SECTION.KEY=VALUE",
-                       help="override a recipe value, e.g. --set train.steps=100 (repeatable)")  # fmt: skip
+    _add_recipe(train)
     train.add_argument("--nproc", type=_positive, default=None, metavar="N",
                        help="ranks to start on this machine when not under torchrun (default 1)")  # fmt: skip
     train.add_argument("--nnodes", type=_positive, default=1, metavar="N",
@@ -77,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         "report one rank's memory (at rest and peak), activations per checkpointing mode, "
         "communication per mesh axis and the pipeline bubble.",
     )
-    plan.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    _add_recipe(plan)
     plan.add_argument("--world", type=_positive, required=True, metavar="N",
                       help="number of ranks to plan for")  # fmt: skip
     plan.add_argument("--device-memory", default=None, metavar="SIZE",
@@ -86,11 +83,18 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the recipe's degrees, or let meshtrain choose (needs --device-memory)")  # fmt: skip
     plan.add_argument("--node-size", type=_positive, default=8, metavar="N",
                       help="devices per node, for --strategy auto (default 8)")  # fmt: skip
-    plan.add_argument("--set", dest="overrides", action="append", default=[],
-                      metavar="SECTION.KEY=VALUE", help="override a recipe value (repeatable)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=plan_command)
     return parser
+
+
+def _add_recipe(command: argparse.ArgumentParser, *, overrides: bool = True) -> None:
+    """The RECIPE argument every command takes, and ``--set`` where the recipe can be changed."""
+    command.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    if overrides:
+        command.add_argument("--set", dest="overrides", action="append", default=[],
+                             metavar="SECTION.KEY=VALUE",
+                             help="override a recipe value, e.g. --set train.steps=100 (repeatable)")  # fmt: skip
 
 
 def plan_command(args: argparse.Namespace) -> int:
