@@ -52,6 +52,72 @@ class StackedMLP(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
+class ProjectionPair(nn.Module):
+    """Two projections of one input, returned together (like torchtitan's ``qkv_linear``)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x), self.up(x)
+
+
+class GatedMixer(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.projections = ProjectionPair(dim, hidden)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.projections(x)
+        return self.down(torch.nn.functional.silu(gate) * up)
+
+
+class GroupedBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.mixer = GatedMixer(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mixer(self.norm(x))
+
+
+class GroupedLM(nn.Module):
+    """A language model whose column-wise Linears sit one module below the row-wise one they
+    feed (``mixer.projections.gate``/``up`` → ``mixer.down``), as in torchtitan's attention."""
+
+    def __init__(self, vocab: int = 256, dim: int = 32, hidden: int = 64, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(GroupedBlock(dim, hidden) for _ in range(n_blocks))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+def grouped_rules(fsdp: str | tuple[str, ...], *, sequence_parallel: bool = False) -> Rules:
+    """Tensor-parallel rules for ``GroupedLM``: projections column-wise, ``down`` row-wise,
+    embedding and head on the vocab."""
+    return Rules(
+        {
+            r"blocks\.\d+\.mixer\.projections\.(gate|up)\.weight": P("tp", None),
+            r"blocks\.\d+\.mixer\.down\.weight": P(None, "tp"),
+            r"(embed|head)\.weight": P("tp", None),
+            r".*": P(),
+        },
+        logical=(("seq", "tp"),) if sequence_parallel else (),
+        fsdp=fsdp,
+    )
+
+
 def world_size(axes: tuple[tuple[str, int], ...]) -> int:
     """Ranks a mesh layout needs."""
     size = 1

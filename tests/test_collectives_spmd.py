@@ -7,7 +7,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import attention_rowwise_only_rules, mesh_for
+from helpers import GroupedLM, attention_rowwise_only_rules, grouped_rules, mesh_for
 
 import meshtrain as mt
 from meshtrain import P, Rules
@@ -23,8 +23,12 @@ def measure(
 ) -> tuple[dict, dict]:
     """Runs on every rank: one warm-up step, then one counted step of ``micro`` micro-batches."""
     mesh = mesh_for(axes)
-    model = build_llama(LlamaConfig.debug(), seed=0)
     data = tuple(name for name, _ in axes if name in ("rep", "dp"))
+    if rules_kind.startswith("grouped"):
+        torch.manual_seed(0)
+        model: torch.nn.Module = GroupedLM()
+    else:
+        model = build_llama(LlamaConfig.debug(), seed=0)
     rules = {
         "tp": Rules(logical=default_rules().logical, fsdp=data),
         "tp-sp": Rules(logical=default_rules(sequence_parallel=True).logical, fsdp=data),
@@ -39,6 +43,8 @@ def measure(
             },
             fsdp=data,
         ),
+        "grouped": grouped_rules(data),
+        "grouped-sp": grouped_rules(data, sequence_parallel=True),
     }[rules_kind]
     plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel,
                    batch_size=2, seq_len=8)  # fmt: skip
@@ -82,6 +88,9 @@ CASES = {
     "tp-sp-gathered-head": ((("tp", 2),), "tp-sp", 3, 1, False),
     "fsdp-tp-sp-zero3": ((("dp", 2), ("tp", 2)), "tp-sp", 3, 2, True),
     "fsdp-tp-sp-zero1": ((("dp", 2), ("tp", 2)), "tp-sp", 1, 2, True),
+    # column-wise Linears inside a projection module, paired with the row-wise one beside it
+    "fsdp-tp-grouped": ((("dp", 2), ("tp", 2)), "grouped", 3, 2, True),
+    "tp-sp-grouped": ((("tp", 2),), "grouped-sp", 3, 1, True),
 }
 
 

@@ -20,9 +20,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from helpers import (
+    GroupedLM,
     TiedMLP,
     attention_rowwise_only_rules,
     full,
+    grouped_rules,
     mesh_for,
     mlp_rules,
     rel,
@@ -64,6 +66,10 @@ def _build(case: Case) -> tuple[nn.Module, Rules, int]:
     if case.model == "mlp":
         torch.manual_seed(0)
         return TiedMLP(), mlp_rules(("dp",) if "dp" in dict(case.axes) else ()), 32
+    if case.model == "grouped":
+        torch.manual_seed(0)
+        data = ("dp",) if "dp" in dict(case.axes) else ()
+        return GroupedLM(), grouped_rules(data, sequence_parallel=case.rules == "tp-sp"), 256
     model = build_llama(LlamaConfig.debug(), seed=0)
     data = tuple(name for name, _ in case.axes if name in ("rep", "dp"))
     if case.rules == "tp":
@@ -192,6 +198,8 @@ CASES = {
     "fsdp-tp-sp": Case((("dp", 2), ("tp", 2)), "tp-sp"),
     "zero1-tp-sp-adamw": Case((("dp", 2), ("tp", 2)), "tp-sp", zero=1, optimizer="adamw"),
     "hsdp-tp-sp": Case((("rep", 2), ("dp", 2), ("tp", 2)), "tp-sp"),
+    "grouped-fsdp-tp-adamw": Case((("dp", 2), ("tp", 2)), "tp", optimizer="adamw", model="grouped"),
+    "grouped-tp-sp": Case((("tp", 2),), "tp-sp", model="grouped"),
 }
 
 

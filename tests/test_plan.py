@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import TiedMLP
+from helpers import GroupedLM, TiedMLP, grouped_rules
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -225,6 +225,26 @@ def test_a_model_that_is_not_ours() -> None:
     }
     assert [u.fqn for u in plan.units] == ["blocks.0", "blocks.1", ""]
     assert "embed.weight" in plan.units[-1].params  # the tied weight appears once
+
+
+def test_column_wise_linears_in_a_projection_module_pair_with_the_row_wise_one_beside_it() -> None:
+    # torchtitan's attention keeps wq/wk/wv in a qkv module next to wo; pairing looks through such
+    # modules (all of whose parameters are column-wise) to the parent that holds the row-wise one.
+    plan = mt.plan(GroupedLM(), mesh(dp=2, tp=2), grouped_rules("dp"))
+    styles = {s.fqn: s.style for s in plan.styles}
+    assert styles["blocks.0.mixer"] == "prepare_input"
+    assert styles["blocks.0.mixer.projections.gate"] == styles["blocks.1.mixer.projections.up"]
+    assert styles["blocks.0.mixer.projections.up"] == "colwise"
+    assert styles["blocks.1.mixer.down"] == "rowwise"
+    assert "blocks.0.mixer.projections" not in styles
+    # A module holding anything but column-wise Linears is not looked through: with the row-wise
+    # 'down' replicated, the projections have no consumer and their outputs are gathered.
+    unpaired = Rules(
+        {r".*projections\.(gate|up)\.weight": P("tp", None), r".*": P()}, fsdp="dp"
+    )
+    styles = {s.fqn: s.style for s in mt.plan(GroupedLM(), mesh(dp=2, tp=2), unpaired).styles}
+    assert styles["blocks.0.mixer.projections.gate"] == "colwise_gathered"
+    assert "blocks.0.mixer" not in styles
 
 
 @given(

@@ -285,7 +285,9 @@ def estimate_tp_collectives(
                     "backward: embedding output gradient from sequence shards",
                     shape(style.fqn)[1],
                 )
-        elif kind == "colwise" and style.fqn.rpartition(".")[0] not in prepared:
+        elif kind == "colwise" and not any(
+            style.fqn.startswith(parent + ".") or not parent for parent in prepared
+        ):
             # under a parent with other consumers of its input: marks its own plain input
             add("all_reduce", _MARKED_INPUTS, shape(style.fqn)[1])
         elif kind == "embedding_dim_parallel":

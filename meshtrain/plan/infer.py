@@ -234,19 +234,24 @@ def _resolve_pairs(
 ) -> list[ModuleStyle]:
     """Pair column- and row-wise modules under the same parent (attention, MLP).
 
-    A paired column-wise module hands its local output to the row-wise one, and the parent marks
-    its first input once for all its column-wise children (one backward all-reduce, or under
-    sequence parallelism one all-gather forward and one reduce-scatter backward, per parent). An
-    unpaired column-wise module has its output all-gathered, except the output head (the model's
-    last module with parameters) under ``loss_parallel``, which keeps vocab-sharded logits. An
-    unpaired row-wise module takes a replicated input and slices it.
+    A row-wise Linear pairs with the column-wise Linears beside it under its parent, directly or
+    inside a projection group (a module whose parameters are all column-wise, e.g. a ``qkv``
+    module holding ``wq``/``wk``/``wv``). A paired column-wise module hands its local output to
+    the row-wise one, and the parent marks its first input once for all its column-wise
+    descendants (one backward all-reduce, or under sequence parallelism one all-gather forward and
+    one reduce-scatter backward, per parent). An unpaired column-wise module has its output
+    all-gathered, except the output head (the model's last module with parameters) under
+    ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
+    replicated input and slices it.
     """
-    parents = {
-        kind: {_parent(f) for f, s in raw.items() if s.style == kind}
-        for kind in ("colwise", "rowwise")
+    rowwise_parents = {_parent(f) for f, s in raw.items() if s.style == "rowwise"}
+    scopes = {
+        fqn: _pair_scope(fqn, rowwise_parents, modules, raw)
+        for fqn, style in raw.items()
+        if style.style == "colwise"
     }
-    paired = parents["colwise"] & parents["rowwise"]
-    unpaired = [f for f, s in raw.items() if s.style == "colwise" and _parent(f) not in paired]
+    paired = rowwise_parents & set(scopes.values())
+    unpaired = [f for f, scope in scopes.items() if scope not in paired]
     # The output head: an unpaired column-wise Linear that is the model's last module with
     # parameters (registration order), i.e. nothing after it could consume sharded logits.
     with_params = [f for f, m in modules.items() if any(True for _ in m.parameters(recurse=False))]
@@ -297,16 +302,44 @@ def _resolve_pairs(
     return styles
 
 
+def _pair_scope(
+    fqn: str, rowwise_parents: set[str], modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> str:
+    """The parent a column-wise module pairs under: its own parent, or the first ancestor above
+    a chain of projection groups (modules whose parameters are all column-wise)."""
+    scope = _parent(fqn)
+    while scope and scope not in rowwise_parents and _is_projection_group(scope, modules, raw):
+        scope = _parent(scope)
+    return scope
+
+
+def _is_projection_group(fqn: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]) -> bool:
+    """Every module under ``fqn`` that holds parameters is column-wise (and there is one)."""
+    holders = [
+        name
+        for name, module in modules[fqn].named_modules(prefix=fqn)
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    return bool(holders) and all(
+        name in raw and raw[name].style == "colwise" for name in holders
+    )
+
+
 def _untouched_consumers(
     parent: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
 ) -> list[str]:
-    """Parameters of ``parent`` (its own, or of direct children) without a tensor-parallel style:
-    they would receive the parent's input as a DTensor if the parent marked it."""
+    """Parameters of ``parent`` (its own, or of direct children other than projection groups)
+    without a tensor-parallel style: they would receive the parent's input as a DTensor if the
+    parent marked it."""
     module = modules[parent]
     found = [f"{parent}.{name}" for name, _ in module.named_parameters(recurse=False)]
     for name, child in module.named_children():
         fqn = f"{parent}.{name}" if parent else name
-        if fqn not in raw and any(True for _ in child.parameters()):
+        if (
+            fqn not in raw
+            and any(True for _ in child.parameters())
+            and not _is_projection_group(fqn, modules, raw)
+        ):
             found.append(fqn)
     return found
 

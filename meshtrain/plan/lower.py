@@ -118,8 +118,8 @@ def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) ->
 def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None:
     """A row-wise Linear paired by structure must consume its column-wise siblings' local output.
 
-    Pairs are inferred from module structure (same parent); the data flow is checked here, on
-    every rank alike, before the module issues any collective.
+    Pairs are inferred from module structure (same parent, or a projection group under it); the
+    data flow is checked here, on every rank alike, before the module issues any collective.
     """
     x = args[0] if args else None
     in_features = getattr(module, "in_features", None)
