@@ -25,8 +25,6 @@ import contextlib
 import copy
 import json
 import re
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
+from timing import interleaved, summarise
 from torch import nn
 
 import meshtrain as mt
@@ -176,14 +175,6 @@ def _pipeline_by_hand(
     return step, stage
 
 
-def _timed(step: Callable[[int], None], index: int) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step(index)
-    dist.barrier()
-    return time.perf_counter() - start
-
-
 def _counted(step: Callable[[int], None], mesh: mt.Mesh, index: int) -> dict[str, list[int]]:
     counter = CollectiveCounter(mesh)
     with counter:
@@ -196,14 +187,7 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     """Runs on every rank: build both, warm up, time interleaved steps, count one step each."""
     mesh = mt.make_mesh(dict(SETUPS[setup]))
     steps = {"meshtrain": _meshtrain(setup, mesh)[0], "hand": _by_hand(setup, mesh)[0]}
-    for name in steps:  # lazy initialisation and first-step allocations
-        steps[name](0)
-        steps[name](1)
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    for index in range(rounds):
-        order = ("meshtrain", "hand") if index % 2 == 0 else ("hand", "meshtrain")
-        for name in order:
-            times[name].append(_timed(steps[name], 2 + index))
+    times = interleaved(steps, rounds)
     counts = {name: _counted(step, mesh, 2 + rounds) for name, step in steps.items()}
     return {"times": times, "counts": counts, "coordinates": mesh.coordinates(dist.get_rank())}
 
@@ -240,24 +224,11 @@ def main() -> None:
     results: dict[str, Any] = {}
     for setup in args.setups:
         per_rank = get_pool(4).run(measure, setup, args.rounds, _timeout_s=1800)
-        step_times = {  # a step ends when its slowest rank does: the barrier-to-barrier time
-            name: [max(r["times"][name][i] for r in per_rank) for i in range(args.rounds)]
-            for name in ("meshtrain", "hand")
-        }
-        medians = {name: statistics.median(values) for name, values in step_times.items()}
-        paired = sorted(a / b for a, b in zip(step_times["meshtrain"], step_times["hand"]))
-        quartiles = statistics.quantiles(paired, n=4)
         plan_rows, pp_rank = predicted(setup)
         busiest = next(r for r in per_rank if r["coordinates"].get("pp", 0) == pp_rank)["counts"]
         results[setup] = {
             "mesh": dict(SETUPS[setup]),
-            "median_step_s": medians,
-            "ratio": medians["meshtrain"] / medians["hand"],
-            "paired_ratio": {
-                "median": statistics.median(paired),
-                "q1": quartiles[0],
-                "q3": quartiles[2],
-            },
+            **summarise([r["times"] for r in per_rank], "meshtrain", "hand"),
             "collectives": {
                 "meshtrain": busiest["meshtrain"],
                 "hand": busiest["hand"],

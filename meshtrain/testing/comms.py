@@ -17,9 +17,13 @@ Example (on every rank)::
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch._C._distributed_c10d import _resolve_process_group
+from torch.distributed import ProcessGroup
+from torch.distributed.distributed_c10d import GroupName
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshtrain.spec.mesh import Mesh
@@ -47,15 +51,20 @@ _KINDS = {
 class CollectiveCounter(TorchDispatchMode):
     """Counts collectives by (kind, axis); the axis is found from the process group used."""
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, groups: Mapping[str, ProcessGroup] | None = None) -> None:
+        """``groups`` names further process groups by axis (e.g. another library's mesh over the
+        same ranks). A collective counts under the axis whose group spans the same ranks, so an
+        equal group created elsewhere counts too; any other group counts under axis ``"?"``."""
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
-        self._axis_by_group: dict[str, str] = {}
+        named: dict[str, ProcessGroup] = {}
         device_mesh = mesh.device_mesh
         if device_mesh is not None:
-            for axis in mesh.device_axes:
-                self._axis_by_group[device_mesh.get_group(axis).group_name] = axis
+            named = {axis: device_mesh.get_group(axis) for axis in mesh.device_axes}
+        named.update(groups or {})
+        self._axis_by_group = {str(group.group_name): axis for axis, group in named.items()}
+        self._axis_by_ranks = {_ranks(group): axis for axis, group in named.items()}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         namespace = func.namespace
@@ -69,15 +78,28 @@ class CollectiveCounter(TorchDispatchMode):
 
     def _axis_of(self, args: Any, kwargs: dict[str, Any]) -> str:
         for value in (*args, *kwargs.values()):
-            group_name = value if isinstance(value, str) else None
-            if isinstance(value, torch.ScriptObject):
+            group: ProcessGroup | None = None
+            if isinstance(value, str):
+                if value in self._axis_by_group:
+                    return self._axis_by_group[value]
+                try:  # functional collectives name their group
+                    group = _resolve_process_group(GroupName(value))
+                except (RuntimeError, ValueError):
+                    continue
+            elif isinstance(value, torch.ScriptObject):
                 try:  # c10d ops carry the process group boxed as a ScriptObject
-                    group_name = torch.distributed.ProcessGroup.unbox(value).group_name
+                    group = ProcessGroup.unbox(value)
                 except RuntimeError:
                     continue  # another boxed argument, e.g. the reduce op
-            if group_name in self._axis_by_group:
-                return self._axis_by_group[group_name]
+            if group is not None:
+                if group.group_name in self._axis_by_group:
+                    return self._axis_by_group[group.group_name]
+                return self._axis_by_ranks.get(_ranks(group), "?")
         return "?"
+
+
+def _ranks(group: ProcessGroup) -> tuple[int, ...]:
+    return tuple(torch.distributed.get_process_group_ranks(group))
 
 
 def _payload(values: Any) -> int:
