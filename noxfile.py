@@ -58,6 +58,6 @@ def docs(session: nox.Session) -> None:
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
-    session.install(*PIN, "-e", ".[test]")
-    for name in ("overhead", "planning", "compute", "harness"):
+    session.install(*PIN, "-e", ".[test,bench]")
+    for name in ("overhead", "peer", "planning", "compute", "harness", "gpu"):
         session.run("python", f"benchmarks/{name}.py", "--out", f"benchmarks/results/{name}.json")

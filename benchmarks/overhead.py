@@ -1,7 +1,8 @@
 """meshtrain's plans against the same parallelism written by hand, in one run on the same ranks.
 
-For FSDP (ZeRO-3 over dp 4), FSDP + tensor parallel (dp 2 × tp 2) and PP + FSDP (pp 2 × dp 2,
-1F1B over 4 micro-batches), every rank builds the same Llama twice: one copy goes through
+For FSDP (ZeRO-3 over dp 4), FSDP + tensor parallel (dp 2 × tp 2), PP + FSDP (pp 2 × dp 2,
+1F1B over 4 micro-batches) and FSDP with each block compiled (inductor, full graph, as torchtitan's
+``apply_compile`` does it: before ``fully_shard``), every rank builds the same Llama twice: one copy goes through
 ``mt.plan(...).apply(model)``, the other through the calls torchtitan's parallelize functions make
 (``parallelize_module`` with column-/row-wise styles, ``fully_shard`` per block then the root,
 ``PipelineStage`` + ``Schedule1F1B``). Both train with AdamW on the same batches; their steps are
@@ -9,8 +10,8 @@ interleaved (A B, then B A, ...) and each is timed between barriers, so drift hi
 
 Reported per configuration: median step time of each and their ratio (meshtrain / hand-written;
 target ≤ 1.02) with the round-by-round ratios' median and quartiles (their spread is this
-machine's noise: 4 ranks share 2 cores), and the collectives one step issues — count and payload bytes per kind and mesh
-axis, meshtrain's and the hand-written code's as counted on the ranks, against the plan's
+machine's noise: 4 ranks share 2 cores), and the collectives one step issues — count and
+payload bytes per kind and mesh axis, meshtrain's and the hand-written code's as counted on the ranks, against the plan's
 prediction (the minimum the parallelism needs; target: equal).
 
 Usage::
@@ -49,7 +50,9 @@ SETUPS = {
     "fsdp": (("dp", 4),),
     "fsdp_tp": (("dp", 2), ("tp", 2)),
     "pp_fsdp": (("pp", 2), ("dp", 2)),
+    "fsdp_compiled": (("dp", 4),),
 }
+COMPILED = {"fsdp_compiled"}  # each block compiled (inductor, full graph) before FSDP2 wraps it
 
 
 def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +66,9 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Mod
     tp = "tp" in mesh.axis_names
     rules = default_rules() if tp else Rules({r".*": P()}, fsdp="dp")
     pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
+    compile_options = {"backend": "inductor", "fullgraph": True} if setup in COMPILED else False
     plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline, global_batch=BATCH * mesh.size("dp"),
-                   seq_len=SEQ)  # fmt: skip
+                   seq_len=SEQ, compile=compile_options)  # fmt: skip
     applied = plan.apply(model)
     optimizer = torch.optim.AdamW(applied.parameters(), lr=1e-4)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
@@ -117,6 +121,8 @@ def _by_hand(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Modul
     if setup == "pp_fsdp":
         return _pipeline_by_hand(model, mesh, dp_rank)
     for block in model.layers.values():
+        if setup in COMPILED:  # as torchtitan's apply_compile: per block, before fully_shard
+            block.compile(backend="inductor", fullgraph=True)
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -188,7 +194,10 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     mesh = mt.make_mesh(dict(SETUPS[setup]))
     steps = {"meshtrain": _meshtrain(setup, mesh)[0], "hand": _by_hand(setup, mesh)[0]}
     times = interleaved(steps, rounds)
-    counts = {name: _counted(step, mesh, 2 + rounds) for name, step in steps.items()}
+    counts = {  # a dispatch mode cannot run inside compiled code: count the eager setups only
+        name: {} if setup in COMPILED else _counted(step, mesh, 2 + rounds)
+        for name, step in steps.items()
+    }
     return {"times": times, "counts": counts, "coordinates": mesh.coordinates(dist.get_rank())}
 
 

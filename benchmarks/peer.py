@@ -14,8 +14,8 @@ Reported per configuration:
   the round-by-round median and quartiles (4 ranks share 2 cores here);
 - the collectives of one step, counted on both, against meshtrain's plan.
 
-torchtitan is not a meshtrain dependency: install it beside the project (``pip install -c
-constraints/cpu.txt torchtitan==0.3.0 triton``) to run this. On CPU four things need handling,
+torchtitan is not a meshtrain dependency: install it beside the project (the ``bench`` extra:
+``pip install -c constraints/cpu.txt -e '.[bench]'``) to run this. On CPU four things need handling,
 all done here and none of them a change to what torchtitan computes: its ``triton`` import, its
 device type hard-wired to CUDA, FSDP2's ``PREMUL_SUM`` (gloo rejects it: force sum reduction, the
 loss is already divided by the global token count), and its FlexAttention (no CPU backward:
@@ -49,7 +49,6 @@ from meshtrain import P, Rules
 from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
 
-TORCHTITAN = "0.3.0"
 BATCH, SEQ = 8, 128  # sequences per data-parallel rank per step, tokens per sequence
 LOSS_STEPS = 3  # steps whose losses are compared (before timing)
 SETUPS: dict[str, dict[str, Any]] = {
@@ -284,8 +283,8 @@ def main() -> None:
         import torchtitan  # noqa: F401
     except ImportError as error:
         raise SystemExit(
-            f"torchtitan is not installed ({error}); install it beside meshtrain: "
-            f"pip install -c constraints/cpu.txt torchtitan=={TORCHTITAN} triton"
+            f"torchtitan is not installed ({error}); install it beside meshtrain with the bench "
+            "extra: pip install -c constraints/cpu.txt -e '.[bench]'"
         ) from error
     from importlib.metadata import version
 
