@@ -89,7 +89,9 @@ class GroupedLM(nn.Module):
     """A language model whose column-wise Linears sit one module below the row-wise one they
     feed (``mixer.projections.gate``/``up`` → ``mixer.down``), as in torchtitan's attention."""
 
-    def __init__(self, vocab: int = 256, dim: int = 32, hidden: int = 64, n_blocks: int = 2) -> None:
+    def __init__(
+        self, vocab: int = 256, dim: int = 32, hidden: int = 64, n_blocks: int = 2
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(GroupedBlock(dim, hidden) for _ in range(n_blocks))

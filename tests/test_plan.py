@@ -239,9 +239,7 @@ def test_column_wise_linears_in_a_projection_module_pair_with_the_row_wise_one_b
     assert "blocks.0.mixer.projections" not in styles
     # A module holding anything but column-wise Linears is not looked through: with the row-wise
     # 'down' replicated, the projections have no consumer and their outputs are gathered.
-    unpaired = Rules(
-        {r".*projections\.(gate|up)\.weight": P("tp", None), r".*": P()}, fsdp="dp"
-    )
+    unpaired = Rules({r".*projections\.(gate|up)\.weight": P("tp", None), r".*": P()}, fsdp="dp")
     styles = {s.fqn: s.style for s in mt.plan(GroupedLM(), mesh(dp=2, tp=2), unpaired).styles}
     assert styles["blocks.0.mixer.projections.gate"] == "colwise_gathered"
     assert "blocks.0.mixer" not in styles

@@ -313,16 +313,16 @@ def _pair_scope(
     return scope
 
 
-def _is_projection_group(fqn: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]) -> bool:
+def _is_projection_group(
+    fqn: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> bool:
     """Every module under ``fqn`` that holds parameters is column-wise (and there is one)."""
     holders = [
         name
         for name, module in modules[fqn].named_modules(prefix=fqn)
         if any(True for _ in module.parameters(recurse=False))
     ]
-    return bool(holders) and all(
-        name in raw and raw[name].style == "colwise" for name in holders
-    )
+    return bool(holders) and all(name in raw and raw[name].style == "colwise" for name in holders)
 
 
 def _untouched_consumers(
