@@ -23,8 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
-import provenance
 from hypothesis import HealthCheck, given, settings
+from provenance import provenance
 
 import meshtrain as mt
 from meshtrain.plan.ir import Plan
@@ -108,9 +108,7 @@ def main() -> None:
         print(f"{row['tier']:<31} {row['world']:>5} {row['examples']:>8} {row['trained']:>7} "
               f"{row['refused']:>7} {row['seconds']:>7} {row['examples_per_minute']:>8} "
               f"{row['trained_per_minute']:>11}")  # fmt: skip
-    commit = provenance.commit()
-    result = {"machine": platform.machine(), "python": platform.python_version(),
-              "commit": commit, "date": time.strftime("%Y-%m-%d"), "rows": rows}  # fmt: skip
+    result = {**provenance(), "python": platform.python_version(), "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
