@@ -16,7 +16,7 @@ prediction (the minimum the parallelism needs; target: equal).
 
 Usage::
 
-    python benchmarks/overhead.py --rounds 20 --out benchmarks/results/overhead.json
+    python benchmarks/overhead.py --rounds 40 --out benchmarks/results/overhead.json
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--setups", nargs="*", default=list(SETUPS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()

@@ -110,8 +110,8 @@ def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
 
 def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dict, dict]] | None:
     """Runs on every rank of pp 2 × dp 2 (× tp 2): one warm-up step, one counted step; on the
-    busiest pipeline rank (the one ``plan.collectives`` describes) returns the data- and
-    tensor-parallel collectives counted and predicted (counts, then payload bytes)."""
+    busiest pipeline rank (the one ``plan.collectives`` describes) returns the point-to-point,
+    data- and tensor-parallel collectives counted and predicted (counts, then payload bytes)."""
     import re
 
     import torch.distributed as dist
@@ -140,8 +140,10 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dic
     if mesh.coordinates(dist.get_rank())["pp"] != busiest:
         return None
     # the schedule's own reductions of the step's token count and loss are not the plan's
-    kinds = {"all_gather", "reduce_scatter"} | ({"all_reduce"} if tp else set())
-    measured = {k: n for k, n in counter.counts.items() if k[0] in kinds and k[1] != "pp"}
+    kinds = {"all_gather", "reduce_scatter", "send/recv"} | ({"all_reduce"} if tp else set())
+    measured = {
+        k: n for k, n in counter.counts.items() if k[0] in kinds and k != ("all_reduce", "pp")
+    }
     measured_bytes = {k: counter.bytes[k] for k in measured}
     if tp:
         measured.pop(("all_reduce", "dp"), None)
@@ -156,10 +158,9 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dic
 
 
 @pytest.mark.parametrize(("zero", "tp"), [(2, False), (3, False), (2, True)])
-def test_pipelined_step_issues_the_predicted_data_and_tensor_parallel_collectives(
-    zero: int, tp: bool
-) -> None:
+def test_pipelined_step_issues_the_predicted_sends_and_collectives(zero: int, tp: bool) -> None:
     results = [r for r in get_pool(8 if tp else 4).run(measure_pipelined, zero, tp) if r]
     assert results
     for measured, predicted in results:
+        assert ("send/recv", "pp") in measured[0]  # activations and their gradients are counted
         assert measured == predicted

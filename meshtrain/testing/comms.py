@@ -2,8 +2,9 @@
 
 A ``TorchDispatchMode`` over the c10d and functional-collective ops (what FSDP2, tensor parallel
 and DTensor redistributions call), so tests can check a plan's predicted collectives against the
-real ones. ``CommDebugMode`` would be the obvious tool, but in torch 2.13 its module tracker raises
-``IndexError`` when FSDP2-wrapped modules run under it.
+real ones. Point-to-point sends and receives (a pipeline's activations and their gradients)
+count together as ``send/recv``. ``CommDebugMode`` would be the obvious tool, but in torch 2.13
+its module tracker raises ``IndexError`` when FSDP2-wrapped modules run under it.
 
 Example (on every rank)::
 
@@ -43,6 +44,9 @@ _KINDS = {
     "all_reduce_coalesced": "all_reduce",
     "broadcast_": "broadcast",
     "broadcast": "broadcast",
+    "send": "send/recv",
+    "recv_": "send/recv",
+    "recv_any_source_": "send/recv",
     "alltoall_base_": "all_to_all",
     "all_to_all_single": "all_to_all",
 }
