@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
@@ -120,7 +121,9 @@ class PipelinedModel:
                 "data-parallel rank, with as many targets."
             )
         count = token_count if token_count is not None else targets.numel()
-        self._tokens = self._data_sum(torch.tensor(float(count), device=plan_device(self.plan)))
+        self._tokens = self._data_sum_async(
+            torch.tensor(float(count), device=plan_device(self.plan))
+        )
         if loss_fn not in self._compiled_losses:
             self._compiled_losses[loss_fn] = compile_loss(self.plan, loss_fn)
         self._loss_fn = self._compiled_losses[loss_fn]
@@ -130,6 +133,7 @@ class PipelinedModel:
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
         with self._hold_partial_grads(), loss_context(self.plan):
             self.schedule.step(*args, **kwargs)
+        self._tokens = funcol.wait_tensor(self._tokens)  # stages without the loss never read it
         total = torch.zeros((), device=plan_device(self.plan))
         for loss in losses:
             value = loss.detach()
@@ -140,6 +144,14 @@ class PipelinedModel:
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         for axis in self.plan.data_axes:
             dist.all_reduce(value, group=self._device_mesh.get_group(axis))
+        return value
+
+    def _data_sum_async(self, value: torch.Tensor) -> torch.Tensor:
+        """The sum over the data-parallel ranks as a functional collective, waited for where it
+        is first read: only the last stage's loss reads the step's token count during the
+        schedule, so no rank blocks on it before its first micro-batch."""
+        for axis in self.plan.data_axes:
+            value = funcol.all_reduce(value, "sum", self._device_mesh.get_group(axis))
         return value
 
     @contextlib.contextmanager
