@@ -2,7 +2,8 @@
 
 Contract (fp32, reduction order only) as in ``test_equivalence_spmd``: loss per step, the global
 gradient norm (over every stage) and SGD parameters within 1e-6 relative to each tensor's largest
-magnitude; clipped gradients and momentum within 2e-6.
+magnitude; clipped gradients and momentum within 2e-6. Two steps: the second starts from updated
+parameters and a momentum buffer, so every quantity the contract names is compared after an update.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from meshtrain.train import clip_grad_norm_
 pytestmark = pytest.mark.spmd
 
 LR = 0.1
-STEPS = 3
+STEPS = 2
 TIGHT = 1e-6
 MAX_NORM = {"llama": 0.5, "mlp": 0.02}  # below every step's gradient norm (asserted)
 
@@ -148,8 +149,20 @@ def _check(case: Case) -> None:
     assert worst["params"] <= TIGHT, worst
 
 
-@pytest.mark.parametrize("composition", list(COMPOSITIONS))
-@pytest.mark.parametrize("schedule", list(SCHEDULES))
+# Every schedule runs on 8 ranks (pp × dp × tp) once: these three with sequence parallelism
+# (test_sequence_parallel_under_a_pipeline), the others here.
+SEQUENCE_PARALLEL_3D = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+
+
+@pytest.mark.parametrize(
+    ("schedule", "composition"),
+    [
+        (schedule, composition)
+        for schedule in SCHEDULES
+        for composition in COMPOSITIONS
+        if not (composition == "pp-fsdp-tp" and schedule in SEQUENCE_PARALLEL_3D)
+    ],
+)
 def test_schedule_trains_like_one_device(schedule: str, composition: str) -> None:
     _check(_case(schedule, composition))
 
@@ -168,7 +181,7 @@ def test_zero_stages_under_a_pipeline(schedule: str, composition: str, zero: int
     _check(_case(schedule, composition, zero=zero))
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("schedule", SEQUENCE_PARALLEL_3D)
 @pytest.mark.parametrize("composition", ["pp-tp", "pp-fsdp-tp"])
 def test_sequence_parallel_under_a_pipeline(schedule: str, composition: str) -> None:
     _check(_case(schedule, composition, sequence_parallel=True))
