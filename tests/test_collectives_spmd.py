@@ -64,13 +64,19 @@ def measure(
     counter = CollectiveCounter(mesh)
     with counter:
         step()
-    predicted: Counter[tuple[str, str]] = Counter()
-    predicted_bytes: Counter[tuple[str, str]] = Counter()
+    predicted, predicted_bytes = _predicted(plan)
+    return {"counts": (dict(counter.counts), predicted),
+            "bytes": (dict(counter.bytes), predicted_bytes)}  # fmt: skip
+
+
+def _predicted(plan: mt.Plan) -> tuple[dict, dict]:
+    """The plan's collectives per (kind, axis): counts, then payload bytes."""
+    counts: Counter[tuple[str, str]] = Counter()
+    payload: Counter[tuple[str, str]] = Counter()
     for collective in plan.collectives:
-        predicted[(collective.kind, collective.axis)] += collective.count
-        predicted_bytes[(collective.kind, collective.axis)] += collective.bytes
-    return {"counts": (dict(counter.counts), dict(predicted)),
-            "bytes": (dict(counter.bytes), dict(predicted_bytes))}  # fmt: skip
+        counts[(collective.kind, collective.axis)] += collective.count
+        payload[(collective.kind, collective.axis)] += collective.bytes
+    return dict(counts), dict(payload)
 
 
 CASES = {
@@ -110,8 +116,9 @@ def test_step_issues_exactly_the_predicted_collectives(name: str) -> None:
 
 def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dict, dict]] | None:
     """Runs on every rank of pp 2 × dp 2 (× tp 2): one warm-up step, one counted step; on the
-    busiest pipeline rank (the one ``plan.collectives`` describes) returns the point-to-point,
-    data- and tensor-parallel collectives counted and predicted (counts, then payload bytes)."""
+    busiest pipeline rank (the one ``plan.collectives`` describes) returns every collective and
+    point-to-point transfer counted and predicted (counts, then payload bytes): the schedule's
+    sends, the data- and tensor-parallel collectives, and the step's two scalar sums."""
     import re
 
     import torch.distributed as dist
@@ -139,22 +146,8 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dic
     )
     if mesh.coordinates(dist.get_rank())["pp"] != busiest:
         return None
-    # the schedule's own reductions of the step's token count and loss are not the plan's
-    kinds = {"all_gather", "reduce_scatter", "send/recv"} | ({"all_reduce"} if tp else set())
-    measured = {
-        k: n for k, n in counter.counts.items() if k[0] in kinds and k != ("all_reduce", "pp")
-    }
-    measured_bytes = {k: counter.bytes[k] for k in measured}
-    if tp:
-        measured.pop(("all_reduce", "dp"), None)
-        measured_bytes.pop(("all_reduce", "dp"), None)
-    predicted: Counter[tuple[str, str]] = Counter()
-    predicted_bytes: Counter[tuple[str, str]] = Counter()
-    for collective in plan.collectives:
-        if collective.kind in kinds:
-            predicted[(collective.kind, collective.axis)] += collective.count
-            predicted_bytes[(collective.kind, collective.axis)] += collective.bytes
-    return (measured, measured_bytes), (dict(predicted), dict(predicted_bytes))
+    measured, measured_bytes = dict(counter.counts), dict(counter.bytes)
+    return (measured, measured_bytes), _predicted(plan)
 
 
 @pytest.mark.parametrize(("zero", "tp"), [(2, False), (3, False), (2, True)])
@@ -163,4 +156,5 @@ def test_pipelined_step_issues_the_predicted_sends_and_collectives(zero: int, tp
     assert results
     for measured, predicted in results:
         assert ("send/recv", "pp") in measured[0]  # activations and their gradients are counted
+        assert measured[0][("all_reduce", "pp+dp")] == 1  # the loss, over pp and dp at once
         assert measured == predicted

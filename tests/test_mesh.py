@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -91,3 +93,21 @@ def test_minus_one_resolves_whenever_the_fixed_axes_divide_the_world(world: int,
             make_mesh(dp=-1, tp=tp, world_size=world, abstract=True)
     else:
         assert make_mesh(dp=-1, tp=tp, world_size=world, abstract=True).world_size == world
+
+
+@given(st.sampled_from([2, 4, 6, 8, 12]).flatmap(meshes), st.data())
+def test_groups_over_several_axes_partition_the_ranks(mesh: Mesh, data: st.DataObject) -> None:
+    """A group over a set of axes holds every rank that differs from its members only on those
+    axes: the groups partition the world, each the size of the axes' product, in rank order."""
+    axes = data.draw(st.sets(st.sampled_from(mesh.axis_names)))
+    size = math.prod(mesh.size(axis) for axis in axes)
+    groups = {mesh.group_ranks(rank, tuple(axes)) for rank in range(mesh.world_size)}
+    assert all(len(group) == size and list(group) == sorted(group) for group in groups)
+    assert sorted(r for group in groups for r in group) == list(range(mesh.world_size))
+    for group in groups:
+        fixed = [{a: c for a, c in mesh.coordinates(r).items() if a not in axes} for r in group]
+        assert all(coords == fixed[0] for coords in fixed)
+    named = [axis for axis in mesh.joined(tuple(axes)).split("+") if axis]  # its name: the axes
+    assert all(mesh.size(axis) > 1 for axis in named)  # that matter, in mesh order
+    assert named == sorted(named, key=mesh.axis_names.index)
+    assert math.prod(mesh.size(axis) for axis in named) == size

@@ -20,7 +20,12 @@ import torch
 from torch import nn
 
 from meshtrain.plan.activations import ActivationProfile, trace_activations
-from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
+from meshtrain.plan.cost import (
+    estimate_collectives,
+    estimate_memory,
+    estimate_tp_collectives,
+    pipeline_step_scalars,
+)
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -218,6 +223,7 @@ def plan(
             tp_axis=tp_axis,
             sequence_parallel=sequence_parallel,
         )
+        collectives = (*collectives, *pipeline_step_scalars(mesh, pipeline.axis, active_data))
         notes.append(
             f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
             f"{busiest}); inside the schedule gradients are reduced once per step"

@@ -40,6 +40,7 @@ import torch
 
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout
 from meshtrain.plan.options import PlanOptions
+from meshtrain.spec.mesh import Mesh
 
 
 def estimate_memory(
@@ -179,6 +180,31 @@ def estimate_collectives(
             )
         )
     return tuple(result)
+
+
+def pipeline_step_scalars(
+    mesh: Mesh, pipeline_axis: str, data_axes: Sequence[str]
+) -> tuple[Collective, ...]:
+    """The two scalar sums a pipelined step makes besides its schedule's traffic: its loss tokens
+    over the data-parallel ranks (the loss is divided by the global count) and its loss over the
+    pipeline and data-parallel ranks (every rank returns the global loss). One all-reduce each,
+    of one float32, over the axes together.
+
+    Example:
+        >>> [(c.axis, c.count, c.bytes) for c in pipeline_step_scalars(
+        ...     Mesh(("pp", "dp"), (2, 4)), "pp", ("dp",))]
+        [('dp', 1, 4), ('pp+dp', 1, 4)]
+    """
+    scalar = torch.float32.itemsize
+    tokens = mesh.joined(tuple(data_axes))
+    rows = [Collective("all_reduce", tokens, 1, scalar, "the step's loss tokens")] if tokens else []
+    rows.append(
+        Collective(
+            "all_reduce", mesh.joined((pipeline_axis, *data_axes)), 1, scalar,
+            "the step's loss, returned on every rank",
+        )
+    )  # fmt: skip
+    return tuple(rows)
 
 
 def _stage_zero3(

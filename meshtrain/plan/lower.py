@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
@@ -312,6 +313,22 @@ def plan_device(plan: Plan) -> torch.device:
     if plan.mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(plan.mesh.device_type)
+
+
+def group_over(plan: Plan, axes: Sequence[str]) -> ProcessGroup | None:
+    """This rank's process group over ``axes`` of the plan's mesh together, so one collective
+    reduces over all of them; ``None`` when they span this rank alone. One axis is its own group;
+    several are the ``DeviceMesh`` flattened over them (created by every rank on first use, then
+    cached on the mesh by torch), named as :meth:`~meshtrain.spec.mesh.Mesh.joined` names it.
+    """
+    device_mesh = plan.mesh.device_mesh
+    name = plan.mesh.joined(tuple(axes))
+    if device_mesh is None or not name:
+        return None
+    names = tuple(name.split("+"))
+    if len(names) == 1:
+        return device_mesh.get_group(names[0])
+    return device_mesh[names]._flatten(name).get_group()
 
 
 def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:

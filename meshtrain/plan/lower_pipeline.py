@@ -35,7 +35,13 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 from torch.distributed.tensor import DTensor
 
 from meshtrain.plan.ir import Plan, StagePlan
-from meshtrain.plan.lower import _PartialGradSync, loss_context, parallelize, plan_device
+from meshtrain.plan.lower import (
+    _PartialGradSync,
+    group_over,
+    loss_context,
+    parallelize,
+    plan_device,
+)
 from meshtrain.plan.lower_compute import compile_loss
 from meshtrain.spec.errors import PlanError, format_shape
 
@@ -54,7 +60,6 @@ class PipelinedModel:
     def __init__(self, plan: Plan, modules: list[nn.Module], stages: list[PipelineStage]) -> None:
         assert plan.pipeline is not None and plan.mesh.device_mesh is not None
         self.plan = plan
-        self._device_mesh = plan.mesh.device_mesh
         self.modules = modules
         self.stages = stages
         self._tokens = torch.ones(())
@@ -71,6 +76,9 @@ class PipelinedModel:
         )
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
+        # one group each for the step's two scalar sums (created here, by every rank alike)
+        self._data_group = group_over(plan, plan.data_axes)
+        self._loss_group = group_over(plan, (pipeline.axis, *plan.data_axes))
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self._loss_fn(output, target) * (self._loss_scale / self._tokens)
@@ -121,8 +129,11 @@ class PipelinedModel:
                 "data-parallel rank, with as many targets."
             )
         count = token_count if token_count is not None else targets.numel()
-        self._tokens = self._data_sum_async(
-            torch.tensor(float(count), device=plan_device(self.plan))
+        tokens = torch.tensor(float(count), device=plan_device(self.plan))
+        # Summed as a functional collective, waited for where it is first read: only the last
+        # stage's loss reads it during the schedule, so no rank blocks on it beforehand.
+        self._tokens = (
+            funcol.all_reduce(tokens, "sum", self._data_group) if self._data_group else tokens
         )
         if loss_fn not in self._compiled_losses:
             self._compiled_losses[loss_fn] = compile_loss(self.plan, loss_fn)
@@ -138,21 +149,8 @@ class PipelinedModel:
         for loss in losses:
             value = loss.detach()
             total += value.full_tensor() if isinstance(value, DTensor) else value
-        dist.all_reduce(total, group=self._device_mesh.get_group(pipeline.axis))
-        return self._data_sum(total) / self._loss_scale
-
-    def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
-        for axis in self.plan.data_axes:
-            dist.all_reduce(value, group=self._device_mesh.get_group(axis))
-        return value
-
-    def _data_sum_async(self, value: torch.Tensor) -> torch.Tensor:
-        """The sum over the data-parallel ranks as a functional collective, waited for where it
-        is first read: only the last stage's loss reads the step's token count during the
-        schedule, so no rank blocks on it before its first micro-batch."""
-        for axis in self.plan.data_axes:
-            value = funcol.all_reduce(value, "sum", self._device_mesh.get_group(axis))
-        return value
+        dist.all_reduce(total, group=self._loss_group)  # last stages' sums, over pp and data
+        return total / self._loss_scale
 
     @contextlib.contextmanager
     def _hold_partial_grads(self) -> Iterator[None]:

@@ -16,6 +16,7 @@ size-1 axes; sharding over them is a no-op.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -105,6 +106,37 @@ class Mesh:
             (8, 32)
         """
         return math.prod(self.axis_sizes[self.axis_names.index(axis) :]) if axis in self else 1
+
+    def joined(self, axes: tuple[str, ...] | list[str]) -> str:
+        """The name of the group spanning ``axes`` together: the axes larger than 1, in mesh
+        order, joined by ``+`` (the axis names collectives, plans and counters use).
+
+        Example:
+            >>> Mesh(("pp", "dp", "tp"), (2, 4, 1)).joined(("tp", "dp", "pp"))
+            'pp+dp'
+        """
+        return "+".join(a for a, n in zip(self.axis_names, self.axis_sizes) if a in axes and n > 1)
+
+    def group_ranks(self, rank: int, axes: tuple[str, ...] | list[str]) -> tuple[int, ...]:
+        """The ranks that share ``rank``'s coordinates on every axis outside ``axes``: its group
+        over ``axes`` together.
+
+        Example:
+            >>> Mesh(("pp", "dp", "tp"), (2, 2, 2)).group_ranks(1, ("pp", "dp"))
+            (1, 3, 5, 7)
+        """
+        mine = self.coordinates(rank)
+        ranges = [
+            range(size) if name in axes else (mine[name],)
+            for name, size in zip(self.axis_names, self.axis_sizes)
+        ]
+        ranks = []
+        for coords in itertools.product(*ranges):
+            flat = 0
+            for coord, size in zip(coords, self.axis_sizes):
+                flat = flat * size + coord
+            ranks.append(flat)
+        return tuple(ranks)
 
     def __contains__(self, axis: object) -> bool:
         return axis in self.axis_names

@@ -17,6 +17,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -58,7 +59,8 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self, mesh: Mesh, groups: Mapping[str, ProcessGroup] | None = None) -> None:
         """``groups`` names further process groups by axis (e.g. another library's mesh over the
         same ranks). A collective counts under the axis whose group spans the same ranks, so an
-        equal group created elsewhere counts too; any other group counts under axis ``"?"``."""
+        equal group created elsewhere counts too; a group over several mesh axes together counts
+        under their joined name (``"pp+dp"``, as plans name it); any other under ``"?"``."""
         super().__init__()
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
@@ -69,6 +71,13 @@ class CollectiveCounter(TorchDispatchMode):
         named.update(groups or {})
         self._axis_by_group = {str(group.group_name): axis for axis, group in named.items()}
         self._axis_by_ranks = {_ranks(group): axis for axis, group in named.items()}
+        if device_mesh is not None:
+            rank = torch.distributed.get_rank()
+            axes = mesh.device_axes
+            for size in range(2, len(axes) + 1):
+                for subset in itertools.combinations(axes, size):
+                    ranks = mesh.group_ranks(rank, subset)
+                    self._axis_by_ranks.setdefault(ranks, mesh.joined(subset))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         namespace = func.namespace

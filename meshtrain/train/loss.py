@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.plan.ir import Plan
-from meshtrain.plan.lower import plan_device
+from meshtrain.plan.lower import group_over, plan_device
 
 
 def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -> torch.Tensor:
@@ -30,11 +30,11 @@ def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -
 
 
 def data_parallel_sum(plan: Plan, value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed in place over the plan's data-parallel axes (size-1 axes skipped)."""
-    device_mesh = plan.mesh.device_mesh
-    for axis in plan.data_axes:
-        if device_mesh is not None and plan.mesh.size(axis) > 1:
-            dist.all_reduce(value, group=device_mesh.get_group(axis))
+    """``value`` summed in place over the plan's data-parallel ranks: one all-reduce, over all
+    data axes together (HSDP's replicate and shard axes included)."""
+    group = group_over(plan, plan.data_axes)
+    if group is not None:
+        dist.all_reduce(value, group=group)
     return value
 
 
