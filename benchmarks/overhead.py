@@ -46,6 +46,8 @@ from meshtrain.testing.runner import get_pool
 CONFIG = LlamaConfig.preset("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                             vocab_size=2048, max_seq_len=128)  # fmt: skip
 BATCH, SEQ, MICRO = 8, 128, 4  # sequences per data-parallel rank per step, tokens, pp micro-batches
+LOSS_STEPS = 2  # first steps whose global losses both must agree on (untimed: the warm-up)
+LOSS_AGREEMENT = 1e-6  # relative: fp32 reduction order, 2 steps of AdamW from the same weights
 SETUPS = {
     "fsdp": (("dp", 4),),
     "fsdp_tp": (("dp", 2), ("tp", 2)),
@@ -61,7 +63,12 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _meshtrain(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Module]:
+# What a setup's step returns: this rank's share of the step's global loss, and the group whose
+# sum makes it global (None: the step returned the global loss itself).
+Built = tuple[Callable[[int], torch.Tensor], Any]
+
+
+def _meshtrain(setup: str, mesh: mt.Mesh) -> Built:
     model = build_llama(CONFIG, seed=0)
     tp = "tp" in mesh.axis_names
     rules = default_rules() if tp else Rules({r".*": P()}, fsdp="dp")
@@ -74,24 +81,37 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Mod
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     global_tokens = BATCH * SEQ * mesh.size("dp")
 
-    def step(index: int) -> None:
+    def step(index: int) -> torch.Tensor:
         inputs, targets = _batch(index, dp_rank)
         if pipeline is not None:
-            applied.step(inputs, targets)
+            loss = applied.step(inputs, targets)  # sums the tokens and the loss itself
         else:
             with plan.micro_batch(applied, last=True), plan.loss_parallel():
                 logits = applied(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-                (loss / global_tokens).backward()
+                (loss := loss / global_tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
+        return loss
 
-    return step, applied
+    assert mesh.device_mesh is not None
+    return step, None if pipeline is not None else mesh.device_mesh.get_group("dp")
 
 
-def _by_hand(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Module]:
-    """The same parallelism with PyTorch's calls, the way torchtitan's parallelize_llama makes them."""
+def _fsdp_by_hand(module: nn.Module, mesh: Any, *, reshard_after_forward: bool) -> None:
+    """``fully_shard`` as torchtitan applies it: its gradients summed, not averaged (its trainer
+    divides the loss by the global token count), with a plain sum on the wire (gloo has no
+    ``PREMUL_SUM``)."""
     from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    module.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+    module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+
+
+def _by_hand(setup: str, mesh: mt.Mesh) -> Built:
+    """The same parallelism with PyTorch's calls, the way torchtitan's parallelize_llama makes
+    them, trained the way its trainer does (loss summed over tokens, divided by the global count)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -123,26 +143,27 @@ def _by_hand(setup: str, mesh: mt.Mesh) -> tuple[Callable[[int], None], nn.Modul
     for block in model.layers.values():
         if setup in COMPILED:  # as torchtitan's apply_compile: per block, before fully_shard
             block.compile(backend="inductor", fullgraph=True)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=True)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+        _fsdp_by_hand(block, dp_mesh, reshard_after_forward=True)
+    _fsdp_by_hand(model, dp_mesh, reshard_after_forward=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     context = loss_parallel if setup == "fsdp_tp" else contextlib.nullcontext
+    global_tokens = BATCH * SEQ * mesh.size("dp")
 
-    def step(index: int) -> None:
+    def step(index: int) -> torch.Tensor:
         inputs, targets = _batch(index, dp_rank)
         with context():
             logits = model(inputs)
-            F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+            loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+            (loss := loss / global_tokens).backward()
         optimizer.step()
         optimizer.zero_grad()
+        return loss
 
-    return step, model
+    return step, dp_mesh.get_group()
 
 
-def _pipeline_by_hand(
-    model: nn.Module, mesh: mt.Mesh, dp_rank: int
-) -> tuple[Callable[[int], None], nn.Module]:
-    from torch.distributed.fsdp import fully_shard
+def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
+    import torch.distributed._functional_collectives as funcol
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     device_mesh = mesh.device_mesh
@@ -158,27 +179,47 @@ def _pipeline_by_hand(
     else:
         stage.tok_embeddings = None
     for block in stage.layers.values():
-        fully_shard(block, mesh=device_mesh["dp"], reshard_after_forward=True)
-    fully_shard(stage, mesh=device_mesh["dp"], reshard_after_forward=False)
+        _fsdp_by_hand(block, device_mesh["dp"], reshard_after_forward=True)
+    _fsdp_by_hand(stage, device_mesh["dp"], reshard_after_forward=False)
+    global_tokens = torch.ones(())
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        summed = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+        return summed / global_tokens
 
     pipeline_stage = PipelineStage(stage, pp_rank, 2, torch.device("cpu"),
                                    group=device_mesh.get_group("pp"))  # fmt: skip
-    schedule = Schedule1F1B(pipeline_stage, MICRO, loss_fn=loss_fn)
+    schedule = Schedule1F1B(pipeline_stage, MICRO, loss_fn=loss_fn, scale_grads=False)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
-    def step(index: int) -> None:
+    def step(index: int) -> torch.Tensor:
+        nonlocal global_tokens
         inputs, targets = _batch(index, dp_rank)
+        # as torchtitan's trainer: the step's tokens summed over the data-parallel ranks first
+        local = torch.tensor(float(targets.numel()))
+        global_tokens = funcol.wait_tensor(
+            funcol.all_reduce(local, "sum", device_mesh.get_group("dp"))
+        )
+        losses: list[torch.Tensor] = []
         if pp_rank == 0:
             schedule.step(inputs)
         else:
-            schedule.step(target=targets)
+            schedule.step(target=targets, losses=losses)
         optimizer.step()
         optimizer.zero_grad()
+        return torch.stack(losses).sum() if losses else torch.zeros(())
 
-    return step, stage
+    return step, dist.group.WORLD  # the last stages' shares, over pp and dp
+
+
+def _global(loss: torch.Tensor, group: Any) -> float:
+    """The step's global loss from this rank's share (``group`` None: it is global already)."""
+    value = loss.detach()
+    value = value.full_tensor() if hasattr(value, "full_tensor") else value
+    if group is not None:
+        value = value.clone()
+        dist.all_reduce(value, group=group)
+    return float(value)
 
 
 def _counted(
@@ -196,13 +237,20 @@ def _counted(
 
 
 def measure(setup: str, rounds: int) -> dict[str, Any]:
-    """Runs on every rank: build both, warm up, time interleaved steps, count one step each."""
+    """Runs on every rank: build both, compare their first steps' global losses (untimed: the
+    warm-up), time interleaved steps, count one step each."""
     mesh = mt.make_mesh(dict(SETUPS[setup]))
-    steps = {"meshtrain": _meshtrain(setup, mesh)[0], "hand": _by_hand(setup, mesh)[0]}
-    times = interleaved(steps, rounds)
-    counts = {name: _counted(step, mesh, 2 + rounds, eager=setup in COMPILED)
+    built = {"meshtrain": _meshtrain(setup, mesh), "hand": _by_hand(setup, mesh)}
+    losses = {
+        name: [_global(step(index), group) for index in range(LOSS_STEPS)]
+        for name, (step, group) in built.items()
+    }
+    steps = {name: step for name, (step, _) in built.items()}
+    times = interleaved(steps, rounds, warmup=0)
+    counts = {name: _counted(step, mesh, LOSS_STEPS + rounds, eager=setup in COMPILED)
               for name, step in steps.items()}  # fmt: skip
-    return {"times": times, "counts": counts, "coordinates": mesh.coordinates(dist.get_rank())}
+    return {"times": times, "counts": counts, "losses": losses,
+            "coordinates": mesh.coordinates(dist.get_rank())}  # fmt: skip
 
 
 def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
@@ -215,11 +263,7 @@ def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
     pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
     plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline,
                    global_batch=BATCH * axes["dp"], seq_len=SEQ)  # fmt: skip
-    rows: dict[str, list[int]] = {}
-    for c in plan.collectives:
-        row = rows.setdefault(f"{c.kind}@{c.axis}", [0, 0])
-        row[0] += c.count
-        row[1] += c.bytes
+    rows = {f"{kind}@{axis}": list(row) for (kind, axis), row in plan.collective_totals().items()}
     busiest = next(
         (int(m.group(1)) for note in plan.notes
          if (m := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))),
@@ -239,8 +283,13 @@ def main() -> None:
         per_rank = get_pool(4).run(measure, setup, args.rounds, _timeout_s=1800)
         plan_rows, pp_rank = predicted(setup)
         busiest = next(r for r in per_rank if r["coordinates"].get("pp", 0) == pp_rank)["counts"]
+        losses = per_rank[0]["losses"]
         results[setup] = {
             "mesh": dict(SETUPS[setup]),
+            "losses": losses,
+            "worst_loss_rel_diff": max(
+                abs(a - b) / abs(b) for a, b in zip(losses["meshtrain"], losses["hand"])
+            ),
             **summarise([r["times"] for r in per_rank], "meshtrain", "hand"),
             "collectives": {
                 "meshtrain": busiest["meshtrain"],
@@ -265,6 +314,10 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
+    apart = {name: r["worst_loss_rel_diff"] for name, r in results.items()
+             if r["worst_loss_rel_diff"] > LOSS_AGREEMENT}  # fmt: skip
+    if apart:  # then the two do not compute the same thing, and their times do not compare
+        raise SystemExit(f"losses disagree beyond {LOSS_AGREEMENT:g} (relative): {apart}")
 
 
 def _table(setup: str, result: dict[str, Any]) -> str:
@@ -274,6 +327,9 @@ def _table(setup: str, result: dict[str, Any]) -> str:
         f"{m['hand'] * 1e3:.1f} ms, ratio {result['ratio']:.3f} (round by round: median "
         f"{result['paired_ratio']['median']:.3f}, quartiles {result['paired_ratio']['q1']:.3f}–"
         f"{result['paired_ratio']['q3']:.3f})",
+        f"  first losses: meshtrain {result['losses']['meshtrain']}, by hand "
+        f"{result['losses']['hand']} (worst relative difference "
+        f"{result['worst_loss_rel_diff']:.1e})",
         f"  {'collective@axis':<22} {'plan':>16} {'meshtrain':>16} {'by hand':>16}  (count/bytes)",
     ]
     c = result["collectives"]

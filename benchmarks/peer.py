@@ -248,12 +248,8 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
             step(LOSS_STEPS + rounds)
         counts[name] = {f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
                         for (kind, axis), n in sorted(counter.counts.items())}  # fmt: skip
-    plan_rows: dict[str, list[int]] = {}
-    for collective in plan.collectives:
-        row = plan_rows.setdefault(f"{collective.kind}@{collective.axis}", [0, 0])
-        row[0] += collective.count
-        row[1] += collective.bytes
-    counts["plan"] = dict(sorted(plan_rows.items()))
+    counts["plan"] = {f"{kind}@{axis}": list(row)
+                      for (kind, axis), row in sorted(plan.collective_totals().items())}  # fmt: skip
     return {"losses": losses, "times": times, "counts": counts}
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -71,12 +69,8 @@ def measure(
 
 def _predicted(plan: mt.Plan) -> tuple[dict, dict]:
     """The plan's collectives per (kind, axis): counts, then payload bytes."""
-    counts: Counter[tuple[str, str]] = Counter()
-    payload: Counter[tuple[str, str]] = Counter()
-    for collective in plan.collectives:
-        counts[(collective.kind, collective.axis)] += collective.count
-        payload[(collective.kind, collective.axis)] += collective.bytes
-    return dict(counts), dict(payload)
+    totals = plan.collective_totals()
+    return {k: n for k, (n, _) in totals.items()}, {k: b for k, (_, b) in totals.items()}
 
 
 CASES = {

@@ -191,13 +191,8 @@ def footprint(plan: Plan, device_memory: int | None = None) -> Footprint:
         (True, True)
     """
     sizes = plan.mesh.shape
-    totals: dict[tuple[str, str], list[int]] = {}
-    for c in plan.collectives:
-        row = totals.setdefault((c.axis, c.kind), [0, 0])
-        row[0] += c.count
-        row[1] += c.bytes
     traffic = []
-    for (axis, kind), (count, payload) in totals.items():
+    for (kind, axis), (count, payload) in plan.collective_totals().items():
         size = math.prod(sizes[name] for name in axis.split("+"))
         traffic.append(
             AxisTraffic(axis, size, kind, count, payload, ring_bytes(kind, payload, size))

@@ -223,6 +223,24 @@ class Plan:
         """FQN → compute spec."""
         return {param.fqn: param.spec for param in self.params}
 
+    def collective_totals(self) -> dict[tuple[str, str], tuple[int, int]]:
+        """Collectives per step by (kind, axis): their count and payload bytes, the rows of one
+        kind and axis summed (the form a ``CollectiveCounter`` measures in).
+
+        Example:
+            >>> import meshtrain as mt
+            >>> from meshtrain.models import LlamaConfig, build_llama
+            >>> model = build_llama(LlamaConfig.debug(), device="meta")
+            >>> mesh = mt.make_mesh(dp=2, world_size=2, abstract=True)
+            >>> sorted(mt.plan(model, mesh, mt.Rules({".*": mt.P()}, fsdp="dp")).collective_totals())
+            [('all_gather', 'dp'), ('reduce_scatter', 'dp')]
+        """
+        totals: dict[tuple[str, str], tuple[int, int]] = {}
+        for c in self.collectives:
+            count, payload = totals.get((c.kind, c.axis), (0, 0))
+            totals[(c.kind, c.axis)] = (count + c.count, payload + c.bytes)
+        return totals
+
     def apply(self, model: Any) -> Any:
         """Parallelise ``model`` as planned (the only step that touches torch.distributed)."""
         from meshtrain.plan.lower import apply
