@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, summarise, timed
+from timing import interleaved, round_by_round, summarise, timed
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
@@ -170,8 +170,8 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(f"{name:24}{first[name]:>14.3f}{steady[name]:>15.3f}"
                      f"{result['first_losses'][name]:>12.6f}")  # fmt: skip
     lines.append(
-        f"speedup (eager/compiled, median steps): {result['speedup']:.2f}×; compiled/eager round by "
-        f"round: median {paired['median']:.3f}, quartiles {paired['q1']:.3f}–{paired['q3']:.3f}"
+        f"speedup (eager/compiled, median steps): {result['speedup']:.2f}×; compiled/eager "
+        f"{round_by_round(paired)}"
     )
     lines.append(f"compile time: cold cache {result['compile_s']['cold']:.1f} s, "
                  f"warm cache {result['compile_s']['warm']:.1f} s")  # fmt: skip

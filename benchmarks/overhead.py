@@ -1,18 +1,22 @@
 """meshtrain's plans against the same parallelism written by hand, in one run on the same ranks.
 
 For FSDP (ZeRO-3 over dp 4), FSDP + tensor parallel (dp 2 × tp 2), PP + FSDP (pp 2 × dp 2,
-1F1B over 4 micro-batches) and FSDP with each block compiled (inductor, full graph, as torchtitan's
-``apply_compile`` does it: before ``fully_shard``), every rank builds the same Llama twice: one copy goes through
-``mt.plan(...).apply(model)``, the other through the calls torchtitan's parallelize functions make
-(``parallelize_module`` with column-/row-wise styles, ``fully_shard`` per block then the root,
-``PipelineStage`` + ``Schedule1F1B``). Both train with AdamW on the same batches; their steps are
-interleaved (A B, then B A, ...) and each is timed between barriers, so drift hits both alike.
+1F1B over 4 micro-batches) and FSDP with each block compiled (inductor, full graph, as
+torchtitan's ``apply_compile`` does it: before ``fully_shard``), every rank builds the same Llama
+twice: one copy goes through ``mt.plan(...).apply(model)``, the other through the calls
+torchtitan's parallelize functions make (``parallelize_module`` with column-/row-wise styles,
+``fully_shard`` per block then the root with FSDP's gradient division off, ``PipelineStage`` +
+``Schedule1F1B``) and trains the way torchtitan's trainer does (loss summed over tokens and
+divided by the step's global token count, all-reduced before a pipeline's schedule). Both train
+with AdamW on the same batches; their first two global losses must agree (else the script exits
+with an error: the two would not be doing the same work); then their steps are interleaved (A B,
+then B A, ...) and each is timed between barriers, so drift hits both alike.
 
 Reported per configuration: median step time of each and their ratio (meshtrain / hand-written;
-target ≤ 1.02) with the round-by-round ratios' median and quartiles (their spread is this
-machine's noise: 4 ranks share 2 cores), and the collectives one step issues — count and
-payload bytes per kind and mesh axis, meshtrain's and the hand-written code's as counted on the ranks, against the plan's
-prediction (the minimum the parallelism needs; target: equal).
+target ≤ 1.02) with the round-by-round ratios' median, its 95% confidence interval and their
+quartiles (their spread is this machine's noise: 4 ranks share 2 cores), and the collectives one
+step issues — count and payload bytes per kind and mesh axis, meshtrain's and the hand-written
+code's as counted on the ranks, against the plan's prediction (target: equal).
 
 Usage::
 
@@ -34,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, summarise
+from timing import interleaved, round_by_round, summarise
 from torch import nn
 
 import meshtrain as mt
@@ -324,9 +328,8 @@ def _table(setup: str, result: dict[str, Any]) -> str:
     m = result["median_step_s"]
     lines = [
         f"{setup} {result['mesh']}: meshtrain {m['meshtrain'] * 1e3:.1f} ms, by hand "
-        f"{m['hand'] * 1e3:.1f} ms, ratio {result['ratio']:.3f} (round by round: median "
-        f"{result['paired_ratio']['median']:.3f}, quartiles {result['paired_ratio']['q1']:.3f}–"
-        f"{result['paired_ratio']['q3']:.3f})",
+        f"{m['hand'] * 1e3:.1f} ms, ratio {result['ratio']:.3f} "
+        f"({round_by_round(result['paired_ratio'])})",
         f"  first losses: meshtrain {result['losses']['meshtrain']}, by hand "
         f"{result['losses']['hand']} (worst relative difference "
         f"{result['worst_loss_rel_diff']:.1e})",

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, summarise
+from timing import interleaved, round_by_round, summarise
 from torch import nn
 
 import meshtrain as mt
@@ -323,8 +323,7 @@ def _table(setup: str, result: dict[str, Any]) -> str:
     lines = [
         f"{setup} {result['mesh']}{' +SP' if result['sequence_parallel'] else ''}: meshtrain "
         f"{m['meshtrain'] * 1e3:.1f} ms, torchtitan {m['torchtitan'] * 1e3:.1f} ms, ratio "
-        f"{result['ratio']:.3f} (round by round: median {result['paired_ratio']['median']:.3f}, "
-        f"quartiles {result['paired_ratio']['q1']:.3f}–{result['paired_ratio']['q3']:.3f})",
+        f"{result['ratio']:.3f} ({round_by_round(result['paired_ratio'])})",
         "  losses, step by step: "
         + "; ".join(
             f"{name} " + " ".join(f"{v:.6f}" for v in values) for name, values in losses.items()

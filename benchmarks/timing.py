@@ -12,6 +12,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,7 @@ def summarise(
     medians = {key: statistics.median(values) for key, values in steps.items()}
     paired = sorted(a / b for a, b in zip(steps[name], steps[baseline]))
     quartiles = statistics.quantiles(paired, n=4)
+    low, high = median_interval(paired)
     return {
         "median_step_s": medians,
         "ratio": medians[name] / medians[baseline],
@@ -65,5 +67,43 @@ def summarise(
             "median": statistics.median(paired),
             "q1": quartiles[0],
             "q3": quartiles[2],
+            "ci95": [low, high],
         },
     }
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval for the median: the order statistics ``k`` and
+    ``n + 1 - k`` with the largest ``k`` for which ``P(Binomial(n, 1/2) < k) ≤ (1 - confidence)
+    / 2`` (each value falls on either side of the median with probability 1/2). With too few
+    values for that, the whole range.
+
+    Example:
+        >>> median_interval([float(v) for v in range(1, 41)])
+        (14.0, 27.0)
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1 - confidence) / 2
+    below, k = 0.0, 0  # below = P(Binomial(n, 1/2) < k + 1) as k grows
+    while k < n // 2:
+        below += math.comb(n, k) / 2**n
+        if below > tail:
+            break
+        k += 1
+    k = max(k, 1)
+    return ordered[k - 1], ordered[n - k]
+
+
+def round_by_round(paired: dict[str, Any]) -> str:
+    """The round-by-round ratios as the tables print them.
+
+    Example:
+        >>> round_by_round({"median": 1.0, "ci95": [0.98, 1.01], "q1": 0.95, "q3": 1.04})
+        'round by round: median 1.000 (95% CI 0.980–1.010), quartiles 0.950–1.040'
+    """
+    low, high = paired["ci95"]
+    return (
+        f"round by round: median {paired['median']:.3f} (95% CI {low:.3f}–{high:.3f}), "
+        f"quartiles {paired['q1']:.3f}–{paired['q3']:.3f}"
+    )
