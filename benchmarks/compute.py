@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, round_by_round, summarise, timed
+from timing import cpu_line, interleaved, round_by_round, summarise, timed
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
@@ -173,6 +173,7 @@ def _table(result: dict[str, Any]) -> str:
         f"speedup (eager/compiled, median steps): {result['speedup']:.2f}×; compiled/eager "
         f"{round_by_round(paired)}"
     )
+    lines.append(cpu_line(result, {"compiled": "compiled", "eager": "eager"}))
     lines.append(f"compile time: cold cache {result['compile_s']['cold']:.1f} s, "
                  f"warm cache {result['compile_s']['warm']:.1f} s")  # fmt: skip
     lines.append(f"\n{'checkpointing':14}{'measured B':>14}{'estimate B':>14}{'est/meas':>10}")

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, round_by_round, summarise
+from timing import cpu_line, interleaved, round_by_round, summarise
 from torch import nn
 
 import meshtrain as mt
@@ -330,6 +330,7 @@ def _table(setup: str, result: dict[str, Any]) -> str:
         f"{setup} {result['mesh']}: meshtrain {m['meshtrain'] * 1e3:.1f} ms, by hand "
         f"{m['hand'] * 1e3:.1f} ms, ratio {result['ratio']:.3f} "
         f"({round_by_round(result['paired_ratio'])})",
+        "  " + cpu_line(result, {"meshtrain": "meshtrain", "hand": "by hand"}),
         f"  first losses: meshtrain {result['losses']['meshtrain']}, by hand "
         f"{result['losses']['hand']} (worst relative difference "
         f"{result['worst_loss_rel_diff']:.1e})",

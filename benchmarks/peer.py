@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from provenance import provenance
-from timing import interleaved, round_by_round, summarise
+from timing import cpu_line, interleaved, round_by_round, summarise
 from torch import nn
 
 import meshtrain as mt
@@ -324,6 +324,7 @@ def _table(setup: str, result: dict[str, Any]) -> str:
         f"{setup} {result['mesh']}{' +SP' if result['sequence_parallel'] else ''}: meshtrain "
         f"{m['meshtrain'] * 1e3:.1f} ms, torchtitan {m['torchtitan'] * 1e3:.1f} ms, ratio "
         f"{result['ratio']:.3f} ({round_by_round(result['paired_ratio'])})",
+        "  " + cpu_line(result, {"meshtrain": "meshtrain", "torchtitan": "torchtitan"}),
         "  losses, step by step: "
         + "; ".join(
             f"{name} " + " ".join(f"{v:.6f}" for v in values) for name, values in losses.items()

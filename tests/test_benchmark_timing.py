@@ -41,15 +41,19 @@ def test_median_interval_holds_the_sample_median(values: list[float]) -> None:
     assert min(values) <= low <= statistics.median(values) <= high <= max(values)
 
 
-def test_summarise_takes_the_slowest_rank_of_each_round() -> None:
+def test_summarise_takes_the_slowest_rank_in_wall_time_and_the_sum_of_ranks_in_cpu_time() -> None:
     ranks = [
         {"a": [1.0, 2.0, 3.0], "b": [1.0, 1.0, 1.0]},
         {"a": [1.5, 1.0, 3.0], "b": [2.0, 1.0, 1.0]},
     ]
-    summary = timing.summarise(ranks, "a", "b")
+    summary = timing.summarise([{"wall": r, "cpu": r} for r in ranks], "a", "b")
     assert summary["median_step_s"] == {"a": 2.0, "b": 1.0}  # rounds: a 1.5 2 3, b 2 1 1
     assert summary["ratio"] == 2.0
     assert summary["paired_ratio"]["median"] == 2.0  # 0.75, 2, 3
+    cpu = summary["cpu"]  # rounds: a 2.5 3 6, b 3 2 2
+    assert cpu["median_step_s"] == {"a": 3.0, "b": 2.0}
+    assert cpu["ratio"] == 1.5
+    assert cpu["paired_ratio"]["median"] == 1.5  # 2.5/3, 3/2, 6/2
 
 
 def test_docstring_examples() -> None:
