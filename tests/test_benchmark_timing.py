@@ -22,7 +22,7 @@ def _below(n: int, k: int) -> float:
 
 
 @given(st.integers(1, 200))
-def test_median_interval_is_the_widest_order_statistic_pair_with_95_percent_coverage(
+def test_median_interval_is_the_narrowest_order_statistic_pair_with_95_percent_coverage(
     n: int,
 ) -> None:
     low, high = timing.median_interval([float(v) for v in range(1, n + 1)])

@@ -320,6 +320,8 @@ def group_over(plan: Plan, axes: Sequence[str]) -> ProcessGroup | None:
     reduces over all of them; ``None`` when they span this rank alone. One axis is its own group;
     several are the ``DeviceMesh`` flattened over them (created by every rank on first use, then
     cached on the mesh by torch), named as :meth:`~meshtrain.spec.mesh.Mesh.joined` names it.
+    ``DeviceMesh._flatten`` is private in torch 2.13 (FSDP2's HSDP and torchtitan use it too);
+    this is meshtrain's only call of it.
     """
     device_mesh = plan.mesh.device_mesh
     name = plan.mesh.joined(tuple(axes))
