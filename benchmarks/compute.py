@@ -52,14 +52,14 @@ def _trainer(compile_backend: str | None) -> Callable[[int], float]:
     options = {"compile": {"backend": compile_backend}} if compile_backend else {}
     mesh = mt.make_mesh(dp=2, tp=1)
     plan = mt.plan(model, mesh, mt.Rules(logical=default_rules().logical, fsdp="dp"), **options)
-    plan.apply(model)
+    mt.apply(plan, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
 
     def step(index: int) -> float:
         generator = torch.Generator().manual_seed(1000 * index + dp_rank)
         tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator)
-        with plan.loss_parallel():
+        with mt.loss_parallel(plan):
             loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         optimizer.step()
@@ -99,7 +99,7 @@ def activation_memory() -> list[dict[str, object]]:
     """Peak activation bytes per checkpointing mode: measured vs the plan's estimate."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from meshtrain.plan.lower_compute import apply_checkpointing
+    from meshtrain.lower.compute import apply_checkpointing
 
     rows = []
     for mode in ("none", "selective", "full"):

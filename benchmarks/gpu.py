@@ -2,7 +2,7 @@
 
 Skips (exit 0, a JSON record saying why) when no CUDA device is present. On one GPU run it with
 ``python``; on several, under ``torchrun --nproc_per_node <gpus>``. Every rank builds the same
-Llama (full tensors, seed 0) on its GPU, ``mt.plan(...).apply(model)`` distributes it, and it
+Llama (full tensors, seed 0) on its GPU, ``mt.apply(mt.plan(...), model)`` distributes it, and it
 trains with AdamW in bf16 (FSDP2's mixed-precision policy: bf16 compute, fp32 master weights and
 reduction) on random tokens. Rows: FSDP (ZeRO-3) over every rank, eager and compiled (inductor, per
 block), and FSDP × TP (tp 2) on 4 or more ranks (an even count).
@@ -37,9 +37,8 @@ import torch.nn.functional as F
 from provenance import provenance
 
 import meshtrain as mt
-from meshtrain.models import LlamaConfig, build_llama, default_rules
+from meshtrain.models import LlamaConfig, build_llama, default_rules, llama_flops_per_token
 from meshtrain.train.throughput import (
-    llama_flops_per_token,
     model_flops_utilization,
     peak_bf16_flops,
     peak_rss_gib,
@@ -72,7 +71,7 @@ def measure(row: dict[str, Any], shapes: dict[str, int], options: dict[str, int]
     dp = mesh.size("dp")
     plan = mt.plan(model, mesh, default_rules(), zero=3, precision="bf16", compile=compile_options,
                    global_batch=batch * dp, seq_len=seq)  # fmt: skip
-    plan.apply(model)
+    mt.apply(plan, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     global_tokens = batch * seq * dp
@@ -80,7 +79,7 @@ def measure(row: dict[str, Any], shapes: dict[str, int], options: dict[str, int]
     tokens = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=generator).to(device)
 
     def step() -> float:
-        with plan.micro_batch(model, last=True), plan.loss_parallel():
+        with mt.micro_batch(plan, model, last=True), mt.loss_parallel(plan):
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
                                    reduction="sum") / global_tokens  # fmt: skip
@@ -179,7 +178,7 @@ def main() -> None:
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local_rank)
-    mt.make_mesh({"dp": -1})  # joins torchrun's group (NCCL), or a one-rank group without it
+    mt.init_distributed()  # joins torchrun's group (NCCL), or a one-rank group without it
     world = dist.get_world_size()
     per_rank_rows = run_all(GPU_MODEL, options)
     gathered: list[Any] = [None] * world

@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, given, settings
 from provenance import provenance
 
 import meshtrain as mt
+from meshtrain.errors import MeshError, PlanError, RuleError, SpecError
 from meshtrain.plan.ir import Plan
-from meshtrain.spec.errors import MeshError, PlanError, RuleError, SpecError
 from meshtrain.testing import assert_equivalent, contract_for
 from meshtrain.testing.runner import get_pool
 from meshtrain.testing.strategies import PlanCase, plan_cases

@@ -3,7 +3,7 @@
 For FSDP (ZeRO-3 over dp 4), FSDP + tensor parallel (dp 2 × tp 2), PP + FSDP (pp 2 × dp 2,
 1F1B over 4 micro-batches) and FSDP with each block compiled (inductor, full graph, as
 torchtitan's ``apply_compile`` does it: before ``fully_shard``), every rank builds the same Llama
-twice: one copy goes through ``mt.plan(...).apply(model)``, the other through the calls
+twice: one copy goes through ``mt.apply(mt.plan(...), model)``, the other through the calls
 torchtitan's parallelize functions make (``parallelize_module`` with column-/row-wise styles,
 ``fully_shard`` per block then the root with FSDP's gradient division off, ``PipelineStage`` +
 ``Schedule1F1B``) and trains the way torchtitan's trainer does (loss summed over tokens and
@@ -43,9 +43,11 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain import P, Rules
+from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
+from meshtrain.train import Batch, forward_backward
 
 CONFIG = LlamaConfig.preset("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
                             vocab_size=2048, max_seq_len=128)  # fmt: skip
@@ -80,7 +82,7 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> Built:
     compile_options = {"backend": "inductor", "fullgraph": True} if setup in COMPILED else False
     plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline, global_batch=BATCH * mesh.size("dp"),
                    seq_len=SEQ, compile=compile_options)  # fmt: skip
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     optimizer = torch.optim.AdamW(applied.parameters(), lr=1e-4)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     global_tokens = BATCH * SEQ * mesh.size("dp")
@@ -88,9 +90,10 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> Built:
     def step(index: int) -> torch.Tensor:
         inputs, targets = _batch(index, dp_rank)
         if pipeline is not None:
-            loss = applied.step(inputs, targets)  # sums the tokens and the loss itself
+            # the train step's own accounting: the step's tokens and its global loss
+            loss = torch.tensor(forward_backward(plan, applied, Batch(inputs, targets))[0])
         else:
-            with plan.micro_batch(applied, last=True), plan.loss_parallel():
+            with mt.micro_batch(plan, applied, last=True), mt.loss_parallel(plan):
                 logits = applied(inputs)
                 loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
                 (loss := loss / global_tokens).backward()
@@ -98,8 +101,7 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> Built:
         optimizer.zero_grad()
         return loss
 
-    assert mesh.device_mesh is not None
-    return step, None if pipeline is not None else mesh.device_mesh.get_group("dp")
+    return step, None if pipeline is not None else device_mesh(mesh).get_group("dp")
 
 
 def _fsdp_by_hand(module: nn.Module, mesh: Any, *, reshard_after_forward: bool) -> None:
@@ -125,12 +127,11 @@ def _by_hand(setup: str, mesh: mt.Mesh) -> Built:
     )
 
     model = build_llama(CONFIG, seed=0)
-    device_mesh = mesh.device_mesh
-    assert device_mesh is not None
-    dp_mesh = device_mesh["dp"]
+    bound = device_mesh(mesh)
+    dp_mesh = bound["dp"]
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     if setup == "fsdp_tp":
-        tp_mesh = device_mesh["tp"]
+        tp_mesh = bound["tp"]
         parallelize_module(model, tp_mesh, {
             "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
             "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
@@ -170,8 +171,7 @@ def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    device_mesh = mesh.device_mesh
-    assert device_mesh is not None
+    bound = device_mesh(mesh)
     pp_rank = mesh.coordinates(dist.get_rank())["pp"]
     stage = copy.deepcopy(model)
     keep = {"0", "1"} if pp_rank == 0 else {"2", "3"}  # meshtrain's balanced split of 4 blocks
@@ -183,8 +183,8 @@ def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
     else:
         stage.tok_embeddings = None
     for block in stage.layers.values():
-        _fsdp_by_hand(block, device_mesh["dp"], reshard_after_forward=True)
-    _fsdp_by_hand(stage, device_mesh["dp"], reshard_after_forward=False)
+        _fsdp_by_hand(block, bound["dp"], reshard_after_forward=True)
+    _fsdp_by_hand(stage, bound["dp"], reshard_after_forward=False)
     global_tokens = torch.ones(())
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -192,7 +192,7 @@ def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
         return summed / global_tokens
 
     pipeline_stage = PipelineStage(stage, pp_rank, 2, torch.device("cpu"),
-                                   group=device_mesh.get_group("pp"))  # fmt: skip
+                                   group=bound.get_group("pp"))  # fmt: skip
     schedule = Schedule1F1B(pipeline_stage, MICRO, loss_fn=loss_fn, scale_grads=False)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
@@ -201,9 +201,7 @@ def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
         inputs, targets = _batch(index, dp_rank)
         # as torchtitan's trainer: the step's tokens summed over the data-parallel ranks first
         local = torch.tensor(float(targets.numel()))
-        global_tokens = funcol.wait_tensor(
-            funcol.all_reduce(local, "sum", device_mesh.get_group("dp"))
-        )
+        global_tokens = funcol.wait_tensor(funcol.all_reduce(local, "sum", bound.get_group("dp")))
         losses: list[torch.Tensor] = []
         if pp_rank == 0:
             schedule.step(inputs)

@@ -3,7 +3,7 @@
 The peer comparison, in one run on the same 4 gloo ranks: every rank builds torchtitan's Llama-3
 ``debugmodel`` (dim 256, 6 layers, 16 heads, vocab 2,048) twice from one full starting state —
 one copy parallelized by torchtitan (``parallelize_llama``, as its trainer calls it), the other by
-``mt.plan(model, mesh, rules).apply(model)`` with regex rules on torchtitan's parameter names that
+``mt.apply(mt.plan(model, mesh, rules), model)`` with regex rules on torchtitan's parameter names that
 ask for the same layout. Both train with AdamW on the same batches with the same loss (summed over
 tokens, divided by the global token count, as torchtitan's trainer does) and no clipping.
 
@@ -46,6 +46,7 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain import P, Rules
+from meshtrain.lower import device_mesh
 from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
 
@@ -200,9 +201,9 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     ours = copy.deepcopy(full)
     if SETUPS[setup]["tp"] > 1:
         _standard_embedding(ours)
-    ours = plan.apply(ours)
+    ours = mt.apply(plan, ours)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
-    dp_group = mesh.device_mesh.get_group("dp")  # type: ignore[union-attr]
+    dp_group = device_mesh(mesh).get_group("dp")
     vocab = config.vocab_size
     optimizers = {
         "meshtrain": torch.optim.AdamW(ours.parameters(), lr=1e-3),
@@ -211,7 +212,7 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
 
     def meshtrain_step(index: int) -> torch.Tensor:
         inputs, targets = _batch(index, dp_rank, vocab)
-        with plan.micro_batch(ours, last=True), plan.loss_parallel():
+        with mt.micro_batch(plan, ours, last=True), mt.loss_parallel(plan):
             logits = ours(inputs)
             loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
             (loss := loss / global_tokens).backward()

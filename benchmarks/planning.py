@@ -1,6 +1,6 @@
 """Planning time at cluster scale: the Llama 3 recipes on 8 to 16,384 abstract ranks (no processes).
 
-For each recipe and world size, ``meshtrain.sizing.size_recipe`` (meta-device model, abstract
+For each recipe and world size, ``meshtrain.recipes.sizing.size_recipe`` (meta-device model, abstract
 mesh, the footprint report, pipelines re-planned per checkpointing mode) is run ``--repeats``
 times in this process; each run builds the model afresh, so every time includes the activation
 trace. The table shows the first and the median time and the busiest rank's peak memory, or why
@@ -22,9 +22,9 @@ from typing import Any
 
 from provenance import provenance
 
+from meshtrain.errors import MeshtrainError
 from meshtrain.recipes import load_recipe
-from meshtrain.sizing import size_recipe
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.recipes.sizing import size_recipe
 
 RECIPES = ("llama3_8b", "llama3_70b", "llama3_405b")
 WORLDS = (8, 64, 1024, 16384)

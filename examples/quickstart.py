@@ -6,7 +6,7 @@ Run (the README's first command installs meshtrain and runs this)::
 
 What it shows: a named mesh, the model's logical-axis rules compiled into a plan (printed with
 ``explain()``: one spec per parameter, the tensor-parallel style each module lowers to, FSDP
-units, memory and collectives), ``plan.apply`` lowering it with PyTorch's own DTensor, tensor
+units, memory and collectives), ``mt.apply`` lowering it with PyTorch's own DTensor, tensor
 parallel and FSDP2, and a few AdamW steps — loss normalised by the global token count, gradients
 clipped by the global norm — whose loss rank 0 compares with the same model trained on one
 device from the same initial weights and data.
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
+from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.train import clip_grad_norm_, global_token_count
 
@@ -35,7 +36,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=32)
     args = parser.parse_args()
 
-    mesh = mt.make_mesh(dp=-1, tp=args.tp)  # reads the torchrun environment; gloo on CPU
+    mt.init_distributed()  # joins torchrun's process group (gloo on CPU, NCCL on GPUs)
+    mesh = mt.make_mesh(dp=-1, tp=args.tp)  # a description: {dp: world/tp, tp: tp}
     rank = dist.get_rank()
     dp, dp_rank = mesh.size("dp"), mesh.coordinates(rank)["dp"]
     config = LlamaConfig.debug()
@@ -47,7 +49,7 @@ def main() -> None:
     plan = mt.plan(model, mesh, default_rules(tp="tp", fsdp="dp"), zero=3)
     if rank == 0:
         print(plan.explain())
-    plan.apply(model)
+    mt.apply(plan, model)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
     ref_optimizer = (
@@ -61,7 +63,7 @@ def main() -> None:
 
         # Summed token losses over the global token count: gradients equal one device's.
         total_tokens = global_token_count(plan, [targets[local].numel()])
-        with plan.loss_parallel():  # vocab-sharded logits are never gathered
+        with mt.loss_parallel(plan):  # vocab-sharded logits are never gathered
             logits = model(inputs[local])
             loss = F.cross_entropy(logits.flatten(0, 1), targets[local].flatten(), reduction="sum")
             loss = loss / total_tokens
@@ -71,7 +73,7 @@ def main() -> None:
         optimizer.zero_grad()
 
         global_loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
-        dist.all_reduce(global_loss, group=mesh.device_mesh.get_group("dp"))  # type: ignore[union-attr]
+        dist.all_reduce(global_loss, group=device_mesh(mesh).get_group("dp"))
         if reference is not None and ref_optimizer is not None:
             ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
             ref_loss.backward()

@@ -1,32 +1,33 @@
 """meshtrain: declare a mesh and per-parameter partition specs; get DTensor-based parallel plans.
 
+The layers, bottom up: ``spec`` (P, mesh descriptions, rules) → ``plan`` (the compiler: a Plan
+is data) → ``lower`` (``mt.apply``: the plan onto modules with PyTorch's parallel APIs) →
+``train`` (the train step, state, checkpoints) → ``recipes`` → ``cli``; ``launch`` starts the
+processes (``mt.init_distributed``). See docs/architecture.md.
+
 Example:
     >>> import meshtrain as mt
     >>> mesh = mt.make_mesh(dp=-1, tp=2, world_size=8, abstract=True)
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
-from meshtrain.plan import Pipeline, Plan, constrain, plan, shard_map
-from meshtrain.spec import (
+from meshtrain.errors import (
     CheckpointError,
     DataError,
     EquivalenceError,
     GraphBreakWarning,
-    Mesh,
     MeshError,
     MeshtrainError,
-    P,
     PlanError,
     RecipeError,
-    Resolution,
     RuleError,
-    Rules,
     SpecError,
     TrainingError,
-    annotate,
-    distribute,
-    make_mesh,
 )
+from meshtrain.launch import init_distributed
+from meshtrain.lower import apply, constrain, distribute, loss_parallel, micro_batch, shard_map
+from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
+from meshtrain.spec import Mesh, P, Resolution, Rules, annotate, make_mesh
 from meshtrain.train import TrainState, make_train_step
 
 __version__ = "0.1.0"
@@ -53,6 +54,7 @@ __all__ = [
     "Pipeline",
     "Plan",
     "PlanError",
+    "PlanOptions",
     "RecipeError",
     "Resolution",
     "RuleError",
@@ -62,10 +64,14 @@ __all__ = [
     "TrainingError",
     "__version__",
     "annotate",
+    "apply",
     "constrain",
     "distribute",
+    "init_distributed",
+    "loss_parallel",
     "make_mesh",
     "make_train_step",
+    "micro_batch",
     "plan",
     "shard_map",
 ]

@@ -1,13 +1,13 @@
 """The ``meshtrain`` command line: argument parsing only; each command calls Python functions.
 
 ``meshtrain train RECIPE [--set section.key=value ...]`` trains a recipe
-(:func:`meshtrain.train.loop.train`). Under ``torchrun`` it joins the process group; run directly
+(:func:`meshtrain.recipes.run.train`). Under ``torchrun`` it joins the process group; run directly
 it starts ``--nproc`` local ranks through torchrun (one node by default; ``--nnodes``,
 ``--node-rank`` and ``--rdzv-endpoint`` make this machine one node of several). The recipe is
 validated before any rank starts.
 
 ``meshtrain plan RECIPE --world N [--device-memory 80GiB] [--strategy auto] [--json]`` plans a
-recipe on N abstract ranks (:func:`meshtrain.sizing.size_recipe`) and prints one rank's memory
+recipe on N abstract ranks (:func:`meshtrain.recipes.sizing.size_recipe`) and prints one rank's memory
 and communication; exit status 3 when it does not fit the device memory.
 
 ``meshtrain check RECIPE [--world N] [--steps S]`` shrinks a recipe to ``N`` CPU ranks
@@ -27,8 +27,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from meshtrain.errors import EquivalenceError, MeshtrainError
 from meshtrain.recipes import describe_shrink, load_recipe, shrink
-from meshtrain.spec.errors import EquivalenceError, MeshtrainError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,7 +101,7 @@ def plan_command(args: argparse.Namespace) -> int:
     """``meshtrain plan``: size the recipe at ``--world`` ranks and print the report."""
     import json
 
-    from meshtrain.sizing import size_recipe
+    from meshtrain.recipes.sizing import size_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
     sizing = size_recipe(
@@ -135,7 +135,7 @@ def train_command(args: argparse.Namespace) -> int:
         return run_under_torchrun(command)
     import torch.distributed as dist
 
-    from meshtrain.train.loop import train
+    from meshtrain.recipes.run import train
 
     device = init_distributed()
     try:

@@ -1,4 +1,6 @@
-"""Starting ranks: under ``torchrun`` (one node or many), or spawned locally through it.
+"""Starting ranks: under ``torchrun`` (one node or many), spawned locally through it, or joined
+through a store (the SPMD test runner) — :func:`init_distributed` is the one function that starts
+the process group.
 
 ``meshtrain train`` run by ``torchrun`` finds its rank in the environment and joins the process
 group. Run directly, it re-executes itself under ``torchrun`` with ``--nproc`` local ranks
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError
 
 #: Environment variables torchrun sets for every worker.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -35,24 +37,58 @@ def under_torchrun() -> bool:
     return all(name in os.environ for name in TORCHRUN_VARIABLES)
 
 
-def init_distributed(timeout_s: float = 600.0) -> torch.device:
-    """Join the process group torchrun describes (NCCL on GPUs, gloo otherwise); returns this
-    rank's device. Does nothing when the group already exists."""
-    if torch.cuda.is_available():
+def init_distributed(
+    *,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    store: dist.Store | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+) -> torch.device:
+    """Join (or create) the default process group; returns this rank's device. The one place
+    meshtrain starts its runtime: the CLI, the SPMD test runner and users' scripts call it, then
+    describe meshes with :func:`~meshtrain.make_mesh`. Does nothing when the group exists.
+
+    Under ``torchrun`` (its variables set) it joins the job's rendezvous; with ``store``,
+    ``rank`` and ``world_size`` it joins through that store; alone (no launcher) it creates a
+    one-rank group, so a script runs unchanged on one device. The backend is NCCL on GPUs
+    (the device is ``cuda:LOCAL_RANK``), gloo otherwise.
+
+    Example (a user's script, run with ``torchrun --nproc_per_node 4 script.py``)::
+
+        device = mt.init_distributed()
+        mesh = mt.make_mesh(dp=-1, tp=2)
+    """
+    if torch.cuda.is_available() and backend in (None, "nccl"):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
-    if not dist.is_initialized():
-        if not under_torchrun():
-            missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+        device = torch.device("cpu")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if dist.is_initialized():
+        return device
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if store is not None:
+        if rank is None or world_size is None:
             raise MeshtrainError(
-                f"no process group and no torchrun environment ({', '.join(missing)} unset): "
-                "start with `torchrun ... -m meshtrain train RECIPE`, or let `meshtrain train "
-                "RECIPE --nproc N` start the ranks."
+                "init_distributed(store=...) needs this process's rank and the world_size too."
             )
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
+    elif under_torchrun():
+        dist.init_process_group(backend, timeout=timeout)  # torchrun's env:// rendezvous
+    elif int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        missing = [name for name in TORCHRUN_VARIABLES if name not in os.environ]
+        raise MeshtrainError(
+            f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but the rest of torchrun's "
+            f"environment is not ({', '.join(missing)} unset): start the ranks with `torchrun "
+            "--nproc_per_node N script.py` (or `meshtrain train RECIPE --nproc N`)."
+        )
     return device
 
 

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import meshtrain as mt
 from meshtrain import PlanError
+from meshtrain.errors import MeshtrainError
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan.auto import (
     MODES,
@@ -19,8 +20,7 @@ from meshtrain.plan.auto import (
     choose_plan,
     step_cost,
 )
-from meshtrain.plan.options import Precision
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.plan.options import AutoSearch, Precision
 
 MODEL = build_llama(LlamaConfig.preset("debug", n_layers=4), device="meta")
 RULES = default_rules()
@@ -36,7 +36,8 @@ def every_candidate(world: int, global_batch: int, seq_len: int) -> list[tuple[i
                 for mode in MODES:
                     c = Candidate(pp, dp, tp, zero, mode, micro)
                     try:
-                        plan = mt.plan(MODEL, mesh, RULES, **_options(c, global_batch, seq_len, {}))
+                        shared = mt.PlanOptions(seq_len=seq_len)
+                        plan = mt.plan(MODEL, mesh, RULES, _options(c, global_batch, shared))
                     except MeshtrainError:
                         continue
                     cost = step_cost(plan, 8, Links(), global_batch * seq_len)
@@ -56,8 +57,8 @@ def test_auto_fits_what_it_claims_and_nothing_cheaper_fits(
     everything = every_candidate(world, global_batch, 32)
     fitting = [(peak, cost) for peak, cost in everything if peak <= memory]
     try:
-        choice = choose_plan(MODEL, world, RULES, device_memory=memory,
-                             global_batch=global_batch, seq_len=32)  # fmt: skip
+        request = mt.PlanOptions(global_batch=global_batch, seq_len=32)
+        choice = choose_plan(MODEL, world, RULES, request, search=AutoSearch(memory))
     except PlanError as error:
         assert not fitting, f"auto found nothing but {len(fitting)} candidates fit: {error}"
         assert "Use devices of at least" in error.message

@@ -22,6 +22,7 @@ import meshtrain as mt
 from meshtrain import CheckpointError
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
+from meshtrain.train import Batch, forward_backward
 from meshtrain.train.checkpoint import (
     CheckpointConfig,
     Checkpointer,
@@ -46,7 +47,7 @@ def _build(axes: Axes, *, seed: int, n_layers: int = 2) -> tuple[mt.Plan, Any]:
     model = build_llama(LlamaConfig.preset("debug", n_layers=n_layers), seed=seed)
     pipeline = mt.Pipeline(schedule="1F1B", microbatches=2) if "pp" in shape else None
     plan = mt.plan(model, mesh_for(axes), rules, zero=3, pipeline=pipeline)
-    return plan, plan.apply(model)
+    return plan, mt.apply(plan, model)
 
 
 def _train_step(plan: mt.Plan, applied: Any, optimizer: torch.optim.Optimizer, seed: int) -> None:
@@ -56,9 +57,9 @@ def _train_step(plan: mt.Plan, applied: Any, optimizer: torch.optim.Optimizer, s
     tokens = torch.randint(0, 256, (2 * dp_size, 17), generator=torch.Generator().manual_seed(seed))
     mine = tokens[2 * dp_index : 2 * dp_index + 2]
     if plan.pipeline is not None:
-        applied.step(mine[:, :-1], mine[:, 1:])
+        forward_backward(plan, applied, Batch(mine[:, :-1], mine[:, 1:]))
     else:
-        with plan.micro_batch(applied, last=True), plan.loss_parallel():
+        with mt.micro_batch(plan, applied, last=True), mt.loss_parallel(plan):
             logits = applied(mine[:, :-1])
             F.cross_entropy(logits.flatten(0, 1), mine[:, 1:].flatten()).backward()
     optimizer.step()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.cli import build_parser, main
+from meshtrain.errors import MeshtrainError
 from meshtrain.launch import torchrun_command
-from meshtrain.spec.errors import MeshtrainError
 
 
 def test_unknown_override_exits_2_before_starting_ranks(capsys: pytest.CaptureFixture[str]) -> None:

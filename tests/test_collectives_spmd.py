@@ -12,6 +12,7 @@ from meshtrain import P, Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
+from meshtrain.train import Batch, forward_backward
 
 pytestmark = pytest.mark.spmd
 
@@ -46,12 +47,12 @@ def measure(
     }[rules_kind]
     plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel,
                    batch_size=2, seq_len=8)  # fmt: skip
-    plan.apply(model)
+    mt.apply(plan, model)
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
     def step() -> None:
         for i in range(micro):
-            with plan.micro_batch(model, last=i == micro - 1), plan.loss_parallel():
+            with mt.micro_batch(plan, model, last=i == micro - 1), mt.loss_parallel(plan):
                 logits = model(tokens[:, :-1])
                 F.cross_entropy(
                     logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum"
@@ -125,14 +126,15 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dic
     )
     plan = mt.plan(model, mesh, rules, zero=zero, pipeline=mt.Pipeline(microbatches=4),
                    global_batch=8, seq_len=8)  # fmt: skip
-    pipelined = plan.apply(model)
+    pipelined = mt.apply(plan, model)
     tokens = torch.randint(
         0, 256, (4, 9), generator=torch.Generator().manual_seed(0)
     )  # per dp rank
-    pipelined.step(tokens[:, :-1], tokens[:, 1:])  # lazy initialisation issues its own
+    batch = Batch(tokens[:, :-1], tokens[:, 1:])
+    forward_backward(plan, pipelined, batch)  # lazy initialisation issues its own
     counter = CollectiveCounter(mesh)
     with counter:
-        pipelined.step(tokens[:, :-1], tokens[:, 1:])
+        forward_backward(plan, pipelined, batch)
     (busiest,) = (
         int(match.group(1))
         for note in plan.notes

@@ -20,6 +20,7 @@ import meshtrain as mt
 from meshtrain import Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import SPMDTaskError, get_pool
+from meshtrain.train import Batch, forward_backward
 
 pytestmark = pytest.mark.spmd
 
@@ -44,9 +45,9 @@ def _forced(
         plan.options, compile=True, compile_backend="aot_eager", compile_fullgraph=fullgraph
     )
     plan = dataclasses.replace(plan, options=options, compile_scope=scope)
-    plan.apply(model)
+    mt.apply(plan, model)
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with plan.loss_parallel():
+    with mt.loss_parallel(plan):
         F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
     # every data-parallel rank runs the same batch and FSDP sums their gradients
     dp = plan.mesh.size("dp")
@@ -101,7 +102,7 @@ def _forced_split_backward(axes: tuple[tuple[str, int], ...]) -> None:
     options = dataclasses.replace(plan.options, compile=True, compile_backend="aot_eager")
     plan = dataclasses.replace(plan, options=options, compile_scope="model")
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
-    plan.apply(model).step(tokens, tokens)
+    forward_backward(plan, mt.apply(plan, model), Batch(tokens, tokens))
 
 
 @pytest.mark.parametrize(

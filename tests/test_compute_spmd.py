@@ -24,10 +24,10 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain import Rules
+from meshtrain.lower import compile_report, device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.lower_compute import compile_report
 from meshtrain.testing.runner import get_pool
-from meshtrain.train import clip_grad_norm_
+from meshtrain.train import Batch, clip_grad_norm_, forward_backward
 
 pytestmark = pytest.mark.spmd
 
@@ -88,7 +88,7 @@ def _data_slice(plan: mt.Plan, batch: int) -> slice:
 
 def _train(case: Case, plan: mt.Plan, model: nn.Module, steps: int = STEPS) -> dict[str, Any]:
     """Runs the plan for ``steps`` SGD steps; returns losses and the first step's full grads."""
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     params = list(applied.parameters())
     optimizer = torch.optim.SGD(params, lr=LR)
     generator = torch.Generator().manual_seed(7)
@@ -98,9 +98,11 @@ def _train(case: Case, plan: mt.Plan, model: nn.Module, steps: int = STEPS) -> d
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         mine = _data_slice(plan, tokens.shape[0])
         if plan.pipeline is not None:
-            loss = applied.step(inputs[mine], targets[mine], token_count=targets[mine].numel())
+            loss = torch.tensor(
+                forward_backward(plan, applied, Batch(inputs[mine], targets[mine]))[0]
+            )
         else:
-            with plan.loss_parallel():
+            with mt.loss_parallel(plan):
                 loss_sum = F.cross_entropy(
                     applied(inputs[mine]).flatten(0, 1).float(),
                     targets[mine].flatten(),
@@ -110,7 +112,7 @@ def _train(case: Case, plan: mt.Plan, model: nn.Module, steps: int = STEPS) -> d
                 loss.backward()
             loss = full(loss.detach()).clone()
             for axis in plan.data_axes:
-                dist.all_reduce(loss, group=plan.mesh.device_mesh.get_group(axis))  # type: ignore[union-attr]
+                dist.all_reduce(loss, group=device_mesh(plan.mesh).get_group(axis))
         losses.append(loss.item())
         if step == 0:
             grads = {fqn: full(p.grad).detach().clone() for fqn, p in applied.named_parameters()}
@@ -225,7 +227,7 @@ def _breaking_run() -> tuple[int, list[str]]:
         Rules({r".*": mt.P()}, fsdp="dp"),
         compile={"backend": "aot_eager"},
     )
-    plan.apply(model)
+    mt.apply(plan, model)
     model(torch.ones(2, 8)).sum().backward()
     report = compile_report(model)
     return report.graph_breaks, list(report.reasons)

@@ -23,7 +23,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import meshtrain.train.data as data_module
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.corpus import DataError, corpus_text, stdlib_documents
 from meshtrain.train.data import (

@@ -10,8 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshtrain import Mesh, MeshError, P, make_mesh
+from meshtrain.lower import device_mesh, distribute
 from meshtrain.spec.layout import shard_slices
-from meshtrain.spec.placements import distribute, from_placements
+from meshtrain.spec.placements import from_placements
 from meshtrain.testing.runner import get_pool
 from meshtrain.testing.strategies import meshes, sharded_shapes
 
@@ -91,9 +92,8 @@ def test_every_order_of_three_axes_on_one_dim(spec: P) -> None:
 
 def mesh_layout(axes: dict[str, int]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Runs on every rank: the dims of the DeviceMesh behind a named mesh."""
-    device_mesh = make_mesh(axes).device_mesh
-    assert device_mesh is not None
-    return tuple(device_mesh.mesh_dim_names or ()), tuple(device_mesh.shape)
+    bound = device_mesh(make_mesh(axes))
+    return tuple(bound.mesh_dim_names or ()), tuple(bound.shape)
 
 
 def test_size_one_axes_create_no_device_mesh_dims() -> None:

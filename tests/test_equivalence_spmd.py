@@ -35,6 +35,7 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain import P, Rules
+from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import clip_grad_norm_, global_token_count
@@ -103,7 +104,7 @@ def train_both(case: Case) -> dict[str, float]:
         offload=case.offload,
         optimizer="sgd" if case.optimizer == "sgd" else "adamw",
     )
-    plan.apply(model)
+    mt.apply(plan, model)
     optimizer, ref_optimizer = (
         _optimizer(case, model.parameters()),
         _optimizer(case, reference.parameters()),
@@ -133,7 +134,10 @@ def train_both(case: Case) -> dict[str, float]:
         total_tokens = global_token_count(plan, [t.numel() for t in micro_targets])
         loss_sum = torch.zeros(())
         for i, (x, y) in enumerate(zip(micro_inputs, micro_targets)):
-            with plan.micro_batch(model, last=i == case.microbatches - 1), plan.loss_parallel():
+            with (
+                mt.micro_batch(plan, model, last=i == case.microbatches - 1),
+                mt.loss_parallel(plan),
+            ):
                 loss = (
                     F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum")
                     / total_tokens
@@ -141,7 +145,7 @@ def train_both(case: Case) -> dict[str, float]:
                 loss.backward()
             loss_sum += full(loss.detach())
         for axis in plan.data_axes:
-            dist.all_reduce(loss_sum, group=mesh.device_mesh.get_group(axis))  # type: ignore[union-attr]
+            dist.all_reduce(loss_sum, group=device_mesh(mesh).get_group(axis))
         norm = clip_grad_norm_(model.parameters(), max_norm=MAX_NORM)
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())
         worst["loss"] = max(

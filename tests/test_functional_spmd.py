@@ -82,9 +82,9 @@ def same_code_trains_like_one_device(sequence_parallel: bool) -> dict[str, float
     model, reference = Toy(), Toy()
     plan = mt.plan(model, mesh, rules(sequence_parallel))
     assert plan.sequence_parallel == sequence_parallel
-    plan.apply(model)
+    mt.apply(plan, model)
     tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
-    with plan.loss_parallel():
+    with mt.loss_parallel(plan):
         loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
         loss.backward()
     ref_loss = torch.nn.functional.cross_entropy(reference(tokens).flatten(0, 1), tokens.flatten())
@@ -145,7 +145,7 @@ def primitives_under_a_plan(sequence_parallel: bool) -> dict[str, object]:
         logical=base.logical,
         fsdp="dp",
     )
-    mt.plan(probe, mesh, probe_rules).apply(probe)
+    mt.apply(mt.plan(probe, mesh, probe_rules), probe)
     probe(torch.arange(16).view(2, 8))
     report = dict(probe.report)
     report["replicated_ok"] = torch.equal(report.pop("replicated"), full)  # type: ignore[arg-type]

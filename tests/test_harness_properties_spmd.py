@@ -11,7 +11,7 @@ import pytest
 from hypothesis import find, given, settings
 from test_planted_faults_spmd import gradients_averaged_twice
 
-from meshtrain.spec.errors import MeshError, PlanError, RuleError, SpecError
+from meshtrain.errors import MeshError, PlanError, RuleError, SpecError
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.strategies import PlanCase, plan_cases
 

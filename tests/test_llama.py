@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from meshtrain.errors import PlanError
 from meshtrain.models import LOGICAL_RULES, Llama, LlamaConfig, build_llama, default_rules
 from meshtrain.models.llama import _apply_rope
-from meshtrain.spec.errors import PlanError
 from meshtrain.spec.logical import named_logical_axes
 
 DEBUG = LlamaConfig.debug()

@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
+from meshtrain.train import Batch, forward_backward
 
 pytestmark = pytest.mark.spmd
 
@@ -68,17 +69,17 @@ def measure(case: Case) -> dict[str, object]:
         precision=case.precision,  # type: ignore[arg-type]
         pipeline=pipeline,
     )
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     params = list(applied.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     tokens = torch.randint(0, 256, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if plan.pipeline is None:
-        with plan.micro_batch(model, last=True), plan.loss_parallel():
+        with mt.micro_batch(plan, model, last=True), mt.loss_parallel(plan):
             logits = model(inputs)
             F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").backward()
     else:
-        applied.step(inputs, targets)
+        forward_backward(plan, applied, Batch(inputs, targets))
     optimizer.step()  # gradients are kept: they are part of what a rank holds at rest
 
     grads = [p.grad for p in params if p.grad is not None]

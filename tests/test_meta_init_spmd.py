@@ -23,7 +23,7 @@ def meta_init_matches(axes: tuple[tuple[str, int], ...], zero: int, sp: bool) ->
     model = build_llama(config, device="meta")
     data = tuple(name for name, _ in axes if name in ("rep", "dp"))
     plan = mt.plan(model, mesh, default_rules(fsdp=data, sequence_parallel=sp), zero=zero)
-    plan.apply(model)
+    mt.apply(plan, model)
     model.to_empty(device="cpu")
     model.init_weights(torch.Generator().manual_seed(0))
     assert all(isinstance(p, DTensor) for p in model.parameters())
@@ -34,7 +34,7 @@ def meta_init_matches(axes: tuple[tuple[str, int], ...], zero: int, sp: bool) ->
         if not torch.equal(param.full_tensor(), ref[fqn].detach())
     ]
     tokens = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
-    with plan.loss_parallel():
+    with mt.loss_parallel(plan):
         logits = model(tokens)
         logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     if not torch.allclose(logits, reference(tokens), rtol=1e-5, atol=1e-6):
@@ -73,7 +73,7 @@ def pipelined_meta_init_matches(axes: tuple[tuple[str, int], ...]) -> list[str]:
     model = build_llama(config, device="meta")
     rules = default_rules(fsdp=("dp",), sequence_parallel=True)
     plan = mt.plan(model, mesh, rules, zero=2, pipeline=mt.Pipeline(microbatches=2))
-    pipelined = plan.apply(model)
+    pipelined = mt.apply(plan, model)
     ref = dict(reference.named_parameters())
     differ = []
     for stage in pipelined.modules:

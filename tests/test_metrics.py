@@ -18,8 +18,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshtrain.errors import MeshtrainError, RecipeError
+from meshtrain.models import llama_flops_per_token
 from meshtrain.models.llama import LlamaConfig, build_llama
-from meshtrain.spec.errors import MeshtrainError, RecipeError
 from meshtrain.train.metrics import (
     METRICS_FILE,
     ConsoleSink,
@@ -34,7 +35,6 @@ from meshtrain.train.metrics import (
 )
 from meshtrain.train.throughput import (
     Throughput,
-    llama_flops_per_token,
     model_flops_utilization,
     peak_bf16_flops,
 )

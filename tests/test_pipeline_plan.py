@@ -286,7 +286,7 @@ def test_a_module_list_model_keeps_its_block_names() -> None:
 def test_pipelined_plans_accumulate_inside_the_schedule() -> None:
     plan = pipelined("1F1B")
     with (
-        pytest.raises(PlanError, match=r"call model.step\(inputs, targets\)"),
-        plan.micro_batch(MODEL, last=True),
+        pytest.raises(PlanError, match=r"meshtrain.train.forward_backward"),
+        mt.micro_batch(plan, MODEL, last=True),
     ):
         pass

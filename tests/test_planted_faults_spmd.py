@@ -30,16 +30,16 @@ pytestmark = pytest.mark.spmd
 @contextlib.contextmanager
 def missing_reduction_on_one_axis() -> Iterator[None]:
     """HSDP whose gradients are reduced over the shard axis only, not the replicate axis."""
-    from meshtrain.plan import lower
+    from meshtrain.lower import data_parallel
 
-    original = lower.fully_shard
+    original = data_parallel.fully_shard
 
     def shard_axis_only(module: nn.Module, *, mesh: Any, **kwargs: Any) -> Any:
         if mesh.ndim > 1:
             mesh = mesh[mesh.mesh_dim_names[-1]]
         return original(module, mesh=mesh, **kwargs)
 
-    with mock.patch.object(lower, "fully_shard", shard_axis_only):
+    with mock.patch.object(data_parallel, "fully_shard", shard_axis_only):
         yield
 
 
@@ -73,30 +73,30 @@ class _WrongDimColwise(ColwiseParallel):
 
 @contextlib.contextmanager
 def wrong_shard_dim_in_colwise() -> Iterator[None]:
-    from meshtrain.plan import lower
+    from meshtrain.lower import tensor_parallel
 
-    with mock.patch.object(lower, "ColwiseParallel", _WrongDimColwise):
+    with mock.patch.object(tensor_parallel, "ColwiseParallel", _WrongDimColwise):
         yield
 
 
 @contextlib.contextmanager
 def microbatch_losses_not_rescaled() -> Iterator[None]:
     """Each pipeline micro-batch's loss is its own mean, not a share of the step's tokens."""
-    from meshtrain.plan.lower_pipeline import PipelinedModel
+    from meshtrain.train import step
 
-    def own_mean(self: PipelinedModel, output: torch.Tensor, target: torch.Tensor) -> Any:
-        return self._loss_fn(output, target) * self._loss_scale / target.numel()
+    def own_mean(self: Any, output: torch.Tensor, target: torch.Tensor) -> Any:
+        return self.loss_fn(output, target) / target.numel() * self.scale
 
-    with mock.patch.object(PipelinedModel, "_scaled_loss", own_mean):
+    with mock.patch.object(step._ScheduleLoss, "__call__", own_mean):
         yield
 
 
 @contextlib.contextmanager
 def stage_skips_a_layer() -> Iterator[None]:
     """The second pipeline stage drops its first block."""
-    from meshtrain.plan import lower_pipeline
+    from meshtrain.lower import pipeline
 
-    original = lower_pipeline._prune
+    original = pipeline._prune
 
     def prune_one_more(body: nn.Module, stage: Any) -> None:
         original(body, stage)
@@ -104,7 +104,7 @@ def stage_skips_a_layer() -> Iterator[None]:
             layers = body.get_submodule("layers")
             del layers[next(iter(layers.keys()))]  # type: ignore[operator]
 
-    with mock.patch.object(lower_pipeline, "_prune", prune_one_more):
+    with mock.patch.object(pipeline, "_prune", prune_one_more):
         yield
 
 

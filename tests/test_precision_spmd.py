@@ -33,9 +33,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import meshtrain as mt
 from meshtrain import Rules
+from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
-from meshtrain.train import LossScaler, clip_grad_norm_
+from meshtrain.train import Batch, LossScaler, clip_grad_norm_, forward_backward
 
 pytestmark = pytest.mark.spmd
 
@@ -121,7 +122,7 @@ def _run_plan(case: Case) -> dict[str, object]:
         precision=case.precision,  # type: ignore[arg-type]
         pipeline=pipeline,
     )
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     params = list(applied.parameters())
     optimizer = torch.optim.SGD(params, lr=LR)
     scaler = LossScaler() if case.precision == "fp16" else None
@@ -132,9 +133,10 @@ def _run_plan(case: Case) -> dict[str, object]:
     for step, (inputs, targets) in enumerate(_batches()):
         scale = scaler.scale_value if scaler else 1.0
         if pipeline is not None:
-            loss = applied.step(inputs[mine], targets[mine], loss_scale=scale)
+            batch = Batch(inputs[mine], targets[mine])
+            loss = torch.tensor(forward_backward(plan, applied, batch, loss_scale=scale)[0])
         else:
-            with plan.loss_parallel():
+            with mt.loss_parallel(plan):
                 summed = F.cross_entropy(
                     applied(inputs[mine]).flatten(0, 1).float(),
                     targets[mine].flatten(),
@@ -143,7 +145,7 @@ def _run_plan(case: Case) -> dict[str, object]:
                 (summed * (scale / targets.numel())).backward()
             loss = full(summed.detach()).clone() / targets.numel()
             if dp > 1:
-                dist.all_reduce(loss, group=plan.mesh.device_mesh.get_group("dp"))  # type: ignore[union-attr]
+                dist.all_reduce(loss, group=device_mesh(plan.mesh).get_group("dp"))
         finite = scaler.unscale_(params) if scaler else True
         if step == 0:
             grads = {f: full(p.grad).detach().clone() for f, p in applied.named_parameters()}
@@ -219,7 +221,7 @@ def overflow_is_skipped_everywhere() -> dict[str, object]:
         Rules(logical=default_rules().logical, fsdp="dp"),
         precision="fp16",
     )
-    plan.apply(model)
+    mt.apply(plan, model)
     before = {f: full(p.detach()).clone() for f, p in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = LossScaler(init_scale=2.0**10)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 import meshtrain as mt
 from meshtrain import P, PlanError, Rules
+from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import clip_grad_norm_, global_token_count
@@ -40,7 +41,7 @@ def _train_two_steps(rules: Rules, zero: int) -> dict[str, object]:
     model = build_llama(LlamaConfig.debug(), seed=0)
     reference = copy.deepcopy(model)
     plan = mt.plan(model, mesh, rules, zero=zero, microbatches=2)
-    plan.apply(model)
+    mt.apply(plan, model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     dp_index = mesh.coordinates(dist.get_rank())["dp"]
@@ -57,11 +58,11 @@ def _train_two_steps(rules: Rules, zero: int) -> dict[str, object]:
         total = global_token_count(plan, [y.numel() for _, y in micro])
         loss_sum = torch.zeros(())
         for i, (x, y) in enumerate(micro):
-            with plan.micro_batch(model, last=i == 1), plan.loss_parallel():
+            with mt.micro_batch(plan, model, last=i == 1), mt.loss_parallel(plan):
                 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum") / total
                 loss.backward()
             loss_sum += full(loss.detach())
-        dist.all_reduce(loss_sum, group=mesh.device_mesh.get_group("dp"))  # type: ignore[union-attr]
+        dist.all_reduce(loss_sum, group=device_mesh(mesh).get_group("dp"))
         norm = clip_grad_norm_(model.parameters(), max_norm=0.5)
         worst["loss"] = max(worst["loss"], abs(loss_sum.item() - ref_loss.item()) / ref_loss.item())
         worst["norm"] = max(worst["norm"], abs(norm.item() - ref_norm.item()) / ref_norm.item())

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError
 from meshtrain.testing.runner import (
     SPMDError,
     SPMDPool,

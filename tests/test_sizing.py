@@ -14,9 +14,10 @@ import meshtrain as mt
 from meshtrain import PlanError
 from meshtrain.cli import main
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.footprint import footprint, parse_bytes, ring_bytes, textbook_bytes
+from meshtrain.plan.footprint import footprint, ring_bytes, textbook_bytes
+from meshtrain.plan.sizes import parse_bytes
 from meshtrain.recipes import load_recipe
-from meshtrain.sizing import size_recipe
+from meshtrain.recipes.sizing import size_recipe
 
 # Llama 2 7B's shapes (6.74e9 parameters): every dim divides by 8, so FSDP pads nothing.
 LLAMA_7B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,

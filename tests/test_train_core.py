@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 import meshtrain as mt
 from meshtrain import RecipeError, TrainingError
+from meshtrain.train import make_train_step, summed_cross_entropy
 from meshtrain.train.batch import DataPosition
 from meshtrain.train.schedule import WarmupCosine, linear_scaling
 from meshtrain.train.state import NAMESPACE, TrainState
-from meshtrain.train.step import make_train_step, summed_cross_entropy
 
 
 @st.composite

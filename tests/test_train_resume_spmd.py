@@ -13,12 +13,12 @@ import torch
 
 import meshtrain as mt
 from meshtrain.recipes import load_recipe
+from meshtrain.recipes.run import train
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
+from meshtrain.train import summed_cross_entropy
 from meshtrain.train.checkpoint import load_safetensors
 from meshtrain.train.data import DistributedBatches, TokenWindows, prepare_corpus
-from meshtrain.train.loop import train
-from meshtrain.train.step import summed_cross_entropy
 
 pytestmark = [pytest.mark.spmd, pytest.mark.slow]
 STEPS = 6

@@ -17,13 +17,13 @@ from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.strategies import DebugLlama
+from meshtrain.train import make_train_step, summed_cross_entropy
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.fingerprint import check_same_plan
 from meshtrain.train.loss import data_parallel_rank
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
-from meshtrain.train.step import make_train_step, summed_cross_entropy
 
 pytestmark = pytest.mark.spmd
 
@@ -65,7 +65,7 @@ def train_and_compare(
     model = DebugLlama(2)()
     reference = copy.deepcopy(model)
     plan = mt.plan(model, mesh_for(axes), default_rules(), **options)
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     optimizer = torch.optim.AdamW(applied.parameters(), lr=1.0, weight_decay=0.1)
     train_step = make_train_step(plan, summed_cross_entropy, optimizer, SCHEDULE, max_norm=max_norm)
     state = TrainState.create(applied, optimizer)
@@ -141,7 +141,7 @@ def count_gradient_syncs(microbatches: int) -> dict:
     model = DebugLlama(2)()
     mesh = mesh_for((("dp", 2), ("tp", 1)))
     plan = mt.plan(model, mesh, default_rules(), zero=0, microbatches=microbatches)
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     optimizer = torch.optim.SGD(applied.parameters(), lr=0.01)
     train_step = make_train_step(plan, summed_cross_entropy, optimizer)
     state = TrainState.create(applied, optimizer)
@@ -173,7 +173,7 @@ def nonfinite_step(policy: str) -> dict:
     torch.manual_seed(0)
     model = DebugLlama(2)()
     plan = mt.plan(model, mesh_for((("dp", 2), ("tp", 1))), default_rules(), zero=3)
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     optimizer = torch.optim.SGD(applied.parameters(), lr=0.1)
     train_step = make_train_step(plan, _poisoned_loss, optimizer, on_nonfinite=policy)  # type: ignore[arg-type]
     state = TrainState.create(applied, optimizer)

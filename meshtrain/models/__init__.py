@@ -18,6 +18,7 @@ from meshtrain.models.llama import (
     TransformerBlock,
     build_llama,
     default_rules,
+    llama_flops_per_token,
 )
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "TransformerBlock",
     "build_llama",
     "default_rules",
+    "llama_flops_per_token",
 ]

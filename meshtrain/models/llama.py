@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from meshtrain.spec.errors import PlanError
+from meshtrain.errors import MeshtrainError, PlanError
 from meshtrain.spec.logical import annotate
 
 if TYPE_CHECKING:
@@ -491,3 +491,26 @@ def _fill_(param: Tensor, init: _Init, seed: int) -> None:
             full.to(mesh.device_type), mesh, param.placements, src_data_rank=None
         )
     param.copy_(full)
+
+
+def llama_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
+    """Training FLOPs per token of meshtrain's Llama: ``6·N + 12·n_layers·dim·seq_len``.
+
+    ``N`` counts the parameters that multiply activations: every parameter but the token
+    embedding table (a lookup); ``6·N`` is the forward (2) and backward (4) matmul FLOPs. The
+    second term is attention's score and value matmuls (``QKᵀ`` and ``AV``) over the full
+    ``seq_len × seq_len`` square, forward and backward: the PaLM convention, which does not halve
+    it for the causal mask, so MFU figures compare with the ones others publish.
+
+    Example:
+        >>> config = LlamaConfig.debug()
+        >>> llama_flops_per_token(config, seq_len=16) == 6 * (config.num_params() - 256 * 64) + 12 * 2 * 64 * 16
+        True
+    """
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise MeshtrainError(
+            f"llama_flops_per_token got seq_len={seq_len!r}; it needs the positive integer "
+            "length of the training sequences (the recipe's train.seq_len)."
+        )
+    matmul_params = config.num_params() - config.vocab_size * config.dim
+    return float(6 * matmul_params + 12 * config.n_layers * config.dim * seq_len)

@@ -1,11 +1,10 @@
-"""The compiler: specs → an inspectable :class:`Plan` (``ir``, ``infer``, ``cost``) → modules (``lower``).
+"""The compiler: specs → an inspectable :class:`Plan` (``ir``, ``infer``, ``cost``), pure.
 
-Only ``meshtrain.plan.lower`` touches ``torch.distributed`` parallel APIs; ``functional`` holds
-the primitives model code calls under a running plan (``constrain``, ``shard_map``).
+Nothing here touches ``torch.distributed`` or imports lowering: the plan is data, and
+:mod:`meshtrain.lower` applies it.
 """
 
 from meshtrain.plan.api import plan
-from meshtrain.plan.functional import constrain, shard_map
 from meshtrain.plan.ir import (
     Collective,
     FSDPUnit,
@@ -31,7 +30,5 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "StagePlan",
-    "constrain",
     "plan",
-    "shard_map",
 ]

@@ -33,8 +33,8 @@ DDP fits.
 Example:
     >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
     >>> model = build_llama(LlamaConfig.debug(), device="meta")
-    >>> choice = choose_plan(model, 4, default_rules(), device_memory=2**30, global_batch=8,
-    ...                      seq_len=32)
+    >>> choice = choose_plan(model, 4, default_rules(), PlanOptions(global_batch=8, seq_len=32),
+    ...                      search=AutoSearch(device_memory=2**30))
     >>> choice.plan.mesh, choice.plan.options.zero
     (Mesh({pp: 1, dp: 4, tp: 1}), 0)
 """
@@ -43,14 +43,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from meshtrain.plan.footprint import footprint, format_bytes
+from meshtrain.errors import MeshtrainError, PlanError
+from meshtrain.plan.build import build_plan
+from meshtrain.plan.footprint import footprint
+from meshtrain.plan.infer import infer_units
 from meshtrain.plan.ir import Plan
-from meshtrain.spec.errors import MeshtrainError, PlanError
+from meshtrain.plan.options import AutoSearch, Pipeline, PlanOptions
+from meshtrain.plan.sizes import format_bytes
 from meshtrain.spec.mesh import make_mesh
 from meshtrain.spec.rules import Rules
 
@@ -144,38 +147,58 @@ def choose_plan(
     model: nn.Module,
     world_size: int,
     rules: Rules,
+    options: PlanOptions,
     *,
-    device_memory: int,
-    global_batch: int,
-    seq_len: int,
-    node_size: int = 8,
+    search: AutoSearch,
     links: Links | None = None,
     device_type: str = "cpu",
-    real_mesh: bool = False,
-    **plan_options: Any,
+    abstract: bool = True,
 ) -> AutoChoice:
     """Run the decision procedure (module docstring) and return the chosen plan.
 
     ``rules`` must name the mesh axes ``dp`` (FSDP) and, for tensor parallelism, ``tp``;
-    ``plan_options`` are ``mt.plan``'s other options (precision, optimizer, ...), shared by every
-    candidate. ``real_mesh``: build the chosen mesh for real (``make_mesh``), so the plan can be
-    applied. Raises :class:`PlanError` when nothing fits, with the smallest world (at this
-    device memory) and the smallest device memory (at this world) that would.
+    ``options`` carry ``global_batch`` and ``seq_len`` (both required) and the choices every
+    candidate shares (precision, optimizer, ...); the search sets the ZeRO stage, checkpointing,
+    micro-batches and pipeline itself. ``abstract``: whether the chosen mesh is for planning
+    only. Raises :class:`PlanError` when nothing fits, with the smallest world (at this device
+    memory) and the smallest device memory (at this world) that would.
     """
-    search = _Search(
-        model, world_size, rules, device_memory, global_batch, seq_len, node_size,
-        links or Links(), device_type, plan_options, n_blocks=_n_blocks(model),
+    _check_request(options, world_size, search)
+    assert options.global_batch is not None and options.seq_len is not None
+    shared = replace(options, zero=3, activation_checkpointing="none", checkpoint_every=1,
+                     microbatches=1, pipeline=None)  # fmt: skip
+    engine = _Search(
+        model, world_size, rules, search.device_memory, options.global_batch, options.seq_len,
+        search.node_size, links or Links(), device_type, shared, n_blocks=_n_blocks(model),
         param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
     )  # fmt: skip
-    evaluated = list(search.evaluate_all())
-    fitting = [e for e in evaluated if e.fits(device_memory)]
+    evaluated = list(engine.evaluate_all())
+    fitting = [e for e in evaluated if e.fits(search.device_memory)]
     if not fitting:
-        raise search.nothing_fits(evaluated)
+        raise engine.nothing_fits(evaluated)
     best = min(fitting, key=lambda e: (e.cost, e.candidate.simplicity))
-    plan = search.plan(best.candidate, real_mesh=real_mesh)
-    reasons = _reasons(best, evaluated, device_memory, world_size, node_size)
-    plan = _with_notes(plan, reasons)
-    return AutoChoice(plan, best, tuple(evaluated), device_memory, reasons)
+    plan = engine.plan(best.candidate, abstract=abstract)
+    reasons = _reasons(best, evaluated, search.device_memory, world_size, search.node_size)
+    return AutoChoice(replace(plan, notes=(*reasons, *plan.notes)), best, tuple(evaluated),
+                      search.device_memory, reasons)  # fmt: skip
+
+
+def _check_request(options: PlanOptions, world_size: int, search: AutoSearch) -> None:
+    """What auto chooses must be left alone; what it needs must be given."""
+    chosen = {"pipeline": None, "microbatches": 1, "activation_checkpointing": "none",
+              "batch_size": None}  # fmt: skip
+    clashes = [
+        f"{name}={getattr(options, name)!r}"
+        for name, default in chosen.items()
+        if getattr(options, name) != default
+    ]
+    missing = [name for name in ("global_batch", "seq_len") if getattr(options, name) is None]
+    if clashes or missing:
+        raise PlanError(
+            f"strategy='auto' on {world_size} ranks of {format_bytes(search.device_memory)}: "
+            + (f"it chooses {', '.join(clashes)} itself — leave them out; " if clashes else "")
+            + (f"it needs {', '.join(missing)}." if missing else "")
+        )
 
 
 def step_cost(
@@ -223,8 +246,6 @@ def candidates(world_size: int, node_size: int, n_blocks: int) -> Iterator[tuple
 
 
 def _n_blocks(model: nn.Module) -> int:
-    from meshtrain.plan.infer import infer_units
-
     return max(1, sum(1 for unit in infer_units(model, None) if unit.fqn))
 
 
@@ -242,30 +263,25 @@ def _microbatches(pp: int, dp: int, global_batch: int) -> tuple[int, ...]:
     return ()
 
 
-def _at_rest_floor(param_bytes: int, c: Candidate, plan_options: dict[str, Any]) -> int:
+def _at_rest_floor(param_bytes: int, c: Candidate, options: PlanOptions) -> int:
     """A lower bound of a candidate's memory at rest: the model's ``param_bytes`` split tp·pp
     ways (and dp ways under ZeRO ≥ 1) with its gradient and optimizer states (0 under offload)."""
-    from meshtrain.plan.options import PlanOptions
-
-    if plan_options.get("offload"):
+    if options.offload:
         return 0
-    states = PlanOptions(optimizer=plan_options.get("optimizer", "adamw")).optimizer_states
+    states = options.optimizer_states
     ways = c.tp * c.pp * (c.dp if c.zero >= 1 else 1)
     return param_bytes * (2 + states) // ways
 
 
-def _options(
-    c: Candidate, global_batch: int, seq_len: int, plan_options: dict[str, Any]
-) -> dict[str, Any]:
-    from meshtrain.plan.pipeline import Pipeline
-
-    options = {**plan_options, "zero": c.zero, "activation_checkpointing": c.checkpointing,
-               "global_batch": global_batch, "seq_len": seq_len}  # fmt: skip
-    if c.pp > 1:
-        options["pipeline"] = Pipeline(axis="pp", schedule="1F1B", microbatches=c.microbatches)
-    else:
-        options["microbatches"] = c.microbatches
-    return options
+def _options(c: Candidate, global_batch: int, shared: PlanOptions) -> PlanOptions:
+    """The options of candidate ``c``: the shared ones with its ZeRO stage, checkpointing,
+    global batch and micro-batches (a 1F1B pipeline over ``pp`` when ``c.pp > 1``)."""
+    pipeline = (
+        Pipeline(axis="pp", schedule="1F1B", microbatches=c.microbatches) if c.pp > 1 else None
+    )
+    return shared.with_overrides(zero=c.zero, activation_checkpointing=c.checkpointing,
+                                 global_batch=global_batch, pipeline=pipeline,
+                                 microbatches=1 if pipeline else c.microbatches)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -281,22 +297,20 @@ class _Search:
     node_size: int
     links: Links
     device_type: str
-    plan_options: dict[str, Any]
+    shared: PlanOptions  # what every candidate shares (precision, optimizer, seq_len, ...)
     n_blocks: int  # repeated blocks: the most pipeline stages
     param_bytes: int  # the whole model's parameters
 
     def plan(
         self, c: Candidate, *, world: int | None = None, batch: int | None = None,
-        real_mesh: bool = False,
+        abstract: bool = True,
     ) -> Plan:  # fmt: skip
-        """``mt.plan`` of candidate ``c`` (on ``world`` ranks with global ``batch`` if given)."""
-        from meshtrain.plan.api import plan as make_plan
-
+        """Candidate ``c`` planned (on ``world`` ranks with global ``batch`` if given)."""
         mesh = make_mesh({"pp": c.pp, "dp": c.dp, "tp": c.tp},
-                         world_size=world or self.world_size, abstract=not real_mesh,
+                         world_size=world or self.world_size, abstract=abstract,
                          device_type=self.device_type)  # fmt: skip
-        options = _options(c, batch or self.global_batch, self.seq_len, self.plan_options)
-        return make_plan(self.model, mesh, self.rules, **options)
+        options = _options(c, batch or self.global_batch, self.shared)
+        return build_plan(self.model, mesh, self.rules, options)
 
     def cost(self, plan: Plan, checkpointing: str | None = None) -> float:
         tokens = self.global_batch * self.seq_len
@@ -321,9 +335,7 @@ class _Search:
 
     def evaluate_modes(self, base: Candidate) -> Iterator[Evaluated]:
         """``base`` (full checkpointing) and its selective and no-checkpointing variants."""
-        from dataclasses import replace
-
-        floor = _at_rest_floor(self.param_bytes, base, self.plan_options)
+        floor = _at_rest_floor(self.param_bytes, base, self.shared)
         if floor > self.device_memory:
             for mode in MODES:
                 yield Evaluated(replace(base, checkpointing=mode), None, None,
@@ -407,8 +419,6 @@ class _Search:
 
 def _leanest(c: Candidate) -> Candidate:
     """The leanest variant of ``c``'s mesh: ZeRO-3 with full checkpointing."""
-    from dataclasses import replace
-
     return replace(c, zero=3, checkpointing="full")
 
 
@@ -438,9 +448,3 @@ def _reasons(
             f"({e.cost * 1e3:.1f} ms)"
         )
     return tuple(lines)
-
-
-def _with_notes(plan: Plan, reasons: tuple[str, ...]) -> Plan:
-    from dataclasses import replace
-
-    return replace(plan, notes=(*reasons, *plan.notes))

@@ -28,9 +28,9 @@ from dataclasses import replace
 
 from torch import nn
 
+from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.ir import FSDPUnit, ModuleStyle, ParamLayout
 from meshtrain.plan.options import PlanOptions
-from meshtrain.spec.errors import PlanError, format_shape
 from meshtrain.spec.layout import local_shape
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P

@@ -18,8 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtrain.errors import format_shape
 from meshtrain.plan.options import PlanOptions
-from meshtrain.spec.errors import format_shape
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import AxisTarget
@@ -188,7 +188,7 @@ class PipelinePlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a model trains on a mesh; ``mt.plan`` builds it, ``Plan.apply`` lowers it.
+    """How a model trains on a mesh, as plain data; ``mt.plan`` builds it, ``mt.apply`` lowers it.
 
     ``activation_rules`` are the logical-axis rules that ``mt.constrain`` resolves activation
     names with (the rules' logical part; ``("seq", tp)`` among them turns sequence parallelism on).
@@ -241,34 +241,10 @@ class Plan:
             totals[(c.kind, c.axis)] = (count + c.count, payload + c.bytes)
         return totals
 
-    def apply(self, model: Any) -> Any:
-        """Parallelise ``model`` as planned (the only step that touches torch.distributed)."""
-        from meshtrain.plan.lower import apply
-
-        return apply(self, model)
-
-    def loss_parallel(self) -> Any:
-        """Context for the loss: ``loss_parallel()`` when logits stay vocab-sharded, else a no-op."""
-        from meshtrain.plan.lower import loss_context
-
-        return loss_context(self)
-
-    def micro_batch(self, model: Any, *, last: bool) -> Any:
-        """Context for one micro-batch: gradient sync only where the ZeRO stage wants it."""
-        from meshtrain.plan.lower import micro_batch
-
-        return micro_batch(self, model, last=last)
-
     @property
     def checkpointed(self) -> tuple[str, ...]:
         """Blocks whose activations are recomputed in backward."""
         return self.options.checkpointed_blocks(self.blocks)
-
-    def compile_loss(self, loss_fn: Any) -> Any:
-        """``loss_fn`` compiled with the plan's backend when the plan compiles (else unchanged)."""
-        from meshtrain.plan.lower_compute import compile_loss
-
-        return compile_loss(self, loss_fn)
 
     def explain(self) -> str:
         """A human-readable report: parameters, styles, units, memory, collectives, notes."""
@@ -364,12 +340,13 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        """Inverse of :meth:`to_json` (the mesh comes back abstract)."""
+        """Inverse of :meth:`to_json` (the mesh comes back as a description: applying the plan
+        binds it to the running ranks when their number matches)."""
         data = json.loads(text)
         mesh_axes = dict(data["mesh"]["axes"])  # [name, size] pairs: JSON keeps their order
         return cls(
             mesh=Mesh(tuple(mesh_axes), tuple(mesh_axes.values()), data["mesh"]["device_type"]),
-            options=PlanOptions(**data["options"]),
+            options=PlanOptions.from_json(data["options"]),
             data_axes=tuple(data["data_axes"]),
             tp_axis=data["tp_axis"],
             params=tuple(

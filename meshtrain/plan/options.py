@@ -1,17 +1,95 @@
 """Plan options: what the user asks of a plan, validated before anything is inferred.
 
+:class:`PlanOptions` holds every choice (ZeRO stage, precision, micro-batches, pipeline,
+checkpointing, compile, batch geometry); :meth:`PlanOptions.with_overrides` takes ``mt.plan``'s
+keyword arguments in their friendly forms (``compile=True``, ``activation_checkpointing=
+{"every": 2}``). :class:`AutoSearch` holds what ``strategy="auto"`` needs beyond them.
+
 Example:
     >>> PlanOptions(zero=2, precision="bf16").param_dtype
     'bfloat16'
+    >>> PlanOptions().with_overrides(compile={"backend": "aot_eager"}).compile_backend
+    'aot_eager'
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from meshtrain.spec.errors import PlanError
+from meshtrain.errors import PlanError, did_you_mean
+from meshtrain.plan.sizes import parse_bytes
+
+#: name → (stage → rank style, splits backward into input and weight gradients)
+SCHEDULE_KINDS: dict[str, tuple[str, bool]] = {
+    "GPipe": ("single", False),
+    "1F1B": ("single", False),
+    "Interleaved1F1B": ("loop", False),
+    "LoopedBFS": ("loop", False),
+    "InterleavedZeroBubble": ("loop", True),
+    "ZBVZeroBubble": ("v", True),
+    "DualPipeV": ("v", True),
+}
+SCHEDULES = tuple(SCHEDULE_KINDS)
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What a pipeline-parallel plan asks for (checked against the model and mesh by ``mt.plan``).
+
+    ``microbatches`` splits each data-parallel rank's batch per step (it is the gradient
+    accumulation of a pipelined plan); ``None`` means one per stage. ``split`` is ``"auto"``
+    (balanced by parameter count, embedding and head included) or the FQNs of the first block of
+    every stage after the first.
+
+    Example:
+        >>> Pipeline(schedule="interleaved1f1b", stages_per_rank=2).schedule
+        'Interleaved1F1B'
+    """
+
+    axis: str = "pp"
+    schedule: str = "1F1B"
+    microbatches: int | None = None
+    stages_per_rank: int = 1
+    split: str | tuple[str, ...] = "auto"
+
+    def __post_init__(self) -> None:
+        names = {name.lower(): name for name in SCHEDULE_KINDS}
+        if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
+            raise PlanError(
+                f"pipeline schedule {self.schedule!r} is unknown; use one of {list(SCHEDULE_KINDS)} "
+                "(torch.distributed.pipelining's schedules)."
+            )
+        object.__setattr__(self, "schedule", names[self.schedule.lower()])
+        if not isinstance(self.split, str):
+            object.__setattr__(self, "split", tuple(self.split))
+        for name in ("microbatches", "stages_per_rank"):
+            value = getattr(self, name)
+            if value is None and name == "microbatches":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"Pipeline({name}={value!r}): give a positive integer.")
+        style = SCHEDULE_KINDS[self.schedule][0]
+        if style == "single" and self.stages_per_rank != 1:
+            raise PlanError(
+                f"schedule {self.schedule!r} runs one stage per rank, but stages_per_rank="
+                f"{self.stages_per_rank}; use stages_per_rank=1, or a multi-stage schedule "
+                "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."
+            )
+        if style == "v" and self.stages_per_rank != 2:
+            raise PlanError(
+                f"schedule {self.schedule!r} places two stages per rank in a V (rank r holds "
+                f"stages r and 2P-1-r), but stages_per_rank={self.stages_per_rank}; use "
+                "stages_per_rank=2."
+            )
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs input- and weight-gradient halves of backward separately."""
+        return SCHEDULE_KINDS[self.schedule][1]
+
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
@@ -48,8 +126,17 @@ class PlanOptions:
     compile_backend: str = "inductor"
     compile_fullgraph: bool = False
     compile_scope: CompileScope = "auto"
+    pipeline: Pipeline | None = None
+    fsdp_units: tuple[str, ...] | None = None
+    global_batch: int | None = None
 
     def __post_init__(self) -> None:
+        if self.fsdp_units is not None and not isinstance(self.fsdp_units, tuple):
+            object.__setattr__(self, "fsdp_units", tuple(self.fsdp_units))
+        if self.pipeline is not None and not isinstance(self.pipeline, Pipeline):
+            raise PlanError(
+                f"pipeline={self.pipeline!r} must be a meshtrain.Pipeline(...) or None."
+            )
         if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
             raise PlanError(
                 f"zero={self.zero!r} is out of range: use 0 (DDP), 1 (optimizer states sharded), "
@@ -69,9 +156,10 @@ class PlanOptions:
             ("batch_size", "sequences per micro-batch on each data-parallel rank"),
             ("seq_len", "tokens per sequence"),
             ("checkpoint_every", "checkpoint every k-th block"),
+            ("global_batch", "sequences per optimizer step over all data-parallel ranks"),
         ):
             value = getattr(self, name)
-            if value is None and name != "microbatches":
+            if value is None and name not in ("microbatches", "checkpoint_every"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer ({meaning}).")
@@ -125,6 +213,120 @@ class PlanOptions:
         """fp32 optimizer tensors kept per parameter element (Adam: 2, SGD with momentum: 1)."""
         return _OPTIMIZER_STATES[self.optimizer]
 
+    def with_overrides(self, **overrides: Any) -> PlanOptions:
+        """These options with ``mt.plan``'s keyword arguments applied: any field by name, with
+        ``activation_checkpointing`` also as ``{"every": k, "mode": ...}`` or a bool and
+        ``compile`` also as a dict of ``backend``/``fullgraph``/``scope``. Unknown names are a
+        :class:`PlanError` naming the closest field."""
+        fields = {field.name for field in dataclasses.fields(self)}
+        changes: dict[str, Any] = {}
+        for name, value in overrides.items():
+            if name == "activation_checkpointing":
+                mode, every = parse_checkpointing(value)
+                changes.update(activation_checkpointing=mode, checkpoint_every=every)
+            elif name == "compile":
+                changes.update(parse_compile(value))
+            elif name in fields:
+                changes[name] = value
+            else:
+                raise PlanError(
+                    f"mt.plan got an unknown option {name}={value!r}"
+                    f"{did_you_mean(name, sorted(fields | set(AutoSearch.KEYS)), 'options')}."
+                )
+        return dataclasses.replace(self, **changes)
+
     def to_json(self) -> dict[str, object]:
         """Plain-data form for ``Plan.to_json``."""
-        return asdict(self)
+        data = asdict(self)
+        if self.pipeline is not None:
+            split = self.pipeline.split
+            data["pipeline"] = {**asdict(self.pipeline),
+                                "split": split if isinstance(split, str) else list(split)}  # fmt: skip
+        if self.fsdp_units is not None:
+            data["fsdp_units"] = list(self.fsdp_units)
+        return data
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PlanOptions:
+        """Inverse of :meth:`to_json`."""
+        values = dict(data)
+        if values.get("pipeline") is not None:
+            values["pipeline"] = Pipeline(**values["pipeline"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    """What ``strategy="auto"`` needs besides the plan options: the memory per device (bytes)
+    and the devices per node (tensor parallelism stays inside one).
+
+    Example:
+        >>> AutoSearch.from_overrides({"strategy": "auto", "device_memory": 2**30}).node_size
+        8
+    """
+
+    device_memory: int
+    node_size: int = 8
+
+    KEYS = ("strategy", "device_memory", "node_size")
+
+    @classmethod
+    def from_overrides(cls, overrides: Mapping[str, Any]) -> AutoSearch | None:
+        """The search ``mt.plan``'s ``strategy``/``device_memory``/``node_size`` ask for, or
+        ``None`` for ``strategy="manual"`` (the default)."""
+        strategy = overrides.get("strategy", "manual")
+        if strategy == "manual":
+            return None
+        if strategy != "auto":
+            raise PlanError(f"strategy={strategy!r} is not one of 'manual' or 'auto'.")
+        memory = overrides.get("device_memory")
+        if memory is None:
+            raise PlanError(
+                "strategy='auto' needs device_memory (bytes per device, or a string like '80GiB')."
+            )
+        return cls(parse_bytes(memory), int(overrides.get("node_size", 8)))
+
+
+_COMPILE_KEYS = {
+    "backend": "compile_backend",
+    "fullgraph": "compile_fullgraph",
+    "scope": "compile_scope",
+}
+
+
+def parse_checkpointing(value: object) -> tuple[str, int]:
+    """``activation_checkpointing`` argument → (mode, every k-th block)."""
+    if isinstance(value, Mapping):
+        unknown = sorted(set(value) - {"every", "mode"})
+        if unknown or "every" not in value:
+            raise PlanError(
+                f"activation_checkpointing={dict(value)!r}: a dict takes 'every' (checkpoint every "
+                f"k-th block) and optionally 'mode' ('full' or 'selective'); unknown keys {unknown}."
+            )
+        mode = value.get("mode", "full")
+        if mode not in ("full", "selective"):
+            raise PlanError(
+                f"activation_checkpointing mode={mode!r} with 'every' must be 'full' or 'selective'."
+            )
+        return str(mode), value["every"]
+    if value is None or value is False:
+        return "none", 1
+    if value is True:
+        return "full", 1
+    return str(value), 1
+
+
+def parse_compile(value: object) -> dict[str, Any]:
+    """``compile`` argument (bool or dict of backend/fullgraph/scope) → ``PlanOptions`` fields."""
+    if isinstance(value, bool):
+        return {"compile": value}
+    if not isinstance(value, Mapping):
+        raise PlanError(
+            f"compile={value!r} must be True, False or a dict with keys {sorted(_COMPILE_KEYS)}."
+        )
+    unknown = sorted(set(value) - set(_COMPILE_KEYS))
+    if unknown:
+        raise PlanError(
+            f"compile={dict(value)!r} has unknown keys {unknown}; allowed: {sorted(_COMPILE_KEYS)}."
+        )
+    return {"compile": True, **{_COMPILE_KEYS[key]: item for key, item in value.items()}}

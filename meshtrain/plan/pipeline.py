@@ -40,89 +40,25 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.errors import PlanError
 from meshtrain.plan.activations import ActivationProfile
 from meshtrain.plan.ir import PipelinePlan, StagePlan
-from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.options import SCHEDULE_KINDS, SCHEDULES, Pipeline, PlanOptions
 from meshtrain.plan.stages import split_stages
-from meshtrain.spec.errors import PlanError
 from meshtrain.spec.mesh import Mesh
 
-# name → (stage → rank style, splits backward into input and weight gradients)
-_SCHEDULES: dict[str, tuple[str, bool]] = {
-    "GPipe": ("single", False),
-    "1F1B": ("single", False),
-    "Interleaved1F1B": ("loop", False),
-    "LoopedBFS": ("loop", False),
-    "InterleavedZeroBubble": ("loop", True),
-    "ZBVZeroBubble": ("v", True),
-    "DualPipeV": ("v", True),
-}
-SCHEDULES = tuple(_SCHEDULES)
+__all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "plan_pipeline",
+           "stage_ranks"]  # fmt: skip
+
 # Relative cost of the schedule's actions for the bubble estimate: forward 1, full backward 2,
 # its input- and weight-gradient halves 1 each (an overlapped forward+backward: the sum).
 _COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 
 
-@dataclass(frozen=True)
-class Pipeline:
-    """What a pipeline-parallel plan asks for (checked against the model and mesh by ``mt.plan``).
-
-    ``microbatches`` splits each data-parallel rank's batch per step (it is the gradient
-    accumulation of a pipelined plan); ``None`` means one per stage. ``split`` is ``"auto"``
-    (balanced by parameter count, embedding and head included) or the FQNs of the first block of
-    every stage after the first.
-
-    Example:
-        >>> Pipeline(schedule="interleaved1f1b", stages_per_rank=2).schedule
-        'Interleaved1F1B'
-    """
-
-    axis: str = "pp"
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    stages_per_rank: int = 1
-    split: str | tuple[str, ...] = "auto"
-
-    def __post_init__(self) -> None:
-        names = {name.lower(): name for name in _SCHEDULES}
-        if not isinstance(self.schedule, str) or self.schedule.lower() not in names:
-            raise PlanError(
-                f"pipeline schedule {self.schedule!r} is unknown; use one of {list(_SCHEDULES)} "
-                "(torch.distributed.pipelining's schedules)."
-            )
-        object.__setattr__(self, "schedule", names[self.schedule.lower()])
-        if not isinstance(self.split, str):
-            object.__setattr__(self, "split", tuple(self.split))
-        for name in ("microbatches", "stages_per_rank"):
-            value = getattr(self, name)
-            if value is None and name == "microbatches":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"Pipeline({name}={value!r}): give a positive integer.")
-        style = _SCHEDULES[self.schedule][0]
-        if style == "single" and self.stages_per_rank != 1:
-            raise PlanError(
-                f"schedule {self.schedule!r} runs one stage per rank, but stages_per_rank="
-                f"{self.stages_per_rank}; use stages_per_rank=1, or a multi-stage schedule "
-                "(Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV)."
-            )
-        if style == "v" and self.stages_per_rank != 2:
-            raise PlanError(
-                f"schedule {self.schedule!r} places two stages per rank in a V (rank r holds "
-                f"stages r and 2P-1-r), but stages_per_rank={self.stages_per_rank}; use "
-                "stages_per_rank=2."
-            )
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether the schedule runs input- and weight-gradient halves of backward separately."""
-        return _SCHEDULES[self.schedule][1]
-
-
 def stage_ranks(schedule: str, pp_size: int, stages_per_rank: int) -> tuple[int, ...]:
     """Pipeline rank of every stage, as the schedule places them (see the module table)."""
     n_stages = pp_size * stages_per_rank
-    if _SCHEDULES[schedule][0] == "v":
+    if SCHEDULE_KINDS[schedule][0] == "v":
         return tuple(s if s < pp_size else n_stages - 1 - s for s in range(n_stages))
     return tuple(s % pp_size for s in range(n_stages))
 

@@ -21,64 +21,17 @@ So 'auto' compiles each block for data-parallel plans and the whole model (each 
 for tensor-parallel ones, and refuses the rest with a ``PlanError`` that says what works.
 
 Example:
-    >>> parse_checkpointing({"every": 2})
-    ('full', 2)
-    >>> parse_compile({"backend": "aot_eager"})["compile_backend"]
-    'aot_eager'
+    >>> block_fqns([FSDPUnit("layers.0", ()), FSDPUnit("", ())])
+    ('layers.0',)
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from meshtrain.errors import PlanError
 from meshtrain.plan.ir import FSDPUnit
 from meshtrain.plan.options import PlanOptions
-from meshtrain.spec.errors import PlanError
-
-_COMPILE_KEYS = {
-    "backend": "compile_backend",
-    "fullgraph": "compile_fullgraph",
-    "scope": "compile_scope",
-}
-
-
-def parse_checkpointing(value: object) -> tuple[str, int]:
-    """``activation_checkpointing`` argument → (mode, every k-th block)."""
-    if isinstance(value, Mapping):
-        unknown = sorted(set(value) - {"every", "mode"})
-        if unknown or "every" not in value:
-            raise PlanError(
-                f"activation_checkpointing={dict(value)!r}: a dict takes 'every' (checkpoint every "
-                f"k-th block) and optionally 'mode' ('full' or 'selective'); unknown keys {unknown}."
-            )
-        mode = value.get("mode", "full")
-        if mode not in ("full", "selective"):
-            raise PlanError(
-                f"activation_checkpointing mode={mode!r} with 'every' must be 'full' or 'selective'."
-            )
-        return str(mode), value["every"]
-    if value is None or value is False:
-        return "none", 1
-    if value is True:
-        return "full", 1
-    return str(value), 1
-
-
-def parse_compile(value: object) -> dict[str, Any]:
-    """``compile`` argument (bool or dict of backend/fullgraph/scope) → ``PlanOptions`` fields."""
-    if isinstance(value, bool):
-        return {"compile": value}
-    if not isinstance(value, Mapping):
-        raise PlanError(
-            f"compile={value!r} must be True, False or a dict with keys {sorted(_COMPILE_KEYS)}."
-        )
-    unknown = sorted(set(value) - set(_COMPILE_KEYS))
-    if unknown:
-        raise PlanError(
-            f"compile={dict(value)!r} has unknown keys {unknown}; allowed: {sorted(_COMPILE_KEYS)}."
-        )
-    return {"compile": True, **{_COMPILE_KEYS[key]: item for key, item in value.items()}}
 
 
 def block_fqns(units: Sequence[FSDPUnit]) -> tuple[str, ...]:

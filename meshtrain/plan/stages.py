@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.spec.errors import PlanError
+from meshtrain.errors import PlanError
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from meshtrain.spec.errors import SpecError, did_you_mean, format_shape
+from meshtrain.errors import SpecError, did_you_mean, format_shape
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P, entry_axes
 
@@ -71,7 +71,7 @@ def validate_spec(
         >>> validate_spec(P("tp"), (3, 4), Mesh(("tp",), (2,)), fqn="w")
         Traceback (most recent call last):
         ...
-        meshtrain.spec.errors.SpecError: parameter 'w' (shape 3×4) cannot take P('tp') on mesh {tp: 2}: dim 0 (3) is not divisible by tp=2. Use a tp size that divides 3, shard another dim, or pad the parameter to a multiple of 2.
+        meshtrain.errors.SpecError: parameter 'w' (shape 3×4) cannot take P('tp') on mesh {tp: 2}: dim 0 (3) is not divisible by tp=2. Use a tp size that divides 3, shard another dim, or pad the parameter to a multiple of 2.
     """
     subject = Subject(spec, tuple(int(size) for size in shape), mesh, fqn, rule)
     if len(spec) > len(shape):

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from torch import nn
 
-from meshtrain.spec.errors import RuleError, format_shape
+from meshtrain.errors import RuleError, format_shape
 
 #: Logical names of one parameter, one per dim; ``None`` for a dim no rule should shard.
 LogicalAxes = tuple[str | None, ...]

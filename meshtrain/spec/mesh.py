@@ -1,15 +1,17 @@
 """Named device meshes: ``make_mesh(dp=-1, tp=2)``.
 
-A :class:`Mesh` is plain data — ordered axis names and sizes — plus, when built for real, the
-``torch.distributed`` ``DeviceMesh`` it stands for. Planning only ever needs the data, so an
-*abstract* mesh (``abstract=True``) can describe 16,384 ranks on a laptop without creating a
-single process group.
+A :class:`Mesh` is a description — ordered axis names and sizes and the device type — and
+nothing else: making one never starts a process or creates a process group
+(:func:`meshtrain.init_distributed` starts the runtime; lowering binds a mesh to a
+``DeviceMesh`` over it when a plan is applied). Planning only ever needs the description, so an
+*abstract* mesh (``abstract=True``: planning only, never bound) can describe 16,384 ranks on a
+laptop.
 
 Ranks are laid out row-major over the axes in the order given (the last axis varies fastest),
 exactly as ``init_device_mesh`` lays them out: put the axis whose traffic is heaviest (usually
 ``tp``) last so that its groups are neighbouring ranks, i.e. inside a node.
 
-Size-1 axes are allowed and cost nothing: the ``DeviceMesh`` is built over the axes larger than 1
+Size-1 axes are allowed and cost nothing: the bound ``DeviceMesh`` spans the axes larger than 1
 only, so no process group is created for an axis that cannot communicate. Specs may still name
 size-1 axes; sharding over them is a no-op.
 """
@@ -22,20 +24,16 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import TYPE_CHECKING
 
-from meshtrain.spec.errors import MeshError, did_you_mean
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+from meshtrain.errors import MeshError, did_you_mean
 
 _AXIS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Ordered named axes and their sizes, optionally backed by a real ``DeviceMesh``.
+    """Ordered named axes and their sizes on one device type. ``abstract`` marks a mesh made for
+    planning only (lowering refuses to bind it to processes); it does not take part in equality.
 
     Example:
         >>> mesh = Mesh(("dp", "tp"), (2, 4))
@@ -48,7 +46,7 @@ class Mesh:
     axis_names: tuple[str, ...]
     axis_sizes: tuple[int, ...]
     device_type: str = "cpu"
-    device_mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    abstract: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_axes(self.axis_names, self.axis_sizes)
@@ -71,12 +69,12 @@ class Mesh:
 
     @property
     def is_abstract(self) -> bool:
-        """True when no process groups stand behind this mesh (planning only)."""
-        return self.device_mesh is None
+        """True for a mesh made for planning only (``make_mesh(..., abstract=True)``)."""
+        return self.abstract
 
     @property
     def device_axes(self) -> tuple[str, ...]:
-        """The axes the ``DeviceMesh`` is built over: those larger than 1 (or the first, at world 1)."""
+        """The axes a bound ``DeviceMesh`` spans: those larger than 1 (or the first, at world 1)."""
         axes = tuple(name for name, size in zip(self.axis_names, self.axis_sizes) if size > 1)
         return axes or self.axis_names[:1]
 
@@ -159,17 +157,16 @@ def make_mesh(
     world_size: int | None = None,
     abstract: bool = False,
     device_type: str | None = None,
-    backend: str | None = None,
-    timeout: timedelta | None = None,
     **axis_sizes: int,
 ) -> Mesh:
-    """Build a named mesh; one axis may be ``-1`` and absorbs the ranks the others leave.
+    """Describe a named mesh; one axis may be ``-1`` and absorbs the ranks the others leave.
 
     The world size comes from ``world_size``, else the initialised process group, else the
-    torchrun environment (``WORLD_SIZE``), else 1. Everything is validated before any process
-    group is created, so a bad mesh is an error on every rank rather than a hang. Unless
-    ``abstract`` is set, the default process group is initialised when needed (nccl with CUDA,
-    gloo otherwise) and a ``DeviceMesh`` is built over the axes larger than 1.
+    torchrun environment (``WORLD_SIZE``), else 1. Nothing is started: validation is pure, so a
+    bad mesh is an error on every rank rather than a hang. ``abstract=True`` marks the mesh as
+    planning only (a cluster that is not this one); a mesh made without it is bound to the
+    running ranks (:func:`meshtrain.init_distributed`) when a plan on it is applied.
+    ``device_type`` defaults to ``"cuda"`` where CUDA is available, else ``"cpu"``.
 
     Example:
         >>> make_mesh(dp=-1, tp=2, world_size=8, abstract=True)
@@ -182,19 +179,7 @@ def make_mesh(
     world, source = _world_size(world_size)
     sizes = _resolve_sizes(names, tuple(requested.values()), world, source)
     device_type = device_type or _default_device_type()
-    if abstract:
-        return Mesh(names, sizes, device_type)
-    _ensure_process_group(world, backend or _default_backend(device_type), timeout)
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = Mesh(names, sizes, device_type)
-    device_axes = mesh.device_axes
-    device_mesh = init_device_mesh(
-        device_type,
-        tuple(mesh.size(axis) for axis in device_axes),
-        mesh_dim_names=device_axes,
-    )
-    return Mesh(names, sizes, device_type, device_mesh)
+    return Mesh(names, sizes, device_type, abstract=abstract)
 
 
 def _merge_axes(axes: Mapping[str, int] | None, axis_sizes: Mapping[str, int]) -> dict[str, int]:
@@ -285,37 +270,6 @@ def _default_device_type() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _default_backend(device_type: str) -> str:
-    return "nccl" if device_type == "cuda" else "gloo"
-
-
-def _ensure_process_group(world: int, backend: str, timeout: timedelta | None) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if dist.get_world_size() != world:
-            raise MeshError(
-                f"the process group has {dist.get_world_size()} ranks but the mesh was planned for "
-                f"{world}; pass world_size={dist.get_world_size()} or launch {world} ranks."
-            )
-        return
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if "MASTER_ADDR" in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)  # torchrun's env:// rendezvous
-    elif world == 1:
-        dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
-        )
-    else:
-        raise MeshError(
-            f"a mesh of {world} ranks needs a launcher: no process group is initialised and no torchrun "
-            "environment (MASTER_ADDR, RANK, WORLD_SIZE) is set. Launch with `torchrun --nproc_per_node "
-            f"{world} ...`, or pass abstract=True to plan without processes."
-        )
 
 
 def _format_axes(names: tuple[str, ...], sizes: tuple[int, ...]) -> str:

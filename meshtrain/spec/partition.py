@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import overload
 
-from meshtrain.spec.errors import SpecError
+from meshtrain.errors import SpecError
 
 #: One entry of a spec: not sharded, sharded over one axis, or over several (major to minor).
 Entry = str | tuple[str, ...] | None

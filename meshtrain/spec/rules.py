@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from meshtrain.spec.errors import RuleError, SpecError, did_you_mean, format_shape
+from meshtrain.errors import RuleError, SpecError, did_you_mean, format_shape
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import LogicalAxes, named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -163,7 +163,7 @@ class Rules:
             ...     ("batch", "seq_unused", "embed"))
             Traceback (most recent call last):
             ...
-            meshtrain.spec.errors.RuleError: logical name 'seq_unused' (in ('batch', 'seq_unused', 'embed')) appears in no logical rule (logical names with rules: 'batch', 'embed'). Add a rule for it, e.g. ('seq_unused', None) to leave it unsharded.
+            meshtrain.errors.RuleError: logical name 'seq_unused' (in ('batch', 'seq_unused', 'embed')) appears in no logical rule (logical names with rules: 'batch', 'embed'). Add a rule for it, e.g. ('seq_unused', None) to leave it unsharded.
         """
         known = {name for name, _ in self.logical}
         for name in names:

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.distributed_c10d import GroupName
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from meshtrain.lower.groups import axis_group
 from meshtrain.spec.mesh import Mesh
 
 _KINDS = {
@@ -65,13 +66,13 @@ class CollectiveCounter(TorchDispatchMode):
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
         named: dict[str, ProcessGroup] = {}
-        device_mesh = mesh.device_mesh
-        if device_mesh is not None:
-            named = {axis: device_mesh.get_group(axis) for axis in mesh.device_axes}
+        bound = not mesh.is_abstract and torch.distributed.is_initialized()
+        if bound:
+            named = {axis: axis_group(mesh, axis) for axis in mesh.device_axes}
         named.update(groups or {})
         self._axis_by_group = {str(group.group_name): axis for axis, group in named.items()}
         self._axis_by_ranks = {_ranks(group): axis for axis, group in named.items()}
-        if device_mesh is not None:
+        if bound:
             rank = torch.distributed.get_rank()
             axes = mesh.device_axes
             for size in range(2, len(axes) + 1):

@@ -30,13 +30,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from meshtrain.errors import EquivalenceError, PlanError
+from meshtrain.lower import apply, compile_loss, device_mesh, one_device_reference
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
-from meshtrain.spec.errors import EquivalenceError, PlanError
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import Contract, contract_for
@@ -44,18 +44,12 @@ from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.clip import clip_grad_norm_
-from meshtrain.train.loss import data_parallel_rank
+from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.step import forward_backward
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerSpec = str | Callable[..., torch.optim.Optimizer]
-
-
-def summed_cross_entropy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over every target (logits ``[..., classes]``, computed in fp32)."""
-    return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
 
 @dataclass(frozen=True)
@@ -340,13 +334,6 @@ def _mesh(axes: tuple[tuple[str, int], ...]) -> Mesh:
     return make_mesh(dict(axes))
 
 
-@functools.cache
-def _one_rank_mesh(world: int) -> Any:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (world, 1), mesh_dim_names=("ref", "one"))["one"]
-
-
 def _run_rank(config: _Config) -> _RankResult:
     context = config.rank_context() if config.rank_context else contextlib.nullcontext()
     with context:
@@ -384,8 +371,8 @@ class _Run:
         torch.manual_seed(config.seed)
         model = config.model_fn()
         self.plan = make_plan(model, self.mesh, **config.plan_kwargs)
-        self.reference = self._reference(copy.deepcopy(model))
-        self.applied = self.plan.apply(model)
+        self.reference = one_device_reference(copy.deepcopy(model), self.plan)
+        self.applied = apply(self.plan, model)
         self.named = dict(self.applied.named_parameters())
         self.ref_named = dict(self.reference.named_parameters())
         self.optimizer = _optimizer(config.optimizer, iter(self.named.values()))
@@ -394,25 +381,9 @@ class _Run:
         fp16 = self.plan.options.precision == "fp16"
         self.scaler: LossScaler | None = LossScaler() if fp16 else None
         self.ref_scaler: LossScaler | None = LossScaler() if fp16 else None
-        self.loss_fn = (
-            self.plan.compile_loss(config.loss_fn) if self.plan.pipeline is None else None
-        )
+        self.loss_fn = compile_loss(self.plan, config.loss_fn)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
-
-    def _reference(self, model: nn.Module) -> nn.Module:
-        """One device; under a low-precision plan, FSDP2's policy on a one-rank mesh."""
-        if self.plan.options.precision == "fp32":
-            return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[self.plan.options.precision]
-        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        one = _one_rank_mesh(dist.get_world_size())
-        for fqn in self.plan.blocks:
-            fully_shard(model.get_submodule(fqn), mesh=one, mp_policy=policy)
-        fully_shard(model, mesh=one, mp_policy=policy)
-        return model
 
     # ---------------------------------------------------------------- one step
 
@@ -456,12 +427,11 @@ class _Run:
         per_rank = inputs.shape[0] // self.data_ranks
         mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
         scale = self.scaler.scale_value if self.scaler else 1.0
-        loss_fn = self.loss_fn if self.loss_fn is not None else self.config.loss_fn
         loss, _ = forward_backward(
             self.plan,
             self.applied,
             StepBatch(inputs[mine], targets[mine]),
-            loss_fn,
+            self.loss_fn,
             loss_scale=scale,
         )
         finite = self.scaler.unscale_(self.named.values()) if self.scaler else True
@@ -600,8 +570,8 @@ class _Run:
             for fqn, param in self.named.items()
         }
         gathered = [mine]
-        if self.plan.pipeline is not None and self.mesh.device_mesh is not None:
-            group = self.mesh.device_mesh.get_group(self.plan.pipeline.axis)
+        if self.plan.pipeline is not None:
+            group = device_mesh(self.mesh).get_group(self.plan.pipeline.axis)
             gathered = [{} for _ in range(dist.get_world_size(group))]
             dist.all_gather_object(gathered, mine, group=group)
         for values in gathered:

@@ -39,11 +39,10 @@ import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError
 
 __all__ = [
     "SPMDError",
@@ -61,7 +60,7 @@ _LOG_TAIL_LINES = 40
 _FAILURE_GRACE_S = 1.0  # after one rank raised, how long the others get to report
 _JOIN_S = 3.0
 # The parent keeps the per-task clock; gloo's own timeout only has to outlive any task timeout.
-_PG_TIMEOUT = timedelta(hours=2)
+_PG_TIMEOUT_S = 2 * 3600.0
 
 
 class SPMDError(MeshtrainError):
@@ -196,11 +195,12 @@ def _worker_main(spec: _RankSpec, conn: mpc.Connection) -> None:
             import torch
             import torch.distributed as dist
 
+            from meshtrain.launch import init_distributed
+
             torch.set_num_threads(1)
             store = dist.FileStore(spec.store_path, spec.world_size)
-            dist.init_process_group(
-                "gloo", store=store, rank=spec.rank, world_size=spec.world_size, timeout=_PG_TIMEOUT
-            )
+            init_distributed(backend="gloo", store=store, rank=spec.rank,
+                             world_size=spec.world_size, timeout_s=_PG_TIMEOUT_S)  # fmt: skip
     except BaseException:
         traceback.print_exc()
         conn.send(_Reply(False, b"", traceback.format_exc(), ()))

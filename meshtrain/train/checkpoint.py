@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from meshtrain.spec.errors import CheckpointError
+from meshtrain.errors import CheckpointError
 from meshtrain.train.checkpoint_files import (
     MODEL_PREFIX,
     RestrictedFileSystemReader,

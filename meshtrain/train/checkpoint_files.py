@@ -46,7 +46,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from meshtrain.spec.errors import CheckpointError
+from meshtrain.errors import CheckpointError
 from meshtrain.train.atomic import write_text_atomically
 
 __all__ = [

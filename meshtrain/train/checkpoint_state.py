@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from meshtrain.spec.errors import format_shape
+from meshtrain.errors import format_shape
 from meshtrain.train.checkpoint_files import (
     FORMAT,
     FORMAT_VERSION,

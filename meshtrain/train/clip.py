@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
+from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.plan.ir import Plan
-from meshtrain.plan.lower import plan_device
 from meshtrain.spec.placements import is_sharded
 
 
@@ -55,8 +55,11 @@ def global_grad_norm(
         for dim in sharded:
             dist.all_reduce(squares, group=mesh.get_group(dim))  # type: ignore[attr-defined]
         total = total + squares
-    if plan is not None and plan.pipeline is not None and plan.mesh.device_mesh is not None:
-        dist.all_reduce(total, group=plan.mesh.device_mesh.get_group(plan.pipeline.axis))
+    pipeline_group = (
+        group_over(plan, (plan.pipeline.axis,)) if plan is not None and plan.pipeline else None
+    )
+    if pipeline_group is not None:
+        dist.all_reduce(total, group=pipeline_group)
     return total.sqrt().float()
 
 

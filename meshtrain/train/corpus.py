@@ -26,7 +26,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshtrain.spec.errors import DataError
+from meshtrain.errors import DataError
 
 __all__ = [
     "DataError",

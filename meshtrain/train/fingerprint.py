@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.spec.errors import TrainingError
+from meshtrain.errors import TrainingError
 
 
 def fingerprint(plan_json: str, recipe: Mapping[str, Any]) -> str:

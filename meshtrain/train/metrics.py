@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
-from meshtrain.spec.errors import MeshtrainError, RecipeError
+from meshtrain.errors import MeshtrainError, RecipeError
 
 _LOGGER = logging.getLogger(__name__)
 WANDB_MODES = ("offline", "online", "disabled")
@@ -60,7 +60,7 @@ class LoggingConfig:
         >>> LoggingConfig(wandb="on")
         Traceback (most recent call last):
         ...
-        meshtrain.spec.errors.RecipeError: logging.wandb = 'on' is not a wandb mode; use one of 'offline', 'online', 'disabled'.
+        meshtrain.errors.RecipeError: logging.wandb = 'on' is not a wandb mode; use one of 'offline', 'online', 'disabled'.
     """
 
     console: bool = True

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from meshtrain.spec.errors import CheckpointError, format_shape
+from meshtrain.errors import CheckpointError, format_shape
 from meshtrain.train.atomic import replaced_atomically
 from meshtrain.train.checkpoint_files import (
     MODEL_PREFIX,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from meshtrain.spec.errors import PlanError
+from meshtrain.errors import PlanError
 
 
 class LossScaler:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.spec.errors import RecipeError
+from meshtrain.errors import RecipeError
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,10 @@
 """The train step: ``step(state, batch) -> (state, metrics)`` for any plan.
 
-One step is: forward and backward over the plan's micro-batches (the loss normalised by the
-step's loss tokens over every data-parallel rank and micro-batch; gradients synchronised once per
-step under ZeRO 0/1, per micro-batch under ZeRO 2/3 so they stay sharded; a pipelined plan runs
-its schedule), the global gradient norm and clipping, the learning rate from the schedule, then
+One step, the same code for flat and pipelined plans, is: forward and backward over the plan's
+micro-batches (the loss normalised by the step's loss tokens over every data-parallel rank and
+micro-batch, counted once in :mod:`meshtrain.train.loss`; gradients synchronised once per step
+under ZeRO 0/1, per micro-batch under ZeRO 2/3 so they stay sharded; a pipelined plan runs them
+through its schedule), the global loss in one all-reduce, the global gradient norm and clipping, the learning rate from the schedule, then
 the optimizer step — unless the loss or the gradients are not finite. Loss and gradient norm are
 global values (every rank holds the same numbers), so the non-finite guard decides alike on every
 rank: ``"skip"`` drops the step's update, ``"stop"`` raises :class:`~meshtrain.TrainingError`
@@ -11,7 +12,7 @@ everywhere. Under fp16 the :class:`~meshtrain.train.LossScaler` skips overflowin
 
 Example (on every rank)::
 
-    applied = plan.apply(model)
+    applied = mt.apply(plan, model)
     optimizer = torch.optim.AdamW(applied.parameters(), lr=3e-4)
     step = make_train_step(plan, summed_cross_entropy, optimizer, WarmupCosine(3e-4, 100, 1000))
     state = TrainState.create(applied, optimizer)
@@ -22,30 +23,37 @@ Example (on every rank)::
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
+from meshtrain.errors import TrainingError, format_shape
+from meshtrain.lower.compute import compile_loss
+from meshtrain.lower.data_parallel import micro_batch
+from meshtrain.lower.groups import plan_device
+from meshtrain.lower.pipeline import PipelinedModel
+from meshtrain.lower.tensor_parallel import loss_parallel
 from meshtrain.plan.ir import Plan
-from meshtrain.plan.lower import plan_device
-from meshtrain.plan.lower_pipeline import summed_cross_entropy
-from meshtrain.spec.errors import TrainingError
 from meshtrain.train.batch import Batch
 from meshtrain.train.clip import global_grad_norm, scale_grads_
-from meshtrain.train.loss import data_parallel_sum, global_token_count
+from meshtrain.train.loss import (
+    LossFn,
+    StepTokens,
+    loss_tokens,
+    plain_loss,
+    reduce_loss,
+    summed_cross_entropy,
+)
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.state import TrainState
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 Schedule = Callable[[int], float]
 OnNonFinite = Literal["skip", "stop"]
-IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "TrainStep", "forward_backward", "make_train_step",
-           "summed_cross_entropy"]  # fmt: skip
+__all__ = ["TrainStep", "forward_backward", "make_train_step"]
 
 
 def make_train_step(
@@ -61,7 +69,7 @@ def make_train_step(
     """The train step of ``plan`` (see the module docstring).
 
     ``loss_fn(logits, targets)`` returns the *summed* loss of a micro-batch over its loss tokens
-    (targets equal to ``IGNORE_INDEX`` = -100 carry no loss, as in ``F.cross_entropy``);
+    (targets equal to ``meshtrain.train.IGNORE_INDEX`` = -100 carry no loss, as in ``F.cross_entropy``);
     :func:`summed_cross_entropy` is the usual one. ``schedule(step)`` gives the learning rate of
     each step (``None`` keeps the optimizer's). ``max_norm=None`` measures the gradient norm
     without clipping. Plain PyTorch optimizers work as they are.
@@ -75,9 +83,8 @@ def make_train_step(
         raise TrainingError(f"max_norm={max_norm} must be positive, or None to not clip.")
     if plan.options.precision == "fp16" and scaler is None:
         scaler = LossScaler()
-    if plan.pipeline is None:
-        loss_fn = plan.compile_loss(loss_fn)  # a pipelined model compiles its own
-    return TrainStep(plan, loss_fn, optimizer, schedule, max_norm, on_nonfinite, scaler)
+    return TrainStep(plan, compile_loss(plan, loss_fn), optimizer, schedule, max_norm, on_nonfinite,
+                     scaler)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -147,32 +154,93 @@ def forward_backward(
     """Forward and backward of one step's batch on this rank; returns the global mean loss and
     the global loss-token count (the same on every rank).
 
-    ``model`` is what ``plan.apply`` returned; gradients are left in ``.grad`` (multiplied by
-    ``loss_scale``), synchronised as the plan says. Under a compiling plan pass
-    ``plan.compile_loss(loss_fn)`` (a pipelined model compiles the loss itself).
+    ``model`` is what ``mt.apply`` returned; ``batch`` is this data-parallel rank's share of the
+    step, split along dim 0 into the plan's micro-batches (pipelined or accumulated).
+    ``loss_fn(output, targets)`` returns a micro-batch's *summed* loss; it is divided by the
+    step's loss tokens over every data-parallel rank and micro-batch, so gradients equal one
+    device's mean-loss gradients. Gradients are left in ``.grad`` (multiplied by ``loss_scale``),
+    synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
     """
     inputs, targets = batch.inputs, batch.targets
-    if plan.pipeline is not None:
-        local = int((targets != IGNORE_INDEX).sum())
-        loss = model.step(inputs, targets, loss_fn, token_count=local, loss_scale=loss_scale)
-        return float(loss), model.step_tokens
-    micro = plan.options.microbatches
-    if inputs.shape[0] % micro:
+    micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.options.microbatches
+    if inputs.shape[0] % micro or targets.shape[0] != inputs.shape[0]:
         raise TrainingError(
-            f"a batch of {inputs.shape[0]} sequences does not split into the plan's {micro} "
-            "micro-batches: give each data-parallel rank a multiple of "
-            f"{micro} sequences per step."
+            f"a batch of shape {format_shape(tuple(inputs.shape))} (targets "
+            f"{format_shape(tuple(targets.shape))}) does not split into the plan's {micro} "
+            f"micro-batches along dim 0: give each data-parallel rank a multiple of {micro} "
+            "sequences per step, with as many targets."
         )
-    pairs = list(zip(inputs.chunk(micro), targets.chunk(micro)))
-    total = global_token_count(plan, [(y != IGNORE_INDEX).sum() for _, y in pairs])
+    tokens = StepTokens(plan, loss_tokens(targets))
+    if plan.pipeline is None:
+        summed = _accumulate(plan, model, inputs.chunk(micro), targets.chunk(micro), loss_fn,
+                             tokens, loss_scale)  # fmt: skip
+    else:
+        summed = _pipelined(plan, model, inputs, targets, loss_fn, tokens, loss_scale)
+    return float(reduce_loss(plan, summed)), float(tokens.value)
+
+
+def _accumulate(
+    plan: Plan,
+    model: Any,
+    inputs: Sequence[torch.Tensor],
+    targets: Sequence[torch.Tensor],
+    loss_fn: LossFn,
+    tokens: StepTokens,
+    loss_scale: float,
+) -> torch.Tensor:
+    """Micro-batches one after another (gradient accumulation); this rank's summed loss."""
     summed = torch.zeros((), dtype=torch.float32, device=plan_device(plan))
-    for i, (x, y) in enumerate(pairs):
-        with plan.micro_batch(model, last=i == len(pairs) - 1), plan.loss_parallel():
-            loss = loss_fn(model(x), y) / total
+    for i, (x, y) in enumerate(zip(inputs, targets)):
+        with micro_batch(plan, model, last=i == len(inputs) - 1), loss_parallel(plan):
+            output = model(x)
+            loss = loss_fn(output, y) / tokens.value
             (loss * loss_scale).backward()
-        detached = loss.detach()
-        summed += (detached.full_tensor() if isinstance(detached, DTensor) else detached).float()
-    return float(data_parallel_sum(plan, summed)), float(total)
+        summed += plain_loss(loss)
+    return summed
+
+
+class _ScheduleLoss:
+    """The loss a pipeline schedule calls on each micro-batch of the last stage: the summed loss
+    over the step's tokens, times the loss scale backward starts from."""
+
+    def __init__(self, loss_fn: LossFn) -> None:
+        self.loss_fn = loss_fn
+        self.tokens: StepTokens | None = None
+        self.scale = 1.0
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self.tokens is not None
+        return (self.loss_fn(output, target) / self.tokens.value) * self.scale
+
+
+#: Each pipelined model's schedules, one per loss function (made on first use, by every rank).
+_SCHEDULES: weakref.WeakKeyDictionary[PipelinedModel, dict[LossFn, tuple[Any, _ScheduleLoss]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _pipelined(
+    plan: Plan,
+    model: PipelinedModel,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: LossFn,
+    tokens: StepTokens,
+    loss_scale: float,
+) -> torch.Tensor:
+    """The schedule over this rank's stages; the summed loss of its last stage (0 elsewhere)."""
+    schedules = _SCHEDULES.setdefault(model, {})
+    if loss_fn not in schedules:
+        step_loss = _ScheduleLoss(loss_fn)
+        schedules[loss_fn] = (model.make_schedule(step_loss), step_loss)
+    schedule, step_loss = schedules[loss_fn]
+    step_loss.tokens, step_loss.scale = tokens, float(loss_scale)
+    losses = model.run(schedule, inputs, targets)
+    tokens.value  # noqa: B018 — stages without the loss wait for the count here
+    summed = torch.zeros((), dtype=torch.float32, device=plan_device(plan))
+    for loss in losses:
+        summed += plain_loss(loss)
+    return summed / step_loss.scale
 
 
 def _lr(optimizer: torch.optim.Optimizer) -> float:

@@ -13,7 +13,8 @@ of tokens trained on in this step) and gets them back with timing and memory add
 - ``mfu``: model FLOPs utilisation, on CUDA only, when FLOPs per token and the GPU's peak are known.
 
 MFU = tokens/s × FLOPs per token / (peak bf16 dense FLOP/s per GPU × number of GPUs). FLOPs per
-token come from the model (:func:`llama_flops_per_token` for meshtrain's Llama); the peak comes
+token come from the model (:func:`meshtrain.models.llama_flops_per_token` for meshtrain's
+Llama); the peak comes
 from :func:`peak_bf16_flops` by ``torch.cuda.get_device_name()``.
 
 Example:
@@ -37,8 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.models.llama import LlamaConfig
-from meshtrain.spec.errors import MeshtrainError
+from meshtrain.errors import MeshtrainError
 
 _LOGGER = logging.getLogger(__name__)
 _GIB = 2**30
@@ -79,29 +79,6 @@ def peak_bf16_flops(device_name: str) -> float | None:
     return None
 
 
-def llama_flops_per_token(config: LlamaConfig, seq_len: int) -> float:
-    """Training FLOPs per token of meshtrain's Llama: ``6·N + 12·n_layers·dim·seq_len``.
-
-    ``N`` counts the parameters that multiply activations: every parameter but the token
-    embedding table (a lookup); ``6·N`` is the forward (2) and backward (4) matmul FLOPs. The
-    second term is attention's score and value matmuls (``QKᵀ`` and ``AV``) over the full
-    ``seq_len × seq_len`` square, forward and backward: the PaLM convention, which does not halve
-    it for the causal mask, so MFU figures compare with the ones others publish.
-
-    Example:
-        >>> config = LlamaConfig.debug()
-        >>> llama_flops_per_token(config, seq_len=16) == 6 * (config.num_params() - 256 * 64) + 12 * 2 * 64 * 16
-        True
-    """
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise MeshtrainError(
-            f"llama_flops_per_token got seq_len={seq_len!r}; it needs the positive integer "
-            "length of the training sequences (the recipe's train.seq_len)."
-        )
-    matmul_params = config.num_params() - config.vocab_size * config.dim
-    return float(6 * matmul_params + 12 * config.n_layers * config.dim * seq_len)
-
-
 def model_flops_utilization(
     tokens_per_s: float, flops_per_token: float, peak_flops_per_device: float, world_size: int
 ) -> float:
@@ -137,7 +114,7 @@ class Throughput:
 
     Args:
         flops_per_token: training FLOPs per token of the whole model (e.g.
-            :func:`llama_flops_per_token`); MFU needs it.
+            :func:`meshtrain.models.llama_flops_per_token`); MFU needs it.
         device: the device the model trains on; memory and MFU are CUDA's when it is a CUDA device.
         world_size: number of devices sharing the global tokens (default: the process group's
             size, or 1 without one).

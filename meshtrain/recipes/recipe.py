@@ -1,6 +1,6 @@
 """Recipes: one TOML file naming a model, a mesh, rules, parallel options and training settings.
 
-A recipe is read once and validated whole against :mod:`meshtrain.recipe_schema` (one frozen
+A recipe is read once and validated whole against :mod:`meshtrain.recipes.schema` (one frozen
 dataclass per section): an unknown section or key, or a value of the wrong type, is a
 :class:`~meshtrain.RecipeError` naming the file, the ``section.key``, the value, what is allowed and
 how to fix it. :func:`shrink` gives the same structure on a few CPU ranks, for ``meshtrain check``.
@@ -26,16 +26,16 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.errors import RecipeError
 from meshtrain.models.llama import Llama, LlamaConfig, build_llama, default_rules
 from meshtrain.plan.pipeline import Pipeline
-from meshtrain.recipe_schema import (
+from meshtrain.recipes.schema import (
     SECTIONS,
     CheckpointSection,
     DataSection,
     LoggingSection,
     ModelSection,
     ParallelSection,
-    PipelineSection,
     TrainSection,
     check_mesh,
     check_rules,
@@ -44,9 +44,7 @@ from meshtrain.recipe_schema import (
     find_recipe,
     model_section,
     parallel_section,
-    parse_spec,
 )
-from meshtrain.spec.errors import RecipeError
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
@@ -54,25 +52,6 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
-
-__all__ = [
-    "CheckpointSection",
-    "DataSection",
-    "LlamaBuilder",
-    "LoggingSection",
-    "ModelSection",
-    "OptimizerBuilder",
-    "ParallelSection",
-    "PipelineSection",
-    "Recipe",
-    "TrainSection",
-    "apply_overrides",
-    "describe_shrink",
-    "load_recipe",
-    "parse_spec",
-    "recipe_from_toml",
-    "shrink",
-]
 
 
 @dataclass(frozen=True)

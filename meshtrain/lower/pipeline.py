@@ -9,11 +9,14 @@ axis, and handed to ``PipelineStage``; the schedule's ``step`` runs the micro-ba
 The model's ``forward`` must run with units removed: skip a root-level unit that is ``None`` and
 iterate the blocks' container (meshtrain's Llama does; so does torchtitan's).
 
+The train step (:func:`meshtrain.train.forward_backward`) owns the loss, its token count and
+its reduction, for pipelined and flat plans alike; lowering returns stages and a schedule.
+
 Example (on every rank of a 4-rank job, mesh ``pp=2, dp=2``)::
 
     plan = mt.plan(model, mesh, rules, pipeline=mt.Pipeline(schedule="1F1B", microbatches=4))
-    pipelined = plan.apply(model)                   # this rank's stage(s), parallelised
-    loss = pipelined.step(tokens, targets)          # the step's mean loss, on every rank
+    pipelined = mt.apply(plan, model)               # this rank's stage(s), parallelised
+    loss, tokens = forward_backward(plan, pipelined, Batch(inputs, targets))
     clip_grad_norm_(pipelined.parameters(), 1.0, plan=plan)
 """
 
@@ -26,67 +29,35 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.distributed._functional_collectives as funcol
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
-
-from meshtrain.plan.ir import Plan, StagePlan
-from meshtrain.plan.lower import (
-    _PartialGradSync,
-    group_over,
-    loss_context,
-    parallelize,
-    plan_device,
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
 )
-from meshtrain.plan.lower_compute import compile_loss
-from meshtrain.spec.errors import PlanError, format_shape
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from meshtrain.lower.flat import parallelize
+from meshtrain.lower.groups import device_mesh, plan_device
+from meshtrain.lower.tensor_parallel import PartialGradSync, loss_parallel
+from meshtrain.plan.ir import Plan, StagePlan
 
-
-def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over a micro-batch's tokens (the default pipeline loss)."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum")
+Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
 
 class PipelinedModel:
-    """This rank's pipeline stage modules and the schedule that runs them (``Plan.apply``'s result
-    under a pipeline). Parameters keep the full model's FQNs."""
+    """This rank's pipeline stage modules and ``PipelineStage`` objects (``mt.apply``'s result under a
+    pipeline). Parameters keep the full model's FQNs. The train step owns the loss: it makes a
+    schedule with its loss function (:meth:`make_schedule`) and runs a step's batch through it
+    (:meth:`run`)."""
 
     def __init__(self, plan: Plan, modules: list[nn.Module], stages: list[PipelineStage]) -> None:
-        assert plan.pipeline is not None and plan.mesh.device_mesh is not None
+        assert plan.pipeline is not None
         self.plan = plan
         self.modules = modules
         self.stages = stages
-        self._tokens = torch.ones(())
-        self._loss_fn: LossFn = summed_cross_entropy
-        self._loss_scale = 1.0
-        self._compiled_losses: dict[LossFn, LossFn] = {}
-        pipeline = plan.pipeline
-        cls = get_schedule_class(pipeline.schedule)
-        self.schedule = cls(
-            stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
-            n_microbatches=pipeline.microbatches,
-            loss_fn=self._scaled_loss,
-            scale_grads=False,
-        )
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
-        # one group each for the step's two scalar sums (created here, by every rank alike)
-        self._data_group = group_over(plan, plan.data_axes)
-        self._loss_group = group_over(plan, (pipeline.axis, *plan.data_axes))
-
-    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self._loss_fn(output, target) * (self._loss_scale / self._tokens)
-
-    @property
-    def step_tokens(self) -> float:
-        """Loss tokens of the last :meth:`step` over every data-parallel rank."""
-        return float(self._tokens)
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """Every local parameter under its full-model FQN."""
@@ -98,59 +69,31 @@ class PipelinedModel:
         for _, param in self.named_parameters():
             yield param
 
-    def step(
-        self,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        loss_fn: LossFn = summed_cross_entropy,
-        *,
-        token_count: int | torch.Tensor | None = None,
-        loss_scale: float = 1.0,
-    ) -> torch.Tensor:
-        """Forward and backward of one step's batch through the pipeline; returns its mean loss.
-
-        Every rank passes its data-parallel rank's whole batch (``[batch, ...]``, split into the
-        plan's micro-batches) and targets. ``loss_fn`` returns a micro-batch's *summed* loss;
-        it is divided by the step's loss tokens over every data-parallel rank (``token_count``
-        on this rank, default ``targets.numel()``), so gradients equal one device's mean-loss
-        gradients. The returned loss is the global mean, on every rank.
-        ``loss_scale`` multiplies the loss backward starts from (fp16:
-        :class:`~meshtrain.train.LossScaler`'s ``scale_value``); the returned loss is unscaled.
-        The loss function is compiled when the plan compiles.
-        """
+    def make_schedule(
+        self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> Schedule:
+        """The plan's ``torch.distributed.pipelining`` schedule over this rank's stages, calling
+        ``loss_fn(output, target)`` on each micro-batch of the last stage and running backward
+        from what it returns (gradients are not scaled by the schedule)."""
         pipeline = self.plan.pipeline
         assert pipeline is not None
-        micro = pipeline.microbatches
-        if inputs.shape[0] % micro or targets.shape[0] != inputs.shape[0]:
-            raise PlanError(
-                f"a step's batch of shape {format_shape(tuple(inputs.shape))} (targets "
-                f"{format_shape(tuple(targets.shape))}) does not split into {micro} pipeline "
-                f"micro-batches along dim 0: feed a multiple of {micro} sequences per "
-                "data-parallel rank, with as many targets."
-            )
-        count = token_count if token_count is not None else targets.numel()
-        tokens = torch.tensor(float(count), device=plan_device(self.plan))
-        # Summed as a functional collective, waited for where it is first read: only the last
-        # stage's loss reads it during the schedule, so no rank blocks on it beforehand.
-        self._tokens = (
-            funcol.all_reduce(tokens, "sum", self._data_group) if self._data_group else tokens
-        )
-        if loss_fn not in self._compiled_losses:
-            self._compiled_losses[loss_fn] = compile_loss(self.plan, loss_fn)
-        self._loss_fn = self._compiled_losses[loss_fn]
-        self._loss_scale = float(loss_scale)
+        cls = get_schedule_class(pipeline.schedule)
+        stages: Any = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
+        return cls(stages, n_microbatches=pipeline.microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def run(
+        self, schedule: Schedule, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Forward and backward of one step's batch (split into the plan's micro-batches along
+        dim 0) through ``schedule``; every rank passes its data-parallel rank's whole batch.
+        Returns what the loss function returned for each micro-batch (on the last stage; empty
+        elsewhere)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
         kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
-        with self._hold_partial_grads(), loss_context(self.plan):
-            self.schedule.step(*args, **kwargs)
-        self._tokens = funcol.wait_tensor(self._tokens)  # stages without the loss never read it
-        total = torch.zeros((), device=plan_device(self.plan))
-        for loss in losses:
-            value = loss.detach()
-            total += value.full_tensor() if isinstance(value, DTensor) else value
-        dist.all_reduce(total, group=self._loss_group)  # last stages' sums, over pp and data
-        return total / self._loss_scale
+        with self._hold_partial_grads(), loss_parallel(self.plan):
+            schedule.step(*args, **kwargs)
+        return losses
 
     @contextlib.contextmanager
     def _hold_partial_grads(self) -> Iterator[None]:
@@ -160,7 +103,7 @@ class PipelinedModel:
             sync
             for module in self.modules
             if isinstance(
-                sync := getattr(module, "_meshtrain_partial_grads", None), _PartialGradSync
+                sync := getattr(module, "_meshtrain_partial_grads", None), PartialGradSync
             )
         ]
         for sync in syncs:
@@ -176,9 +119,8 @@ class PipelinedModel:
 def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
     """Build, parallelise and wrap this rank's stages (see the module docstring)."""
     pipeline = plan.pipeline
-    device_mesh = plan.mesh.device_mesh
-    assert pipeline is not None and device_mesh is not None
-    pp_mesh = device_mesh[pipeline.axis]
+    assert pipeline is not None
+    pp_mesh = device_mesh(plan.mesh)[pipeline.axis]
     local = pipeline.local_stages(pp_mesh.get_local_rank())
     # Copy first: the last local stage reuses (and prunes) the model itself.
     bodies = [copy.deepcopy(model) for _ in local[:-1]] + [model]

@@ -1,6 +1,6 @@
 """Lowering the compute policies: activation checkpointing and ``torch.compile``.
 
-Order inside :func:`~meshtrain.plan.lower.parallelize` (torchtitan's): tensor parallel →
+Order inside :func:`~meshtrain.lower.flat.parallelize` (torchtitan's): tensor parallel →
 checkpointing → per-block compile → FSDP2 → whole-model compile. Both policies replace a module's
 ``forward`` on the instance instead of wrapping the module, so parameter FQNs, state dicts and
 FSDP2's module hooks (which stay outside the compiled code) are untouched.
@@ -11,7 +11,7 @@ FSDP2's module hooks (which stay outside the compiled code) are untouched.
   (:data:`~meshtrain.plan.activations.SAVED_OPS`) and recomputes the rest.
 
 Graph breaks are not accepted silently: after the first forward of a compiled model a
-:class:`~meshtrain.spec.errors.GraphBreakWarning` names their count and reasons, and
+:class:`~meshtrain.errors.GraphBreakWarning` names their count and reasons, and
 :func:`compile_report` returns them.
 
 Example (inside ``parallelize``)::
@@ -37,14 +37,14 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from meshtrain.errors import GraphBreakWarning
 from meshtrain.plan.activations import SAVED_OPS
 from meshtrain.plan.ir import Plan
-from meshtrain.spec.errors import GraphBreakWarning
 
 
 @dataclass(frozen=True)
 class CompileReport:
-    """Graph breaks torch.compile hit in a model's compiled regions since ``plan.apply``."""
+    """Graph breaks torch.compile hit in a model's compiled regions since ``mt.apply``."""
 
     graph_breaks: int
     reasons: tuple[str, ...]
@@ -140,7 +140,7 @@ def _watch_graph_breaks(model: nn.Module) -> None:
 
 
 def compile_report(model: nn.Module) -> CompileReport:
-    """Graph breaks (count, reasons) torch.compile recorded since ``plan.apply`` compiled
+    """Graph breaks (count, reasons) torch.compile recorded since ``mt.apply`` compiled
     ``model`` (counted process-wide: other compiled code in the process adds to it)."""
     before = getattr(model, "_meshtrain_graph_breaks", None)
     if before is None:

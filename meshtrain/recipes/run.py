@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshtrain.errors import RecipeError
+from meshtrain.lower import apply
+from meshtrain.models.llama import llama_flops_per_token
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
-from meshtrain.plan.lower_pipeline import summed_cross_entropy
-from meshtrain.recipes import Recipe
-from meshtrain.spec.errors import RecipeError
+from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.checkpoint import (
@@ -47,12 +48,12 @@ from meshtrain.train.data import (
     prepare_corpus,
 )
 from meshtrain.train.fingerprint import check_same_plan
-from meshtrain.train.loss import data_parallel_rank
+from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import LoggingConfig, make_sinks
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
-from meshtrain.train.throughput import Throughput, llama_flops_per_token
+from meshtrain.train.throughput import Throughput
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def train(
     model = _build_model(recipe, device)
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
-    applied = plan.apply(model)
+    applied = apply(plan, model)
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,

@@ -27,11 +27,13 @@ from typing import Any, TypeVar
 import optree
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.experimental import local_map
 
+from meshtrain.errors import SpecError, format_shape
+from meshtrain.lower.groups import device_mesh
 from meshtrain.plan.ir import Plan
-from meshtrain.spec.errors import SpecError, format_shape
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P, entry_axes
@@ -47,6 +49,7 @@ class _Active:
 
     plan: Plan
     tp_mesh: Mesh | None
+    tp_device_mesh: DeviceMesh | None
     region: str | None = None  # FQN of the pair parent whose forward is running, if any
 
     @property
@@ -62,24 +65,19 @@ _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar(
 def track(plan: Plan, model: nn.Module) -> None:
     """Make ``constrain``/``shard_map`` see ``plan`` while ``model`` runs forward (lowering calls
     this once; the hooks set and reset a context variable, so nothing leaks between models)."""
-    tp_mesh = None
+    tp_mesh, tp_device_mesh = None, None
     if plan.tp_axis is not None:
-        assert plan.mesh.device_mesh is not None
-        tp_mesh = Mesh(
-            (plan.tp_axis,),
-            (plan.mesh.size(plan.tp_axis),),
-            plan.mesh.device_type,
-            plan.mesh.device_mesh[plan.tp_axis],
-        )
+        tp_mesh = Mesh((plan.tp_axis,), (plan.mesh.size(plan.tp_axis),), plan.mesh.device_type)
+        tp_device_mesh = device_mesh(plan.mesh)[plan.tp_axis]
     modules = dict(model.named_modules())
-    _scope(model, _Active(plan, tp_mesh))
+    _scope(model, _Active(plan, tp_mesh, tp_device_mesh))
     if plan.compile_scope is not None:
         # Hooks inside compiled code would be traced, and setting a context variable breaks the
         # graph: compiled plans skip the inside-a-pair check below (constrain still works).
         return
     for style in plan.styles:
         if style.style == "prepare_input" and style.fqn:
-            _scope(modules[style.fqn], _Active(plan, tp_mesh, style.fqn))
+            _scope(modules[style.fqn], _Active(plan, tp_mesh, tp_device_mesh, style.fqn))
 
 
 def _scope(module: nn.Module, active: _Active) -> None:
@@ -134,7 +132,7 @@ def constrain(x: torch.Tensor, spec: Spec) -> torch.Tensor:
         )
     if placements == (active.stream,):
         return x
-    current = DTensor.from_local(x, active.tp_mesh.device_mesh, (active.stream,), run_check=False)
+    current = DTensor.from_local(x, active.tp_device_mesh, (active.stream,), run_check=False)
     validate_spec(tp_spec, tuple(current.shape), active.tp_mesh)
     return current.redistribute(placements=placements)
 
@@ -175,8 +173,7 @@ def shard_map(fn: F, *, in_specs: Any, out_specs: Any) -> F:
                     "forward of a model the plan was applied to."
                 )
             return fn(*args)
-        mesh = active.tp_mesh
-        assert mesh.device_mesh is not None
+        mesh, bound = active.tp_mesh, active.tp_device_mesh
         in_placements: list[tuple[Placement, ...] | None] = []
         dtensors: list[Any] = []
         for index, (leaf, spec) in enumerate(zip(leaves, specs)):
@@ -198,7 +195,7 @@ def shard_map(fn: F, *, in_specs: Any, out_specs: Any) -> F:
                         shape=tuple(leaf.shape),
                         mesh=mesh,
                     )
-                leaf = DTensor.from_local(leaf, mesh.device_mesh, (active.stream,), run_check=False)
+                leaf = DTensor.from_local(leaf, bound, (active.stream,), run_check=False)
             if leaf.placements != wanted:
                 raise SpecError(
                     f"shard_map input {index} (global shape {format_shape(tuple(leaf.shape))}) is "
@@ -225,7 +222,7 @@ def shard_map(fn: F, *, in_specs: Any, out_specs: Any) -> F:
             flat_fn,
             out_placements=out_placements,
             in_placements=tuple(in_placements),
-            device_mesh=mesh.device_mesh,
+            device_mesh=bound,
         )
         result = mapped(*dtensors)
         if any(isinstance(leaf, DTensor) for leaf in leaves):

@@ -8,7 +8,7 @@ Example:
     >>> check_table("r.toml", "train", {"steps": "3"})
     Traceback (most recent call last):
     ...
-    meshtrain.spec.errors.RecipeError: r.toml: train.steps = "3" is a string, but steps must be a positive integer. Write e.g. steps = 3.
+    meshtrain.errors.RecipeError: r.toml: train.steps = "3" is a string, but steps must be a positive integer. Write e.g. steps = 3.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from meshtrain.errors import MeshtrainError, RecipeError, did_you_mean
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.plan.pipeline import SCHEDULES
-from meshtrain.spec.errors import MeshtrainError, RecipeError, did_you_mean
 from meshtrain.spec.partition import P
 
 PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
@@ -430,7 +430,7 @@ def find_recipe(path_or_name: str | Path) -> Path:
         if not path.is_file():
             raise RecipeError(f"recipe file {str(path)!r} does not exist.")
         return path
-    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[1] / "recipes"]
+    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
     for root in roots:
         if (root / f"{path}.toml").is_file():
             return root / f"{path}.toml"

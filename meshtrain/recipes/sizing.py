@@ -22,11 +22,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from meshtrain.errors import MeshError, PlanError
 from meshtrain.plan.api import plan as make_plan
-from meshtrain.plan.footprint import Footprint, footprint, parse_bytes
+from meshtrain.plan.auto import choose_plan
+from meshtrain.plan.footprint import Footprint, footprint
 from meshtrain.plan.ir import Plan
-from meshtrain.recipes import Recipe
-from meshtrain.spec.errors import MeshError, PlanError
+from meshtrain.plan.options import AutoSearch, PlanOptions
+from meshtrain.plan.sizes import parse_bytes
+from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 
 
@@ -85,14 +88,12 @@ def size_recipe(
     if strategy == "auto":
         if memory is None:
             raise PlanError("strategy auto needs the memory per device: give --device-memory.")
-        from meshtrain.plan.auto import choose_plan
-
         for key in ("zero", "activation_checkpointing", "pipeline", "microbatches"):
             options.pop(key, None)
-        choice = choose_plan(
-            model, world, recipe.rules(), device_memory=memory, global_batch=global_batch,
-            seq_len=seq_len, node_size=node_size, device_type="cuda", **options,
-        )  # fmt: skip
+        request = PlanOptions().with_overrides(**options, global_batch=global_batch,
+                                               seq_len=seq_len)  # fmt: skip
+        choice = choose_plan(model, world, recipe.rules(), request,
+                             search=AutoSearch(memory, node_size), device_type="cuda")  # fmt: skip
         plan, used, note = choice.plan, global_batch, ""
     elif strategy == "recipe":
         mesh = _mesh(recipe, world)

@@ -1,39 +1,21 @@
-"""Lowering: Plan → parallelised module, with PyTorch's own APIs in a fixed order.
+"""Tensor and sequence parallelism: the plan's module styles lowered to PyTorch's
+``parallelize_module`` over the tensor-parallel axis, and the loss context for vocab-sharded
+logits.
 
-This is the only module that calls ``parallelize_module``, ``fully_shard`` and ``replicate``.
-Order (as torchtitan applies it): tensor parallel over the TP axis first, then data parallel
-per FSDP unit (repeated blocks) and finally the root.
+Example (inside :func:`~meshtrain.lower.apply`)::
 
-Data-parallel gradients are **summed**, not averaged (FSDP's divide factor is 1 and reductions
-use SUM, which gloo supports): the loss is normalised by the global token count instead, so the
-result does not depend on the data-parallel degree or the number of micro-batches.
-
-Example (on every rank of a 4-rank job)::
-
-    plan = mt.plan(model, mt.make_mesh(dp=2, tp=2), rules)
-    model = plan.apply(model)            # model holds full, identically initialised weights
-    with plan.loss_parallel():
-        loss = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten(), reduction="sum")
+    apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -42,55 +24,19 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel import (
+    loss_parallel as torch_loss_parallel,
+)
 
-from meshtrain.plan.functional import track
+from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.ir import Plan
-from meshtrain.plan.lower_compute import apply_checkpointing, compile_blocks, compile_model
-from meshtrain.spec.errors import PlanError, format_shape
 
 
-def apply(plan: Plan, model: nn.Module) -> Any:
-    """Parallelise ``model`` in place as ``plan`` says and return it (under a pipeline: this
-    rank's stages as a :class:`~meshtrain.plan.lower_pipeline.PipelinedModel`).
-
-    ``model`` must hold its full, initialised weights on every rank (the same on all ranks), or be
-    on the meta device (then call ``to_empty`` and initialise afterwards).
-    """
-    _check_model(plan, model)
-    device_mesh = plan.mesh.device_mesh
-    if device_mesh is None:
-        raise PlanError(
-            f"cannot apply a plan on the abstract mesh {plan.mesh}: build the mesh with "
-            "mt.make_mesh(...) under the launcher (without abstract=True), then plan again."
-        )
-    if plan.pipeline is not None:
-        from meshtrain.plan.lower_pipeline import apply_pipeline
-
-        return apply_pipeline(plan, model)
-    return parallelize(plan, model)
-
-
-def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
-    """Tensor parallel, checkpointing, per-block compile, data parallel (FSDP2, also over size-1
-    axes that carry the mixed-precision policy), whole-model compile, then the scope
-    ``mt.constrain`` reads (no pipeline)."""
-    device_mesh = plan.mesh.device_mesh
-    assert device_mesh is not None
-    if plan.tp_axis is not None:  # only set when its size is > 1
-        _apply_tensor_parallel(plan, model, device_mesh[plan.tp_axis])
-    apply_checkpointing(plan, model)
-    compile_blocks(plan, model)
-    if plan.data_axes or plan.cast_axes:
-        _apply_data_parallel(plan, model)
-    compile_model(plan, model)
-    track(plan, model)
-    return model
-
-
-def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """``parallelize_module`` with the plan's styles over the tensor-parallel axis, the run-time
+    checks of paired Linears and sequence lengths, and partial-gradient reduction without FSDP2."""
     styles = _tp_styles(plan)
     root = styles.pop("", None)
     if styles:
@@ -108,7 +54,7 @@ def _apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) ->
                 check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
                 modules[style.fqn].register_forward_pre_hook(check)
         if not plan.data_axes:  # FSDP2 reduces these itself when it wraps the model
-            sync = _PartialGradSync()
+            sync = PartialGradSync()
             for style in plan.styles:
                 if style.style == "sequence_parallel":
                     for param in modules[style.fqn].parameters():
@@ -158,7 +104,7 @@ def _check_sequence(fqn: str, axis: str | None, ways: int, module: nn.Module, ar
         )
 
 
-class _PartialGradSync:
+class PartialGradSync:
     """Reduces the partial-sum gradients of sequence-parallel norm weights to replicated ones.
 
     A norm on sequence shards computes its weight's gradient from its shard of the sequence only
@@ -246,112 +192,15 @@ class _PrepareFirstInput(PrepareModuleInput):
         return (first, *inputs[1:])
 
 
-def _apply_data_parallel(plan: Plan, model: nn.Module) -> None:
-    assert plan.mesh.device_mesh is not None
-    dp_mesh = plan.mesh.device_mesh[plan.data_axes or plan.cast_axes]
-    options = plan.options
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=getattr(torch, options.param_dtype),
-        reduce_dtype=getattr(torch, options.reduce_dtype),
-    )
-    offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        if options.offload
-        else OffloadPolicy()
-    )
-    modules = dict(model.named_modules())
-    wrapped: list[FSDPModule] = []
-    for unit in plan.units:
-        module = modules[unit.fqn]
-        if options.zero == 0:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
+def loss_parallel(plan: Plan) -> contextlib.AbstractContextManager[None]:
+    """Context for the loss: PyTorch's ``loss_parallel()`` when the plan keeps the head's logits
+    vocab-sharded (cross-entropy then runs on the shards, never gathering them), else a no-op.
 
-            replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
-        else:
-            fully_shard(
-                module,
-                mesh=dp_mesh,
-                # The root's parameters are needed again first thing in backward: keep them.
-                reshard_after_forward=options.zero == 3 and unit.fqn != "",
-                mp_policy=mp_policy,
-                offload_policy=offload,
-            )
-        wrapped.append(module)
-    for module in wrapped:
-        module.set_gradient_divide_factor(1.0)
-        module.set_force_sum_reduction_for_comms(True)
+    Example::
 
-
-@contextlib.contextmanager
-def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
-    """Gradient-sync policy for one micro-batch of a step.
-
-    zero 0 and 1 reduce gradients once per step (on the last micro-batch) and keep parameters
-    gathered between micro-batches; zero 2 and 3 reduce every micro-batch so gradients stay
-    sharded. Wrap each micro-batch's forward and backward in this context.
+        with loss_parallel(plan):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     """
-    if plan.pipeline is not None:
-        raise PlanError(
-            "a pipelined plan runs its micro-batches inside the schedule: call "
-            "model.step(inputs, targets) on what plan.apply returned instead of plan.micro_batch."
-        )
-    sync = getattr(model, "_meshtrain_partial_grads", None)
-    if isinstance(sync, _PartialGradSync):
-        sync.enabled = last
-    if plan.data_axes and plan.options.zero <= 1:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_requires_gradient_sync(last, recurse=False)
-                if plan.options.zero == 1:
-                    module.set_reshard_after_backward(last, recurse=False)
-    yield
-
-
-def plan_device(plan: Plan) -> torch.device:
-    """The device this rank computes on under ``plan`` (the current CUDA device on a CUDA mesh);
-    scalars that go through the plan's collectives live there (NCCL reduces CUDA tensors only)."""
-    if plan.mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(plan.mesh.device_type)
-
-
-def group_over(plan: Plan, axes: Sequence[str]) -> ProcessGroup | None:
-    """This rank's process group over ``axes`` of the plan's mesh together, so one collective
-    reduces over all of them; ``None`` when they span this rank alone. One axis is its own group;
-    several are the ``DeviceMesh`` flattened over them (created by every rank on first use, then
-    cached on the mesh by torch), named as :meth:`~meshtrain.spec.mesh.Mesh.joined` names it.
-    ``DeviceMesh._flatten`` is private in torch 2.13 (FSDP2's HSDP and torchtitan use it too);
-    this is meshtrain's only call of it.
-    """
-    device_mesh = plan.mesh.device_mesh
-    name = plan.mesh.joined(tuple(axes))
-    if device_mesh is None or not name:
-        return None
-    names = tuple(name.split("+"))
-    if len(names) == 1:
-        return device_mesh.get_group(names[0])
-    return device_mesh[names]._flatten(name).get_group()
-
-
-def loss_context(plan: Plan) -> contextlib.AbstractContextManager[None]:
-    """``loss_parallel()`` when the plan keeps the head's logits vocab-sharded, else a no-op."""
     if any(style.style == "loss_parallel_head" for style in plan.styles):
-        return loss_parallel()
+        return torch_loss_parallel()
     return contextlib.nullcontext()
-
-
-def _check_model(plan: Plan, model: nn.Module) -> None:
-    shapes = {fqn: tuple(param.shape) for fqn, param in model.named_parameters()}
-    planned = {p.fqn: p.shape for p in plan.params}
-    if shapes != planned:
-        missing = sorted(set(planned) - set(shapes))[:3]
-        extra = sorted(set(shapes) - set(planned))[:3]
-        changed = [
-            f"'{f}' {format_shape(shapes[f])} vs planned {format_shape(planned[f])}"
-            for f in shapes
-            if f in planned and shapes[f] != planned[f]
-        ][:3]
-        raise PlanError(
-            f"the model does not match the plan: missing {missing}, unexpected {extra}, shapes "
-            f"{changed}. Plan and apply the same model (build it the same way on every rank)."
-        )

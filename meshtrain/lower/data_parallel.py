@@ -1,0 +1,97 @@
+"""Data parallelism: FSDP2 (``fully_shard``) per unit, or DDP-like ``replicate`` under zero 0,
+with the plan's mixed-precision and offload policies; and the per-micro-batch gradient-sync
+policy of each ZeRO stage.
+
+Data-parallel gradients are **summed**, not averaged (FSDP's divide factor is 1 and reductions
+use SUM, which gloo supports): the train step normalises the loss by the global token count
+instead, so the result does not depend on the data-parallel degree or the number of
+micro-batches.
+
+Example (inside :func:`~meshtrain.lower.apply`)::
+
+    apply_data_parallel(plan, model)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+from meshtrain.errors import PlanError
+from meshtrain.lower.groups import device_mesh
+from meshtrain.lower.tensor_parallel import PartialGradSync
+from meshtrain.plan.ir import Plan
+
+
+def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
+    """FSDP2 (``replicate`` under zero 0) on every unit of the plan, blocks first, root last,
+    over the data axes (or the size-1 axes that carry the mixed-precision policy); gradients are
+    summed over data-parallel ranks."""
+    dp_mesh = device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
+    options = plan.options
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, options.param_dtype),
+        reduce_dtype=getattr(torch, options.reduce_dtype),
+    )
+    offload: OffloadPolicy = (
+        CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if options.offload
+        else OffloadPolicy()
+    )
+    modules = dict(model.named_modules())
+    wrapped: list[FSDPModule] = []
+    for unit in plan.units:
+        module = modules[unit.fqn]
+        if options.zero == 0:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
+        else:
+            fully_shard(
+                module,
+                mesh=dp_mesh,
+                # The root's parameters are needed again first thing in backward: keep them.
+                reshard_after_forward=options.zero == 3 and unit.fqn != "",
+                mp_policy=mp_policy,
+                offload_policy=offload,
+            )
+        wrapped.append(module)
+    for module in wrapped:
+        module.set_gradient_divide_factor(1.0)
+        module.set_force_sum_reduction_for_comms(True)
+
+
+@contextlib.contextmanager
+def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
+    """Gradient-sync policy for one micro-batch of a step.
+
+    zero 0 and 1 reduce gradients once per step (on the last micro-batch) and keep parameters
+    gathered between micro-batches; zero 2 and 3 reduce every micro-batch so gradients stay
+    sharded. Wrap each micro-batch's forward and backward in this context.
+    """
+    if plan.pipeline is not None:
+        raise PlanError(
+            "a pipelined plan runs its micro-batches inside the schedule: train what mt.apply "
+            "returned with meshtrain.train.forward_backward (or make_train_step) instead of "
+            "mt.micro_batch."
+        )
+    sync = getattr(model, "_meshtrain_partial_grads", None)
+    if isinstance(sync, PartialGradSync):
+        sync.enabled = last
+    if plan.data_axes and plan.options.zero <= 1:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_requires_gradient_sync(last, recurse=False)
+                if plan.options.zero == 1:
+                    module.set_reshard_after_backward(last, recurse=False)
+    yield

@@ -1,0 +1,33 @@
+"""Parallelising one model (or one pipeline stage) in the fixed order torchtitan uses: tensor
+parallel → activation checkpointing → per-block compile → data parallel (FSDP2) → whole-model
+compile, then the scope ``mt.constrain`` reads.
+
+Example (inside :func:`~meshtrain.lower.apply`)::
+
+    parallelize(plan, model)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
+from meshtrain.lower.data_parallel import apply_data_parallel
+from meshtrain.lower.functional import track
+from meshtrain.lower.groups import device_mesh
+from meshtrain.lower.tensor_parallel import apply_tensor_parallel
+from meshtrain.plan.ir import Plan
+
+
+def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
+    """Lower a plan without a pipeline onto ``model`` in place (see the module docstring): data
+    parallelism also runs over size-1 axes that carry the mixed-precision policy."""
+    if plan.tp_axis is not None:  # only set when its size is > 1
+        apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
+    apply_checkpointing(plan, model)
+    compile_blocks(plan, model)
+    if plan.data_axes or plan.cast_axes:
+        apply_data_parallel(plan, model)
+    compile_model(plan, model)
+    track(plan, model)
+    return model

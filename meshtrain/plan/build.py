@@ -1,0 +1,272 @@
+"""The planning pipeline, one named step each: resolve the options against the mesh → infer the
+layout (specs, axes, styles, units, compute policies) → cost it flat or pipelined → the Plan.
+
+``mt.plan`` and ``strategy="auto"`` both run :func:`build_plan`; nothing here allocates
+parameter memory or issues a collective, so a meta model on an abstract mesh of thousands of
+ranks plans in seconds.
+
+Example:
+    >>> import meshtrain as mt
+    >>> from meshtrain.models import LlamaConfig, build_llama, default_rules
+    >>> model = build_llama(LlamaConfig.debug(), device="meta")
+    >>> mesh = mt.make_mesh(dp=2, tp=2, world_size=4, abstract=True)
+    >>> build_plan(model, mesh, default_rules(), PlanOptions(zero=2)).options.zero
+    2
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from meshtrain.errors import PlanError
+from meshtrain.plan.activations import ActivationProfile, trace_activations
+from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
+from meshtrain.plan.infer import (
+    check_sequence_length,
+    describe_uneven,
+    infer_axes,
+    infer_layouts,
+    infer_sequence_parallel,
+    infer_styles,
+    infer_units,
+    shard_axes_of,
+)
+from meshtrain.plan.inferred import Inferred
+from meshtrain.plan.ir import (
+    Collective,
+    Memory,
+    ModuleStyle,
+    PipelinePlan,
+    Plan,
+)
+from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
+from meshtrain.plan.pipeline_cost import pipeline_costs
+from meshtrain.plan.policies import block_fqns, resolve_compile_scope
+from meshtrain.spec.mesh import Mesh
+from meshtrain.spec.rules import Rules
+
+
+def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions) -> Plan:
+    """The whole pipeline: :func:`resolve_options` → :func:`infer_layout` → :func:`cost_flat`
+    or :func:`cost_pipelined` → :class:`Plan`."""
+    options = resolve_options(mesh, rules, options)
+    layout = infer_layout(model, mesh, rules, options)
+    pipeline_plan: PipelinePlan | None = None
+    if options.pipeline is None:
+        memory, collectives, notes, estimates = cost_flat(layout, options)
+    else:
+        pipeline_plan, memory, collectives, notes, estimates = cost_pipelined(
+            model, mesh, layout, options
+        )
+    return Plan(
+        mesh=mesh,
+        options=options,
+        data_axes=layout.data_axes,
+        tp_axis=layout.tp_axis,
+        sequence_parallel=layout.sequence_parallel,
+        activation_rules=rules.logical,
+        params=layout.params,
+        styles=layout.styles,
+        units=layout.units,
+        collectives=collectives,
+        memory=memory,
+        pipeline=pipeline_plan,
+        notes=notes,
+        blocks=layout.blocks,
+        compile_scope=layout.compile_scope,
+        cast_axes=layout.cast_axes,
+        activation_estimates=estimates,
+    )
+
+
+def resolve_options(mesh: Mesh, rules: Rules, options: PlanOptions) -> PlanOptions:
+    """Options made concrete for ``mesh``: a pipeline's micro-batches (one per stage unless
+    given) become the plan's, and ``global_batch`` fills in ``batch_size`` (sequences per
+    micro-batch per data-parallel rank)."""
+    pipeline, microbatches = options.pipeline, options.microbatches
+    if pipeline is not None:
+        check_pipeline_axis(mesh, pipeline)
+        if microbatches not in (1, pipeline.microbatches):
+            raise PlanError(
+                f"microbatches={microbatches} and Pipeline(microbatches={pipeline.microbatches}) "
+                "disagree: a pipelined plan accumulates over its pipeline micro-batches. Give "
+                "them once, in Pipeline(microbatches=...)."
+            )
+        n_stages = mesh.size(pipeline.axis) * pipeline.stages_per_rank
+        microbatches = pipeline.microbatches or n_stages
+    batch_size = _batch_size(mesh, rules, options, microbatches)
+    return replace(options, microbatches=microbatches, batch_size=batch_size)
+
+
+def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions) -> Inferred:
+    """Specs resolved per parameter, the data and tensor-parallel axes, layouts, module styles,
+    FSDP units and the compute policies (checkpointed blocks, compile scope, cast axes)."""
+    pipeline = options.pipeline
+    resolution = rules.resolve(model, mesh)
+    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline.axis if pipeline else None)
+    active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
+    shard_axes = shard_axes_of(active)
+    element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
+    layouts = infer_layouts(resolution, shard_axes, options, element_bytes)
+    sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
+    styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
+    if sequence_parallel and options.seq_len is not None and tp_axis is not None:
+        check_sequence_length(options.seq_len, tp_axis, mesh)
+    notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and options.zero >= 1 else []
+    if not active:
+        notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
+    all_units = infer_units(model, options.fsdp_units)
+    blocks = block_fqns(all_units)
+    cast_axes = _cast_axes(options, data_axes, active, mesh)
+    units = all_units if active or cast_axes else ()
+    compile_scope = resolve_compile_scope(
+        options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
+        split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
+    )  # fmt: skip
+    profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel)
+    if isinstance(profile, str):
+        notes.append(profile)
+        profile = None
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
+                  compile_scope, buffers, profile, tuple(notes))  # fmt: skip
+
+
+def cost_flat(
+    layout: Inferred, options: PlanOptions
+) -> tuple[Memory, tuple[Collective, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """Memory per rank, collectives per step, notes and activation estimates per checkpointing
+    mode of a plan without a pipeline."""
+    memory = estimate_memory(layout.params, layout.units, options, buffers=layout.buffers,
+                             sharded=bool(layout.data_axes))  # fmt: skip
+    estimates: tuple[tuple[str, int], ...] = ()
+    profile = layout.profile
+    if profile is not None:
+        checkpointed = options.checkpointed_blocks(layout.blocks)
+        memory = replace(
+            memory, activations=profile.peak(options.activation_checkpointing, checkpointed)
+        )
+        estimates = tuple(
+            (mode, profile.peak(mode, layout.blocks if mode != "none" else ()))
+            for mode in ("none", "full", "selective")
+        )
+    collectives = estimate_collectives(layout.params, layout.units, layout.data_axes, options)
+    collectives += estimate_tp_collectives(
+        layout.styles, layout.params, layout.tp_axis, options,
+        sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),
+    )  # fmt: skip
+    return memory, collectives, layout.notes, estimates
+
+
+def cost_pipelined(
+    model: nn.Module, mesh: Mesh, layout: Inferred, options: PlanOptions
+) -> tuple[
+    PipelinePlan, Memory, tuple[Collective, ...], tuple[str, ...], tuple[tuple[str, int], ...]
+]:
+    """The pipeline's stages and schedule (:func:`plan_pipeline`), then the busiest pipeline
+    rank's memory, collectives and activation estimates (:func:`pipeline_costs`)."""
+    pipeline = options.pipeline
+    assert pipeline is not None
+    tp_axis = layout.tp_axis
+    seq_shards = mesh.size(tp_axis) if layout.sequence_parallel and tp_axis is not None else 1
+    pipeline_plan = plan_pipeline(
+        model, mesh, pipeline, options, seq_shards=seq_shards,
+        resharded=bool(layout.data_axes) and options.zero == 3,
+        param_bytes={p.fqn: p.bytes_at_rest for p in layout.params},
+        activations=layout.profile, checkpointed=options.checkpointed_blocks(layout.blocks),
+    )  # fmt: skip
+    costs = pipeline_costs(pipeline_plan, mesh, layout, options)
+    note = (
+        f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
+        f"{costs.busiest}); inside the schedule gradients are reduced once per step"
+    )
+    return (pipeline_plan, costs.memory, costs.collectives, (*layout.notes, note),
+            costs.estimates)  # fmt: skip
+
+
+def _cast_axes(
+    options: PlanOptions, data_axes: tuple[str, ...], active_data: tuple[str, ...], mesh: Mesh
+) -> tuple[str, ...]:
+    """Size-1 data axes that carry FSDP2's mixed-precision policy when no data axis is > 1."""
+    if options.precision == "fp32" or active_data:
+        return ()
+    carriers = tuple(axis for axis in data_axes if axis in mesh.device_axes)
+    if not carriers:
+        raise PlanError(
+            f"precision={options.precision!r} is lowered through FSDP2's mixed-precision policy "
+            f"over a data axis, and mesh {mesh} has no data axis larger than 1 among the rules' "
+            f"fsdp axes {list(data_axes)} (tensor or pipeline parallelism alone; a size-1 axis "
+            "carries it only on a single device). Add data parallelism (a data axis ≥ 2; zero=0 "
+            "replicates like DDP) or train this mesh in fp32.",
+            mesh=mesh,
+        )
+    return carriers
+
+
+#: styles whose modules compute on tensor-parallel shards (parents of column-/row-wise pairs,
+#: column-wise layers and a loss-parallel head)
+_TP_REGION_STYLES = frozenset({"prepare_input", "colwise", "loss_parallel_head", "rowwise"})
+
+
+def _activation_profile(
+    model: nn.Module,
+    blocks: tuple[str, ...],
+    styles: tuple[ModuleStyle, ...],
+    options: PlanOptions,
+    mesh: Mesh,
+    tp_axis: str | None,
+    sequence_parallel: bool,
+) -> ActivationProfile | str | None:
+    """The traced activation profile, None without batch_size/seq_len, or why tracing failed."""
+    if options.batch_size is None or options.seq_len is None:
+        return None
+    tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]
+    try:
+        return trace_activations(
+            model,
+            blocks,
+            batch_size=options.batch_size,
+            seq_len=options.seq_len,
+            dtype=getattr(torch, options.param_dtype),
+            tp_modules=tp_modules,
+            tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
+            sequence_parallel=sequence_parallel,
+        )
+    except Exception as error:  # the model's own forward: report, do not fail planning
+        return (
+            "activation memory not estimated: the forward on a fake "
+            f"[{options.batch_size}, {options.seq_len}] token batch failed "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+        )
+
+
+def _batch_size(mesh: Mesh, rules: Rules, options: PlanOptions, microbatches: int) -> int | None:
+    """Sequences per micro-batch per data-parallel rank, from ``global_batch`` when given."""
+    global_batch, batch_size = options.global_batch, options.batch_size
+    if global_batch is None:
+        return batch_size
+    data_ranks = 1
+    for axis in rules.fsdp:
+        data_ranks *= mesh.size(axis) if axis in mesh.axis_names else 1
+    per_step = data_ranks * microbatches
+    if global_batch % per_step:
+        what = "pipeline micro-batches" if options.pipeline is not None else "micro-batches"
+        raise PlanError(
+            f"global_batch={global_batch} does not split into {data_ranks} data-parallel ranks × "
+            f"{microbatches} {what} on mesh {mesh}: each micro-batch needs a whole number of "
+            f"sequences. Use a multiple of {per_step} (e.g. {per_step * max(1, global_batch // per_step)})"
+            f" or change microbatches.",
+            mesh=mesh,
+        )
+    derived = global_batch // per_step
+    if batch_size is not None and batch_size != derived:
+        raise PlanError(
+            f"batch_size={batch_size} (sequences per micro-batch per data-parallel rank) "
+            f"disagrees with global_batch={global_batch} / ({data_ranks} ranks × {microbatches} "
+            f"micro-batches) = {derived}; give one of them."
+        )
+    return derived

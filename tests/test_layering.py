@@ -1,0 +1,149 @@
+"""The layering of ``meshtrain/`` as docs/architecture.md draws it, checked on the source: every
+import (at module level or inside a function) points down the layers, no module takes part in
+an import cycle, and the calls that touch ``torch.distributed``'s runtime stay in their layer."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "meshtrain"
+
+#: layer → the layers it may import (itself included). Read bottom up.
+ALLOWED: dict[str, set[str]] = {
+    "errors": {"errors"},
+    "spec": {"errors", "spec"},
+    "models": {"errors", "spec", "models"},
+    "plan": {"errors", "spec", "plan"},
+    "launch": {"errors", "launch"},
+    "lower": {"errors", "spec", "plan", "launch", "lower"},
+    "train": {"errors", "spec", "plan", "launch", "lower", "train"},
+    "recipes": {"errors", "spec", "models", "plan", "launch", "lower", "train", "recipes"},
+    "testing": {
+        "errors",
+        "spec",
+        "models",
+        "plan",
+        "launch",
+        "lower",
+        "train",
+        "recipes",
+        "testing",
+    },
+    "cli": {"errors", "spec", "plan", "launch", "lower", "train", "recipes", "testing", "cli"},
+    "__main__": {"cli"},
+    "": {"errors", "spec", "plan", "launch", "lower", "train", "testing"},  # the facade
+}
+
+#: torch.distributed runtime calls → the modules that may make them
+RUNTIME_CALLS = {
+    "init_process_group": {"meshtrain.launch"},
+    "init_device_mesh": {"meshtrain.lower.groups", "meshtrain.lower.reference"},
+    "fully_shard": {"meshtrain.lower.data_parallel", "meshtrain.lower.reference"},
+    "replicate": {"meshtrain.lower.data_parallel"},
+    "parallelize_module": {"meshtrain.lower.tensor_parallel"},
+    "PipelineStage": {"meshtrain.lower.pipeline"},
+    "redistribute": {"meshtrain.lower.functional", "meshtrain.lower.tensor_parallel"},
+    "local_map": {"meshtrain.lower.functional"},
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, ast.Module]:
+    return {_module_name(path): ast.parse(path.read_text()) for path in PACKAGE.rglob("*.py")}
+
+
+def _imports(tree: ast.Module) -> Iterator[str]:
+    """Every meshtrain module a source file imports, wherever the import statement is."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "meshtrain":
+                yield node.module
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names if a.name.split(".")[0] == "meshtrain")
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).startswith("meshtrain")
+        ):
+            yield str(node.args[0].value)
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+GRAPH = {name: set(_imports(tree)) for name, tree in _modules().items()}
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_point_down_the_layers(module: str) -> None:
+    layer = _layer(module)
+    assert layer in ALLOWED, f"{module} is in no layer: add its package to docs/architecture.md"
+    wrong = sorted(target for target in GRAPH[module] if _layer(target) not in ALLOWED[layer])
+    assert not wrong, f"{module} ({layer or 'facade'}) imports {wrong}, above or beside its layer"
+
+
+def test_no_import_cycles() -> None:
+    """Tarjan's strongly connected components over the module graph: each must be one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(GRAPH.get(node, ())):
+            if target not in GRAPH:
+                continue
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(GRAPH):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_graph_sees_imports_inside_functions() -> None:
+    """The checks above are only as good as the graph: a lazy import counts as an arrow."""
+    tree = ast.parse("def f():\n    from meshtrain.lower import apply\n")
+    assert list(_imports(tree)) == ["meshtrain.lower"]
+
+
+@pytest.mark.parametrize("call", sorted(RUNTIME_CALLS))
+def test_runtime_calls_stay_in_their_layer(call: str) -> None:
+    makers = set()
+    for name, tree in _modules().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if called == call:
+                    makers.add(name)
+    assert makers <= RUNTIME_CALLS[call], (
+        f"{call} is called in {sorted(makers - RUNTIME_CALLS[call])}"
+    )
