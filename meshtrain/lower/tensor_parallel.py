@@ -20,7 +20,6 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -85,7 +84,9 @@ def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None
         )
 
 
-def _check_sequence(fqn: str, axis: str | None, ways: int, module: nn.Module, args: Any) -> None:
+def _check_sequence(
+    fqn: str, axis: str | None, ways: int, module: nn.Module | None, args: Any
+) -> None:
     tokens = args[0] if args else None
     if not isinstance(tokens, torch.Tensor):
         return
@@ -130,6 +131,7 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     """PyTorch's parallel style per module FQN; activations between blocks are sequence shards
     (``Shard(1)``) under sequence parallelism, otherwise replicated."""
     stream: Placement = Shard(1) if plan.sequence_parallel else Replicate()
+    split_at_block = any(s.style == "sequence_split_input" for s in plan.styles)
     styles: dict[str, ParallelStyle] = {}
     for style in plan.styles:
         if style.style == "colwise":
@@ -145,15 +147,18 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
                 input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
             )
         elif style.style == "vocab_parallel_embedding":
-            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+            out = Replicate() if split_at_block else stream
+            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
+        elif style.style == "sequence_split_input":
+            styles[style.fqn] = _PrepareActivation(
+                style.fqn, style.argument, Replicate(), Shard(1), local=True
+            )
         elif style.style == "embedding_dim_parallel":
             styles[style.fqn] = ColwiseParallel(
                 input_layouts=Replicate(), output_layouts=Replicate()
             )
         elif style.style == "prepare_input":
-            styles[style.fqn] = _PrepareFirstInput(
-                input_layouts=stream, desired_input_layouts=Replicate()
-            )
+            styles[style.fqn] = _PrepareActivation(style.fqn, style.argument, stream, Replicate())
         elif style.style == "sequence_parallel":
             styles[style.fqn] = SequenceParallel(sequence_dim=1)
         elif style.style == "sequence_split":
@@ -167,29 +172,63 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     return styles
 
 
-class _PrepareFirstInput(PrepareModuleInput):
-    """``PrepareModuleInput`` for the first positional input only, whatever else is passed.
-
-    The parent of a column-/row-wise pair (attention, MLP) turns its activation input into one
-    replicated DTensor that all its column-wise children share, so backward reduces their input
-    gradients once (all-reduce, or reduce-scatter to sequence shards) instead of once per child.
-    Other arguments (rotary tables, masks) pass through untouched.
+class _PrepareActivation(ParallelStyle):
+    """Mark a pair parent's activation input — the first positional argument, or the keyword
+    ``argument`` — as one DTensor (``input_layout`` redistributed to ``desired``) that all its
+    column-wise children share, so backward reduces their input gradients once (all-reduce, or
+    reduce-scatter to sequence shards) instead of once per child. Other arguments (rotary
+    tables, masks, caches) pass through untouched.
     """
 
-    def _prepare_input_fn(self, inputs: Any, device_mesh: DeviceMesh) -> Any:
-        inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-        assert self.input_layouts is not None and self.desired_input_layouts is not None
-        if not inputs or not isinstance(inputs[0], torch.Tensor):
-            raise PlanError(
-                "a module whose tensor-parallel children form a column-/row-wise pair must take "
-                "its activation as the first positional argument (got "
-                f"{type(inputs[0]).__name__ if inputs else 'no positional arguments'}); pass it "
-                "positionally."
-            )
-        first = self._prepare_input_arg(
-            inputs[0], device_mesh, self.input_layouts[0], self.desired_input_layouts[0]
+    def __init__(
+        self,
+        fqn: str,
+        argument: str,
+        input_layout: Placement,
+        desired: Placement,
+        *,
+        local: bool = False,
+    ) -> None:
+        super().__init__()
+        self.fqn, self.argument = fqn, argument
+        self.input_layout, self.desired, self.local = input_layout, desired, local
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        hook = functools.partial(self._prepare, device_mesh)
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+    def _prepare(
+        self,
+        device_mesh: DeviceMesh,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args and isinstance(args[0], torch.Tensor):
+            return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+        value = kwargs.get(self.argument) if self.argument else None
+        if isinstance(value, torch.Tensor):
+            return args, {**kwargs, self.argument: self._convert(value, device_mesh)}
+        got = type(args[0]).__name__ if args else "no positional arguments"
+        raise PlanError(
+            f"'{self.fqn}' ({type(module).__name__}) holds a column-/row-wise tensor-parallel "
+            f"pair and must receive its activation as the first positional argument or as "
+            f"'{self.argument or 'the first parameter'}=' (got {got}"
+            f"{', keywords ' + str(sorted(kwargs)) if kwargs else ''}). Call it with the "
+            "activation first, or replicate the pair's weights."
         )
-        return (first, *inputs[1:])
+
+    def _convert(self, tensor: torch.Tensor, device_mesh: DeviceMesh) -> torch.Tensor:
+        if isinstance(tensor, DTensor):
+            dtensor = tensor
+        else:
+            if self.local and isinstance(self.desired, Shard):
+                _check_sequence(self.fqn, None, device_mesh.size(), module=None, args=(tensor,))
+            dtensor = DTensor.from_local(tensor, device_mesh, (self.input_layout,), run_check=False)
+        if dtensor.placements != (self.desired,):
+            dtensor = dtensor.redistribute(placements=(self.desired,))
+        return dtensor.to_local() if self.local else dtensor
 
 
 def loss_parallel(plan: Plan) -> contextlib.AbstractContextManager[None]:

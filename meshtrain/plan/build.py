@@ -30,7 +30,6 @@ from meshtrain.plan.infer import (
     infer_axes,
     infer_layouts,
     infer_sequence_parallel,
-    infer_styles,
     infer_units,
     shard_axes_of,
 )
@@ -46,6 +45,8 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import block_fqns, resolve_compile_scope
+from meshtrain.plan.sequence import place_sequence_split
+from meshtrain.plan.styles import infer_styles
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -121,6 +122,9 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = infer_units(model, options.fsdp_units)
     blocks = block_fqns(all_units)
+    if sequence_parallel and tp_axis is not None:
+        styles = place_sequence_split(model, styles, blocks, tp_size=mesh.size(tp_axis),
+                                      seq_len=options.seq_len)  # fmt: skip
     cast_axes = _cast_axes(options, data_axes, active, mesh)
     units = all_units if active or cast_axes else ()
     compile_scope = resolve_compile_scope(

@@ -276,6 +276,7 @@ def estimate_tp_collectives(
         return shape(child)[1]
 
     sp = sequence_parallel
+    split_at_block = any(s.style == "sequence_split_input" for s in styles)
     prepared = {s.fqn for s in styles if s.style == "prepare_input"}
     partial_kind = "reduce_scatter" if sp else "all_reduce"
     norms = norm_numel = 0
@@ -300,17 +301,24 @@ def estimate_tp_collectives(
                     shape(style.fqn)[1],
                 )
         elif kind == "vocab_parallel_embedding":
+            shards_out = sp and not split_at_block  # the embedding's output is a sequence shard
             add(
-                partial_kind,
+                partial_kind if shards_out else "all_reduce",
                 "forward: partial sums of the vocab-parallel embedding",
                 shape(style.fqn)[1],
             )
-            if sp:
+            if shards_out:
                 add(
                     "all_gather",
                     "backward: embedding output gradient from sequence shards",
                     shape(style.fqn)[1],
                 )
+        elif kind == "sequence_split_input":
+            add(
+                "all_gather",
+                "backward: the first block's input gradient from sequence shards",
+                child_in_width(next(s.fqn for s in styles if s.style == "prepare_input")),
+            )
         elif kind == "colwise" and not any(
             style.fqn.startswith(parent + ".") or not parent for parent in prepared
         ):

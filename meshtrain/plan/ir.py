@@ -59,13 +59,18 @@ class ParamLayout:
 
 @dataclass(frozen=True)
 class ModuleStyle:
-    """The tensor-parallel style a module lowers to, read off its parameters' specs."""
+    """The tensor-parallel style a module lowers to, read off its parameters' specs.
+
+    ``argument`` names the forward parameter a pair parent takes its activation in (it may come
+    positionally or by that keyword); empty when the activation is always the first positional.
+    """
 
     fqn: str
     module_type: str
     style: str
     axis: str
     note: str = ""
+    argument: str = ""
 
 
 @dataclass(frozen=True)

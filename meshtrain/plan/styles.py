@@ -1,0 +1,353 @@
+"""Tensor-parallel styles: how each module lowers, read off its parameters' specs — pure.
+
+Style inference, per module, from its parameters' specs on the tensor-parallel axis ``a``:
+
+=====================  ==========================  ==========================================
+module                 weight spec                 style
+=====================  ==========================  ==========================================
+``nn.Linear``          ``P(a)`` (bias ``P(a)``)    ``colwise`` (output stays sharded when a
+                                                   ``rowwise`` sibling consumes it; otherwise
+                                                   gathered, or kept vocab-sharded for the
+                                                   loss-parallel cross-entropy on the head)
+``nn.Linear``          ``P(None, a)`` (bias ``P()``)  ``rowwise``
+``nn.Embedding``       ``P(a)``                    ``vocab_parallel_embedding``
+``nn.Embedding``       ``P(None, a)``              ``embedding_dim_parallel`` (output gathered)
+=====================  ==========================  ==========================================
+
+A sharded spec on any other module (a norm, a custom module) is an error that says why.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import replace
+
+from torch import nn
+
+from meshtrain.errors import PlanError
+from meshtrain.plan.ir import ModuleStyle
+from meshtrain.spec.partition import P
+from meshtrain.spec.rules import Resolution
+
+
+def infer_styles(
+    model: nn.Module,
+    resolution: Resolution,
+    tp_axis: str | None,
+    loss_parallel: bool,
+    sequence_parallel: bool = False,
+) -> tuple[ModuleStyle, ...]:
+    """Tensor-parallel style per module, read off the module's parameter specs.
+
+    Under ``sequence_parallel`` norms outside the tensor-parallel pairs run on sequence shards, the
+    pairs' parents all-gather their input from sequence shards and the row-wise outputs are
+    reduce-scattered back to them.
+    """
+    if tp_axis is None:
+        return ()
+    specs = resolution.specs
+    raw: dict[str, ModuleStyle] = {}
+    modules = dict(model.named_modules())
+    for fqn, module in modules.items():
+        own = {
+            name: specs[f"{fqn}.{name}" if fqn else name]
+            for name, _ in module.named_parameters(recurse=False)
+            if (f"{fqn}.{name}" if fqn else name) in specs
+        }
+        if not any(tp_axis in spec.axes for spec in own.values()):
+            continue
+        raw[fqn] = _style_of(fqn, module, own, tp_axis)
+    styles = _resolve_pairs(raw, modules, loss_parallel, sequence_parallel)
+    _check_heads(styles, modules, resolution.mesh.size(tp_axis))
+    if sequence_parallel:
+        styles = _add_sequence_styles(styles, modules, tp_axis)
+    order = {fqn: index for index, fqn in enumerate(modules)}
+    return tuple(sorted(styles, key=lambda style: order[style.fqn]))
+
+
+def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> ModuleStyle:
+    kind = type(module).__name__
+    weight = own.get("weight", P())
+    bias = own.get("bias")
+    col, row = P(axis).padded(2), P(None, axis)
+    if isinstance(module, nn.Linear):
+        if weight.padded(2) == col and (bias is None or bias.padded(1) == P(axis)):
+            return ModuleStyle(fqn, kind, "colwise", axis)
+        if weight.padded(2) == row and (bias is None or bias.padded(1) == P(None)):
+            return ModuleStyle(fqn, kind, "rowwise", axis)
+        raise PlanError(
+            f"Linear '{fqn}' has weight {weight!r} and bias {bias!r} on axis '{axis}': tensor "
+            f"parallelism lowers P('{axis}', None) (column-wise, bias P('{axis}')) or "
+            f"P(None, '{axis}') (row-wise, bias replicated). Change the rule for '{fqn}.weight'.",
+            fqn=f"{fqn}.weight",
+            spec=weight,
+        )
+    if isinstance(module, nn.Embedding):
+        if weight.padded(2) == col:
+            return ModuleStyle(fqn, kind, "vocab_parallel_embedding", axis)
+        if weight.padded(2) == row:
+            return ModuleStyle(
+                fqn, kind, "embedding_dim_parallel", axis, "output all-gathered to replicated"
+            )
+    sharded = {name: spec for name, spec in own.items() if axis in spec.axes}
+    name, spec = next(iter(sharded.items()))
+    hint = (
+        " Norm weights stay replicated (P()); for sequence parallelism add the activation rule "
+        f"('seq', '{axis}'): norms then run on sequence shards with their weights replicated."
+        if "norm" in kind.lower()
+        else " Replicate it (P()), or shard a Linear/Embedding instead."
+    )
+    raise PlanError(
+        f"parameter '{fqn + '.' if fqn else ''}{name}' of {kind} '{fqn}' is sharded as {spec!r} over "
+        f"tensor-parallel axis '{axis}', but no parallel style covers {kind} with that spec.{hint}",
+        fqn=f"{fqn}.{name}" if fqn else name,
+        spec=spec,
+    )
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
+
+
+def _resolve_pairs(
+    raw: dict[str, ModuleStyle],
+    modules: dict[str, nn.Module],
+    loss_parallel: bool,
+    sequence_parallel: bool,
+) -> list[ModuleStyle]:
+    """Pair column- and row-wise modules under the same parent (attention, MLP).
+
+    A row-wise Linear pairs with the column-wise Linears beside it under its parent, directly or
+    inside a projection group (a module whose parameters are all column-wise, e.g. a ``qkv``
+    module holding ``wq``/``wk``/``wv``). A paired column-wise module hands its local output to
+    the row-wise one, and the parent marks its first input once for all its column-wise
+    descendants (one backward all-reduce, or under sequence parallelism one all-gather forward and
+    one reduce-scatter backward, per parent). An unpaired column-wise module has its output
+    all-gathered, except the output head (the model's last module with parameters) under
+    ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
+    replicated input and slices it.
+    """
+    rowwise_parents = {_parent(f) for f, s in raw.items() if s.style == "rowwise"}
+    scopes = {
+        fqn: _pair_scope(fqn, rowwise_parents, modules, raw)
+        for fqn, style in raw.items()
+        if style.style == "colwise"
+    }
+    paired = rowwise_parents & set(scopes.values())
+    unpaired = [f for f, scope in scopes.items() if scope not in paired]
+    # The output head: an unpaired column-wise Linear that is the model's last module with
+    # parameters (registration order), i.e. nothing after it could consume sharded logits.
+    with_params = [f for f, m in modules.items() if any(True for _ in m.parameters(recurse=False))]
+    head = unpaired[-1] if unpaired and with_params and unpaired[-1] == with_params[-1] else None
+    styles = []
+    for fqn, style in raw.items():
+        if fqn == head and loss_parallel:
+            style = replace(
+                style,
+                style="loss_parallel_head",
+                note="logits stay vocab-sharded; compute the loss under plan.loss_parallel()",
+            )
+        elif fqn in unpaired:
+            style = replace(
+                style,
+                style="colwise_gathered",
+                note="no row-wise consumer: output all-gathered (extra collective)",
+            )
+        elif style.style == "rowwise" and _parent(fqn) not in paired:
+            style = replace(
+                style,
+                style="rowwise_replicated_input",
+                note="no column-wise producer: replicated input sliced locally",
+            )
+        if sequence_parallel:
+            style = _sequence_variant(style, is_head=fqn == head)
+        styles.append(style)
+    axis = next(iter(raw.values())).axis if raw else ""
+    for fqn in sorted(paired, key=list(modules).index):
+        others = _untouched_consumers(fqn, modules, raw)
+        if others and sequence_parallel:
+            raise PlanError(
+                f"sequence parallelism all-gathers the input of '{fqn}' "
+                f"({type(modules[fqn]).__name__}) for its tensor-parallel Linears, but "
+                f"{others[0]!r} there is not tensor-parallel and would see a different sequence "
+                f"length. Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), "
+                "or drop the ('seq', ...) activation rule.",
+                fqn=others[0],
+            )
+        if others:  # mixed parent: each column-wise child marks its own (plain) input
+            continue
+        note = (
+            "first input all-gathered from sequence shards for the column-wise children"
+            if sequence_parallel
+            else "first input marked replicated once for all column-wise children"
+        )
+        argument = activation_argument(modules[fqn])
+        styles.append(
+            ModuleStyle(fqn, type(modules[fqn]).__name__, "prepare_input", axis, note, argument)
+        )
+    return styles
+
+
+def activation_argument(module: nn.Module) -> str:
+    """The name of the forward parameter a module takes its activation in: the first one
+    (``hidden_states`` in Hugging Face attention, ``x`` in meshtrain's Llama), or ``""`` when the
+    forward takes ``*args``.
+
+    Example:
+        >>> activation_argument(nn.Linear(2, 2))
+        'input'
+    """
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return ""
+    if not parameters or parameters[0].kind in (
+        inspect.Parameter.VAR_POSITIONAL,
+        inspect.Parameter.VAR_KEYWORD,
+    ):
+        return ""
+    return parameters[0].name
+
+
+def _pair_scope(
+    fqn: str, rowwise_parents: set[str], modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> str:
+    """The parent a column-wise module pairs under: its own parent, or the first ancestor above
+    a chain of projection groups (modules whose parameters are all column-wise)."""
+    scope = _parent(fqn)
+    while scope and scope not in rowwise_parents and _is_projection_group(scope, modules, raw):
+        scope = _parent(scope)
+    return scope
+
+
+def _is_projection_group(
+    fqn: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> bool:
+    """Every module under ``fqn`` that holds parameters is column-wise (and there is one)."""
+    holders = [
+        name
+        for name, module in modules[fqn].named_modules(prefix=fqn)
+        if any(True for _ in module.parameters(recurse=False))
+    ]
+    return bool(holders) and all(name in raw and raw[name].style == "colwise" for name in holders)
+
+
+def _untouched_consumers(
+    parent: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
+) -> list[str]:
+    """Parameters of ``parent`` (its own, or of direct children other than projection groups)
+    without a tensor-parallel style: they would receive the parent's input as a DTensor if the
+    parent marked it."""
+    module = modules[parent]
+    found = [f"{parent}.{name}" for name, _ in module.named_parameters(recurse=False)]
+    for name, child in module.named_children():
+        fqn = f"{parent}.{name}" if parent else name
+        if (
+            fqn not in raw
+            and any(True for _ in child.parameters())
+            and not _is_projection_group(fqn, modules, raw)
+        ):
+            found.append(fqn)
+    return found
+
+
+def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:
+    """The style's behaviour on sequence-sharded activations, or a PlanError if it has none."""
+    if style.style == "rowwise":
+        return replace(style, note="output reduce-scattered to sequence shards")
+    if style.style == "vocab_parallel_embedding":
+        return replace(style, note="output reduce-scattered to sequence shards")
+    if is_head:
+        return replace(style, note=f"{style.note}; input all-gathered from sequence shards")
+    if style.style == "colwise":
+        return style
+    raise PlanError(
+        f"module '{style.fqn}' ({style.module_type}) lowers to {style.style!r}, which has no "
+        "sequence-parallel form: sequence parallelism needs every tensor-parallel Linear paired "
+        "(column-wise then row-wise under one parent), embeddings sharded on vocab or replicated, "
+        "and at most one unpaired column-wise Linear, the output head. Change the rule for "
+        f"'{style.fqn}.weight', or drop the ('seq', ...) activation rule.",
+        fqn=f"{style.fqn}.weight",
+    )
+
+
+def _add_sequence_styles(
+    styles: list[ModuleStyle], modules: dict[str, nn.Module], axis: str
+) -> list[ModuleStyle]:
+    """Norms on sequence shards; a replicated input embedding sliced into them."""
+    styled = {style.fqn for style in styles}
+    pair_parents = {s.fqn for s in styles if s.style == "prepare_input"}
+    embeddings = [f for f, m in modules.items() if isinstance(m, nn.Embedding)]
+    if not embeddings:
+        raise PlanError(
+            "sequence parallelism needs the model to start from an nn.Embedding (its output is "
+            f"where activations become sequence shards); {type(modules['']).__name__} has none. "
+            "Drop the ('seq', ...) activation rule."
+        )
+    if not any(s.style in ("loss_parallel_head", "colwise_gathered") for s in styles):
+        raise PlanError(
+            "sequence parallelism needs a column-wise output head (its weight sharded on dim 0, "
+            "e.g. P('" + axis + "') on the vocab) to gather the sequence shards before the loss; "
+            f"{type(modules['']).__name__} has none, so its output would stay a sequence shard. "
+            "Shard the head's weight over the tensor-parallel axis, or drop the ('seq', ...) "
+            "activation rule."
+        )
+    extra = []
+    for fqn in embeddings:
+        if fqn not in styled:
+            extra.append(
+                ModuleStyle(
+                    fqn,
+                    "Embedding",
+                    "sequence_split",
+                    axis,
+                    "replicated output sliced into sequence shards (no collective)",
+                )
+            )
+    for fqn, module in modules.items():
+        if fqn in styled or not _is_norm(module) or not any(True for _ in module.parameters()):
+            continue
+        if any(fqn.startswith(parent + ".") for parent in pair_parents if parent):
+            continue  # inside attention/MLP: runs on replicated, head-sharded activations
+        extra.append(
+            ModuleStyle(
+                fqn,
+                type(module).__name__,
+                "sequence_parallel",
+                axis,
+                "runs on sequence shards; weight replicated",
+            )
+        )
+    return styles + extra
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+
+
+def _check_heads(styles: list[ModuleStyle], modules: dict[str, nn.Module], ways: int) -> None:
+    """Whole attention heads per rank: a parent with an integer ``head_dim`` attribute (Llama's
+    ``Attention``) must see its column-wise outputs and row-wise inputs split at head boundaries."""
+    for style in styles:
+        parent = modules.get(_parent(style.fqn)) if style.fqn else None
+        head_dim = getattr(parent, "head_dim", None)
+        module = modules[style.fqn]
+        if not isinstance(head_dim, int) or not isinstance(module, nn.Linear):
+            continue
+        if style.style in ("colwise", "colwise_gathered", "loss_parallel_head"):
+            width = module.out_features
+        elif style.style in ("rowwise", "rowwise_replicated_input"):
+            width = module.in_features
+        else:
+            continue
+        if width % head_dim:
+            continue  # not a per-head projection
+        heads = width // head_dim
+        if heads % ways:
+            raise PlanError(
+                f"Linear '{style.fqn}' projects {heads} heads of size {head_dim} ({type(parent).__name__} "
+                f"'{_parent(style.fqn)}'), which do not split evenly over tensor-parallel axis "
+                f"'{style.axis}' of size {ways}: each rank must hold whole heads. Use a tp size "
+                f"that divides {heads}, or a model with a multiple of {ways} heads.",
+                fqn=f"{style.fqn}.weight",
+            )
