@@ -33,15 +33,6 @@ def measure(
         "tp-sp": Rules(logical=default_rules(sequence_parallel=True).logical, fsdp=data),
         "replicated": Rules({r".*": P()}, fsdp=data),
         "rowwise-only-attention": attention_rowwise_only_rules(data),
-        "mixed-attention": Rules(
-            {
-                r".*attention\.wq\.weight": P("tp"),
-                r".*attention\.w[kv]\.weight": P(),
-                r".*attention\.wo\.weight": P(None, "tp"),
-                r".*": P(),
-            },
-            fsdp=data,
-        ),
         "grouped": grouped_rules(data),
         "grouped-sp": grouped_rules(data, sequence_parallel=True),
     }[rules_kind]
@@ -84,7 +75,6 @@ CASES = {
     "tp-gathered-head": ((("tp", 2),), "tp", 3, 1, False),
     "fsdp-tp": ((("dp", 2), ("tp", 2)), "tp", 3, 2, True),
     "tp-unpaired-rowwise": ((("tp", 2),), "rowwise-only-attention", 3, 1, True),
-    "tp-mixed-parent": ((("tp", 2),), "mixed-attention", 3, 1, True),
     "tp-sp": ((("tp", 2),), "tp-sp", 3, 2, True),
     "tp-sp-gathered-head": ((("tp", 2),), "tp-sp", 3, 1, False),
     "fsdp-tp-sp-zero3": ((("dp", 2), ("tp", 2)), "tp-sp", 3, 2, True),

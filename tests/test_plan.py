@@ -183,7 +183,7 @@ def test_planning_llama3_405b_on_16384_fake_ranks() -> None:
                 fsdp="dp",
             ),
             {"dp": 2, "tp": 2},
-            None,
+            r"'layers\.0\.attention\.wv' beside 'layers\.0\.attention\.wq' is replicated",
         ),
         (
             {"offload": True, "zero": 0},
@@ -201,6 +201,25 @@ def test_bad_plans_are_plan_errors_that_name_the_culprit(
         return
     with pytest.raises(PlanError, match=message):
         mt.plan(MODEL, mesh(**axes), rules, **kwargs)
+
+
+def test_attention_with_q_heads_split_and_k_v_whole_is_refused() -> None:
+    """wq column-wise and wo row-wise with wk, wv replicated trains silently wrong (each rank
+    would pair a shard of q's heads with all of k's and v's): refused while planning."""
+    rules = Rules(
+        {
+            r"layers\.0\.attention\.wq\.weight": P("tp"),
+            r"layers\.0\.attention\.wo\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp="dp",
+    )
+    with pytest.raises(
+        PlanError,
+        match=r"'layers\.0\.attention\.wk' beside 'layers\.0\.attention\.wq' is replicated",
+    ) as err:
+        mt.plan(MODEL, mesh(dp=2, tp=2), rules)
+    assert err.value.fqn == "layers.0.attention.wk.weight"
 
 
 def test_a_model_that_is_not_ours() -> None:

@@ -59,5 +59,7 @@ def test_valid_rule_sets_fail_only_for_documented_reasons(rule_set: RuleSet, zer
             "has no sequence-parallel form",  # SP needs every TP Linear paired
             "needs a column-wise output head",  # SP must gather the sequence before the loss
             "is neither a data axis",  # nothing is sharded over tp
+            "is replicated: ranks would hold",  # a pair's Linear left replicated beside it
+            "row-wise tensor-parallel partner",  # a row-wise Linear that cannot consume the output
         )
         assert any(reason in str(result) for reason in reasons), str(result)

@@ -16,7 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -31,6 +39,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.layers import linear_widths
 
 
 def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -42,6 +51,7 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
         parallelize_module(model, tp_mesh, styles)
     if root is not None:  # a pair directly under the root: the root prepares its own input
         parallelize_module(model, tp_mesh, root)
+    retie(plan, model)
     modules = dict(model.named_modules())
     for style in plan.styles:
         if style.style == "rowwise":
@@ -61,6 +71,25 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
             model._meshtrain_partial_grads = sync  # type: ignore[assignment]
 
 
+def retie(plan: Plan, model: nn.Module) -> None:
+    """Tied parameters one tensor again: ``parallelize_module`` distributes each module's
+    weights separately, which would leave an embedding's and its tied head's copies to train
+    apart. Every name of a group gets the distributed parameter; the plan gave all of them the
+    same spec, so the layouts agree."""
+    for group in plan.tied:
+        try:
+            params = [model.get_parameter(fqn) for fqn in group]
+        except AttributeError:
+            continue  # not on this pipeline stage
+        # the distributed copy (a module that merely holds the parameter was not parallelised)
+        shared = next((p for p in params if isinstance(p, DTensor)), params[0])
+        for fqn in group:
+            owner, _, name = fqn.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if getattr(module, name) is not shared:
+                module.register_parameter(name, shared)
+
+
 def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None:
     """A row-wise Linear paired by structure must consume its column-wise siblings' local output.
 
@@ -68,8 +97,9 @@ def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None
     data flow is checked here, on every rank alike, before the module issues any collective.
     """
     x = args[0] if args else None
-    in_features = getattr(module, "in_features", None)
-    if not isinstance(x, torch.Tensor) or not isinstance(in_features, int):
+    widths = linear_widths(module)
+    in_features = widths[0] if widths is not None else None
+    if not isinstance(x, torch.Tensor) or in_features is None:
         return
     local = in_features // ways
     if isinstance(x, DTensor) or x.shape[-1] != local:
@@ -134,16 +164,19 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     split_at_block = any(s.style == "sequence_split_input" for s in plan.styles)
     styles: dict[str, ParallelStyle] = {}
     for style in plan.styles:
+        transposed = style.module_type == "Conv1D"
+        colwise = _TransposedColwise if transposed else ColwiseParallel
+        rowwise = _TransposedRowwise if transposed else RowwiseParallel
         if style.style == "colwise":
-            styles[style.fqn] = ColwiseParallel()
+            styles[style.fqn] = colwise()
         elif style.style == "rowwise":
-            styles[style.fqn] = RowwiseParallel(output_layouts=stream)
+            styles[style.fqn] = rowwise(output_layouts=stream)
         elif style.style == "rowwise_replicated_input":
-            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate())
+            styles[style.fqn] = rowwise(input_layouts=Replicate())
         elif style.style == "colwise_gathered":
-            styles[style.fqn] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+            styles[style.fqn] = colwise(input_layouts=stream, output_layouts=Replicate())
         elif style.style == "loss_parallel_head":
-            styles[style.fqn] = ColwiseParallel(
+            styles[style.fqn] = colwise(
                 input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
             )
         elif style.style == "vocab_parallel_embedding":
@@ -160,7 +193,7 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
         elif style.style == "prepare_input":
             styles[style.fqn] = _PrepareActivation(style.fqn, style.argument, stream, Replicate())
         elif style.style == "sequence_parallel":
-            styles[style.fqn] = SequenceParallel(sequence_dim=1)
+            styles[style.fqn] = SequenceParallel(sequence_dim=1, use_local_output=True)
         elif style.style == "sequence_split":
             styles[style.fqn] = PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
@@ -170,6 +203,58 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
                 f"module '{style.fqn}' has style {style.style!r}, which this version cannot lower."
             )
     return styles
+
+
+class _TransposedColwise(ColwiseParallel):
+    """Column-wise for a Linear whose weight is ``[in, out]`` (Hugging Face's ``Conv1D``): the
+    weight is sharded on dim 1, the bias on dim 0."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module,
+            device_mesh,
+            functools.partial(
+                _shard_params, {"weight": Shard(1), "bias": Shard(0)}, self.src_data_rank
+            ),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _TransposedRowwise(RowwiseParallel):
+    """Row-wise for a Linear whose weight is ``[in, out]``: the weight sharded on dim 0, the bias
+    replicated, the input a shard of its last dim."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        return distribute_module(
+            module,
+            device_mesh,
+            functools.partial(
+                _shard_params, {"weight": Shard(0), "bias": Replicate()}, self.src_data_rank
+            ),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+def _shard_params(
+    placements: dict[str, Placement],
+    source: int | None,
+    name: str,
+    module: nn.Module,
+    device_mesh: DeviceMesh,
+) -> None:
+    """Distribute a module's parameters as ``placements`` says (from rank ``source``, as
+    PyTorch's own styles do)."""
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        placement = placements[param_name]
+        sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=source)
+        module.register_parameter(param_name, nn.Parameter(sharded))
 
 
 class _PrepareActivation(ParallelStyle):

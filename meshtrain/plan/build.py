@@ -41,6 +41,7 @@ from meshtrain.plan.ir import (
     PipelinePlan,
     Plan,
 )
+from meshtrain.plan.layers import tied_groups
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
@@ -81,6 +82,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         compile_scope=layout.compile_scope,
         cast_axes=layout.cast_axes,
         activation_estimates=estimates,
+        tied=layout.tied,
     )
 
 
@@ -136,8 +138,10 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         notes.append(profile)
         profile = None
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    tied = tied_groups(model)
+    _check_tied(tied, blocks)
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
-                  compile_scope, buffers, profile, tuple(notes))  # fmt: skip
+                  compile_scope, buffers, profile, tuple(notes), tied)  # fmt: skip
 
 
 def cost_flat(
@@ -162,6 +166,7 @@ def cost_flat(
     collectives += estimate_tp_collectives(
         layout.styles, layout.params, layout.tp_axis, options,
         sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),
+        tied=layout.tied,
     )  # fmt: skip
     return memory, collectives, layout.notes, estimates
 
@@ -190,6 +195,21 @@ def cost_pipelined(
     )
     return (pipeline_plan, costs.memory, costs.collectives, (*layout.notes, note),
             costs.estimates)  # fmt: skip
+
+
+def _check_tied(tied: tuple[tuple[str, ...], ...], blocks: tuple[str, ...]) -> None:
+    """A tied parameter is gathered with one FSDP unit: every module using it must be in it."""
+    for group in tied:
+        owners = {max((b for b in blocks if fqn.startswith(b + ".")), key=len, default="")
+                  for fqn in group}  # fmt: skip
+        if len(owners) > 1:
+            raise PlanError(
+                f"parameters {list(group)} are one tensor (tied weights) used in different FSDP "
+                f"units {sorted(owners)} ('' is the root): FSDP2 gathers a parameter with one "
+                "unit, so the other would compute with its shard. Untie them, or pass "
+                "fsdp_units=[...] so that both modules fall into one unit.",
+                fqn=group[1],
+            )
 
 
 def _cast_axes(

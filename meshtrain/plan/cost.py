@@ -239,6 +239,7 @@ def estimate_tp_collectives(
     sequence_parallel: bool = False,
     data_parallel: bool = False,
     pipelined: bool = False,
+    tied: Sequence[Sequence[str]] = (),
 ) -> tuple[Collective, ...]:
     """Tensor-parallel collectives per optimizer step, with payloads when the batch is known.
 
@@ -253,10 +254,16 @@ def estimate_tp_collectives(
     ``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
     ``batch_size`` and ``seq_len``). Measured against real steps in the tests. ``pipelined``:
     the norm weights' partial gradients are reduced once per step (the schedule holds them).
+    ``tied``: groups of names sharing one parameter (aliases take the first name's layout).
     """
     if tp_axis is None or not styles:
         return ()
-    weights = {p.fqn.removesuffix(".weight"): p for p in layouts if p.fqn.endswith(".weight")}
+    by_fqn = {p.fqn: p for p in layouts}
+    for group in tied:  # an alias (a tied head's weight) has its first name's layout
+        by_fqn.update({alias: by_fqn[group[0]] for alias in group[1:] if group[0] in by_fqn})
+    weights = {
+        fqn.removesuffix(".weight"): p for fqn, p in by_fqn.items() if fqn.endswith(".weight")
+    }
     tokens = (options.batch_size or 0) * (options.seq_len or 0)
     act_bytes = tokens * getattr(torch, options.param_dtype).itemsize
     rows: dict[tuple[str, str], list[int]] = {}
@@ -266,8 +273,12 @@ def estimate_tp_collectives(
         row[0] += 1
         row[1] += width * act_bytes
 
+    transposed = {s.fqn for s in styles if s.module_type == "Conv1D"}  # weight [in, out]
+
     def shape(fqn: str) -> tuple[int, ...]:
-        return weights[fqn].shape
+        """The weight's shape as a Linear stores it: [out, in]."""
+        dims = weights[fqn].shape
+        return (dims[1], dims[0]) if fqn in transposed else dims
 
     def child_in_width(parent: str) -> int:
         child = next(

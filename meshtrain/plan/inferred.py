@@ -31,3 +31,4 @@ class Inferred:
     buffers: int
     profile: ActivationProfile | None
     notes: tuple[str, ...]
+    tied: tuple[tuple[str, ...], ...] = ()

@@ -203,6 +203,8 @@ class Plan:
     mixed-precision policy (no data axis larger than 1). ``activation_estimates``: peak
     activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len; a
     pipeline's are its busiest rank's, with the micro-batches its stages hold at once).
+    ``tied``: names that share one parameter tensor (the first is the one ``params`` lists);
+    lowering keeps each group one parameter.
     """
 
     mesh: Mesh
@@ -222,6 +224,7 @@ class Plan:
     compile_scope: str | None = None
     cast_axes: tuple[str, ...] = ()
     activation_estimates: tuple[tuple[str, int], ...] = ()
+    tied: tuple[tuple[str, ...], ...] = ()
 
     @property
     def specs(self) -> dict[str, P]:
@@ -294,6 +297,9 @@ class Plan:
         ] or ["  none"]
         if self.pipeline is not None:
             lines += ["", *self.pipeline.explain_lines()]
+        if self.tied:
+            lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
+            lines += [f"  {' = '.join(group)}" for group in self.tied]
         if self.notes:
             lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
@@ -383,6 +389,7 @@ class Plan:
             activation_estimates=tuple(
                 (name, value) for name, value in data["activation_estimates"]
             ),
+            tied=tuple(tuple(group) for group in data.get("tied", ())),
         )
 
 
@@ -442,6 +449,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "compile_scope": plan.compile_scope,
         "cast_axes": list(plan.cast_axes),
         "activation_estimates": [[name, value] for name, value in plan.activation_estimates],
+        "tied": [list(group) for group in plan.tied],
     }
 
 

@@ -116,7 +116,7 @@ def _rank_collectives(
     tensor_parallel = estimate_tp_collectives(
         local_styles, inferred.params, inferred.tp_axis, options,
         sequence_parallel=inferred.sequence_parallel, data_parallel=bool(inferred.data_axes),
-        pipelined=True,
+        pipelined=True, tied=inferred.tied,
     )  # fmt: skip
     return (send, *_merged(data_parallel), *tensor_parallel)
 

@@ -26,6 +26,8 @@ from torch import nn
 
 from meshtrain.errors import PlanError
 from meshtrain.plan.ir import ModuleStyle
+from meshtrain.plan.layers import is_linear_like, is_transposed_linear, linear_widths, tied_groups
+from meshtrain.plan.pairs import Pair, find_pairs, untouched_consumers
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Resolution
 
@@ -39,20 +41,34 @@ def infer_styles(
 ) -> tuple[ModuleStyle, ...]:
     """Tensor-parallel style per module, read off the module's parameter specs.
 
+    A tied parameter (one tensor under two names) takes its first name's spec under both, so a
+    head tied to a vocab-parallel embedding is a vocab-parallel head; a module that merely holds
+    a parameter a Linear or Embedding uses (BERT's ``cls.predictions.bias``) takes no style.
     Under ``sequence_parallel`` norms outside the tensor-parallel pairs run on sequence shards, the
-    pairs' parents all-gather their input from sequence shards and the row-wise outputs are
+    pairs' inputs are all-gathered from sequence shards and the row-wise outputs are
     reduce-scattered back to them.
     """
     if tp_axis is None:
         return ()
-    specs = resolution.specs
-    raw: dict[str, ModuleStyle] = {}
+    specs = dict(resolution.specs)
+    for group in tied_groups(model):
+        for alias in group[1:]:
+            if group[0] in specs:
+                specs[alias] = specs[group[0]]
     modules = dict(model.named_modules())
+    used_by_layers = {
+        id(param)
+        for module in modules.values()
+        if _is_layer(module)
+        for param in module.parameters(recurse=False)
+    }
+    raw: dict[str, ModuleStyle] = {}
     for fqn, module in modules.items():
         own = {
             name: specs[f"{fqn}.{name}" if fqn else name]
-            for name, _ in module.named_parameters(recurse=False)
+            for name, param in module.named_parameters(recurse=False, remove_duplicate=False)
             if (f"{fqn}.{name}" if fqn else name) in specs
+            and (_is_layer(module) or id(param) not in used_by_layers)
         }
         if not any(tp_axis in spec.axes for spec in own.values()):
             continue
@@ -65,20 +81,27 @@ def infer_styles(
     return tuple(sorted(styles, key=lambda style: order[style.fqn]))
 
 
+def _is_layer(module: nn.Module) -> bool:
+    return is_linear_like(module) or isinstance(module, nn.Embedding)
+
+
 def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> ModuleStyle:
     kind = type(module).__name__
     weight = own.get("weight", P())
     bias = own.get("bias")
     col, row = P(axis).padded(2), P(None, axis)
-    if isinstance(module, nn.Linear):
+    if is_transposed_linear(module):  # weight [in, out]: column-wise shards dim 1
+        col, row = row, col
+    if is_linear_like(module):
         if weight.padded(2) == col and (bias is None or bias.padded(1) == P(axis)):
             return ModuleStyle(fqn, kind, "colwise", axis)
         if weight.padded(2) == row and (bias is None or bias.padded(1) == P(None)):
             return ModuleStyle(fqn, kind, "rowwise", axis)
         raise PlanError(
-            f"Linear '{fqn}' has weight {weight!r} and bias {bias!r} on axis '{axis}': tensor "
-            f"parallelism lowers P('{axis}', None) (column-wise, bias P('{axis}')) or "
-            f"P(None, '{axis}') (row-wise, bias replicated). Change the rule for '{fqn}.weight'.",
+            f"{kind} '{fqn}' has weight {weight!r} and bias {bias!r} on axis '{axis}': tensor "
+            f"parallelism lowers {col!r} (column-wise, bias P('{axis}')) or {row!r} (row-wise, "
+            f"bias replicated){' — its weight is stored [in, out]' if kind == 'Conv1D' else ''}. "
+            f"Change the rule for '{fqn}.weight'.",
             fqn=f"{fqn}.weight",
             spec=weight,
         )
@@ -105,36 +128,21 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
     )
 
 
-def _parent(fqn: str) -> str:
-    return fqn.rpartition(".")[0]
-
-
 def _resolve_pairs(
     raw: dict[str, ModuleStyle],
     modules: dict[str, nn.Module],
     loss_parallel: bool,
     sequence_parallel: bool,
 ) -> list[ModuleStyle]:
-    """Pair column- and row-wise modules under the same parent (attention, MLP).
-
-    A row-wise Linear pairs with the column-wise Linears beside it under its parent, directly or
-    inside a projection group (a module whose parameters are all column-wise, e.g. a ``qkv``
-    module holding ``wq``/``wk``/``wv``). A paired column-wise module hands its local output to
-    the row-wise one, and the parent marks its first input once for all its column-wise
-    descendants (one backward all-reduce, or under sequence parallelism one all-gather forward and
-    one reduce-scatter backward, per parent). An unpaired column-wise module has its output
+    """Styles from the pairs (:mod:`meshtrain.plan.pairs`): a paired column-wise module keeps its
+    output sharded for the row-wise one, and the pair's prepare point marks their shared input
+    once (one backward all-reduce, or under sequence parallelism one all-gather forward and one
+    reduce-scatter backward, per pair). An unpaired column-wise module has its output
     all-gathered, except the output head (the model's last module with parameters) under
     ``loss_parallel``, which keeps vocab-sharded logits. An unpaired row-wise module takes a
-    replicated input and slices it.
-    """
-    rowwise_parents = {_parent(f) for f, s in raw.items() if s.style == "rowwise"}
-    scopes = {
-        fqn: _pair_scope(fqn, rowwise_parents, modules, raw)
-        for fqn, style in raw.items()
-        if style.style == "colwise"
-    }
-    paired = rowwise_parents & set(scopes.values())
-    unpaired = [f for f, scope in scopes.items() if scope not in paired]
+    replicated input and slices it."""
+    pairs, unpaired = find_pairs(raw, modules)
+    paired_rowwise = {fqn for pair in pairs for fqn in pair.rowwise}
     # The output head: an unpaired column-wise Linear that is the model's last module with
     # parameters (registration order), i.e. nothing after it could consume sharded logits.
     with_params = [f for f, m in modules.items() if any(True for _ in m.parameters(recurse=False))]
@@ -145,7 +153,7 @@ def _resolve_pairs(
             style = replace(
                 style,
                 style="loss_parallel_head",
-                note="logits stay vocab-sharded; compute the loss under plan.loss_parallel()",
+                note="logits stay vocab-sharded; compute the loss under mt.loss_parallel(plan)",
             )
         elif fqn in unpaired:
             style = replace(
@@ -153,7 +161,7 @@ def _resolve_pairs(
                 style="colwise_gathered",
                 note="no row-wise consumer: output all-gathered (extra collective)",
             )
-        elif style.style == "rowwise" and _parent(fqn) not in paired:
+        elif style.style == "rowwise" and fqn not in paired_rowwise:
             style = replace(
                 style,
                 style="rowwise_replicated_input",
@@ -162,29 +170,42 @@ def _resolve_pairs(
         if sequence_parallel:
             style = _sequence_variant(style, is_head=fqn == head)
         styles.append(style)
+    return styles + _prepare_styles(pairs, modules, raw, sequence_parallel)
+
+
+def _prepare_styles(
+    pairs: tuple[Pair, ...],
+    modules: dict[str, nn.Module],
+    raw: dict[str, ModuleStyle],
+    sequence_parallel: bool,
+) -> list[ModuleStyle]:
+    """A ``prepare_input`` style at each pair's prepare point (none where each column-wise
+    module marks its own input, which sequence parallelism cannot do)."""
     axis = next(iter(raw.values())).axis if raw else ""
-    for fqn in sorted(paired, key=list(modules).index):
-        others = _untouched_consumers(fqn, modules, raw)
-        if others and sequence_parallel:
-            raise PlanError(
-                f"sequence parallelism all-gathers the input of '{fqn}' "
-                f"({type(modules[fqn]).__name__}) for its tensor-parallel Linears, but "
-                f"{others[0]!r} there is not tensor-parallel and would see a different sequence "
-                f"length. Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), "
-                "or drop the ('seq', ...) activation rule.",
-                fqn=others[0],
-            )
-        if others:  # mixed parent: each column-wise child marks its own (plain) input
+    styles = []
+    for pair in pairs:
+        if pair.prepare is None:
+            if sequence_parallel:
+                other = untouched_consumers(pair.scope, modules, raw)[0]
+                raise PlanError(
+                    f"sequence parallelism all-gathers the input of '{pair.scope}' "
+                    f"({type(modules[pair.scope]).__name__}) for its tensor-parallel Linears, but "
+                    f"{other!r} there is not tensor-parallel and would see a different sequence "
+                    f"length. Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')),"
+                    " or drop the ('seq', ...) activation rule.",
+                    fqn=other,
+                )
             continue
         note = (
             "first input all-gathered from sequence shards for the column-wise children"
             if sequence_parallel
             else "first input marked replicated once for all column-wise children"
         )
-        argument = activation_argument(modules[fqn])
+        module = modules[pair.prepare]
         styles.append(
-            ModuleStyle(fqn, type(modules[fqn]).__name__, "prepare_input", axis, note, argument)
-        )
+            ModuleStyle(pair.prepare, type(module).__name__, "prepare_input", axis, note,
+                        activation_argument(module))
+        )  # fmt: skip
     return styles
 
 
@@ -207,48 +228,6 @@ def activation_argument(module: nn.Module) -> str:
     ):
         return ""
     return parameters[0].name
-
-
-def _pair_scope(
-    fqn: str, rowwise_parents: set[str], modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
-) -> str:
-    """The parent a column-wise module pairs under: its own parent, or the first ancestor above
-    a chain of projection groups (modules whose parameters are all column-wise)."""
-    scope = _parent(fqn)
-    while scope and scope not in rowwise_parents and _is_projection_group(scope, modules, raw):
-        scope = _parent(scope)
-    return scope
-
-
-def _is_projection_group(
-    fqn: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
-) -> bool:
-    """Every module under ``fqn`` that holds parameters is column-wise (and there is one)."""
-    holders = [
-        name
-        for name, module in modules[fqn].named_modules(prefix=fqn)
-        if any(True for _ in module.parameters(recurse=False))
-    ]
-    return bool(holders) and all(name in raw and raw[name].style == "colwise" for name in holders)
-
-
-def _untouched_consumers(
-    parent: str, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle]
-) -> list[str]:
-    """Parameters of ``parent`` (its own, or of direct children other than projection groups)
-    without a tensor-parallel style: they would receive the parent's input as a DTensor if the
-    parent marked it."""
-    module = modules[parent]
-    found = [f"{parent}.{name}" for name, _ in module.named_parameters(recurse=False)]
-    for name, child in module.named_children():
-        fqn = f"{parent}.{name}" if parent else name
-        if (
-            fqn not in raw
-            and any(True for _ in child.parameters())
-            and not _is_projection_group(fqn, modules, raw)
-        ):
-            found.append(fqn)
-    return found
 
 
 def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:
@@ -304,21 +283,62 @@ def _add_sequence_styles(
                     "replicated output sliced into sequence shards (no collective)",
                 )
             )
+    styled |= {style.fqn for style in extra}
+    styled_params = {id(p) for f in styled for p in modules[f].parameters(recurse=False)}
     for fqn, module in modules.items():
-        if fqn in styled or not _is_norm(module) or not any(True for _ in module.parameters()):
-            continue
-        if any(fqn.startswith(parent + ".") for parent in pair_parents if parent):
+        inside_pair = any(fqn.startswith(parent + ".") for parent in pair_parents if parent)
+        own = [p for p in module.parameters(recurse=False) if id(p) not in styled_params]
+        if fqn in styled or inside_pair or not own:
             continue  # inside attention/MLP: runs on replicated, head-sharded activations
+        if not _is_norm(module):
+            _check_on_shards(fqn, module, modules, axis)
         extra.append(
             ModuleStyle(
                 fqn,
                 type(module).__name__,
                 "sequence_parallel",
                 axis,
-                "runs on sequence shards; weight replicated",
+                "runs on sequence shards; weight replicated, its partial gradients summed",
             )
         )
     return styles + extra
+
+
+def _check_on_shards(fqn: str, module: nn.Module, modules: dict[str, nn.Module], axis: str) -> None:
+    """A replicated module with parameters computes on sequence shards under sequence
+    parallelism: a per-token one (a norm, a Linear after the blocks) is fine, its weight's
+    partial gradients summed over the shards; inside a repeated block it may be attention over a
+    shard of the sequence (silently wrong), so it is refused; only per-token module types pass
+    elsewhere."""
+    if not isinstance(module, (nn.Linear, nn.Embedding)) and not is_linear_like(module):
+        raise PlanError(
+            f"'{fqn}' ({type(module).__name__}) is not tensor-parallel, so under sequence "
+            "parallelism it would compute on one shard of the sequence; meshtrain runs norms and "
+            "Linears there (per token), not other modules. Shard it over "
+            f"'{axis}', or drop the ('seq', ...) activation rule.",
+            fqn=fqn,
+        )
+    in_block = any(
+        isinstance(modules.get(prefix), (nn.ModuleList, nn.ModuleDict))
+        for prefix in _ancestors(fqn)
+    )
+    if in_block:
+        raise PlanError(
+            f"'{fqn}' ({type(module).__name__}) inside a repeated block is not tensor-parallel, so "
+            "under sequence parallelism it would compute on one shard of the sequence (attention "
+            f"over part of it, silently wrong). Shard it with its partners over '{axis}' "
+            "(column-wise, then row-wise), or drop the ('seq', ...) activation rule.",
+            fqn=fqn,
+        )
+
+
+def _ancestors(fqn: str) -> list[str]:
+    parts = fqn.split(".")
+    return [".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)]
+
+
+def _parent(fqn: str) -> str:
+    return fqn.rpartition(".")[0]
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -327,17 +347,17 @@ def _is_norm(module: nn.Module) -> bool:
 
 def _check_heads(styles: list[ModuleStyle], modules: dict[str, nn.Module], ways: int) -> None:
     """Whole attention heads per rank: a parent with an integer ``head_dim`` attribute (Llama's
-    ``Attention``) must see its column-wise outputs and row-wise inputs split at head boundaries."""
+    ``Attention``; ``attention_head_size`` in BERT) must see its column-wise outputs and row-wise inputs split at head boundaries."""
     for style in styles:
         parent = modules.get(_parent(style.fqn)) if style.fqn else None
-        head_dim = getattr(parent, "head_dim", None)
-        module = modules[style.fqn]
-        if not isinstance(head_dim, int) or not isinstance(module, nn.Linear):
+        head_dim = getattr(parent, "head_dim", None) or getattr(parent, "attention_head_size", None)
+        widths = linear_widths(modules[style.fqn])
+        if not isinstance(head_dim, int) or widths is None:
             continue
         if style.style in ("colwise", "colwise_gathered", "loss_parallel_head"):
-            width = module.out_features
+            width = widths[1]
         elif style.style in ("rowwise", "rowwise_replicated_input"):
-            width = module.in_features
+            width = widths[0]
         else:
             continue
         if width % head_dim:

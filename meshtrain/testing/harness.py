@@ -460,15 +460,27 @@ class _Run:
                      self._relative_ratio(abs_error, rel_error))  # fmt: skip
 
     def _compare_tensor(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
-                        reference: torch.Tensor) -> None:  # fmt: skip
+                        reference: torch.Tensor, floor: float = 0.0) -> None:  # fmt: skip
         diff = (value.double() - reference.double()).abs()
         abs_error = float(diff.max()) if diff.numel() else 0.0
-        scale = float(reference.double().abs().max()) if reference.numel() else 0.0
+        own = float(reference.double().abs().max()) if reference.numel() else 0.0
+        scale = self._scale(own, floor)
         rel_error = abs_error / max(scale, 1e-30)
+        note = (
+            "numerically zero: measured against the step's largest gradient" if scale != own else ""
+        )
         self._record(step, quantity, fqn, abs_error, rel_error,
-                     self._relative_ratio(abs_error, rel_error))  # fmt: skip
+                     self._relative_ratio(abs_error, rel_error), note)  # fmt: skip
+
+    def _scale(self, own: float, floor: float) -> float:
+        """What a tensor's errors are measured against: its own largest magnitude, or — for a
+        tensor that is numerically zero at this step's scale (below the contract's tolerance of
+        the largest gradient ``floor``, e.g. a key bias, whose true gradient is 0) — ``floor``:
+        its rounding errors come from the magnitudes summed, not from their vanishing sum."""
+        return floor if own < self.contract.tolerance * floor else own
 
     def _compare_grads(self, step: int) -> None:
+        floor = self._gradient_scale()
         for fqn, param in self.named.items():
             reference = self.ref_named[fqn].grad
             if param.grad is None or reference is None:
@@ -476,7 +488,12 @@ class _Run:
                     self._record(step, "grad", fqn, math.inf, math.inf, math.inf,
                                  note="gradient present on one side only")  # fmt: skip
                 continue
-            self._compare_tensor(step, "grad", fqn, _full(param.grad), _full(reference))
+            self._compare_tensor(step, "grad", fqn, _full(param.grad), _full(reference), floor)
+
+    def _gradient_scale(self) -> float:
+        """The largest gradient element of the one-device model this step."""
+        grads = [p.grad for p in self.ref_named.values() if p.grad is not None]
+        return max((float(_full(g).detach().abs().max()) for g in grads if g.numel()), default=0.0)
 
     def _clip_and_capture(
         self, step: int
@@ -513,13 +530,14 @@ class _Run:
         if self.rule.kind == "none":
             return
         bitwise = self.contract.level == "bitwise"
+        floor = max((float(g.abs().max()) for g in ref_grads.values() if g.numel()), default=0.0)
         for fqn, param in self.named.items():
             if fqn not in ref_grads:
                 continue
             ref_param = self.ref_named[fqn]
             grad = ref_grads[fqn]
             # The clipped gradient carries the gradient's and the norm's relative error.
-            delta = 2 * self.contract.tolerance * float(grad.abs().max())
+            delta = 2 * self.contract.tolerance * self._scale(float(grad.abs().max()), floor)
             new_ref = _full(ref_param.detach())
             bound = None if bitwise else param_bound(
                 self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref

@@ -1,0 +1,51 @@
+"""What the planner needs to know about modules it did not write: which are Linear-like (and
+their weight layout), their widths, and which parameters are the same tensor under two names.
+
+Hugging Face's ``Conv1D`` (GPT-2) is a Linear whose weight is stored ``[in, out]``; its specs
+describe that true layout, so column-wise is ``P(None, tp)`` on its weight. It is recognised by
+class name and its ``nx``/``nf`` widths, without importing ``transformers``.
+
+Example:
+    >>> linear_widths(nn.Linear(4, 8))
+    (4, 8)
+    >>> tied = nn.ModuleDict({"a": nn.Embedding(8, 4), "b": nn.Linear(4, 8, bias=False)})
+    >>> tied["b"].weight = tied["a"].weight
+    >>> tied_groups(tied)
+    (('a.weight', 'b.weight'),)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_transposed_linear(module: nn.Module) -> bool:
+    """A Linear-like module whose weight is ``[in, out]`` (Hugging Face's ``Conv1D``)."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and isinstance(getattr(module, "nx", None), int)
+        and isinstance(getattr(module, "nf", None), int)
+    )
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """``nn.Linear`` or a transposed Linear."""
+    return isinstance(module, nn.Linear) or is_transposed_linear(module)
+
+
+def linear_widths(module: nn.Module) -> tuple[int, int] | None:
+    """(in, out) features of a Linear-like module, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if is_transposed_linear(module):
+        return int(module.nx), int(module.nf)  # type: ignore[arg-type]
+    return None
+
+
+def tied_groups(model: nn.Module) -> tuple[tuple[str, ...], ...]:
+    """Names that share one parameter tensor (tied weights), each group in registration order:
+    the first name is the one ``named_parameters()`` yields, the others are aliases."""
+    names: dict[int, list[str]] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(fqn)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
