@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshtrain.errors import RuleError, SpecError, did_you_mean, format_shape
+from meshtrain.spec.hf_plan import hf_patterns
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import LogicalAxes, named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -147,6 +148,30 @@ class Rules:
             f"Rules(patterns={list(self.patterns)!r}, logical={list(self.logical)!r}, "
             f"fsdp={self.fsdp!r})"
         )
+
+    @classmethod
+    def from_hf(
+        cls,
+        model: nn.Module,
+        *,
+        fsdp: str | Sequence[str] | None = None,
+        tp: str = "tp",
+        sequence_parallel: bool = False,
+        overrides: Mapping[str, P] | Sequence[tuple[str, P]] = (),
+    ) -> Rules:
+        """Rules from a Hugging Face model's own tensor-parallel plan (``base_model_tp_plan``
+        and ``_tp_plan``; see :mod:`meshtrain.spec.hf_plan`), over mesh axis ``tp``, everything
+        else replicated. ``overrides`` (patterns tried first) cover what the plan leaves out or
+        styles meshtrain does not lower; ``sequence_parallel`` adds the ``("seq", tp)`` rule.
+
+        Example::
+
+            rules = mt.Rules.from_hf(model, fsdp="dp")   # LlamaForCausalLM, Qwen2ForCausalLM, ...
+        """
+        first = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
+        generated = hf_patterns(model, tp, covered=[re.compile(pattern) for pattern, _ in first])
+        logical = [("seq", tp)] if sequence_parallel else []
+        return cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp)
 
     def match(self, fqn: str) -> tuple[str, P] | None:
         """The first regex rule that fully matches ``fqn``, or ``None``."""
