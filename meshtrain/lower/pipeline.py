@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -37,10 +38,12 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
+from meshtrain.errors import PlanError
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh, plan_device
 from meshtrain.lower.tensor_parallel import PartialGradSync, loss_parallel
 from meshtrain.plan.ir import Plan, StagePlan
+from meshtrain.plan.styles import activation_argument
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 
@@ -85,12 +88,14 @@ class PipelinedModel:
         self, schedule: Schedule, inputs: torch.Tensor, targets: torch.Tensor
     ) -> list[torch.Tensor]:
         """Forward and backward of one step's batch (split into the plan's micro-batches along
-        dim 0) through ``schedule``; every rank passes its data-parallel rank's whole batch.
-        Returns what the loss function returned for each micro-batch (on the last stage; empty
-        elsewhere)."""
+        dim 0) through ``schedule``; every rank passes its data-parallel rank's whole batch (every
+        stage runs the model's code before the blocks on it). Returns what the loss function
+        returned for each micro-batch (on the last stage; empty elsewhere)."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
-        kwargs: dict[str, Any] = {"target": targets, "losses": losses} if self.has_last else {}
+        kwargs: dict[str, Any] = {INPUTS: inputs}
+        if self.has_last:
+            kwargs.update(target=targets, losses=losses)
         with self._hold_partial_grads(), loss_parallel(self.plan):
             schedule.step(*args, **kwargs)
         return losses
@@ -127,8 +132,9 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
     device = plan_device(plan)
     modules, stages = [], []
     for stage, body in zip(local, bodies):
-        _prune(body, stage)
+        runner = _prune(body, stage, plan)
         parallelize(_stage_plan(plan, stage, body), body)
+        runner.install(body)
         modules.append(body)
         stages.append(
             PipelineStage(
@@ -138,9 +144,13 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
     return PipelinedModel(plan, modules, stages)
 
 
+#: the keyword every stage receives its micro-batch's model inputs under
+INPUTS = "meshtrain_inputs"
+
+
 def _stage_plan(plan: Plan, stage: StagePlan, body: nn.Module) -> Plan:
     """The plan restricted to one stage's modules (no pipeline: the stage is a plain model)."""
-    present = {fqn for fqn, _ in body.named_modules()}
+    present = {fqn for fqn, module in body.named_modules() if not isinstance(module, _Stub)}
     kept = set(stage.params)
     return replace(
         plan,
@@ -153,7 +163,7 @@ def _stage_plan(plan: Plan, stage: StagePlan, body: nn.Module) -> Plan:
 
 class _KeptBlocks(nn.Module):
     """The blocks of a ``ModuleList`` one stage keeps, under their original indices (so FQNs stay
-    ``layers.5.…``); iterates, indexes and measures like the list it replaces."""
+    ``layers.5.…``); iterates, indexes, slices and measures like the list it replaces."""
 
     def __init__(self, blocks: dict[str, nn.Module]) -> None:
         super().__init__()
@@ -166,20 +176,130 @@ class _KeptBlocks(nn.Module):
     def __len__(self) -> int:
         return len(self._modules)
 
-    def __getitem__(self, index: int) -> nn.Module:
+    def __getitem__(self, index: int | slice) -> Any:
         return list(self)[index]
 
 
-def _prune(body: nn.Module, stage: StagePlan) -> None:
-    """Remove every unit ``stage`` does not keep (blocks from their container, root units → None)."""
+class _StageRunner:
+    """Runs the model's own forward as one stage. Every stage gets the micro-batch's model
+    inputs (keyword :data:`INPUTS`), so code before the blocks (positions, masks, rotary tables)
+    runs as on one device; a non-first stage feeds the activation it received to its first
+    block instead of what that code computed, and the modules before the blocks it does not
+    keep (stubs) return the received activation; a non-last stage returns its last block's
+    output, which the modules after the blocks it does not keep (stubs) return too."""
+
+    def __init__(self, stage: StagePlan, plan: Plan, *, first: bool, last: bool) -> None:
+        self.stage, self.plan, self.first, self.last = stage, plan, first, last
+        self.received: torch.Tensor | None = None
+        self.captured: torch.Tensor | None = None
+
+    def install(self, body: nn.Module) -> None:
+        """Hooks on the stage's first and last block, and the stage's forward on ``body``."""
+        assert self.plan.pipeline is not None
+        container = self.plan.pipeline.container + "."
+        blocks = [fqn for fqn in self.stage.modules if fqn.startswith(container)]
+        if not self.first:
+            first = body.get_submodule(blocks[0])
+            first.register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
+        if not self.last:
+            body.get_submodule(blocks[-1]).register_forward_hook(self._capture)
+        body.forward = functools.partial(self._forward, body.forward)
+
+    def _forward(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+        inputs = kwargs.pop(INPUTS)
+        self.received = None if self.first else args[0]
+        self.captured = None
+        output = forward(inputs, **kwargs)
+        if not self.last:
+            assert self.captured is not None
+            return self.captured
+        return main_output(output)
+
+    def _feed(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (self.received, *args[1:]), kwargs
+        return args, {**kwargs, activation_argument(module): self.received}
+
+    def _capture(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.captured = main_output(output)
+
+    def stub_output(self, where: str) -> torch.Tensor:
+        """What a removed module returns: the received activation before the blocks (in the
+        global sequence shape when the sequence is split at the first block), the captured one
+        after them."""
+        if where == "after":
+            assert self.captured is not None
+            return self.captured
+        assert self.received is not None
+        ways = _split_ways(self.plan)
+        if ways == 1:
+            return self.received
+        shape = list(self.received.shape)
+        shape[1] *= ways
+        return self.received.new_zeros(shape)
+
+
+class _Stub(nn.Module):
+    """A module this stage does not keep: returns the stage's received (before the blocks) or
+    captured (after them) activation, whatever it is called with."""
+
+    def __init__(self, runner: _StageRunner, where: str) -> None:
+        super().__init__()
+        self._runner, self._where = [runner], where  # a list: not a submodule
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self._runner[0].stub_output(self._where)
+
+
+def main_output(output: Any) -> torch.Tensor:
+    """The tensor a model or block returns: itself, the ``logits`` (or first tensor) of a
+    ``ModelOutput`` or dict, or the first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        logits = output.get("logits")
+        values = [logits] if isinstance(logits, torch.Tensor) else list(output.values())
+    else:
+        values = list(output)
+    first = next((value for value in values if isinstance(value, torch.Tensor)), None)
+    if first is None:
+        raise PlanError(
+            f"a pipeline stage's output is a {type(output).__name__} without a tensor in it: "
+            "a block must return its activation (or a tuple/ModelOutput starting with it)."
+        )
+    return first
+
+
+def _split_ways(plan: Plan) -> int:
+    """The tensor-parallel size when the sequence is split at the first block's input (a
+    non-first stage then rebuilds the global shape before its blocks), else 1."""
+    if plan.tp_axis is None or not any(s.style == "sequence_split_input" for s in plan.styles):
+        return 1
+    return plan.mesh.size(plan.tp_axis)
+
+
+def _prune(body: nn.Module, stage: StagePlan, plan: Plan) -> _StageRunner:
+    """Keep only ``stage``'s blocks in the container; replace the modules before and after the
+    blocks that the stage does not keep by stubs; return the stage's runner."""
+    pipeline = plan.pipeline
+    assert pipeline is not None
     keep = set(stage.modules)
-    for name, child in list(body.named_children()):
-        if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
-            kept = {n: b for n, b in child.named_children() if f"{name}.{n}" in keep}
-            if isinstance(child, nn.ModuleDict):
-                for block in [n for n in child if n not in kept]:
-                    del child[block]
-            else:
-                setattr(body, name, _KeptBlocks(kept))
-        elif name not in keep and any(True for _ in child.parameters()):
-            setattr(body, name, None)
+    runner = _StageRunner(stage, plan, first=stage.index == 0,
+                          last=stage.index == len(pipeline.stages) - 1)  # fmt: skip
+    owner, _, name = pipeline.container.rpartition(".")
+    parent = body.get_submodule(owner) if owner else body
+    container = getattr(parent, name)
+    kept = {n: b for n, b in container.named_children() if f"{pipeline.container}.{n}" in keep}
+    if isinstance(container, nn.ModuleDict):
+        for block in [n for n in container if n not in kept]:
+            del container[block]
+    else:
+        setattr(parent, name, _KeptBlocks(kept))
+    for where, units in (("before", pipeline.before), ("after", pipeline.after)):
+        for fqn in units:
+            if fqn not in keep:
+                owner, _, name = fqn.rpartition(".")
+                setattr(body.get_submodule(owner) if owner else body, name, _Stub(runner, where))
+    return runner

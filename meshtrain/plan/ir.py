@@ -148,7 +148,9 @@ class StagePlan:
 class PipelinePlan:
     """A pipeline's layout and costs: stages in order, the schedule's bubble fraction (idle share
     of rank time with forward 1, backward 2 time units) and the point-to-point traffic of one step
-    between neighbouring pipeline ranks (activations forward, their gradients backward)."""
+    between neighbouring pipeline ranks (activations forward, their gradients backward).
+    ``container`` is the FQN of the repeated blocks' ModuleList/ModuleDict, ``before``/``after``
+    the modules the first and the last stage keep around them."""
 
     axis: str
     schedule: str
@@ -160,6 +162,9 @@ class PipelinePlan:
     p2p_count: int
     p2p_bytes: int
     activation_width: int
+    container: str = ""
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
 
     def local_stages(self, pp_rank: int) -> tuple[StagePlan, ...]:
         """The stages pipeline rank ``pp_rank`` runs, in stage order."""
@@ -412,6 +417,8 @@ def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
                 )
                 for s in data["stages"]
             ),
+            "before": tuple(data.get("before", ())),
+            "after": tuple(data.get("after", ())),
         }
     )
 
@@ -459,4 +466,5 @@ def _pipeline_data(pipeline: PipelinePlan) -> dict[str, Any]:
     data["stages"] = [
         {**vars(s), "modules": list(s.modules), "params": list(s.params)} for s in pipeline.stages
     ]
+    data["before"], data["after"] = list(pipeline.before), list(pipeline.after)
     return data

@@ -44,7 +44,7 @@ from meshtrain.errors import PlanError
 from meshtrain.plan.activations import ActivationProfile
 from meshtrain.plan.ir import PipelinePlan, StagePlan
 from meshtrain.plan.options import SCHEDULE_KINDS, SCHEDULES, Pipeline, PlanOptions
-from meshtrain.plan.stages import split_stages
+from meshtrain.plan.stages import split_stages, units_of
 from meshtrain.spec.mesh import Mesh
 
 __all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "plan_pipeline",
@@ -111,6 +111,7 @@ def plan_pipeline(
     tasks = _tasks(order, n_stages)
     gathers = resharded_gathers(order)
     stages = split_stages(model, n_stages, split=pipeline.split)
+    units = units_of(model, pipeline.split)
     params_of = _stage_params(model, stages)
     ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
     in_flight = _peak_in_flight(tasks, n_stages)
@@ -154,6 +155,9 @@ def plan_pipeline(
         p2p_count=2 * micro * crossings,
         p2p_bytes=2 * micro * crossings * boundary,
         activation_width=width,
+        container=units.container,
+        before=units.before,
+        after=units.after,
     )
 
 

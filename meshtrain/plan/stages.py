@@ -1,13 +1,15 @@
 """Pipeline stage splitting: which module FQNs each (virtual) stage runs — pure, meta models work.
 
-A model is a sequence of *units*: the root's parameterised children before the repeated blocks
-(the embedding), each repeated block (a child of the ``ModuleList``/``ModuleDict``), and the
-root's parameterised children after them (final norm, output head). Stages are contiguous runs
+A model is a sequence of *units*: the parameterised modules before the repeated blocks (the
+embedding), each repeated block (a child of the ``ModuleList``/``ModuleDict``, which may sit
+anywhere: ``layers``, ``model.layers``, ``transformer.h``, ``encoder.layer``), and the
+parameterised modules after them (final norm, output head). Stages are contiguous runs
 of units; the units before the blocks always go to the first stage and those after to the last.
 ``split="auto"`` chooses the cut points that minimise the heaviest stage's work (parameter count,
 so the embedding and the head weigh in); a list of FQNs gives the first block of every stage but
-the first instead. Parameter FQNs never change: a stage is the full model with other units
-deleted, so checkpoints do not depend on the stage layout.
+the first instead, and chooses the container on models with several. A Hugging Face model's
+``base_model_pp_plan`` names its container. Parameter FQNs never change: a stage is the full
+model with other units removed, so checkpoints do not depend on the stage layout.
 
 Example:
     >>> from meshtrain.models import LlamaConfig, build_llama
@@ -42,10 +44,14 @@ class Stage:
 
 
 @dataclass(frozen=True)
-class _Units:
+class Units:
+    """A model as pipeline units: modules before the block container, its blocks, modules after
+    it, the container's FQN, and each unit's parameter count."""
+
     before: tuple[str, ...]
     blocks: tuple[str, ...]
     after: tuple[str, ...]
+    container: str
     params: dict[str, int]
 
 
@@ -53,7 +59,7 @@ def split_stages(
     model: nn.Module, n_stages: int, *, split: str | Sequence[str] = "auto"
 ) -> tuple[Stage, ...]:
     """Cut ``model`` into ``n_stages`` contiguous stages (see the module docstring)."""
-    units = _units(model)
+    units = units_of(model, split)
     blocks = units.blocks
     if n_stages < 1:
         raise PlanError(f"a pipeline needs at least 1 stage; got {n_stages}.")
@@ -83,23 +89,14 @@ def split_stages(
     return tuple(stages)
 
 
-def _units(model: nn.Module) -> _Units:
-    containers = [
-        (fqn, module)
-        for fqn, module in model.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict))
-    ]
-    top = [(fqn, m) for fqn, m in containers if "." not in fqn]
-    if len(top) != 1:
-        raise PlanError(
-            f"pipeline splitting needs exactly one ModuleList/ModuleDict of repeated blocks "
-            f"directly under the root; {type(model).__name__} has "
-            f"{[fqn for fqn, _ in top] or 'none'}. Give split points explicitly or restructure."
-        )
-    container_fqn, container = top[0]
+def units_of(model: nn.Module, split: str | Sequence[str] = "auto") -> Units:
+    """The model as units: parameterised modules before the block container, its blocks, and
+    parameterised modules after it, wherever the container sits (``layers``, ``model.layers``,
+    ``transformer.h``, ``encoder.layer``)."""
+    container_fqn = _container(model, split)
+    container = model.get_submodule(container_fqn)
     blocks = tuple(f"{container_fqn}.{name}" for name, _ in container.named_children())
     counted: set[int] = set()
-    params: dict[str, int] = {}
 
     def count(module: nn.Module) -> int:
         total = 0
@@ -109,20 +106,86 @@ def _units(model: nn.Module) -> _Units:
                 total += param.numel()
         return total
 
+    params = {fqn: count(block) for fqn, block in zip(blocks, container.children())}
+    before, after = _around(model, container_fqn)
+    for fqn in (*before, *after):
+        params[fqn] = count(model.get_submodule(fqn))
+    return Units(before, blocks, after, container_fqn, params)
+
+
+def _container(model: nn.Module, split: str | Sequence[str]) -> str:
+    """The ModuleList/ModuleDict of repeated blocks: the parent of explicit split points, else
+    the one a Hugging Face ``base_model_pp_plan`` names, else the only one there is."""
+    modules = dict(model.named_modules())
+    if not isinstance(split, str) and split:
+        parents = {fqn.rpartition(".")[0] for fqn in split}
+        parent = next(iter(parents))
+        if len(parents) == 1 and isinstance(modules.get(parent), (nn.ModuleList, nn.ModuleDict)):
+            return parent
+        raise PlanError(
+            f"split={list(split)!r}: split points must be blocks of one ModuleList/ModuleDict "
+            f"(e.g. 'layers.4'); their parents are {sorted(parents)}."
+        )
+    containers = [
+        fqn
+        for fqn, module in modules.items()
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict))
+        and any(True for _ in module.parameters())
+    ]
+    named = _pp_plan_container(model, modules)
+    if named is not None:
+        return named
+    outermost = [
+        c for c in containers if not any(c.startswith(o + ".") for o in containers if o != c)
+    ]
+    if len(outermost) == 1:
+        return outermost[0]
+    raise PlanError(
+        f"pipeline splitting needs one ModuleList/ModuleDict of repeated blocks; "
+        f"{type(model).__name__} has {outermost or 'none'}. Pass split=[...] with the first "
+        "block of every stage after the first (e.g. split=['layers.4']) to choose the container."
+    )
+
+
+def _pp_plan_container(model: nn.Module, modules: dict[str, nn.Module]) -> str | None:
+    """The block container a Hugging Face model names in ``config.base_model_pp_plan``."""
+    plan = getattr(getattr(model, "config", None), "base_model_pp_plan", None) or {}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    for name in plan:
+        fqn = f"{prefix}.{name}" if prefix and f"{prefix}.{name}" in modules else name
+        if isinstance(modules.get(fqn), (nn.ModuleList, nn.ModuleDict)):
+            return fqn
+    return None
+
+
+def _around(model: nn.Module, container: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Parameterised modules before and after the container, walking the path from the root to
+    it: at each level, the siblings registered before the path go first (outer levels first),
+    those after it last (inner levels first). Parameters held directly by a module on the path
+    belong to no unit and are a PlanError."""
     before: list[str] = []
-    after: list[str] = []
-    seen_container = False
-    for name, child in model.named_children():
-        if name == container_fqn:
-            seen_container = True
-            for fqn, block in zip(blocks, container.children()):
-                params[fqn] = count(block)
-            continue
-        if not any(True for _ in child.parameters()):
-            continue
-        params[name] = count(child)
-        (after if seen_container else before).append(name)
-    return _Units(tuple(before), blocks, tuple(after), params)
+    after: list[list[str]] = []
+    node, prefix = model, ""
+    for part in container.split("."):
+        own = [name for name, _ in node.named_parameters(recurse=False)]
+        if own:
+            raise PlanError(
+                f"'{prefix + '.' if prefix else ''}{own[0]}' is a parameter of "
+                f"{type(node).__name__} '{prefix}' on the way to the blocks, so it belongs to no "
+                "pipeline stage; move it into a submodule (e.g. an nn.Module holding it)."
+            )
+        level_after: list[str] = []
+        seen = False
+        for name, child in node.named_children():
+            fqn = f"{prefix}.{name}" if prefix else name
+            if name == part:
+                seen = True
+                continue
+            if any(True for _ in child.parameters()):
+                (level_after if seen else before).append(fqn)
+        after.append(level_after)
+        node, prefix = node.get_submodule(part), f"{prefix}.{part}" if prefix else part
+    return tuple(before), tuple(fqn for level in reversed(after) for fqn in level)
 
 
 def _balanced_starts(weight: list[int], n_stages: int) -> list[int]:
