@@ -2,10 +2,10 @@
 with the plan's mixed-precision and offload policies; and the per-micro-batch gradient-sync
 policy of each ZeRO stage.
 
-Data-parallel gradients are **summed**, not averaged (FSDP's divide factor is 1 and reductions
-use SUM, which gloo supports): the train step normalises the loss by the global token count
-instead, so the result does not depend on the data-parallel degree or the number of
-micro-batches.
+Data-parallel gradients are averaged over the data-parallel ranks by default, as DDP and FSDP do
+(a loop written for them trains unchanged), or summed under ``grad_reduction="sum"`` (for a loss
+normalised by the global token count). Either way the wire carries plain sums (gloo has no AVG):
+the mean divides by the data-parallel size.
 
 Example (inside :func:`~meshtrain.lower.apply`)::
 
@@ -66,9 +66,19 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
                 offload_policy=offload,
             )
         wrapped.append(module)
+    # Plain sums on the wire (gloo has no AVG or PREMUL_SUM); a mean divides by the data ranks.
+    factor = 1.0 if options.grad_reduction == "sum" else float(data_parallel_size(plan))
     for module in wrapped:
-        module.set_gradient_divide_factor(1.0)
+        module.set_gradient_divide_factor(factor)
         module.set_force_sum_reduction_for_comms(True)
+
+
+def data_parallel_size(plan: Plan) -> int:
+    """The number of data-parallel ranks (the product of the plan's data axes)."""
+    size = 1
+    for axis in plan.data_axes:
+        size *= plan.mesh.size(axis)
+    return size
 
 
 @contextlib.contextmanager

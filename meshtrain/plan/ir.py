@@ -265,7 +265,8 @@ class Plan:
             f"plan on mesh {self.mesh}: data axes {list(self.data_axes)}, tensor-parallel axis "
             f"{self.tp_axis!r}{' with sequence parallelism' if self.sequence_parallel else ''}, "
             f"zero={self.options.zero}, precision={self.options.precision}, "
-            f"offload={self.options.offload}",
+            f"offload={self.options.offload}, data-parallel gradients "
+            f"{'summed' if self.options.grad_reduction == 'sum' else 'averaged'}",
             "",
             "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
         ]

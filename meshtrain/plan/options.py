@@ -94,6 +94,7 @@ class Pipeline:
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
 CompileScope = Literal["auto", "block", "model"]
+GradReduction = Literal["mean", "sum"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -109,6 +110,13 @@ class PlanOptions:
     (parameters and gradients stay whole between micro-batches, gradients reduce-scattered once per
     step); 2 = gradients sharded too (parameters kept gathered from forward to backward); 3 =
     parameters sharded as well (gathered per unit in forward and again in backward).
+
+    ``grad_reduction``: how data-parallel gradients combine. ``"mean"`` (default) is PyTorch's
+    DDP/FSDP semantics: each rank's loss is the mean over its own batch and the gradients are
+    averaged, so a loop written for DDP trains as on one device unchanged. ``"sum"``: the
+    gradients are summed, for a loss divided by the global token count (what
+    ``mt.make_train_step`` does with either: under ``"mean"`` it scales the loss by the number
+    of data-parallel ranks to compensate).
     """
 
     zero: int = 3
@@ -129,6 +137,7 @@ class PlanOptions:
     pipeline: Pipeline | None = None
     fsdp_units: tuple[str, ...] | None = None
     global_batch: int | None = None
+    grad_reduction: GradReduction = "mean"
 
     def __post_init__(self) -> None:
         if self.fsdp_units is not None and not isinstance(self.fsdp_units, tuple):
@@ -146,6 +155,12 @@ class PlanOptions:
             value = getattr(self, name)
             if value not in _DTYPES:
                 raise PlanError(f"{name}={value!r} is not one of {sorted(_DTYPES)}.")
+        if self.grad_reduction not in ("mean", "sum"):
+            raise PlanError(
+                f"grad_reduction={self.grad_reduction!r} is not one of 'mean' (PyTorch's DDP/FSDP "
+                "semantics: gradients averaged over data-parallel ranks) or 'sum' (for a loss "
+                "divided by the global token count)."
+            )
         if self.optimizer not in _OPTIMIZER_STATES:
             raise PlanError(
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "

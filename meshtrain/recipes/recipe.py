@@ -161,6 +161,8 @@ class Recipe:
             "optimizer": self.train.optimizer,
             "global_batch": self.train.batch_size,
             "seq_len": self.train.seq_len,
+            # the train step divides the loss by the global token count: gradients are summed
+            "grad_reduction": "sum",
         }
         if pipe is None:
             options["microbatches"] = par.microbatches

@@ -32,7 +32,7 @@ import torch
 
 from meshtrain.errors import TrainingError, format_shape
 from meshtrain.lower.compute import compile_loss
-from meshtrain.lower.data_parallel import micro_batch
+from meshtrain.lower.data_parallel import data_parallel_size, micro_batch
 from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.tensor_parallel import loss_parallel
@@ -157,7 +157,8 @@ def forward_backward(
     ``model`` is what ``mt.apply`` returned; ``batch`` is this data-parallel rank's share of the
     step, split along dim 0 into the plan's micro-batches (pipelined or accumulated).
     ``loss_fn(output, targets)`` returns a micro-batch's *summed* loss; it is divided by the
-    step's loss tokens over every data-parallel rank and micro-batch, so gradients equal one
+    step's loss tokens over every data-parallel rank and micro-batch (and scaled by
+    :func:`backward_factor` under the plan's ``grad_reduction``), so gradients equal one
     device's mean-loss gradients. Gradients are left in ``.grad`` (multiplied by ``loss_scale``),
     synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
     """
@@ -171,12 +172,20 @@ def forward_backward(
             "sequences per step, with as many targets."
         )
     tokens = StepTokens(plan, loss_tokens(targets))
+    scale = loss_scale * backward_factor(plan)
     if plan.pipeline is None:
         summed = _accumulate(plan, model, inputs.chunk(micro), targets.chunk(micro), loss_fn,
-                             tokens, loss_scale)  # fmt: skip
+                             tokens, scale)  # fmt: skip
     else:
-        summed = _pipelined(plan, model, inputs, targets, loss_fn, tokens, loss_scale)
+        summed = _pipelined(plan, model, inputs, targets, loss_fn, tokens, scale)
     return float(reduce_loss(plan, summed)), float(tokens.value)
+
+
+def backward_factor(plan: Plan) -> float:
+    """What the loss divided by the global tokens is multiplied by before backward so that the
+    data-parallel reduction yields one device's gradients: 1 when the plan sums gradients, the
+    number of data-parallel ranks when it averages them (PyTorch's default)."""
+    return 1.0 if plan.options.grad_reduction == "sum" else float(data_parallel_size(plan))
 
 
 def _accumulate(
