@@ -7,9 +7,10 @@ Run (the README's first command installs meshtrain and runs this)::
 What it shows: a named mesh, the model's logical-axis rules compiled into a plan (printed with
 ``explain()``: one spec per parameter, the tensor-parallel style each module lowers to, FSDP
 units, memory and collectives), ``mt.apply`` lowering it with PyTorch's own DTensor, tensor
-parallel and FSDP2, and a few AdamW steps — loss normalised by the global token count, gradients
-clipped by the global norm — whose loss rank 0 compares with the same model trained on one
-device from the same initial weights and data.
+parallel and FSDP2, and a few AdamW steps written as for DDP — each rank's mean loss over its own
+batch, gradients averaged over data-parallel ranks by the plan and clipped by the global norm —
+whose loss rank 0 compares with the same model trained on one device from the same initial
+weights and data.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor
 import meshtrain as mt
 from meshtrain.lower import device_mesh
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.train import clip_grad_norm_, global_token_count
+from meshtrain.train import clip_grad_norm_
 
 
 def main() -> None:
@@ -61,12 +62,10 @@ def main() -> None:
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         local = slice(dp_rank * args.batch // dp, (dp_rank + 1) * args.batch // dp)
 
-        # Summed token losses over the global token count: gradients equal one device's.
-        total_tokens = global_token_count(plan, [targets[local].numel()])
+        # This rank's mean loss, as for DDP: the plan averages gradients over data-parallel ranks.
         with mt.loss_parallel(plan):  # vocab-sharded logits are never gathered
             logits = model(inputs[local])
-            loss = F.cross_entropy(logits.flatten(0, 1), targets[local].flatten(), reduction="sum")
-            loss = loss / total_tokens
+            loss = F.cross_entropy(logits.flatten(0, 1), targets[local].flatten())
             loss.backward()
         clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
@@ -74,6 +73,7 @@ def main() -> None:
 
         global_loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         dist.all_reduce(global_loss, group=device_mesh(mesh).get_group("dp"))
+        global_loss /= dp  # every data-parallel rank's mean over as many tokens: the global mean
         if reference is not None and ref_optimizer is not None:
             ref_loss = F.cross_entropy(reference(inputs).flatten(0, 1), targets.flatten())
             ref_loss.backward()

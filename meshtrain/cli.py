@@ -27,8 +27,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from meshtrain.errors import EquivalenceError, MeshtrainError
+from meshtrain.errors import EquivalenceError, MeshtrainError, RecipeError
 from meshtrain.recipes import describe_shrink, load_recipe, shrink
+from meshtrain.recipes.models import vocab_size
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,13 +166,18 @@ def check_command(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe)
     small = shrink(recipe, args.world)
     print(describe_shrink(recipe, small), flush=True)
+    vocab = vocab_size(small.build_model("meta"))
+    if vocab is None:
+        raise RecipeError(
+            f"{recipe.source}: meshtrain check draws token batches, and the model reads no token "
+            "ids (no vocab_size, no nn.Embedding). Check it from Python with "
+            "mt.testing.assert_equivalent(..., batches=...)."
+        )
     report = assert_equivalent(
         small.model_fn(),
         small.mesh_axes(),
         {**small.plan_options(), "rules": small.rules()},
-        batches=TokenBatches(
-            small.model.config.vocab_size, small.train.batch_size, small.train.seq_len
-        ),
+        batches=TokenBatches(vocab, small.train.batch_size, small.train.seq_len),
         steps=args.steps or small.train.steps,
         optimizer=small.optimizer_fn(),
     )

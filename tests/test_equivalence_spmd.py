@@ -103,6 +103,7 @@ def train_both(case: Case) -> dict[str, float]:
         microbatches=case.microbatches,
         offload=case.offload,
         optimizer="sgd" if case.optimizer == "sgd" else "adamw",
+        grad_reduction="sum",  # the loop divides the summed loss by the global token count
     )
     mt.apply(plan, model)
     optimizer, ref_optimizer = (

@@ -53,7 +53,7 @@ def gradients_averaged_twice() -> Iterator[None]:
     original = FSDPModule.set_gradient_divide_factor
 
     def average(self: FSDPModule, factor: float) -> None:
-        original(self, float(dist.get_world_size()))
+        original(self, factor * dist.get_world_size())  # one more division by the ranks
 
     with mock.patch.object(FSDPModule, "set_gradient_divide_factor", average):
         yield

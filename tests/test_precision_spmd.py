@@ -121,6 +121,7 @@ def _run_plan(case: Case) -> dict[str, object]:
         zero=2 if pipeline else 3,
         precision=case.precision,  # type: ignore[arg-type]
         pipeline=pipeline,
+        grad_reduction="sum",  # the loop divides the summed loss by the global token count
     )
     applied = mt.apply(plan, model)
     params = list(applied.parameters())

@@ -99,6 +99,7 @@ def test_defaults_overrides_and_plan_options() -> None:
     assert options == {
         "zero": 3, "precision": "fp32", "activation_checkpointing": "none", "compile": False,
         "optimizer": "adamw", "global_batch": 8, "seq_len": 16, "microbatches": 1,
+        "grad_reduction": "sum",
     }  # fmt: skip
     assert _plan(recipe, 4).mesh == mt.Mesh(("dp", "tp"), (2, 2))
 
@@ -232,12 +233,16 @@ def test_explicit_rules_keep_their_order_and_plan() -> None:
 [rules]
 'layers\.\d+\.attention\.w[qkv]\.weight' = "P('tp', None)"
 'layers\.\d+\.attention\.wo\.weight' = "P(None, 'tp')"
+'layers\.\d+\.feed_forward\.w[13]\.weight' = "P('tp', None)"
+'layers\.\d+\.feed_forward\.w2\.weight' = "P(None, 'tp')"
 'output\.weight' = "P('tp', None)"
 '.*' = "P()"
 """
     recipe = recipe_from_toml(BASE + "[parallel]\nsequence_parallel = true\n" + rules_table)
     rules = recipe.rules()
     assert [spec for _, spec in rules.patterns] == [
+        P("tp", None),
+        P(None, "tp"),
         P("tp", None),
         P(None, "tp"),
         P("tp", None),

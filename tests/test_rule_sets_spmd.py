@@ -40,7 +40,8 @@ def _train_two_steps(rules: Rules, zero: int) -> dict[str, object]:
     mesh = mesh_for(AXES)
     model = build_llama(LlamaConfig.debug(), seed=0)
     reference = copy.deepcopy(model)
-    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=2)
+    # the loop divides the summed loss by the global token count: gradients are summed
+    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=2, grad_reduction="sum")
     mt.apply(plan, model)
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_sgd = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -134,7 +135,7 @@ def test_generated_rule_sets_train_like_one_device(
     picked, _, rules = drawn
     abstract = mt.make_mesh(dict(AXES), world_size=4, abstract=True)
     try:
-        expected = mt.plan(META, abstract, rules, zero=zero, microbatches=2)
+        expected = mt.plan(META, abstract, rules, zero=zero, microbatches=2, grad_reduction="sum")
     except PlanError:
         assume(False)  # invalid combinations are covered by test_rule_sets.py
         return

@@ -1,6 +1,6 @@
 """Parallelising one model (or one pipeline stage) in the fixed order torchtitan uses: tensor
-parallel → activation checkpointing → per-block compile → data parallel (FSDP2) → whole-model
-compile, then the scope ``mt.constrain`` reads.
+parallel → global-batch BatchNorm → activation checkpointing → per-block compile → data parallel
+(FSDP2) → whole-model compile, then the scope ``mt.constrain`` reads.
 
 Example (inside :func:`~meshtrain.lower.apply`)::
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshtrain.lower.batch_norm import sync_batch_norms
 from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
 from meshtrain.lower.data_parallel import apply_data_parallel
 from meshtrain.lower.functional import track
@@ -24,6 +25,7 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     parallelism also runs over size-1 axes that carry the mixed-precision policy."""
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
+    sync_batch_norms(plan, model)
     apply_checkpointing(plan, model)
     compile_blocks(plan, model)
     if plan.data_axes or plan.cast_axes:

@@ -38,11 +38,11 @@ from torch.distributed.pipelining.schedules import (
     get_schedule_class,
 )
 
-from meshtrain.errors import PlanError
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh, plan_device
 from meshtrain.lower.tensor_parallel import PartialGradSync, loss_parallel
 from meshtrain.plan.ir import Plan, StagePlan
+from meshtrain.plan.layers import main_output
 from meshtrain.plan.styles import activation_argument
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
@@ -251,25 +251,6 @@ class _Stub(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._runner[0].stub_output(self._where)
-
-
-def main_output(output: Any) -> torch.Tensor:
-    """The tensor a model or block returns: itself, the ``logits`` (or first tensor) of a
-    ``ModelOutput`` or dict, or the first element of a tuple."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, dict):
-        logits = output.get("logits")
-        values = [logits] if isinstance(logits, torch.Tensor) else list(output.values())
-    else:
-        values = list(output)
-    first = next((value for value in values if isinstance(value, torch.Tensor)), None)
-    if first is None:
-        raise PlanError(
-            f"a pipeline stage's output is a {type(output).__name__} without a tensor in it: "
-            "a block must return its activation (or a tuple/ModelOutput starting with it)."
-        )
-    return first
 
 
 def _split_ways(plan: Plan) -> int:

@@ -371,7 +371,7 @@ class Llama(_Initialised):
         missing = sorted(set(params) - set(table))
         if missing:
             raise PlanError(f"Llama.init_weights has no initialiser for parameters {missing}.")
-        for fqn in sorted(table):
+        for fqn in sorted(set(table) & set(params)):  # a pipeline stage holds some of them
             _fill_(params[fqn], table[fqn], _fqn_seed(base, fqn))
         self._reset_rope()
 

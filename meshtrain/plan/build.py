@@ -83,6 +83,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         cast_axes=layout.cast_axes,
         activation_estimates=estimates,
         tied=layout.tied,
+        batch_norms=layout.batch_norms,
     )
 
 
@@ -140,8 +141,9 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     tied = tied_groups(model)
     _check_tied(tied, blocks)
+    batch_norms = _batch_norms(model, options)
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
-                  compile_scope, buffers, profile, tuple(notes), tied)  # fmt: skip
+                  compile_scope, buffers, profile, tuple(notes), tied, batch_norms)  # fmt: skip
 
 
 def cost_flat(
@@ -195,6 +197,25 @@ def cost_pipelined(
     )
     return (pipeline_plan, costs.memory, costs.collectives, (*layout.notes, note),
             costs.estimates)  # fmt: skip
+
+
+def _batch_norms(model: nn.Module, options: PlanOptions) -> tuple[str, ...]:
+    """The BatchNorm modules; refused when each forward sees a micro-batch, whose statistics are
+    not the step's batch's (one device normalises the whole batch at once)."""
+    found = tuple(
+        fqn for fqn, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    )
+    if found and options.microbatches > 1:
+        where = "pipeline micro-batches" if options.pipeline is not None else "micro-batches"
+        raise PlanError(
+            f"BatchNorm {list(found[:3])} would compute its statistics over each of the "
+            f"{options.microbatches} {where} of a step, not over the step's batch as one device "
+            "does, so it would not train like one device. Use one micro-batch "
+            "(microbatches=1, or Pipeline(microbatches=1)), or a normalisation without batch "
+            "statistics (GroupNorm, LayerNorm).",
+            fqn=found[0],
+        )
+    return found
 
 
 def _check_tied(tied: tuple[tuple[str, ...], ...], blocks: tuple[str, ...]) -> None:

@@ -32,3 +32,4 @@ class Inferred:
     profile: ActivationProfile | None
     notes: tuple[str, ...]
     tied: tuple[tuple[str, ...], ...] = ()
+    batch_norms: tuple[str, ...] = ()

@@ -209,7 +209,8 @@ class Plan:
     activation bytes per rank for each checkpointing mode (empty without batch_size/seq_len; a
     pipeline's are its busiest rank's, with the micro-batches its stages hold at once).
     ``tied``: names that share one parameter tensor (the first is the one ``params`` lists);
-    lowering keeps each group one parameter.
+    lowering keeps each group one parameter. ``batch_norms``: BatchNorm modules, which lowering
+    makes compute their statistics over the global batch.
     """
 
     mesh: Mesh
@@ -230,6 +231,7 @@ class Plan:
     cast_axes: tuple[str, ...] = ()
     activation_estimates: tuple[tuple[str, int], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
+    batch_norms: tuple[str, ...] = ()
 
     @property
     def specs(self) -> dict[str, P]:
@@ -303,6 +305,10 @@ class Plan:
         ] or ["  none"]
         if self.pipeline is not None:
             lines += ["", *self.pipeline.explain_lines()]
+        if self.batch_norms:
+            where = "over every data-parallel rank" if self.data_axes else "on this rank"
+            lines += ["", f"BatchNorm statistics over the global batch ({where}): "
+                      + ", ".join(self.batch_norms)]  # fmt: skip
         if self.tied:
             lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
             lines += [f"  {' = '.join(group)}" for group in self.tied]
@@ -396,6 +402,7 @@ class Plan:
                 (name, value) for name, value in data["activation_estimates"]
             ),
             tied=tuple(tuple(group) for group in data.get("tied", ())),
+            batch_norms=tuple(data.get("batch_norms", ())),
         )
 
 
@@ -458,6 +465,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "cast_axes": list(plan.cast_axes),
         "activation_estimates": [[name, value] for name, value in plan.activation_estimates],
         "tied": [list(group) for group in plan.tied],
+        "batch_norms": list(plan.batch_norms),
     }
 
 

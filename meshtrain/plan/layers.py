@@ -16,7 +16,12 @@ Example:
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 from torch import nn
+
+from meshtrain.errors import PlanError
 
 
 def is_transposed_linear(module: nn.Module) -> bool:
@@ -49,3 +54,22 @@ def tied_groups(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     for fqn, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(fqn)
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def main_output(output: Any) -> torch.Tensor:
+    """The tensor a model or block returns: itself, the ``logits`` (or first tensor) of a
+    ``ModelOutput`` or dict, or the first element of a tuple."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):
+        logits = output.get("logits")
+        values = [logits] if isinstance(logits, torch.Tensor) else list(output.values())
+    else:
+        values = list(output)
+    first = next((value for value in values if isinstance(value, torch.Tensor)), None)
+    if first is None:
+        raise PlanError(
+            f"a pipeline stage's output is a {type(output).__name__} without a tensor in it: "
+            "a block must return its activation (or a tuple/ModelOutput starting with it)."
+        )
+    return first

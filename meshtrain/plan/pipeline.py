@@ -95,6 +95,14 @@ def plan_pipeline(
             "choice under pipelining) or a schedule without split backward (GPipe, 1F1B, "
             "Interleaved1F1B, LoopedBFS)."
         )
+    if pipeline.splits_backward and options.activation_checkpointing == "selective":
+        raise PlanError(
+            f"selective activation checkpointing with schedule {pipeline.schedule!r}: the "
+            "schedule runs backward in two passes (input gradients, then weight gradients), and "
+            "torch 2.13's selective checkpoint frees what it kept after the first ('Trying to "
+            "backward an extra time'). Use activation_checkpointing='full' or 'none', or a "
+            "schedule without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)."
+        )
     check_pipeline_axis(mesh, pipeline)
     pp_size = mesh.size(axis)
     if pp_size < 2:

@@ -114,12 +114,20 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
             )
     sharded = {name: spec for name, spec in own.items() if axis in spec.axes}
     name, spec = next(iter(sharded.items()))
-    hint = (
-        " Norm weights stay replicated (P()); for sequence parallelism add the activation rule "
-        f"('seq', '{axis}'): norms then run on sequence shards with their weights replicated."
-        if "norm" in kind.lower()
-        else " Replicate it (P()), or shard a Linear/Embedding instead."
-    )
+    if "norm" in kind.lower():
+        hint = (
+            " Norm weights stay replicated (P()); for sequence parallelism add the activation "
+            f"rule ('seq', '{axis}'): norms then run on sequence shards with their weights "
+            "replicated."
+        )
+    elif isinstance(module, nn.modules.conv._ConvNd):
+        hint = (
+            " Convolutions are not tensor-parallel in meshtrain (their output channels would "
+            "need a gather per layer, which costs more than the layer saves on the small "
+            "channel counts of CNNs): Replicate it (P()) and train CNNs with data parallelism."
+        )
+    else:
+        hint = " Replicate it (P()), or shard a Linear/Embedding instead."
     raise PlanError(
         f"parameter '{fqn + '.' if fqn else ''}{name}' of {kind} '{fqn}' is sharded as {spec!r} over "
         f"tensor-parallel axis '{axis}', but no parallel style covers {kind} with that spec.{hint}",

@@ -11,8 +11,8 @@ Example:
     'debug'
 """
 
+from meshtrain.recipes.models import FactoryBuilder, HFBuilder, LlamaBuilder
 from meshtrain.recipes.recipe import (
-    LlamaBuilder,
     OptimizerBuilder,
     Recipe,
     apply_overrides,
@@ -35,6 +35,8 @@ from meshtrain.recipes.schema import (
 __all__ = [
     "CheckpointSection",
     "DataSection",
+    "FactoryBuilder",
+    "HFBuilder",
     "LlamaBuilder",
     "LoggingSection",
     "ModelSection",

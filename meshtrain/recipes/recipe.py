@@ -27,8 +27,15 @@ import torch
 from torch import nn
 
 from meshtrain.errors import RecipeError
-from meshtrain.models.llama import Llama, LlamaConfig, build_llama, default_rules
+from meshtrain.models.llama import LlamaConfig, default_rules
 from meshtrain.plan.pipeline import Pipeline
+from meshtrain.recipes.models import (
+    FactoryBuilder,
+    HFBuilder,
+    LlamaBuilder,
+    read_hf_config,
+    resolve_factory,
+)
 from meshtrain.recipes.schema import (
     SECTIONS,
     CheckpointSection,
@@ -48,26 +55,12 @@ from meshtrain.recipes.schema import (
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
+ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:
     import tomli as tomllib
-
-
-@dataclass(frozen=True)
-class LlamaBuilder:
-    """A picklable ``() -> Llama``, so ranks can rebuild the same seeded model.
-
-    Example:
-        >>> LlamaBuilder(LlamaConfig.debug())().config.n_layers
-        2
-    """
-
-    config: LlamaConfig
-    seed: int = 0
-
-    def __call__(self) -> Llama:
-        return build_llama(self.config, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -130,21 +123,38 @@ class Recipe:
         """Axis → size, in order, as ``mt.make_mesh`` takes them (one may be -1)."""
         return dict(self.mesh)
 
-    def build_model(self, device: str | torch.device = "cpu", seed: int = 0) -> Llama:
+    def build_model(self, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
         """The model, initialised from ``seed`` (``device="meta"``: shapes only)."""
-        return build_llama(self.model.config, seed=seed, device=device)
+        return self.model_fn(seed=seed, device=str(torch.device(device)))()
 
-    def model_fn(self) -> LlamaBuilder:
-        return LlamaBuilder(self.model.config)
+    def model_fn(self, *, seed: int = 0, device: str = "cpu") -> ModelBuilder:
+        """A picklable builder of the recipe's model (:mod:`meshtrain.recipes.models`)."""
+        model = self.model
+        if model.factory:
+            return FactoryBuilder(model.factory, seed, device)
+        if model.hf:
+            return HFBuilder(model.hf, seed, device)
+        assert model.config is not None
+        return LlamaBuilder(model.config, seed, device)
 
     def optimizer_fn(self) -> OptimizerBuilder:
         return OptimizerBuilder(self.train.optimizer, self.train.lr, self.train.weight_decay)
 
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
-        the model's default logical-axis rules."""
+        the model's own: the Llama's logical-axis rules, a Hugging Face model's tensor-parallel
+        plan (:meth:`Rules.from_hf`); a factory's model needs ``[rules]``."""
         par = self.parallel
         tp = par.tp or None
+        if self.explicit_rules is None and self.model.kind == "hf":
+            return Rules.from_hf(self.build_model("meta"), fsdp=par.fsdp, tp=tp or "tp",
+                                 sequence_parallel=par.sequence_parallel and tp is not None)  # fmt: skip
+        if self.explicit_rules is None and self.model.kind == "factory":
+            raise RecipeError(
+                f"{self.source}: [model] factory {self.model.factory!r} needs [rules] (regex = "
+                'spec string, first match wins), e.g. \'".*"\' = "P()" to replicate everything '
+                "and shard with data parallelism only."
+            )
         if self.explicit_rules is None:
             return default_rules(tp=tp, fsdp=par.fsdp, sequence_parallel=par.sequence_parallel)
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()
@@ -206,9 +216,14 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
     checkpoint = check_table(source, "checkpoint", data.get("checkpoint", {}))
     if "async" in checkpoint:
         checkpoint["async_save"] = checkpoint.pop("async")
+    model = model_section(source, data["model"])
+    if model.hf:
+        read_hf_config(model.hf)  # the directory and its config, before any rank starts
+    if model.factory:
+        resolve_factory(model.factory)
     return Recipe(
         source=source,
-        model=model_section(source, data["model"]),
+        model=model,
         mesh=mesh,
         parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
         train=_train_section(source, check_table(source, "train", data.get("train", {}))),
@@ -288,7 +303,8 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     left; the first data axis takes the rest; every other axis is 1. A world too small to give
     a needed axis 2 ranks, or ranks left with no data axis to take them, is a RecipeError.
 
-    Model: a Llama of the same structure: ``n_layers = max(2, pipeline stages)``, ``head_dim``
+    Model: a factory's or Hugging Face directory's model is kept as it is (it is the user's to
+    make small); meshtrain's Llama becomes a Llama of the same structure: ``n_layers = max(2, pipeline stages)``, ``head_dim``
     16, ``n_heads = max(4, 2·tp)``, ``n_kv_heads`` divisible by tp and as close to the recipe's
     query/kv ratio as that allows, vocab 256, ``multiple_of`` 32, no ffn multiplier,
     ``max_seq_len`` ≥ ``seq_len``. Options, rules and the optimizer are kept; micro-batches are
@@ -305,19 +321,12 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     par, pipe = recipe.parallel, recipe.parallel.pipeline
     tp = sizes[par.tp] if par.tp else 1
     stages = sizes[pipe.axis] * pipe.stages_per_rank if pipe is not None else 1
-    config = recipe.model.config
-    n_heads = max(4, 2 * tp)
-    target = n_heads * config.n_kv_heads / config.n_heads
-    kv_choices = [d for d in range(tp, n_heads + 1, tp) if n_heads % d == 0]
-    n_kv_heads = max((d for d in kv_choices if d <= target), default=kv_choices[0])
     seq_len = min(recipe.train.seq_len, 16)
     if par.sequence_parallel:
         seq_len = -(-seq_len // tp) * tp
-    small = LlamaConfig(
-        dim=16 * n_heads, n_layers=max(2, stages), n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=-(-256 // tp) * tp, multiple_of=math.lcm(32, tp), norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta, max_seq_len=max(64, seq_len),
-    )  # fmt: skip
+    model = recipe.model
+    if model.config is not None:
+        model = dataclasses.replace(model, config=_small_llama(model.config, tp, stages, seq_len))
     if pipe is not None:
         micro = min(pipe.microbatches or stages, stages)
         pipe = dataclasses.replace(pipe, microbatches=micro)
@@ -336,11 +345,24 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     )
     return dataclasses.replace(
         recipe,
-        model=dataclasses.replace(recipe.model, config=small),
+        model=model,
         mesh=tuple(sizes.items()),
         parallel=par,
         train=train,
     )
+
+
+def _small_llama(config: LlamaConfig, tp: int, stages: int, seq_len: int) -> LlamaConfig:
+    """The shrunk Llama of :func:`shrink`'s docstring."""
+    n_heads = max(4, 2 * tp)
+    target = n_heads * config.n_kv_heads / config.n_heads
+    kv_choices = [d for d in range(tp, n_heads + 1, tp) if n_heads % d == 0]
+    n_kv_heads = max((d for d in kv_choices if d <= target), default=kv_choices[0])
+    return LlamaConfig(
+        dim=16 * n_heads, n_layers=max(2, stages), n_heads=n_heads, n_kv_heads=n_kv_heads,
+        vocab_size=-(-256 // tp) * tp, multiple_of=math.lcm(32, tp), norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta, max_seq_len=max(64, seq_len),
+    )  # fmt: skip
 
 
 def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
@@ -400,16 +422,21 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
         >>> describe_shrink(recipe, shrink(recipe, 2))
         'debug: mesh {dp: -1, tp: 2} → {dp: 1, tp: 2}; Llama 131.4K → 131.4K parameters (2 layers, dim 64, 4 heads, 2 kv heads); batch 8 × 16 tokens in 1 micro-batch'
     """
-    config = small.model.config
     pipe = small.parallel.pipeline
     micro = (pipe.microbatches or 1) if pipe is not None else small.parallel.microbatches
+    before, after = recipe.model.config, small.model.config
+    if before is None or after is None:
+        model = f"{small.model.kind} {small.model.factory or small.model.hf!r} (kept as it is)"
+    else:
+        model = (
+            f"Llama {_count(before.num_params())} → {_count(after.num_params())} parameters "
+            f"({after.n_layers} layers, dim {after.dim}, {after.n_heads} heads, "
+            f"{_plural(after.n_kv_heads, 'kv head')})"
+        )
     return (
         f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "
-        f"{_format_mesh(small.mesh_axes())}; Llama {_count(recipe.model.config.num_params())} → "
-        f"{_count(config.num_params())} parameters ({config.n_layers} layers, dim {config.dim}, "
-        f"{config.n_heads} heads, {_plural(config.n_kv_heads, 'kv head')}); batch "
-        f"{small.train.batch_size} × {small.train.seq_len} tokens in "
-        f"{_plural(micro, 'micro-batch', 'es')}"
+        f"{_format_mesh(small.mesh_axes())}; {model}; batch {small.train.batch_size} × "
+        f"{small.train.seq_len} tokens in {_plural(micro, 'micro-batch', 'es')}"
     )
 
 

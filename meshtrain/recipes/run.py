@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 from meshtrain.errors import RecipeError
 from meshtrain.lower import apply
-from meshtrain.models.llama import llama_flops_per_token
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
+from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 from meshtrain.train.batch import Batch, DataPosition
@@ -105,7 +105,7 @@ def train(
         state = _restore(state, load_checkpoint(latest, state.params, optimizer))
         resumed_from = state.step
     dp_rank, dp_size = data_parallel_rank(plan)
-    loader = DistributedBatches(_dataset(recipe), recipe.train.batch_size, dp_rank, dp_size,
+    loader = DistributedBatches(_dataset(recipe, model), recipe.train.batch_size, dp_rank, dp_size,
                                 seed=recipe.data.seed, shuffle=recipe.data.shuffle)  # fmt: skip
     sinks = make_sinks(
         _logging_config(recipe), run_dir=recipe.run_dir, rank=rank,
@@ -113,7 +113,7 @@ def train(
     )  # fmt: skip
     sinks.start(config=recipe.raw, plan_text=plan.explain(), plan_json=plan.to_json())
     meter = Throughput(
-        flops_per_token=llama_flops_per_token(recipe.model.config, train_cfg.seq_len),
+        flops_per_token=flops_per_token(model, train_cfg.seq_len),
         device=device,
     )
     losses: dict[int, float] = {}
@@ -152,9 +152,15 @@ def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def _dataset(recipe: Recipe) -> Any:
+def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
     data, seq_len = recipe.data, recipe.train.seq_len
-    vocab = recipe.model.config.vocab_size
+    vocab = vocab_size(model)
+    if vocab is None:
+        raise RecipeError(
+            f"{recipe.source}: the model reads no token ids (no vocab_size in its config, no "
+            "nn.Embedding), so [data] has no vocabulary to draw or check tokens against. Train "
+            "it from Python with your own batches, or give it an embedding."
+        )
     if data.source == "synthetic":
         return SyntheticTokens(vocab, seq_len, data.samples, data.seed)
     path = Path(data.path)
@@ -166,7 +172,7 @@ def _dataset(recipe: Recipe) -> Any:
     if tokens.vocab_size > vocab:
         raise RecipeError(
             f"{recipe.source}: the token file {str(path)!r} was made with a {tokens.vocab_size}-"
-            f"token vocabulary, but model.vocab_size is {vocab}. Use a model with a vocabulary of "
+            f"token vocabulary, but the model's is {vocab}. Use a model with a vocabulary of "
             "at least that size (--set model.vocab_size=...) or another tokenizer."
         )
     return TokenWindows(tokens, seq_len)

@@ -76,6 +76,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
     "model": {
         "name": Key((str,), "llama", ("llama",)),
         "preset": Key((str,), "debug", PRESETS),
+        "factory": Key((str,), "my_models:tiny_cnn"),
+        "hf": Key((str,), "models/tiny-llama"),
         **_LLAMA_KEYS,
     },
     "mesh": {},
@@ -143,11 +145,20 @@ TOP_SECTIONS = tuple(name for name in SECTIONS if "." not in name)
 
 @dataclass(frozen=True)
 class ModelSection:
-    """``[model]``: the architecture (only ``llama`` for now) and its config, overrides applied."""
+    """``[model]``: meshtrain's Llama (``preset`` and config overrides), a ``factory``
+    (``"package.module:function"``) or a local Hugging Face directory (``hf``). ``config`` is the
+    Llama's (None for the others)."""
 
     name: str
     preset: str
-    config: LlamaConfig
+    config: LlamaConfig | None
+    factory: str = ""
+    hf: str = ""
+
+    @property
+    def kind(self) -> str:
+        """'llama', 'factory' or 'hf'."""
+        return "factory" if self.factory else "hf" if self.hf else "llama"
 
 
 @dataclass(frozen=True)
@@ -328,8 +339,19 @@ def check_axis_jobs(source: str, jobs: list[tuple[str, str]], mesh: Mapping[str,
 
 
 def model_section(source: str, table: dict[str, Any]) -> ModelSection:
-    """``[model]``: the preset with its overrides, built (and so checked) as a LlamaConfig."""
+    """``[model]``: the preset with its overrides, built (and so checked) as a LlamaConfig; or a
+    factory or a Hugging Face directory, which take no Llama keys."""
     values = check_table(source, "model", table)
+    factory, hf = values.pop("factory", ""), values.pop("hf", "")
+    if factory or hf:
+        if (factory and hf) or values:
+            given = ["factory"] * bool(factory) + ["hf"] * bool(hf) + sorted(values)
+            raise RecipeError(
+                f"{source}: [model] gives {given}: a recipe's model is one of a Llama preset "
+                '(preset + its config keys), factory = "package.module:function", or hf = '
+                '"DIR" — pick one.'
+            )
+        return ModelSection("factory" if factory else "hf", "", None, factory, hf)
     name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
     try:
         config = LlamaConfig.preset(preset, **values)

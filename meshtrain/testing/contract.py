@@ -131,6 +131,10 @@ def contract_for(plan: Plan) -> Contract:
     data_ways = math.prod(mesh.size(axis) for axis in plan.data_axes)
     if data_ways > 1:
         reorderings.append(Reordering("data-parallel gradient and loss sum", data_ways))
+    if data_ways > 1 and plan.batch_norms:
+        reorderings.append(
+            Reordering("BatchNorm statistics summed over data-parallel ranks", data_ways)
+        )
     micro = plan.pipeline.microbatches if plan.pipeline else options.microbatches
     if micro > 1:
         reorderings.append(Reordering("micro-batch gradient accumulation", micro))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -108,6 +109,7 @@ class EquivalenceReport:
     plan_json: str
     replay: str
     unchecked: str = ""
+    random_modules: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -159,6 +161,16 @@ class EquivalenceReport:
         lines.append(f"clipping triggered in {self.clipped_steps} of {len(self.losses)} steps")
         if self.unchecked:
             lines.append(self.unchecked)
+        if self.random_modules and not self.passed:
+            names = ", ".join(self.random_modules[:5])
+            more = (
+                f" and {len(self.random_modules) - 5} more" if len(self.random_modules) > 5 else ""
+            )
+            lines.append(
+                f"likely cause: the model is not deterministic — dropout with p > 0 in {names}"
+                f"{more} draws different masks on each rank than on one device. Set the "
+                "dropout probabilities to 0 (e.g. the config's *_dropout / *_pdrop) to compare."
+            )
         lines.append(f"replay: {self.replay}")
         if not self.passed:
             lines.append(f"plan JSON: {self.plan_json}")
@@ -244,6 +256,7 @@ def assert_equivalent(
     abstract = make_plan(
         probe, make_mesh(dict(mesh_axes), world_size=world, abstract=True), **plan_kwargs
     )
+    random_modules = random_in_training(probe)
     resolved = _resolve_batches(batches, probe)
     _check_batch(abstract, resolved[0] if isinstance(resolved, tuple) else resolved(0))
     config = _Config(
@@ -264,12 +277,34 @@ def assert_equivalent(
     except SPMDTaskError as error:
         _raise_refusal(error)
         raise
-    report = _merge(config, abstract, results)
+    report = dataclasses.replace(_merge(config, abstract, results), random_modules=random_modules)
     if not report.passed:
         failure = EquivalenceError(report.format())
         failure.report = report
         raise failure
     return report
+
+
+def random_in_training(model: nn.Module) -> tuple[str, ...]:
+    """Modules that draw random numbers in training mode: ``nn.Dropout`` with ``p > 0``, and
+    modules with a float ``*dropout*``/``*pdrop*`` attribute above 0 (Hugging Face attention
+    applies its dropout functionally).
+
+    Example:
+        >>> random_in_training(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+        ('1',)
+    """
+    found = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            if module.p > 0:
+                found.append(fqn)
+            continue
+        for name, value in vars(module).items():
+            if ("dropout" in name or "pdrop" in name) and isinstance(value, float) and value > 0:
+                found.append(fqn)
+                break
+    return tuple(found)
 
 
 def _raise_refusal(error: SPMDTaskError) -> None:

@@ -16,6 +16,7 @@ Example (on every rank)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,21 +26,24 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.layers import main_output
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 #: Targets equal to this carry no loss (as in ``F.cross_entropy``).
 IGNORE_INDEX = -100
 
 
-def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def summed_cross_entropy(logits: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy summed over a micro-batch's loss tokens (logits ``[..., classes]``, computed
-    in fp32; targets equal to :data:`IGNORE_INDEX` carry no loss).
+    in fp32; targets equal to :data:`IGNORE_INDEX` carry no loss). A model output that is not a
+    tensor — a Hugging Face ``ModelOutput``, a tuple — gives its ``logits`` (or first tensor).
 
     Example:
         >>> logits, targets = torch.zeros(2, 3, 5), torch.tensor([[1, 2, -100], [0, 4, 3]])
         >>> round(float(summed_cross_entropy(logits, targets)), 4)  # 5 tokens × ln 5
         8.0472
     """
+    logits = main_output(logits)
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten(), reduction="sum")
 
 

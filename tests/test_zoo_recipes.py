@@ -1,0 +1,87 @@
+"""Recipes for models meshtrain did not write: ``[model] factory = "package.module:function"`` and
+``[model] hf = "DIR"`` (a local transformers directory, built from its config), through
+``meshtrain plan`` and ``meshtrain check``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import zoo
+
+from meshtrain import RecipeError
+from meshtrain.cli import main
+from meshtrain.recipes import recipe_from_toml
+
+TINY = """
+[mesh]
+dp = -1
+tp = 2
+
+[train]
+batch_size = 8
+seq_len = 16
+steps = 2
+"""
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local Hugging Face directory holding the tiny Llama's config.json (no weights)."""
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    zoo.llama().config.save_pretrained(directory)
+    return directory
+
+
+def _write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "recipe.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_hugging_face_directory_plans_with_its_own_rules(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    recipe = recipe_from_toml(f'[model]\nhf = "{llama_dir}"\n{TINY}', source="hf.toml")
+    assert recipe.model.kind == "hf"
+    model = recipe.build_model("meta")
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.use_cache is False
+    rules = recipe.rules()  # the model's base_model_tp_plan
+    assert any("q_proj" in pattern for pattern, _ in rules.patterns)
+    path = _write(tmp_path, f'[model]\nhf = "{llama_dir}"\n{TINY}')
+    assert main(["plan", path, "--world", "8", "--device-memory", "1GiB"]) == 0
+    assert "per rank" in capsys.readouterr().out
+
+
+def test_a_factory_needs_rules_and_then_plans(tmp_path: Path) -> None:
+    text = f'[model]\nfactory = "zoo:cnn"\n{TINY.replace("tp = 2", "")}'
+    recipe = recipe_from_toml(text, source="cnn.toml")
+    assert type(recipe.build_model()).__name__ == "SmallCNN"
+    with pytest.raises(RecipeError, match=r"\[model\] factory 'zoo:cnn' needs \[rules\]"):
+        recipe.rules()
+    with_rules = recipe_from_toml(text + "\n[rules]\n'.*' = \"P()\"\n", source="cnn.toml")
+    assert with_rules.rules().patterns[-1][0] == ".*"
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ('factory = "zoo"', r"'zoo' is not 'package\.module:function'"),
+        ('factory = "no_such_module:build"', r"cannot import 'no_such_module'"),
+        ('factory = "zoo:nothing"', r"module 'zoo' has no callable 'nothing'"),
+        ('hf = "/no/such/dir"', r"'/no/such/dir' has no config\.json"),
+        ('factory = "zoo:cnn"\nn_layers = 4', r"\[model\] gives \['factory', 'n_layers'\]"),
+    ],
+)
+def test_model_sources_are_checked_when_the_recipe_loads(model: str, message: str) -> None:
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_toml(f"[model]\n{model}\n{TINY}", source="bad.toml")
+
+
+@pytest.mark.spmd
+def test_meshtrain_check_proves_a_hugging_face_recipe(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, f'[model]\nhf = "{llama_dir}"\n{TINY}')
+    assert main(["check", path, "--world", "4", "--steps", "2"]) == 0
+    assert "trains like one device" in capsys.readouterr().out

@@ -1,0 +1,187 @@
+"""Models meshtrain did not write, built tiny and random from local configs (nothing downloaded),
+with the rules a user would write for them from the docs: Hugging Face Llama, Qwen2, GPT-2, BERT
+and ViT, and a small CNN with BatchNorm. Factories live at module level so ranks can import them;
+dropout is off (a model with dropout is not deterministic, see the harness's hint).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    ViTConfig,
+    ViTForImageClassification,
+)
+
+from meshtrain import P, Rules
+
+logging.getLogger("transformers").setLevel(logging.ERROR)  # tiny vocabularies: token-id warnings
+
+VOCAB = 128
+
+
+def llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    ))  # fmt: skip
+
+
+def qwen2() -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    ))  # fmt: skip
+
+
+def _gpt2(tied: bool, dropout: float = 0.0) -> GPT2LMHeadModel:
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
+        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=tied,
+        bos_token_id=0, eos_token_id=0,
+    ))  # fmt: skip
+
+
+def gpt2() -> GPT2LMHeadModel:
+    """GPT-2 as published: Conv1D projections, fused q/k/v, the head tied to the embedding."""
+    return _gpt2(tied=True)
+
+
+def gpt2_with_dropout() -> GPT2LMHeadModel:
+    """GPT-2 with its published dropout (0.1): not deterministic across ranks."""
+    return _gpt2(tied=True, dropout=0.1)
+
+
+def gpt2_untied() -> GPT2LMHeadModel:
+    """GPT-2 with its own head (tied weights cannot span pipeline stages)."""
+    return _gpt2(tied=False)
+
+
+def _bert(tied: bool) -> BertForMaskedLM:
+    return BertForMaskedLM(BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, tie_word_embeddings=tied,
+    ))  # fmt: skip
+
+
+def bert() -> BertForMaskedLM:
+    """BERT for masked LM as published: q/k/v under attention.self, the output dense under
+    attention.output, the decoder tied to the word embeddings (and its bias to the head's)."""
+    return _bert(tied=True)
+
+
+def bert_untied() -> BertForMaskedLM:
+    return _bert(tied=False)
+
+
+def vit() -> ViTForImageClassification:
+    return ViTForImageClassification(ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    ))  # fmt: skip
+
+
+class ConvBlock(nn.Module):
+    """Conv → BatchNorm → ReLU with a residual connection."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.norm(self.conv(x)))
+
+
+class SmallCNN(nn.Module):
+    """A stem, a ModuleList of residual conv blocks with BatchNorm, pooling and a classifier."""
+
+    def __init__(self, channels: int = 8, n_blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.BatchNorm2d(channels))
+        self.blocks = nn.ModuleList(ConvBlock(channels) for _ in range(n_blocks))
+        self.head = nn.Linear(channels, classes)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h = self.stem(images)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=(2, 3)))
+
+
+def cnn() -> SmallCNN:
+    return SmallCNN()
+
+
+# ---------------------------------------------------------------- rules, as the docs teach
+
+
+def hf_rules(model: nn.Module, *, sequence_parallel: bool = False) -> Rules:
+    """The model's own plan (Llama, Qwen2)."""
+    return Rules.from_hf(model, fsdp="dp", sequence_parallel=sequence_parallel)
+
+
+GPT2_RULES = Rules({  # Conv1D weights are [in, out]: column-wise shards dim 1; c_attn is fused
+    r"transformer\.wte\.weight": P("tp", None),
+    r"transformer\.h\.\d+\.mlp\.c_fc\.weight": P(None, "tp"),
+    r"transformer\.h\.\d+\.mlp\.c_fc\.bias": P("tp"),
+    r"transformer\.h\.\d+\.mlp\.c_proj\.weight": P("tp", None),
+    r".*": P(),
+}, fsdp="dp")  # fmt: skip
+
+BERT_RULES = Rules({
+    r"bert\.embeddings\.word_embeddings\.weight": P("tp", None),
+    r".*\.attention\.self\.(query|key|value)\.weight": P("tp", None),
+    r".*\.attention\.self\.(query|key|value)\.bias": P("tp"),
+    r".*\.attention\.output\.dense\.weight": P(None, "tp"),
+    r".*\.intermediate\.dense\.weight": P("tp", None),
+    r".*\.intermediate\.dense\.bias": P("tp"),
+    r".*\.layer\.\d+\.output\.dense\.weight": P(None, "tp"),
+    r"cls\.predictions\.bias": P("tp"),
+    r".*": P(),
+}, fsdp="dp")  # fmt: skip
+
+VIT_RULES = Rules({
+    r".*\.attention\.(q|k|v)_proj\.weight": P("tp", None),
+    r".*\.attention\.(q|k|v)_proj\.bias": P("tp"),
+    r".*\.attention\.o_proj\.weight": P(None, "tp"),
+    r".*\.mlp\.fc1\.weight": P("tp", None),
+    r".*\.mlp\.fc1\.bias": P("tp"),
+    r".*\.mlp\.fc2\.weight": P(None, "tp"),
+    r".*": P(),
+}, fsdp="dp")  # fmt: skip
+
+REPLICATED = Rules({r".*": P()}, fsdp="dp")
+
+
+def with_sequence_parallelism(rules: Rules) -> Rules:
+    return Rules(rules.patterns, logical=[("seq", "tp")], fsdp=rules.fsdp)
+
+
+# ---------------------------------------------------------------- batches
+
+
+def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of 8 sequences of 16 token ids and their next tokens."""
+    tokens = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(100 + step))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of 8 random 16×16 RGB images and their labels."""
+    generator = torch.Generator().manual_seed(200 + step)
+    return torch.randn(8, 3, 16, 16, generator=generator), torch.randint(
+        0, 10, (8,), generator=generator
+    )
