@@ -40,6 +40,7 @@ def _forced(
         mesh_for(axes),
         Rules(logical=default_rules().logical, fsdp="dp"),
         activation_checkpointing=checkpointing,
+        grad_reduction="sum",  # every data-parallel rank runs the same batch: the sum is dp×
     )
     options = dataclasses.replace(
         plan.options, compile=True, compile_backend="aot_eager", compile_fullgraph=fullgraph

@@ -29,7 +29,9 @@ steps = 2
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A local Hugging Face directory holding the tiny Llama's config.json (no weights)."""
     directory = tmp_path_factory.mktemp("tiny-llama")
-    zoo.llama().config.save_pretrained(directory)
+    config = zoo.llama().config
+    config.architectures = ["LlamaForCausalLM"]  # what save_pretrained of the model records
+    config.save_pretrained(directory)
     return directory
 
 

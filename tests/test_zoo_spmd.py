@@ -42,7 +42,7 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, int], dict[str, Any], Callab
                                            "pipeline": mt.Pipeline(microbatches=2)}, zoo.token_batches),
     "bert-tp-sp-tied": (zoo.bert, TP, {"rules": zoo.with_sequence_parallelism(zoo.BERT_RULES)},
                         zoo.token_batches),
-    "bert-pp-tp": (zoo.bert_untied, {"pp": 2, "tp": 2}, {"rules": zoo.BERT_RULES,
+    "bert-pp-tp": (zoo.bert_untied, {"pp": 2, "tp": 2}, {"rules": zoo.without_data_axes(zoo.BERT_RULES),
                    "pipeline": mt.Pipeline(schedule="Interleaved1F1B", microbatches=2)}, zoo.token_batches),
     "vit-tp": (zoo.vit, TP, {"rules": zoo.VIT_RULES, "zero": 3}, zoo.image_batches),
     "vit-fsdp-bf16-ac": (zoo.vit, DP4, {"rules": zoo.REPLICATED, "precision": "bf16",
@@ -54,6 +54,8 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, int], dict[str, Any], Callab
 }  # fmt: skip
 
 
+# BERT's layers return views of their input's storage; nothing in it writes into them in place
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
 @pytest.mark.parametrize("name", list(CASES))
 def test_third_party_model_trains_like_one_device(name: str) -> None:
     factory, mesh, options, batches = CASES[name]
@@ -140,6 +142,7 @@ LOOPS = {
 }  # fmt: skip
 
 
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
 @pytest.mark.parametrize("name", list(LOOPS))
 def test_a_loop_written_for_ddp_trains_like_one_device(name: str) -> None:
     factory, axes, options = LOOPS[name]

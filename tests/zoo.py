@@ -170,6 +170,11 @@ def with_sequence_parallelism(rules: Rules) -> Rules:
     return Rules(rules.patterns, logical=[("seq", "tp")], fsdp=rules.fsdp)
 
 
+def without_data_axes(rules: Rules) -> Rules:
+    """The same rules for a mesh without a data axis (pipeline × tensor parallel)."""
+    return Rules(rules.patterns, logical=rules.logical)
+
+
 # ---------------------------------------------------------------- batches
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_fn
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -53,11 +53,11 @@ def _forward(
     dims = [0, *range(2, x.dim())]
     count = torch.tensor(float(x.numel() // x.shape[1]), device=x.device, dtype=torch.float32)
     stacked = torch.cat([x.float().sum(dims), count.reshape(1)])
-    stacked = dist_fn.all_reduce(stacked, group=group)
+    stacked = _summed(stacked, group)
     total, n = stacked[:-1], stacked[-1]
     mean = total / n
     centred = x.float() - _channels(mean, x)
-    squares = dist_fn.all_reduce(centred.pow(2).sum(dims), group=group)
+    squares = _summed(centred.pow(2).sum(dims), group)
     var = squares / n
     if module.training and module.track_running_stats:
         _update_running(module, mean.detach(), var.detach(), float(n))
@@ -65,6 +65,11 @@ def _forward(
     if module.affine:
         y = y * _channels(module.weight, x) + _channels(module.bias, x)
     return y.to(x.dtype)
+
+
+def _summed(value: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """``value`` summed over ``group``, differentiably (backward sums the gradients too)."""
+    return funcol.wait_tensor(funcol.all_reduce(value, "sum", group))
 
 
 def _channels(values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,9 @@ with the plan's mixed-precision and offload policies; and the per-micro-batch gr
 policy of each ZeRO stage.
 
 Data-parallel gradients are averaged over the data-parallel ranks by default, as DDP and FSDP do
-(a loop written for them trains unchanged), or summed under ``grad_reduction="sum"`` (for a loss
-normalised by the global token count). Either way the wire carries plain sums (gloo has no AVG):
-the mean divides by the data-parallel size.
+(a loop written for them trains unchanged: FSDP2's and ``replicate``'s own default), or summed
+under ``grad_reduction="sum"`` (for a loss normalised by the global token count: divide factor 1,
+plain sums on the wire).
 
 Example (inside :func:`~meshtrain.lower.apply`)::
 
@@ -66,11 +66,12 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
                 offload_policy=offload,
             )
         wrapped.append(module)
-    # Plain sums on the wire (gloo has no AVG or PREMUL_SUM); a mean divides by the data ranks.
-    factor = 1.0 if options.grad_reduction == "sum" else float(data_parallel_size(plan))
-    for module in wrapped:
-        module.set_gradient_divide_factor(factor)
-        module.set_force_sum_reduction_for_comms(True)
+    if options.grad_reduction == "sum":  # plain sums on the wire (gloo has no PREMUL_SUM)
+        for module in wrapped:
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    # "mean" is FSDP2's and replicate's own default. (torch 2.13's replicate divides twice when
+    # given a divide factor other than 1 with forced sums, so the mean is left to them.)
 
 
 def data_parallel_size(plan: Plan) -> int:

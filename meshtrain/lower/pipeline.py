@@ -146,6 +146,8 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
 
 #: the keyword every stage receives its micro-batch's model inputs under
 INPUTS = "meshtrain_inputs"
+#: the name, in the block container, of the probe standing in for the next stage's first block
+_PROBE = "next_stage"
 
 
 def _stage_plan(plan: Plan, stage: StagePlan, body: nn.Module) -> Plan:
@@ -185,8 +187,10 @@ class _StageRunner:
     inputs (keyword :data:`INPUTS`), so code before the blocks (positions, masks, rotary tables)
     runs as on one device; a non-first stage feeds the activation it received to its first
     block instead of what that code computed, and the modules before the blocks it does not
-    keep (stubs) return the received activation; a non-last stage returns its last block's
-    output, which the modules after the blocks it does not keep (stubs) return too."""
+    keep (stubs) return the received activation; a non-last stage returns what the next
+    stage's first block would receive — caught by a probe standing in for that block, so a
+    residual added outside the blocks is in it — which the modules after the blocks it does not
+    keep (stubs) return too."""
 
     def __init__(self, stage: StagePlan, plan: Plan, *, first: bool, last: bool) -> None:
         self.stage, self.plan, self.first, self.last = stage, plan, first, last
@@ -201,8 +205,6 @@ class _StageRunner:
         if not self.first:
             first = body.get_submodule(blocks[0])
             first.register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
-        if not self.last:
-            body.get_submodule(blocks[-1]).register_forward_hook(self._capture)
         body.forward = functools.partial(self._forward, body.forward)
 
     def _forward(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -221,9 +223,6 @@ class _StageRunner:
         if args:
             return (self.received, *args[1:]), kwargs
         return args, {**kwargs, activation_argument(module): self.received}
-
-    def _capture(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self.captured = main_output(output)
 
     def stub_output(self, where: str) -> torch.Tensor:
         """What a removed module returns: the received activation before the blocks (in the
@@ -253,6 +252,20 @@ class _Stub(nn.Module):
         return self._runner[0].stub_output(self._where)
 
 
+class _NextBlock(_Stub):
+    """Stands in for the next stage's first block: catches the activation it would receive (its
+    first positional argument, or its activation keyword) and returns it."""
+
+    def __init__(self, runner: _StageRunner, argument: str) -> None:
+        super().__init__(runner, "after")
+        self._argument = argument
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        activation = args[0] if args else kwargs[self._argument]
+        self._runner[0].captured = activation
+        return activation
+
+
 def _split_ways(plan: Plan) -> int:
     """The tensor-parallel size when the sequence is split at the first block's input (a
     non-first stage then rebuilds the global shape before its blocks), else 1."""
@@ -272,10 +285,16 @@ def _prune(body: nn.Module, stage: StagePlan, plan: Plan) -> _StageRunner:
     owner, _, name = pipeline.container.rpartition(".")
     parent = body.get_submodule(owner) if owner else body
     container = getattr(parent, name)
-    kept = {n: b for n, b in container.named_children() if f"{pipeline.container}.{n}" in keep}
+    children = dict(container.named_children())
+    kept = {n: b for n, b in children.items() if f"{pipeline.container}.{n}" in keep}
+    if not runner.last:  # the next stage's first block, as a probe
+        following = list(children)[list(children).index(list(kept)[-1]) + 1]
+        kept[_PROBE] = _NextBlock(runner, activation_argument(children[following]))
     if isinstance(container, nn.ModuleDict):
         for block in [n for n in container if n not in kept]:
             del container[block]
+        if _PROBE in kept:
+            container[_PROBE] = kept[_PROBE]
     else:
         setattr(parent, name, _KeptBlocks(kept))
     for where, units in (("before", pipeline.before), ("after", pipeline.after)):

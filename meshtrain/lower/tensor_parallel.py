@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -53,6 +54,9 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
         parallelize_module(model, tp_mesh, root)
     retie(plan, model)
     modules = dict(model.named_modules())
+    for style in plan.styles:
+        if style.style == "loss_parallel_head":
+            modules[style.fqn].register_forward_hook(_gather_logits_outside_loss_parallel)
     for style in plan.styles:
         if style.style == "rowwise":
             check = functools.partial(_check_pair_input, style.fqn, tp_mesh.size())
@@ -316,15 +320,38 @@ class _PrepareActivation(ParallelStyle):
         return dtensor.to_local() if self.local else dtensor
 
 
-def loss_parallel(plan: Plan) -> contextlib.AbstractContextManager[None]:
-    """Context for the loss: PyTorch's ``loss_parallel()`` when the plan keeps the head's logits
-    vocab-sharded (cross-entropy then runs on the shards, never gathering them), else a no-op.
+class _LossParallel:
+    """Whether :func:`loss_parallel` is active (read by the head's output hook; a plain flag, not
+    a context variable, so compiled code guards on it instead of breaking its graph)."""
+
+    active = False
+
+
+@contextlib.contextmanager
+def loss_parallel(plan: Plan) -> Iterator[None]:
+    """Context for the loss: under it, a plan that keeps the head's logits vocab-sharded hands
+    them over as a DTensor and PyTorch's ``loss_parallel()`` computes the cross-entropy on the
+    shards, never gathering them. Outside it the head gathers its logits into a plain tensor, so a
+    loop written for one device or for DDP runs unchanged (one all-gather more). A no-op for a
+    plan without a vocab-parallel head.
 
     Example::
 
         with loss_parallel(plan):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     """
-    if any(style.style == "loss_parallel_head" for style in plan.styles):
-        return torch_loss_parallel()
-    return contextlib.nullcontext()
+    if not any(style.style == "loss_parallel_head" for style in plan.styles):
+        yield
+        return
+    previous, _LossParallel.active = _LossParallel.active, True
+    try:
+        with torch_loss_parallel():
+            yield
+    finally:
+        _LossParallel.active = previous
+
+
+def _gather_logits_outside_loss_parallel(module: nn.Module, args: Any, output: Any) -> Any:
+    if _LossParallel.active or not isinstance(output, DTensor):
+        return output
+    return output.full_tensor()

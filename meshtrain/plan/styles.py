@@ -161,7 +161,7 @@ def _resolve_pairs(
             style = replace(
                 style,
                 style="loss_parallel_head",
-                note="logits stay vocab-sharded; compute the loss under mt.loss_parallel(plan)",
+                note="logits stay vocab-sharded under mt.loss_parallel(plan), gathered outside it",
             )
         elif fqn in unpaired:
             style = replace(

@@ -276,6 +276,7 @@ _DEFAULT_OPTIONS: dict[str, object] = {
     "activation_checkpointing": "none",
     "compile": False,
     "precision": "fp32",
+    "grad_reduction": "mean",
 }
 _SCHEDULE_CHOICES = (
     ("GPipe", 1),
@@ -298,7 +299,8 @@ def plan_cases(
 ) -> PlanCase:
     """Whole plans for the debug Llama on ``world_size`` ranks: mesh (dp, tp and pp, size-1 axes
     included), layer count, rules (:func:`rule_sets`, or the model's own logical rules), ZeRO
-    stage, micro-batches or a pipeline schedule, activation checkpointing, compile and precision, and a batch that splits evenly.
+    stage, micro-batches or a pipeline schedule, activation checkpointing, compile, precision,
+    data-parallel gradient reduction, and a batch that splits evenly.
 
     Every draw shrinks towards the simplest case: all ranks on dp, one layer, everything
     replicated, zero=3, no pipeline, no checkpointing, no compile, fp32, the smallest batch.
@@ -339,6 +341,7 @@ def plan_cases(
     backend = draw(st.sampled_from((None, *compile_backends)))
     options["compile"] = {"backend": backend} if backend else False
     options["precision"] = draw(st.sampled_from(tuple(precisions)))
+    options["grad_reduction"] = draw(st.sampled_from(("mean", "sum")))
     batch_size = sizes["dp"] * micro * draw(st.integers(1, 2))
     seq_len = draw(st.sampled_from((8, 16)))
     mesh_shape = tuple(
