@@ -86,8 +86,9 @@ def test_plans_the_long_profile_found(name: str) -> None:
 
 
 def test_a_failing_property_shrinks_to_the_smallest_plan() -> None:
-    """With gradients averaged twice planted, the smallest failing plan is the plainest
-    FSDP plan on two ranks: one layer, everything replicated, no options."""
+    """With gradients averaged twice planted (FSDP averaging although the loss is divided by
+    the global token count), the smallest failing plan is the plainest FSDP plan on two ranks
+    that sums gradients: one layer, everything replicated, no other option."""
 
     def fails(case: PlanCase) -> bool:
         try:
@@ -105,5 +106,5 @@ def test_a_failing_property_shrinks_to_the_smallest_plan() -> None:
     )
     assert repr(smallest) == (
         "PlanCase(mesh={dp: 2, tp: 1}, DebugLlama(n_layers=1), RuleSet(sp=False, all replicated), "
-        "batch=2×8)"
+        "grad_reduction='sum', batch=2×8)"
     ), smallest

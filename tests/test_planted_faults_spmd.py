@@ -139,7 +139,8 @@ FAULTS = {
         {"rules": default_rules(fsdp=("rep", "dp"))}, {}, "grad", "",
     ),
     "gradients-averaged-twice": (
-        gradients_averaged_twice, {"dp": 2, "tp": 1}, {"rules": default_rules()}, {}, "grad", "",
+        gradients_averaged_twice, {"dp": 2, "tp": 1},
+        {"rules": default_rules(), "grad_reduction": "sum"}, {}, "grad", "",
     ),
     "wrong-shard-dim-in-colwise": (
         wrong_shard_dim_in_colwise, {"dp": 1, "tp": 2}, {"rules": default_rules()}, {}, "grad",

@@ -153,6 +153,13 @@ BERT_RULES = Rules({
     r".*": P(),
 }, fsdp="dp")  # fmt: skip
 
+BERT_UNTIED_RULES = Rules({  # the decoder has its own weight and bias; cls.predictions.bias is unused
+    **{pattern: spec for pattern, spec in BERT_RULES.patterns if "cls" not in pattern},
+    r"cls\.predictions\.decoder\.weight": P("tp", None),
+    r"cls\.predictions\.decoder\.bias": P("tp"),
+    r".*": P(),
+}, fsdp="dp")  # fmt: skip
+
 VIT_RULES = Rules({
     r".*\.attention\.(q|k|v)_proj\.weight": P("tp", None),
     r".*\.attention\.(q|k|v)_proj\.bias": P("tp"),

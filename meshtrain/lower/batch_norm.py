@@ -60,7 +60,7 @@ def _forward(
     squares = _summed(centred.pow(2).sum(dims), group)
     var = squares / n
     if module.training and module.track_running_stats:
-        _update_running(module, mean.detach(), var.detach(), float(n))
+        _update_running(module, mean.detach(), var.detach(), float(n.detach()))
     y = centred / torch.sqrt(_channels(var, x) + module.eps)
     if module.affine:
         y = y * _channels(module.weight, x) + _channels(module.bias, x)
