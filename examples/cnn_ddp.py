@@ -76,7 +76,7 @@ def train(steps: int = 5, batch: int = 16) -> list[tuple[float, float]]:
 
         mean = loss.detach().clone()
         dist.all_reduce(mean)
-        losses.append((float(mean) / ranks, float(ref_loss)))
+        losses.append((float(mean) / ranks, float(ref_loss.detach())))
     return losses
 
 

@@ -65,7 +65,7 @@ def train(steps: int = 5, batch: int = 8, seq: int = 32) -> list[tuple[float, fl
 
         mean = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
         dist.all_reduce(mean)
-        losses.append((float(mean) / dist.get_world_size(), float(ref_loss)))
+        losses.append((float(mean) / dist.get_world_size(), float(ref_loss.detach())))
     return losses
 
 

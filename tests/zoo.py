@@ -154,7 +154,7 @@ BERT_RULES = Rules({
 }, fsdp="dp")  # fmt: skip
 
 BERT_UNTIED_RULES = Rules({  # the decoder has its own weight and bias; cls.predictions.bias is unused
-    **{pattern: spec for pattern, spec in BERT_RULES.patterns if "cls" not in pattern},
+    **{pattern: spec for pattern, spec in BERT_RULES.patterns if "cls" not in pattern and pattern != ".*"},
     r"cls\.predictions\.decoder\.weight": P("tp", None),
     r"cls\.predictions\.decoder\.bias": P("tp"),
     r".*": P(),

@@ -115,8 +115,13 @@ class Contract:
         }
 
 
-def contract_for(plan: Plan) -> Contract:
+def contract_for(plan: Plan, *, statistics_size: int | None = None) -> Contract:
     """The contract ``plan`` promises against one device running the same precision policy.
+
+    ``statistics_size``: the elements each BatchNorm channel sums over per step (batch ×
+    spatial positions); data-parallel BatchNorm computes its statistics from sums taken in
+    another order than one device's fused kernel, over all of them (default: the data-parallel
+    ranks only, which undercounts).
 
     Example:
         >>> import meshtrain as mt

@@ -258,7 +258,8 @@ def assert_equivalent(
     )
     random_modules = random_in_training(probe)
     resolved = _resolve_batches(batches, probe)
-    _check_batch(abstract, resolved[0] if isinstance(resolved, tuple) else resolved(0))
+    first = resolved[0] if isinstance(resolved, tuple) else resolved(0)
+    _check_batch(abstract, first)
     config = _Config(
         model_fn=model_fn,
         mesh_axes=mesh_axes,
@@ -269,7 +270,7 @@ def assert_equivalent(
         loss_fn=loss_fn,
         max_norm=max_norm,
         seed=seed,
-        contract=contract or contract_for(abstract),
+        contract=contract or contract_for(abstract, statistics_size=_per_channel(first[0])),
         rank_context=rank_context,
     )
     try:
@@ -315,6 +316,11 @@ def _raise_refusal(error: SPMDTaskError) -> None:
         rank = min(error.failures)
         message = error.failures[rank].split("\nTraceback", 1)[0].split(": ", 1)[1]
         raise PlanError(f"{message} (raised on every failing rank at the first forward)")
+
+
+def _per_channel(inputs: torch.Tensor) -> int:
+    """Elements per channel of a batch (``[N, C, ...]``: N × the rest; ``[N]``: N)."""
+    return inputs.numel() // inputs.shape[1] if inputs.dim() >= 2 else inputs.numel()
 
 
 def _plan_kwargs(rules_or_options: Rules | Mapping[str, Any]) -> dict[str, Any]:

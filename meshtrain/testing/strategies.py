@@ -296,6 +296,7 @@ def plan_cases(
     max_layers: int = 4,
     compile_backends: Sequence[str] = ("aot_eager",),
     precisions: Sequence[str] = ("fp32", "bf16", "fp16"),
+    grad_reductions: Sequence[str] = ("mean", "sum"),
 ) -> PlanCase:
     """Whole plans for the debug Llama on ``world_size`` ranks: mesh (dp, tp and pp, size-1 axes
     included), layer count, rules (:func:`rule_sets`, or the model's own logical rules), ZeRO
@@ -341,7 +342,7 @@ def plan_cases(
     backend = draw(st.sampled_from((None, *compile_backends)))
     options["compile"] = {"backend": backend} if backend else False
     options["precision"] = draw(st.sampled_from(tuple(precisions)))
-    options["grad_reduction"] = draw(st.sampled_from(("mean", "sum")))
+    options["grad_reduction"] = draw(st.sampled_from(tuple(grad_reductions)))
     batch_size = sizes["dp"] * micro * draw(st.integers(1, 2))
     seq_len = draw(st.sampled_from((8, 16)))
     mesh_shape = tuple(
