@@ -27,7 +27,6 @@ Example (on every rank)::
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import shutil
@@ -45,7 +44,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from meshtrain.errors import CheckpointError
+from meshtrain.errors import CheckpointError, describe_os_error
 from meshtrain.train.checkpoint_files import (
     METADATA_FILE,
     MODEL_PREFIX,
@@ -78,7 +77,6 @@ from meshtrain.train.integrity import (
     file_problems,
     inspect_checkpoint,
     seal_state,
-    state_problems,
 )
 from meshtrain.train.safetensors_io import export_safetensors, load_safetensors
 
@@ -200,7 +198,7 @@ class Checkpointer:
                 directory.mkdir(parents=True, exist_ok=True)
                 remove_stale(directory, keep=directory / f"{final.name}.tmp-{token}")
             except OSError as err:
-                problems.append(f"cannot write into {str(directory)!r}: {_os_error(err)}")
+                problems.append(f"cannot write into {str(directory)!r}: {describe_os_error(err)}")
         gathered = _all_gather((problems, token))
         _raise_problems(f"cannot save checkpoint step {step} in {str(directory)!r}", gathered)
         token = gathered[0][1]
@@ -263,7 +261,9 @@ class Checkpointer:
                     files = {name: digest for _, share in hashed for name, digest in share.items()}
                     self._publish(pending, files)
             except OSError as err:
-                problems.append(f"publishing {str(pending.final)!r} failed: {_os_error(err)}")
+                problems.append(
+                    f"publishing {str(pending.final)!r} failed: {describe_os_error(err)}"
+                )
             if failed or problems:  # every rank's writes are over (DCP told all of them)
                 shutil.rmtree(pending.scratch, ignore_errors=True)
         gathered = _all_gather((problems, None))
@@ -482,21 +482,6 @@ def _raise_problems(header: str, gathered: list[tuple[list[str], Any]]) -> None:
         where = "" if len(ranks) == len(gathered) else f" (rank {', '.join(map(str, ranks))})"
         lines.append(f"  - {problem}{where}")
     raise CheckpointError(f"{header}:\n" + "\n".join(lines))
-
-
-def _os_error(err: OSError) -> str:
-    """An OS error in a few words and a fix: permissions, a read-only filesystem, a full disk."""
-    fixes = {
-        errno.EACCES: "fix its permissions or choose another directory",
-        errno.EPERM: "fix its permissions or choose another directory",
-        errno.EROFS: "the filesystem is read-only: choose a writable directory",
-        errno.ENOSPC: "the disk is full: free space or choose another directory",
-        errno.EDQUOT: "the disk quota is exhausted: free space or choose another directory",
-    }
-    reason = err.strerror or str(err)
-    where = f" ({err.filename})" if err.filename else ""
-    fix = fixes.get(err.errno or 0)
-    return f"{reason}{where}" + (f"; {fix}" if fix else "")
 
 
 def _describe(err: BaseException) -> str:

@@ -106,8 +106,7 @@ def state_problems(path: Path, state: Mapping[str, Any]) -> list[str]:
     checksum = state.get("checksum")
     if checksum != hashlib.sha256(_canonical(state)).hexdigest():
         problems.append(
-            f"{STATE_FILE}: its checksum does not match its content (edited by hand or "
-            "corrupted)"
+            f"{STATE_FILE}: its checksum does not match its content (edited by hand or corrupted)"
         )
     try:
         named = checkpoint_step(path)
@@ -138,7 +137,9 @@ def file_problems(
             cut = " (truncated)" if size < expected["size"] else ""
             problems.append(f"{name}: {size:,} bytes, expected {expected['size']:,}{cut}")
         elif content and file_digest(file)["sha256"] != expected["sha256"]:
-            problems.append(f"{name}: its content does not match its sha256 (the file is corrupted)")
+            problems.append(
+                f"{name}: its content does not match its sha256 (the file is corrupted)"
+            )
     return problems
 
 
@@ -168,7 +169,11 @@ def inspect_directory(directory: str | Path, *, content: bool = True) -> list[Ch
     root = Path(directory)
     if not root.is_dir():
         return []
-    found = [inspect_checkpoint(entry, content=content) for entry in root.iterdir() if _is_candidate(entry)]
+    found = [
+        inspect_checkpoint(entry, content=content)
+        for entry in root.iterdir()
+        if _is_candidate(entry)
+    ]
     return sorted(found, key=lambda status: (status.step is None, status.step, status.path.name))
 
 
