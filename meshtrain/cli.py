@@ -188,21 +188,38 @@ def launch_command(args: argparse.Namespace) -> int:
 
 
 def train_rank(args: argparse.Namespace) -> int:
-    """One rank of ``meshtrain train`` under torchrun: train, then one line on rank 0 saying
-    how it ended; a meshtrain error is one line per rank (and no restart: it would fail again)."""
-    from meshtrain.launch import EXIT_STOPPED, StopRequested, report_exit
+    """One rank of ``meshtrain train`` under torchrun: train, then say how it ended — one line
+    on rank 0 for a stop or the end; a meshtrain error or a lost peer goes to the launcher,
+    which prints each distinct one once (under torchrun itself, every rank prints its own)."""
+    from meshtrain.launch import (
+        EXIT_ERROR,
+        EXIT_OK,
+        EXIT_STOPPED,
+        StopRequested,
+        refuse_restart,
+        report_exit,
+    )
 
     rank = int(os.environ.get("RANK", "0"))
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # until training starts
+        signal.signal(number, _stop_now)
     try:
-        return _train_rank(args, rank)
-    except StopRequested as stopped:  # before training started: nothing to save
-        if rank == 0:
-            _say(f"stopped by {stopped.signal_name} before training started; nothing to save.")
-        report_exit(EXIT_STOPPED, "stopped")
-        return EXIT_STOPPED
+        code, event, line = _train_rank(args, rank)
+    except StopRequested as stopped:
+        code, event = EXIT_STOPPED, "stopped"
+        line = f"stopped by {stopped.signal_name} before training started; nothing to save."
+        line = line if rank == 0 else ""
+    ended = code in (EXIT_OK, EXIT_STOPPED)
+    told = report_exit(code, event, "" if ended else line)  # the launcher prints errors once
+    if line and (ended or not told):
+        _say(line, stream=sys.stdout if ended else None)
+    if code == EXIT_ERROR:
+        refuse_restart()  # the same recipe would fail the same way
+    return code
 
 
-def _train_rank(args: argparse.Namespace, rank: int) -> int:
+def _train_rank(args: argparse.Namespace, rank: int) -> tuple[int, str, str]:
+    """Train; return the exit status, the event the launcher is told and the line to show."""
     from meshtrain.launch import (
         EXIT_ERROR,
         EXIT_FAILED,
@@ -211,12 +228,8 @@ def _train_rank(args: argparse.Namespace, rank: int) -> int:
         exit_with_parent,
         init_distributed,
         lost_peer,
-        refuse_restart,
-        report_exit,
     )
 
-    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # until training starts
-        signal.signal(number, _stop_now)
     exit_with_parent()
     import torch.distributed as dist
 
@@ -225,33 +238,27 @@ def _train_rank(args: argparse.Namespace, rank: int) -> int:
     from meshtrain.train.stop import GracefulStop
 
     stop = GracefulStop()
+    stop.install()  # kept to the end: after training, a signal only sets a flag
     try:
-        with stop.installed():
+        try:
             recipe = load_recipe(args.recipe, args.overrides)
             device = init_distributed()
-            try:
-                result = train(recipe, device=device, stop=stop)
-                dist.barrier()
-            finally:
+            result = train(recipe, device=device, stop=stop)
+            dist.barrier()
+        finally:
+            stop.arm()  # leaving: a late signal (the agent stopping the job) changes nothing
+            if dist.is_initialized():
                 dist.destroy_process_group()
-        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # leaving anyway
-            signal.signal(number, signal.SIG_IGN)
     except MeshtrainError as err:
-        _say(f"[rank {rank}] {type(err).__name__}: {err.message}")
-        report_exit(EXIT_ERROR, "error")
-        refuse_restart()
-        return EXIT_ERROR
+        return EXIT_ERROR, "error", f"[rank {rank}] {type(err).__name__}: {err.message}"
     except Exception as err:
         if not lost_peer(err):
             raise  # a bug: its traceback is the report
-        _say(f"[rank {rank}] lost contact with another rank ({_first_line(err)}); stopping.")
-        report_exit(EXIT_FAILED, "lost contact")
-        return EXIT_FAILED
-    code = EXIT_STOPPED if result.stopped_by else EXIT_OK
-    if rank == 0:
-        _say(_ending(recipe, result), stream=sys.stdout)
-    report_exit(code, "stopped" if result.stopped_by else "done")
-    return code
+        line = f"[rank {rank}] lost contact with another rank ({_first_line(err)}); stopping."
+        return EXIT_FAILED, "lost contact", line
+    if result.stopped_by:
+        return EXIT_STOPPED, "stopped", _ending(recipe, result) if rank == 0 else ""
+    return EXIT_OK, "done", _ending(recipe, result) if rank == 0 else ""
 
 
 def _stop_now(number: int, frame: object) -> None:

@@ -215,18 +215,22 @@ class RankReport:
     rank: int
     exit_code: int
     event: str  # "done", "stopped", "error", "lost contact"
+    message: str = ""  # what the launcher prints (once for the ranks that say the same)
 
 
-def report_exit(exit_code: int, event: str) -> None:
-    """Tell this node's launcher how this rank ends (when it asked, through
-    :data:`REPORT_VARIABLE`); a rank that dies without a report crashed."""
+def report_exit(exit_code: int, event: str, message: str = "") -> bool:
+    """Tell this node's launcher how this rank ends, when it asked (through
+    :data:`REPORT_VARIABLE`); True when told. A rank that dies without a report crashed."""
     directory = os.environ.get(REPORT_VARIABLE)
     if not directory:
-        return
+        return False
     rank = int(os.environ.get("RANK", "0"))
-    with contextlib.suppress(OSError):
+    try:
         path = Path(directory) / f"rank-{rank}.json"
-        path.write_text(json.dumps(asdict(RankReport(rank, exit_code, event))))
+        path.write_text(json.dumps(asdict(RankReport(rank, exit_code, event, message))))
+    except OSError:
+        return False
+    return True
 
 
 def refuse_restart() -> None:
@@ -261,9 +265,13 @@ def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int) -> i
         try:
             run(parse_args(list(arguments)))
         except SignalException as err:
-            return _after_signal(signal.Signals(err.sigval), _read_reports(reports), nproc)
+            found = _read_reports(reports)
+            _print_messages(found)
+            return _after_signal(signal.Signals(err.sigval), found, nproc)
         except ChildFailedError as err:
-            return _after_failure(err.failures, _read_reports(reports))
+            found = _read_reports(reports)
+            _print_messages(found)
+            return _after_failure(err.failures, found)
         return EXIT_OK
     finally:
         shutil.rmtree(reports, ignore_errors=True)
@@ -288,6 +296,20 @@ def _read_reports(directory: Path) -> dict[int, RankReport]:
             report = RankReport(**json.loads(path.read_text()))
             found[report.rank] = report
     return found
+
+
+def _print_messages(reports: Mapping[int, RankReport]) -> None:
+    """Each distinct error the ranks reported, once, with the ranks that raised it; a lost
+    peer is left to the summary line."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, report in sorted(reports.items()):
+        if report.message and report.event == "error":
+            text = report.message.split("] ", 1)[-1]  # without the rank's own "[rank N] "
+            ranks_of.setdefault(text, []).append(rank)
+    for text, ranks in ranks_of.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        with contextlib.suppress(OSError):
+            print(f"[{who}] {text}", file=sys.stderr, flush=True)
 
 
 def _after_signal(number: signal.Signals, reports: dict[int, RankReport], nproc: int) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError
+from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
 from meshtrain.lower import apply
 from meshtrain.models.llama import llama_flops_per_token
 from meshtrain.plan.api import plan as make_plan
@@ -53,7 +53,7 @@ from meshtrain.train.data import (
     prepare_corpus,
 )
 from meshtrain.train.fingerprint import check_same_plan
-from meshtrain.train.guard import SkipBudget, SkipGuard, SkipRecord
+from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
 from meshtrain.train.lock import TOKEN_VARIABLE
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import LoggingConfig, Sinks, make_sinks
@@ -127,7 +127,7 @@ def _train(
         )
     )
     budget = SkipBudget(train_cfg.max_consecutive_skips, train_cfg.max_total_skips)
-    state, guard, resume = _resume(recipe, state, optimizer, checkpointer, budget)
+    state, guard, last_good, resume = _resume(recipe, state, optimizer, checkpointer, budget)
     stop.arm()  # from here on a stop waits for a step boundary and saves
     dp_rank, dp_size = data_parallel_rank(plan)
     loader = DistributedBatches(_dataset(recipe), recipe.train.batch_size, dp_rank, dp_size,
@@ -141,7 +141,7 @@ def _train(
         flops_per_token=llama_flops_per_token(recipe.model.config, train_cfg.seq_len),
         device=device,
     )
-    loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, resume)
+    loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, last_good, resume)
     failed = True
     try:
         state = loop.run(state, step_fn, loader, sinks, meter, stop, stop_after, device)
@@ -168,14 +168,17 @@ class _Loop:
         fingerprint: str,
         checkpointer: Checkpointer,
         guard: SkipGuard,
+        last_good: LastGood,
         resume: Path | None,
     ) -> None:
         self.recipe, self.plan, self.fingerprint = recipe, plan, fingerprint
-        self.checkpointer, self.guard = checkpointer, guard
+        self.checkpointer, self.guard, self.last_good = checkpointer, guard, last_good
         self.losses: dict[int, float] = {}
         self.saved = resume
         self.saved_step = checkpoint_step(resume) if resume is not None else 0
         self.stopped_by: str | None = None
+        # a checkpoint is good once the run trained a whole interval past it with no skip
+        self.confirm_steps = max(1, recipe.checkpoint.interval)
 
     def run(self, state: TrainState, step_fn: Any, loader: DistributedBatches, sinks: Sinks,
             meter: Throughput, stop: GracefulStop, stop_after: int | None,
@@ -207,33 +210,39 @@ class _Loop:
         return state
 
     def _count(self, step: int, metrics: dict[str, float]) -> None:
-        """Skipped-step accounting; the first skip after a clean stretch protects the newest
-        checkpoint (the last one before the trouble) from ``keep_last``."""
-        self.guard.update(step, metrics, advice=self._advice())
-        if self.guard.record.consecutive == 1 and self.saved is not None:
-            self.checkpointer.protect(self.saved_step)
+        """Skipped-step accounting, and which checkpoint is the last good one."""
+        skipped = bool(metrics.get("skipped"))
+        self.last_good = self.last_good.after_step(skipped=skipped,
+                                                   confirm_steps=self.confirm_steps)  # fmt: skip
+        self.checkpointer.protect(self.last_good.step)
+        try:
+            self.guard.update(step, metrics)
+        except TrainingError as err:  # raised on every rank alike: collectives are safe
+            self.checkpointer.wait()  # a save still in flight is from before the trouble
+            raise TrainingError(f"{err.message} {self._advice()}") from None
 
     def _advice(self) -> str:
-        protected = self.checkpointer.protected
-        if protected is None:
-            return "No checkpoint was saved before the trouble began."
+        good = self.last_good.step
+        if good is None:
+            return "No checkpoint of this run was confirmed good (trained past with no skip)."
         directory = self.recipe.checkpoint_dir
         newer = [path.name for path in list_checkpoints(directory)
-                 if checkpoint_step(path) > protected]  # fmt: skip
+                 if checkpoint_step(path) > good]  # fmt: skip
         advice = (
-            f"The last checkpoint before the trouble is {directory / checkpoint_name(protected)}"
+            f"The last good checkpoint (trained {self.confirm_steps} steps past with no skipped "
+            f"step) is {directory / checkpoint_name(good)}"
         )
         if newer:
-            return f"{advice}; delete the ones saved since ({', '.join(newer)}) to resume from it."
+            return f"{advice}; delete those saved since ({', '.join(newer)}) to resume from it."
         return f"{advice}; the next run resumes from it."
 
     def _save(self, state: TrainState, *, wait: bool = False) -> None:
         extra = _extra(state, self.plan, self.fingerprint, self.recipe)
         extra["nonfinite"] = self.guard.record.to_json()
-        extra["protected"] = self.checkpointer.protected
+        extra["last_good"] = self.last_good.to_json()
         self.saved = self.checkpointer.save(state.step, state.params, state.optimizer, extra,
                                             wait=wait)  # fmt: skip
-        self.saved_step = state.step
+        self.saved_step, self.last_good = state.step, self.last_good.after_save(state.step)
 
 
 def _resume(
@@ -242,22 +251,24 @@ def _resume(
     optimizer: torch.optim.Optimizer,
     checkpointer: Checkpointer,
     budget: SkipBudget,
-) -> tuple[TrainState, SkipGuard, Path | None]:
+) -> tuple[TrainState, SkipGuard, LastGood, Path | None]:
     """The state to start from: the newest intact checkpoint (every checkpoint passed over on
-    the way is named on rank 0), restored with its skip counts and protection, or a fresh one."""
+    the way is named on rank 0), restored with its skip counts and last good checkpoint, or a
+    fresh one."""
     if not recipe.checkpoint.resume:
-        return state, SkipGuard(budget), None
+        return state, SkipGuard(budget), LastGood(), None
     point = find_resume_point(recipe.checkpoint_dir)
     for line in point.describe_passed_over():
         announce(f"{recipe.name}: warning: {line}")
     if point.checkpoint is None:
-        return state, SkipGuard(budget), None
+        return state, SkipGuard(budget), LastGood(), None
     extra = load_checkpoint(point.checkpoint, state.params, optimizer, verify=False)
-    checkpointer.protect(extra.get("protected"))
     guard = SkipGuard(budget, SkipRecord.from_json(extra.get("nonfinite")))
     state = _restore(state, extra)
+    last_good = LastGood.resumed(extra.get("last_good"), state.step)
+    checkpointer.protect(last_good.step)
     announce(f"{recipe.name}: resumed from step {state.step} (checkpoint {point.checkpoint})")
-    return state, guard, point.checkpoint
+    return state, guard, last_good, point.checkpoint
 
 
 @contextlib.contextmanager

@@ -159,8 +159,8 @@ class Checkpointer:
         self._told_sync = False
 
     def protect(self, step: int | None) -> None:
-        """Never let ``keep_last`` prune the checkpoint of ``step`` (the last one saved before a
-        run's trouble began); ``None`` lifts the protection."""
+        """Never let ``keep_last`` prune the checkpoint of ``step`` (the run's last good one,
+        :class:`~meshtrain.train.guard.LastGood`); ``None`` lifts the protection."""
         self.protected = step
 
     def due(self, step: int) -> bool:

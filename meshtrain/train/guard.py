@@ -7,7 +7,7 @@ nearly every step and still "finish". :class:`SkipGuard` bounds it: more than
 (resumes included), stops training with a :class:`~meshtrain.TrainingError` on every rank alike
 (the skip decision is global, so every rank counts the same). It also says when a checkpoint may
 be written: never right after a skipped step, so a checkpoint always holds a state whose last
-update was applied.
+update was applied. :class:`LastGood` keeps the last good checkpoint out of ``keep_last``'s reach.
 
 Under fp16 the loss scaler skips a step whose gradients overflow while the loss is finite; that is
 how it finds its scale, so such a step counts towards the consecutive budget (a scale that never
@@ -30,7 +30,7 @@ from typing import Any
 
 from meshtrain.errors import TrainingError
 
-__all__ = ["SkipBudget", "SkipGuard", "SkipRecord"]
+__all__ = ["LastGood", "SkipBudget", "SkipGuard", "SkipRecord"]
 
 #: How many of the latest skipped losses a TrainingError quotes.
 _QUOTED = 5
@@ -105,11 +105,10 @@ class SkipGuard:
         """True when the latest step applied its update (a checkpoint may be written now)."""
         return self.record.consecutive == 0
 
-    def update(self, step: int, metrics: Mapping[str, Any], *, advice: str = "") -> None:
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Count step ``step``'s outcome (``metrics`` from the train step: ``loss``,
         ``grad_norm``, ``skipped`` and, under fp16, ``loss_scale``); raise
-        :class:`~meshtrain.TrainingError` when the budget is spent. ``advice`` ends the message
-        (e.g. which checkpoint to go back to)."""
+        :class:`~meshtrain.TrainingError` when the budget is spent."""
         record = self.record
         if not metrics.get("skipped"):
             self.record = replace(record, consecutive=0, last_step=step)
@@ -122,9 +121,9 @@ class SkipGuard:
             last_step=step,
             recent=(*record.recent, (step, loss))[-_QUOTED:],
         )
-        self._check(step, advice)
+        self._check(step)
 
-    def _check(self, step: int, advice: str) -> None:
+    def _check(self, step: int) -> None:
         record, budget = self.record, self.budget
         if record.consecutive > budget.max_consecutive:
             what = (
@@ -144,5 +143,53 @@ class SkipGuard:
             f"(latest skipped losses: {losses}). The run stops instead of training on a ruined "
             "model; no checkpoint was written from a skipped step. Lower the learning rate, "
             "check the data, or raise the budget (train.max_consecutive_skips, "
-            f"train.max_total_skips).{' ' + advice if advice else ''}"
+            "train.max_total_skips)."
         )
+
+
+@dataclass(frozen=True)
+class LastGood:
+    """The last good checkpoint: the newest one the run then trained ``confirm_steps`` steps
+    past without a skipped step. ``keep_last`` never prunes it.
+
+    A harmful update (a learning rate far too high) often leaves a finite loss for a step or
+    two before the non-finite ones start, so the newest checkpoint before the first skipped step
+    may already hold a ruined model; one the run trained a whole stretch past cannot. A skipped
+    step disqualifies the checkpoint waiting to be confirmed (``candidate``).
+
+    Example:
+        >>> good = LastGood().after_save(10)                # saved at step 10
+        >>> good = good.after_step(skipped=False, confirm_steps=2)
+        >>> good = good.after_step(skipped=False, confirm_steps=2)
+        >>> good.step, good.after_save(12).after_step(skipped=True, confirm_steps=2).step
+        (10, 10)
+    """
+
+    step: int | None = None
+    candidate: int | None = None
+    clean_steps: int = 0
+
+    def after_step(self, *, skipped: bool, confirm_steps: int) -> LastGood:
+        """One more step trained (``skipped`` when its update was dropped)."""
+        if skipped:
+            return LastGood(self.step)
+        if self.candidate is None:
+            return self
+        if self.clean_steps + 1 >= confirm_steps:
+            return LastGood(self.candidate)
+        return LastGood(self.step, self.candidate, self.clean_steps + 1)
+
+    def after_save(self, step: int) -> LastGood:
+        """A checkpoint of ``step`` was saved: it waits to be confirmed."""
+        return LastGood(self.step, step, 0)
+
+    def to_json(self) -> dict[str, Any]:
+        """As saved in checkpoints: the confirmed step (a resume confirms its own checkpoint
+        anew)."""
+        return {"step": self.step}
+
+    @classmethod
+    def resumed(cls, data: Mapping[str, Any] | None, step: int) -> LastGood:
+        """After resuming from the checkpoint of ``step`` that holds ``data``."""
+        saved = (data or {}).get("step")
+        return cls(None if saved is None else int(saved), step, 0)

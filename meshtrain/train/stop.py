@@ -71,14 +71,18 @@ class GracefulStop:
         before (with :meth:`request`) is taken there too."""
         self.armed = True
 
+    def install(self) -> dict[int, Any]:
+        """Handle :attr:`signals` from now on (main thread only); returns the handlers replaced.
+        A process that ends after training keeps them: once armed, a late signal is harmless."""
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        return {number: signal.signal(number, self._handle) for number in self.signals}
+
     @contextlib.contextmanager
     def installed(self, enabled: bool = True) -> Iterator[GracefulStop]:
         """Handle :attr:`signals` inside the block (main thread only; elsewhere, or when not
         ``enabled``, signals keep their handlers); the previous handlers come back after it."""
-        if not enabled or threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {number: signal.signal(number, self._handle) for number in self.signals}
+        previous = self.install() if enabled else {}
         try:
             yield self
         finally:
