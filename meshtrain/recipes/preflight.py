@@ -131,6 +131,13 @@ def _check_batch(data: Mapping[str, Any], source: str, sizes: Mapping[str, int])
 def _check_files(data: Mapping[str, Any], source: str) -> None:
     """The data the run reads exists, or its directory can be created; so do files it starts
     from."""
+    checkpoint = data.get("checkpoint", {})
+    start = checkpoint.get("init_from") if isinstance(checkpoint, Mapping) else None
+    if isinstance(start, str) and start and not Path(start).is_file():
+        raise RecipeError(
+            f"{source}: checkpoint.init_from = {start!r} does not exist (or is not a file): give "
+            "the safetensors file the run starts from."
+        )
     table = data.get("data", {})
     table = table if isinstance(table, Mapping) else {}
     kind = table.get("source", DEFAULTS["data.source"])
@@ -153,13 +160,6 @@ def _check_files(data: Mapping[str, Any], source: str) -> None:
                 f"but {str(existing)!r} is not a writable directory. Choose a writable "
                 "data.path, or fix its permissions."
             )
-    checkpoint = data.get("checkpoint", {})
-    start = checkpoint.get("init_from") if isinstance(checkpoint, Mapping) else None
-    if isinstance(start, str) and start and not Path(start).is_file():
-        raise RecipeError(
-            f"{source}: checkpoint.init_from = {start!r} does not exist (or is not a file): give "
-            "the safetensors file the run starts from."
-        )
 
 
 def check_plan(recipe: Recipe, world: int) -> None:

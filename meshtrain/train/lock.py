@@ -64,7 +64,11 @@ class LockHolder:
     @classmethod
     def me(cls, token: str) -> LockHolder:
         """This process, holding for the job ``token``."""
-        command = shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]]) if sys.argv else "python"
+        program = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("python")
+        shown = (
+            f"python -m {program.parent.name}" if program.name == "__main__.py" else program.name
+        )
+        command = " ".join([shown, *(shlex.quote(arg) for arg in sys.argv[1:])])
         pid = os.getpid()
         return cls(socket.gethostname(), pid, token, time.time(), command, _start_time(pid))
 
