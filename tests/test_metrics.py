@@ -435,10 +435,9 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_begins_a_new_on
     import wandb
 
     wandb.teardown()
-    runs = sorted(
-        path.name.rsplit("-", 1)[-1] for path in (run_dir / "wandb").glob("offline-run-*")
-    )
-    assert runs == sorted(ids)
+    runs = [path.name for path in (run_dir / "wandb").glob("offline-run-*")]
+    assert len(runs) == 3  # wandb sync uploads the first two into one run, the third apart
+    assert sum(ids[0] in name for name in runs) == 2 and sum(ids[2] in name for name in runs) == 1
 
 
 def test_online_wandb_without_credentials_fails_on_every_rank_before_training(
