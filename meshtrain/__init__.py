@@ -11,7 +11,9 @@ Example:
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
-from typing import TYPE_CHECKING
+import sys
+import types
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import (
     CheckpointError,
@@ -28,7 +30,6 @@ from meshtrain.errors import (
 )
 
 if TYPE_CHECKING:
-    from meshtrain import testing as testing
     from meshtrain.launch import init_distributed
     from meshtrain.lower import apply, constrain, distribute, loss_parallel, micro_batch, shard_map
     from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
@@ -45,7 +46,7 @@ _LAZY = {
         ("apply", "constrain", "distribute", "loss_parallel", "micro_batch", "shard_map"),
         "meshtrain.lower",
     ),
-    **dict.fromkeys(("Pipeline", "Plan", "PlanOptions", "plan"), "meshtrain.plan"),
+    **dict.fromkeys(("Pipeline", "Plan", "PlanOptions"), "meshtrain.plan"),
     **dict.fromkeys(
         ("Mesh", "P", "Resolution", "Rules", "annotate", "make_mesh"), "meshtrain.spec"
     ),
@@ -70,6 +71,24 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_LAZY, "testing"})
+
+
+class _Facade(types.ModuleType):
+    """``mt.plan`` is the planning function, as when every name was imported eagerly: importing
+    the ``meshtrain.plan`` package binds that name on this module, and must not replace it."""
+
+    @property
+    def plan(self) -> Any:
+        from meshtrain.plan import plan
+
+        return plan
+
+    @plan.setter
+    def plan(self, module: types.ModuleType) -> None:
+        """The import system binding the subpackage: ``mt.plan`` stays the function."""
+
+
+sys.modules[__name__].__class__ = _Facade
 
 
 __all__ = [

@@ -20,7 +20,7 @@ def test_unknown_override_exits_2_before_starting_ranks(capsys: pytest.CaptureFi
 def test_wrong_type_exits_2_naming_key_and_allowed_values(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["train", "debug", "--set", "logging.wandb=cloud"]) == 2
+    assert main(["train", "debug", "--nproc", "2", "--set", "logging.wandb=cloud"]) == 2
     err = capsys.readouterr().err
     assert 'logging.wandb = "cloud" is not allowed' in err
     assert '"offline", "online", "disabled"' in err
