@@ -83,9 +83,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-restarts", type=_count, default=0, metavar="N",
                        help="restart the ranks up to N times when one fails; they resume from "
                        "the last checkpoint (default 0)")  # fmt: skip
-    train.add_argument("--stop-timeout", type=_positive, default=300, metavar="S",
+    train.add_argument("--stop-timeout", type=_positive, default=None, metavar="S",
                        help="seconds the ranks get to finish their step and save after SIGTERM "
-                       "or Ctrl-C before they are killed (default 300)")  # fmt: skip
+                       "or Ctrl-C before they are killed (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+                       "if set, else 300)")  # fmt: skip
     train.set_defaults(run=train_command)
 
     checkpoints = commands.add_parser(

@@ -243,12 +243,13 @@ def refuse_restart() -> None:
             os.kill(os.getppid(), signal.SIGTERM)
 
 
-def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int) -> int:
+def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | None = None) -> int:
     """Run torchrun's elastic agent in this process with :func:`torchrun_arguments` and return
     this node's exit status (:data:`EXIT_CODES`).
 
     The agent forwards SIGTERM, SIGINT and SIGHUP to every rank's process group and gives them
-    ``stop_timeout_s`` seconds to finish their step and save before it kills them. Ranks report
+    ``stop_timeout_s`` seconds to finish their step and save before it kills them (default:
+    :data:`STOP_TIMEOUT_VARIABLE` when set, else 300). Ranks report
     how they ended (:func:`report_exit`), so a stop, a meshtrain error and a crash each end in
     one line and their own status instead of torchrun's tracebacks.
     """
@@ -258,7 +259,9 @@ def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int) -> i
 
     reports = Path(tempfile.mkdtemp(prefix="meshtrain-ranks-"))
     os.environ[REPORT_VARIABLE] = str(reports)
-    os.environ.setdefault(STOP_TIMEOUT_VARIABLE, str(stop_timeout_s))
+    if stop_timeout_s is not None:
+        os.environ[STOP_TIMEOUT_VARIABLE] = str(stop_timeout_s)
+    os.environ.setdefault(STOP_TIMEOUT_VARIABLE, "300")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     _quiet_agent_logs()
     try:

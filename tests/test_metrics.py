@@ -436,7 +436,7 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_begins_a_new_on
 
     wandb.teardown()
     runs = [path.name for path in (run_dir / "wandb").glob("offline-run-*")]
-    assert len(runs) == 3  # wandb sync uploads the first two into one run, the third apart
+    assert len(runs) == 3  # the first two under one run id, the third under another
     assert sum(ids[0] in name for name in runs) == 2 and sum(ids[2] in name for name in runs) == 1
 
 
