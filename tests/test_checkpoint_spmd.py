@@ -263,6 +263,26 @@ def test_a_rank_killed_mid_save_leaves_no_torn_checkpoint(tmp_path: Path, async_
     assert result["after_next_save"] == ["step_00000001", "step_00000002"]
 
 
+def resume_from_a_local_disk(root: str) -> str:
+    """Each rank looks in a directory of its own, as ranks on nodes without a shared disk would."""
+    directory = Path(root) / f"node{dist.get_rank()}"
+    try:
+        find_resume_point(directory)
+    except CheckpointError as err:
+        return err.message
+    return "agreed"
+
+
+def test_ranks_that_see_different_checkpoints_refuse_alike_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    Checkpointer(CheckpointConfig(tmp_path / "node0")).save(3, {"w": torch.ones(2)}, None, {})
+    messages = get_pool(2).run(resume_from_a_local_disk, str(tmp_path), _timeout_s=60)
+    views = [message.partition("' (")[2] for message in messages]  # past each rank's own path
+    assert views[0] == views[1] and views[0].startswith("rank 0: step_00000003; rank 1: none")
+    assert "on a filesystem every rank shares" in messages[0]
+
+
 def save_asynchronously(directory: str) -> dict[str, Any]:
     """Two async saves; step 1's writes are held back until training has changed every
     parameter in place, so step 1 can only hold the right values if save() copied them."""

@@ -417,6 +417,7 @@ def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePo
     """
     directory = Path(directory)
     complete = list_checkpoints(directory)
+    _check_same_listing(directory, [path.name for path in complete])
     newest = checkpoint_step(complete[-1]) if complete else -1
     unfinished = [inspect_checkpoint(path, content=False)
                   for path in sorted(directory.glob(f"step_*{TMP_MARKER}*"), reverse=True)]  # fmt: skip
@@ -427,6 +428,20 @@ def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePo
             return ResumePoint(path, tuple(passed))
         passed.append(status)
     return ResumePoint(None, tuple(passed))
+
+
+def _check_same_listing(directory: Path, names: list[str]) -> None:
+    """Every rank must see the same checkpoints, or they would load different ones (or wait for
+    each other forever): a directory on each node's own disk is refused on every rank."""
+    seen = _all_gather(names)
+    if any(listing != seen[0] for listing in seen):
+        views = "; ".join(
+            f"rank {rank}: {', '.join(listing[-3:]) or 'none'}" for rank, listing in enumerate(seen)
+        )
+        raise CheckpointError(
+            f"the ranks see different checkpoints in {str(directory)!r} ({views}; the newest "
+            "3 shown). Put checkpoint.dir on a filesystem every rank shares."
+        )
 
 
 def verify_checkpoint(path: str | Path) -> CheckpointStatus:
