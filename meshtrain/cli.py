@@ -285,10 +285,16 @@ def _ending(recipe: Recipe, result: RunResult) -> str:
         )
     if result.losses:
         last = max(result.losses)
-        return (
+        line = (
             f"{name}: trained to step {last}, loss {result.losses[last]:.4f}; run directory "
             f"{result.run_dir}"
         )
+        if checkpoint is not None and checkpoint_step(checkpoint) != last:
+            line += (
+                f" (step {last} was skipped for non-finite values, so the last checkpoint is "
+                f"step {checkpoint_step(checkpoint)}: {checkpoint})"
+            )
+        return line
     return (
         f"{name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
         f"{result.resumed_from} of {recipe.train.steps}; nothing to train. Raise train.steps or "

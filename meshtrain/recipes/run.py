@@ -1,11 +1,15 @@
 """The training loop a recipe describes: plan, data, train step, checkpoints and metrics.
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
-``torchrun``, or any SPMD launcher) and does, in this order: build the model on full tensors from
-the recipe's seed (or a safetensors file), plan it, check that every rank has the same plan
-(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the latest complete checkpoint when
-there is one (under whatever mesh this run has: DCP reshards), then train, logging every step and
-saving at the recipe's interval and at the end.
+``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
+the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed (or
+a safetensors file), plan it, check that every rank has the same plan
+(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the newest intact checkpoint when
+there is one (under whatever mesh this run has: DCP reshards; damaged or unfinished ones are
+passed over, one line each), then train, logging every step and saving at the recipe's interval
+and at the end. A stop signal ends every rank after the same step with a checkpoint
+(:mod:`~meshtrain.train.stop`); skipped steps are counted against the recipe's budget and never
+checkpointed, and ``keep_last`` spares the last good checkpoint (:mod:`~meshtrain.train.guard`).
 
 Example (on every rank)::
 

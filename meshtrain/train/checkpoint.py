@@ -330,14 +330,7 @@ def load_checkpoint(
     """
     path = Path(path)
     if verify:
-        status = verify_checkpoint(path)
-        if status.status == "damaged":
-            raise CheckpointError(
-                f"checkpoint {str(path)!r} is damaged, so nothing was loaded:\n"
-                + "\n".join(f"  - {problem}" for problem in status.problems)
-                + "\nLoad an earlier one (`meshtrain checkpoints DIR` lists them with their "
-                "status)."
-            )
+        _refuse_damaged(verify_checkpoint(path))
     problems: list[str] = []
     state: dict[str, Any] | None = None
     metadata: Metadata | None = None
@@ -428,6 +421,15 @@ def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePo
             return ResumePoint(path, tuple(passed))
         passed.append(status)
     return ResumePoint(None, tuple(passed))
+
+
+def _refuse_damaged(status: CheckpointStatus) -> None:
+    if status.status == "damaged":
+        raise CheckpointError(
+            f"checkpoint {str(status.path)!r} is damaged, so nothing was loaded:\n"
+            + "\n".join(f"  - {problem}" for problem in status.problems)
+            + "\nLoad an earlier one (`meshtrain checkpoints DIR` lists them with their status)."
+        )
 
 
 def _check_same_listing(directory: Path, names: list[str]) -> None:
