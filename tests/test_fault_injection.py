@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain import CheckpointError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.run import train
 from meshtrain.testing.runner import get_pool
@@ -59,6 +60,29 @@ def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[in
     losses = get_pool(2).run(uninterrupted_losses, overrides)[0]
     assert sorted(losses) == list(range(1, STEPS + 1))
     return losses
+
+
+def train_two_steps(overrides: list[str]) -> str:
+    """On every pool rank: train two steps (saving them); the error's message if it raises."""
+    try:
+        train(load_recipe("debug", overrides), stop_after=2)
+    except CheckpointError as err:
+        return err.message
+    return "trained"
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(
+    tmp_path: Path, corpus: Path
+) -> None:
+    overrides = _overrides(tmp_path / "run", corpus, "logging.wandb=disabled",
+                           "logging.console=false")  # fmt: skip
+    assert get_pool(2).run(train_two_steps, overrides) == ["trained"] * 2
+    (payload, *_) = sorted((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
+    payload.write_bytes(payload.read_bytes()[:-8])
+    messages = get_pool(2).run(train_two_steps, overrides)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("no intact checkpoint to resume from in ")
+    assert "step_00000002 is damaged" in messages[0] and "checkpoint.resume = false" in messages[0]
 
 
 class Job:

@@ -264,6 +264,14 @@ def _resume(
     point = find_resume_point(recipe.checkpoint_dir)
     for line in point.describe_passed_over():
         announce(f"{recipe.name}: warning: {line}")
+    damaged = [status.path.name for status in point.passed_over if status.status == "damaged"]
+    if point.checkpoint is None and damaged:  # starting over would bury a long run's work
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {str(recipe.checkpoint_dir)!r}: "
+            f"{', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged (the lines "
+            "above say how). Repair or remove them, or set checkpoint.resume = false to start "
+            "afresh."
+        )
     if point.checkpoint is None:
         return state, SkipGuard(budget), LastGood(), None
     extra = load_checkpoint(point.checkpoint, state.params, optimizer, verify=False)
