@@ -104,8 +104,9 @@ class CheckpointConfig:
 
     ``interval``: save every ``interval`` steps (0: never by schedule; call ``save`` yourself).
     ``keep_last``: complete checkpoints kept, older ones removed after each save (0: keep all).
-    ``async_save``: write in a background thread over a separate gloo group; ``save`` returns
-    once the state is copied, and the checkpoint is published by the next ``save`` or ``wait``.
+    ``async_save``: write in a background thread over a separate gloo group (created when the
+    :class:`Checkpointer` is, on every rank); ``save`` returns once the state is copied, and the
+    checkpoint is published by the next ``save`` or ``wait``.
 
     Example:
         >>> CheckpointConfig("runs/ckpt", interval=100).path.name
@@ -142,7 +143,8 @@ class _PendingSave:
 
 
 class Checkpointer:
-    """Saves checkpoints of one run on its schedule; call every method on every rank alike.
+    """Saves checkpoints of one run on its schedule; construct it and call every method on every
+    rank alike.
 
     Example:
         >>> import tempfile
@@ -157,6 +159,10 @@ class Checkpointer:
         self._pending: _PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._told_sync = False
+        if config.async_save and _distributed():
+            # Now, while the rendezvous store is surely up: a job whose launcher has died can
+            # still save on its way out, and creating a group needs the store.
+            self._checkpoint_group()
 
     def protect(self, step: int | None) -> None:
         """Never let ``keep_last`` prune the checkpoint of ``step`` (the run's last good one,
