@@ -216,6 +216,8 @@ class RankReport:
     exit_code: int
     event: str  # "done", "stopped", "error", "lost contact"
     message: str = ""  # what the launcher prints (once for the ranks that say the same)
+    pid: int = 0
+    attempt: int = 0  # torchrun's restart count: a report from an earlier attempt is stale
 
 
 def report_exit(exit_code: int, event: str, message: str = "") -> bool:
@@ -225,9 +227,11 @@ def report_exit(exit_code: int, event: str, message: str = "") -> bool:
     if not directory:
         return False
     rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt)
     try:
-        path = Path(directory) / f"rank-{rank}.json"
-        path.write_text(json.dumps(asdict(RankReport(rank, exit_code, event, message))))
+        path = Path(directory) / f"attempt-{attempt}-rank-{rank}.json"
+        path.write_text(json.dumps(asdict(report)))
     except OSError:
         return False
     return True
@@ -293,12 +297,13 @@ def _quiet_agent_logs() -> None:
 
 
 def _read_reports(directory: Path) -> dict[int, RankReport]:
-    found = {}
-    for path in directory.glob("rank-*.json"):
+    """The reports of the last attempt that wrote any (restarts start new attempts)."""
+    found: list[RankReport] = []
+    for path in directory.glob("attempt-*-rank-*.json"):
         with contextlib.suppress(OSError, ValueError, TypeError):
-            report = RankReport(**json.loads(path.read_text()))
-            found[report.rank] = report
-    return found
+            found.append(RankReport(**json.loads(path.read_text())))
+    last = max((report.attempt for report in found), default=0)
+    return {report.rank: report for report in found if report.attempt == last}
 
 
 def _print_messages(reports: Mapping[int, RankReport]) -> None:
@@ -333,6 +338,11 @@ def _after_signal(number: signal.Signals, reports: dict[int, RankReport], nproc:
 
 def _after_failure(failures: Mapping[int, object], reports: Mapping[int, RankReport]) -> int:
     """A rank failed: its own report decides, else one line naming how each failed rank ended."""
+    reports = {
+        rank: report
+        for rank, report in reports.items()
+        if rank in failures and getattr(failures[rank], "pid", report.pid) == report.pid
+    }  # only what the failed processes themselves reported
     codes = {reports[rank].exit_code for rank in failures if rank in reports}
     if all(rank in reports for rank in failures):
         if EXIT_ERROR in codes:
