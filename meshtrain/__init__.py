@@ -11,6 +11,10 @@ Example:
     >>> rules = mt.Rules({r".*\\.wq\\.weight": mt.P("tp", None), r".*": mt.P()}, fsdp="dp")
 """
 
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from meshtrain.errors import (
     CheckpointError,
     DataError,
@@ -24,22 +28,67 @@ from meshtrain.errors import (
     SpecError,
     TrainingError,
 )
-from meshtrain.launch import init_distributed
-from meshtrain.lower import apply, constrain, distribute, loss_parallel, micro_batch, shard_map
-from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
-from meshtrain.spec import Mesh, P, Resolution, Rules, annotate, make_mesh
-from meshtrain.train import TrainState, make_train_step
+
+if TYPE_CHECKING:
+    from meshtrain.launch import init_distributed
+    from meshtrain.lower import apply, constrain, distribute, loss_parallel, micro_batch, shard_map
+    from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
+    from meshtrain.spec import Mesh, P, Resolution, Rules, annotate, make_mesh
+    from meshtrain.train import TrainState, make_train_step
 
 __version__ = "0.1.0"
 
+#: Where each public name lives. Names are imported on first use, so ``python -m meshtrain``
+#: can read a recipe and refuse a bad launch before torch is imported.
+_LAZY = {
+    **dict.fromkeys(("init_distributed",), "meshtrain.launch"),
+    **dict.fromkeys(
+        ("apply", "constrain", "distribute", "loss_parallel", "micro_batch", "shard_map"),
+        "meshtrain.lower",
+    ),
+    **dict.fromkeys(("Pipeline", "Plan", "PlanOptions"), "meshtrain.plan"),
+    **dict.fromkeys(
+        ("Mesh", "P", "Resolution", "Rules", "annotate", "make_mesh"), "meshtrain.spec"
+    ),
+    **dict.fromkeys(("TrainState", "make_train_step"), "meshtrain.train"),
+}
+
 
 def __getattr__(name: str) -> object:
-    """``mt.testing`` is imported on first use (it pulls in Hypothesis and the SPMD runner)."""
-    if name == "testing":
-        import importlib
+    """The public names, imported on first use (``mt.testing`` pulls in Hypothesis and the SPMD
+    runner; the rest pull in torch)."""
+    import importlib
 
+    if name == "testing":
         return importlib.import_module("meshtrain.testing")
-    raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshtrain' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY, "testing"})
+
+
+class _Facade(types.ModuleType):
+    """``mt.plan`` is the planning function, as when every name was imported eagerly: importing
+    the ``meshtrain.plan`` package binds that name on this module, and must not replace it."""
+
+    @property
+    def plan(self) -> Any:
+        from meshtrain.plan import plan
+
+        return plan
+
+    @plan.setter
+    def plan(self, module: types.ModuleType) -> None:
+        """The import system binding the subpackage: ``mt.plan`` stays the function."""
+
+
+sys.modules[__name__].__class__ = _Facade
 
 
 __all__ = [

@@ -2,9 +2,17 @@
 
 ``meshtrain train RECIPE [--set section.key=value ...]`` trains a recipe
 (:func:`meshtrain.recipes.run.train`). Under ``torchrun`` it joins the process group; run directly
-it starts ``--nproc`` local ranks through torchrun (one node by default; ``--nnodes``,
-``--node-rank`` and ``--rdzv-endpoint`` make this machine one node of several). The recipe is
-validated before any rank starts.
+it starts ``--nproc`` local ranks through torchrun's agent (one node by default; ``--nnodes``,
+``--node-rank`` and ``--rdzv-endpoint`` make this machine one node of several; ``--max-restarts``
+restarts failed ranks, which resume from the last checkpoint). Before any rank starts the recipe
+is validated, the launch checked (:mod:`meshtrain.recipes.preflight`: a refusal takes a fraction
+of a second) and planned on abstract ranks, and the run directory locked. Exit status: 0 done,
+1 a crash, 2 a meshtrain error, 75 stopped by a signal after saving a checkpoint (run the same
+command to resume) — :data:`meshtrain.launch.EXIT_CODES`.
+
+``meshtrain checkpoints RUN_DIR [--quick]`` lists a run's checkpoints with their status (intact,
+damaged, incomplete), step and size; exit status 0 when one is intact to resume from, 1 when none
+is, 2 when there is no such directory.
 
 ``meshtrain plan RECIPE --world N [--device-memory 80GiB] [--strategy auto] [--json]`` plans a
 recipe on N abstract ranks (:func:`meshtrain.recipes.sizing.size_recipe`) and prints one rank's memory
@@ -23,13 +31,19 @@ Example:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 from meshtrain.errors import EquivalenceError, MeshtrainError, RecipeError
-from meshtrain.recipes import describe_shrink, load_recipe, shrink
-from meshtrain.recipes.models import vocab_size
+
+if TYPE_CHECKING:
+    from meshtrain.recipes.recipe import Recipe
+    from meshtrain.recipes.run import RunResult
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +80,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="this node's index, 0..nnodes-1")  # fmt: skip
     train.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                        help="where the nodes meet (node 0's address), for --nnodes > 1")  # fmt: skip
+    train.add_argument("--max-restarts", type=_count, default=0, metavar="N",
+                       help="restart the ranks up to N times when one fails; they resume from "
+                       "the last checkpoint (default 0)")  # fmt: skip
+    train.add_argument("--stop-timeout", type=_positive, default=None, metavar="S",
+                       help="seconds the ranks get to finish their step and save after SIGTERM "
+                       "or Ctrl-C before they are killed (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+                       "if set, else 300)")  # fmt: skip
     train.set_defaults(run=train_command)
+
+    checkpoints = commands.add_parser(
+        "checkpoints",
+        help="list a run's checkpoints with their status, step and size",
+        description="List the checkpoints of RUN_DIR (a run directory, or its checkpoints "
+        "directory) and verify each against its checksums: intact, damaged (which file, why), "
+        "incomplete (a save that did not finish) or unverified (saved without checksums).",
+    )
+    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
+    checkpoints.add_argument("--quick", action="store_true",
+                             help="check sizes and the state file only, not every file's content")  # fmt: skip
+    checkpoints.set_defaults(run=checkpoints_command)
 
     plan = commands.add_parser(
         "plan",
@@ -102,6 +135,7 @@ def plan_command(args: argparse.Namespace) -> int:
     """``meshtrain plan``: size the recipe at ``--world`` ranks and print the report."""
     import json
 
+    from meshtrain.recipes import load_recipe
     from meshtrain.recipes.sizing import size_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -118,49 +152,197 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def train_command(args: argparse.Namespace) -> int:
-    """``meshtrain train``: validate the recipe, then train on this rank or start the ranks."""
-    from meshtrain.launch import (
-        init_distributed,
-        run_under_torchrun,
-        torchrun_command,
-        under_torchrun,
-    )
+    """``meshtrain train``: train on this rank under torchrun, else check and start the ranks."""
+    from meshtrain.launch import under_torchrun
+
+    return train_rank(args) if under_torchrun() else launch_command(args)
+
+
+def launch_command(args: argparse.Namespace) -> int:
+    """Check everything a launch needs before any rank starts (the cheap checks first, before
+    torch is imported), lock the run directory, then run torchrun's agent here."""
+    from meshtrain.launch import run_agent, torchrun_arguments
+    from meshtrain.recipes.preflight import check_launch
+    from meshtrain.recipes.source import parse_recipe, read_recipe
+
+    nproc = args.nproc or 1
+    text, source = read_recipe(args.recipe)
+    data, source = parse_recipe(text, source, args.overrides)
+    check_launch(data, source, nproc=nproc, nnodes=args.nnodes)
+    sets = [item for override in args.overrides for item in ("--set", override)]
+    arguments = torchrun_arguments(
+        ["train", args.recipe, *sets], nproc=nproc, nnodes=args.nnodes,
+        node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        max_restarts=args.max_restarts,
+    )  # fmt: skip
+    from meshtrain.recipes import load_recipe
+    from meshtrain.recipes.preflight import check_plan, lock_run
+    from meshtrain.train.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
-    if not under_torchrun():
-        sets = [item for override in args.overrides for item in ("--set", override)]
-        command = torchrun_command(
-            ["train", args.recipe, *sets], nproc=args.nproc or 1, nnodes=args.nnodes,
-            node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-        )  # fmt: skip
-        return run_under_torchrun(command)
+    check_plan(recipe, nproc * args.nnodes)
+    if args.node_rank != 0:  # node 0 holds the lock for the whole job
+        return run_agent(arguments, nproc=nproc, stop_timeout_s=args.stop_timeout)
+    with lock_run(recipe) as token:
+        os.environ[TOKEN_VARIABLE] = token
+        return run_agent(arguments, nproc=nproc, stop_timeout_s=args.stop_timeout)
+
+
+def train_rank(args: argparse.Namespace) -> int:
+    """One rank of ``meshtrain train`` under torchrun: train, then say how it ended — one line
+    on rank 0 for a stop or the end; a meshtrain error or a lost peer goes to the launcher,
+    which prints each distinct one once (under torchrun itself, every rank prints its own)."""
+    from meshtrain.launch import (
+        EXIT_ERROR,
+        EXIT_OK,
+        EXIT_STOPPED,
+        StopRequested,
+        refuse_restart,
+        report_exit,
+    )
+
+    rank = int(os.environ.get("RANK", "0"))
+    for number in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # until training starts
+        signal.signal(number, _stop_now)
+    try:
+        code, event, line = _train_rank(args, rank)
+    except StopRequested as stopped:
+        code, event = EXIT_STOPPED, "stopped"
+        line = f"stopped by {stopped.signal_name} before training started; nothing to save."
+        line = line if rank == 0 else ""
+    ended = code in (EXIT_OK, EXIT_STOPPED)
+    told = report_exit(code, event, "" if ended else line)  # the launcher prints errors once
+    if line and (ended or not told):
+        _say(line, stream=sys.stdout if ended else None)
+    if code == EXIT_ERROR:
+        refuse_restart()  # the same recipe would fail the same way
+    return code
+
+
+def _train_rank(args: argparse.Namespace, rank: int) -> tuple[int, str, str]:
+    """Train; return the exit status, the event the launcher is told and the line to show."""
+    from meshtrain.launch import (
+        EXIT_ERROR,
+        EXIT_FAILED,
+        EXIT_OK,
+        EXIT_STOPPED,
+        exit_with_parent,
+        init_distributed,
+        lost_peer,
+    )
+
+    exit_with_parent()
     import torch.distributed as dist
 
+    from meshtrain.recipes import load_recipe
     from meshtrain.recipes.run import train
+    from meshtrain.train.stop import GracefulStop
 
-    device = init_distributed()
+    stop = GracefulStop()
+    stop.install()  # kept to the end: after training, a signal only sets a flag
     try:
-        result = train(recipe, device=device)
-        dist.barrier()
+        try:
+            recipe = load_recipe(args.recipe, args.overrides)
+            device = init_distributed()
+            result = train(recipe, device=device, stop=stop)
+            dist.barrier()
+        finally:
+            stop.arm()  # leaving: a late signal (the agent stopping the job) changes nothing
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except MeshtrainError as err:
-        print(f"[rank {dist.get_rank()}] {type(err).__name__}: {err.message}", file=sys.stderr)
-        return 2
-    finally:
-        dist.destroy_process_group()
-    if int(os.environ.get("RANK", "0")) == 0:
-        if result.losses:
-            last = max(result.losses)
-            print(f"{recipe.name}: trained to step {last}, loss {result.losses[last]:.4f}; "
-                  f"run directory {result.run_dir}")  # fmt: skip
-        else:
-            print(f"{recipe.name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
-                  f"{result.resumed_from} of {recipe.train.steps}; nothing to train. Raise "
-                  "train.steps or start a new run directory.")  # fmt: skip
+        return EXIT_ERROR, "error", f"[rank {rank}] {type(err).__name__}: {err.message}"
+    except Exception as err:
+        if not lost_peer(err):
+            raise  # a bug: its traceback is the report
+        line = f"[rank {rank}] lost contact with another rank ({_first_line(err)}); stopping."
+        return EXIT_FAILED, "lost contact", line
+    if result.stopped_by:
+        return EXIT_STOPPED, "stopped", _ending(recipe, result) if rank == 0 else ""
+    return EXIT_OK, "done", _ending(recipe, result) if rank == 0 else ""
+
+
+def _stop_now(number: int, frame: object) -> None:
+    from meshtrain.launch import StopRequested
+
+    raise StopRequested(number)
+
+
+def _ending(recipe: Recipe, result: RunResult) -> str:
+    """Rank 0's last line: how far the run got and where the next one resumes."""
+    from meshtrain.train.checkpoint_files import checkpoint_step
+
+    name, checkpoint = recipe.name, result.checkpoint
+    if result.stopped_by:
+        resume = (
+            f"step {checkpoint_step(checkpoint)} (checkpoint {checkpoint})"
+            if checkpoint is not None
+            else "the start (no checkpoint was saved)"
+        )
+        return (
+            f"{name}: stopped by {result.stopped_by} after step {result.last_step}. Run the same "
+            f"command to resume from {resume}."
+        )
+    if result.losses:
+        last = max(result.losses)
+        line = (
+            f"{name}: trained to step {last}, loss {result.losses[last]:.4f}; run directory "
+            f"{result.run_dir}"
+        )
+        if checkpoint is not None and checkpoint_step(checkpoint) != last:
+            line += (
+                f" (step {last} was skipped for non-finite values, so the last checkpoint is "
+                f"step {checkpoint_step(checkpoint)}: {checkpoint})"
+            )
+        return line
+    return (
+        f"{name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
+        f"{result.resumed_from} of {recipe.train.steps}; nothing to train. Raise train.steps or "
+        "start a new run directory."
+    )
+
+
+def checkpoints_command(args: argparse.Namespace) -> int:
+    """``meshtrain checkpoints``: every checkpoint of a run with its status, step and size."""
+    from meshtrain.train.integrity import inspect_directory
+
+    root = Path(args.run_dir)
+    directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    if not directory.is_dir():
+        raise MeshtrainError(
+            f"{str(root)!r} is not a directory: give a run directory (logging.run_dir, e.g. "
+            "runs/debug) or its checkpoints directory."
+        )
+    statuses = inspect_directory(directory, content=not args.quick)
+    if not statuses:
+        print(f"no checkpoints in {directory}")
+        return 1
+    print(f"checkpoints in {directory}{' (sizes only: --quick)' if args.quick else ''}")
+    print(f"{'step':>10}  {'status':<10}  {'size':>10}  directory")
+    for status in statuses:
+        step = "?" if status.step is None else str(status.step)
+        why = f"  {'; '.join(status.problems)}" if status.status != "intact" else ""
+        print(f"{step:>10}  {status.status:<10}  {_size(status.size_bytes):>10}  "
+              f"{status.path.name}{why}")  # fmt: skip
+    resumable = [status for status in statuses if status.loadable]
+    if not resumable:
+        print("no intact checkpoint: a run in this directory starts from scratch")
+        return 1
+    print(f"a run resumes from step {resumable[-1].step} ({resumable[-1].path.name})")
     return 0
+
+
+def _size(size: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size} B"
 
 
 def check_command(args: argparse.Namespace) -> int:
     """``meshtrain check``: load, shrink, run the equivalence harness, print its report."""
+    from meshtrain.recipes import describe_shrink, load_recipe, shrink
+    from meshtrain.recipes.models import vocab_size
     from meshtrain.testing.harness import TokenBatches, assert_equivalent
 
     recipe = load_recipe(args.recipe)
@@ -194,11 +376,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(err.message)
         return 1
     except MeshtrainError as err:
-        print(f"{type(err).__name__}: {err.message}", file=sys.stderr)
+        _say(f"{type(err).__name__}: {err.message}")
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before any rank started: nothing to stop or save
+        _say("interrupted before training started")
+        return 130
+
+
+def _say(line: str, stream: TextIO | None = None) -> None:
+    """One line on stderr (or ``stream``); a closed console is not an error."""
+    with contextlib.suppress(OSError):
+        print(line, file=stream or sys.stderr, flush=True)
+
+
+def _first_line(err: BaseException, limit: int = 160) -> str:
+    text = str(err).strip().splitlines()
+    line = f"{type(err).__name__}: {text[0] if text else ''}"
+    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 0")
     return int(text)

@@ -15,6 +15,7 @@ so tools can act on them without parsing the message.
 from __future__ import annotations
 
 import difflib
+import errno
 from collections.abc import Sequence
 from typing import Any
 
@@ -117,3 +118,25 @@ def did_you_mean(name: str, choices: Sequence[str], what: str) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1)
     known = ", ".join(repr(choice) for choice in choices) or "none"
     return f" (did you mean '{close[0]}'? {what}: {known})" if close else f" ({what}: {known})"
+
+
+def describe_os_error(err: OSError) -> str:
+    """An OS error in a few words, naming the file, with the usual fix for permissions, a
+    read-only filesystem or a full disk.
+
+    Example:
+        >>> import errno
+        >>> describe_os_error(PermissionError(errno.EACCES, "Permission denied", "runs/x"))
+        "Permission denied ('runs/x'); fix its permissions or choose another directory"
+    """
+    fixes = {
+        errno.EACCES: "fix its permissions or choose another directory",
+        errno.EPERM: "fix its permissions or choose another directory",
+        errno.EROFS: "the filesystem is read-only: choose a directory on a writable one",
+        errno.ENOSPC: "the disk is full: free space or choose another directory",
+        errno.EDQUOT: "the disk quota is spent: free space or choose another directory",
+    }
+    reason = err.strerror or str(err)
+    where = f" ({str(err.filename)!r})" if err.filename else ""
+    fix = fixes.get(err.errno or 0)
+    return f"{reason}{where}" + (f"; {fix}" if fix else "")

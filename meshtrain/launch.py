@@ -1,11 +1,19 @@
-"""Starting ranks: under ``torchrun`` (one node or many), spawned locally through it, or joined
-through a store (the SPMD test runner) — :func:`init_distributed` is the one function that starts
-the process group.
+"""Starting and supervising ranks: under ``torchrun`` (one node or many), started locally through
+torchrun's agent, or joined through a store (the SPMD test runner) — :func:`init_distributed` is
+the one function that starts the process group.
 
 ``meshtrain train`` run by ``torchrun`` finds its rank in the environment and joins the process
-group. Run directly, it re-executes itself under ``torchrun`` with ``--nproc`` local ranks
-(``--nnodes``/``--node-rank``/``--rdzv-endpoint`` make this machine one node of several), so a
-laptop and a cluster run the same command.
+group. Run directly, it runs torchrun's elastic agent in its own process (:func:`run_agent`) with
+``--nproc`` local ranks (``--nnodes``/``--node-rank``/``--rdzv-endpoint`` make this machine one
+node of several; ``--max-restarts`` restarts failed ranks), so a laptop and a cluster run the same
+command, and one signal to the launcher reaches every rank: the agent forwards SIGTERM, SIGINT
+and SIGHUP to each rank's process group. Ranks follow their launcher (:func:`exit_with_parent`):
+if it dies, even by SIGKILL, they stop after their current step. Nothing here imports torch at
+module level, so the launcher can refuse a bad command line before paying for it.
+
+Exit statuses (:data:`EXIT_CODES`): 0 done, 1 a crash, 2 a meshtrain error (a bad recipe, a busy
+run directory, a non-finite budget spent), 75 stopped on request after saving a checkpoint — run
+the same command to resume.
 
 Example:
     >>> torchrun_command(["train", "debug"], nproc=4)[3:6]
@@ -17,19 +25,47 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import json
+import logging
 import os
-import subprocess
+import select
+import shutil
+import signal
 import sys
-from collections.abc import Sequence
-
-import torch
-import torch.distributed as dist
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from meshtrain.errors import MeshtrainError
 
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+
 #: Environment variables torchrun sets for every worker.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+#: Where a launcher asks its ranks to report how they ended (a directory per node).
+REPORT_VARIABLE = "MESHTRAIN_RANK_REPORTS"
+#: How long ranks get to finish a step and save after a stop signal (torchrun's own variable).
+STOP_TIMEOUT_VARIABLE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_ERROR = 2
+EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped for now, try again
+EXIT_CODES = {
+    EXIT_OK: "trained to the last step (or nothing was left to train)",
+    EXIT_FAILED: "a crash: a rank died or raised an unexpected error",
+    EXIT_ERROR: "a meshtrain error: a bad recipe or command line, a busy run directory, a spent "
+    "non-finite budget, a checkpoint that cannot be saved or loaded",
+    EXIT_STOPPED: "stopped by a signal after saving a checkpoint; run the same command to resume",
+}
 
 
 def under_torchrun() -> bool:
@@ -59,6 +95,9 @@ def init_distributed(
         device = mt.init_distributed()
         mesh = mt.make_mesh(dp=-1, tp=2)
     """
+    import torch
+    import torch.distributed as dist
+
     if torch.cuda.is_available() and backend in (None, "nccl"):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -77,7 +116,14 @@ def init_distributed(
             backend, store=store, rank=rank, world_size=world_size, timeout=timeout
         )
     elif under_torchrun():
-        dist.init_process_group(backend, timeout=timeout)  # torchrun's env:// rendezvous
+        # torchrun's env:// rendezvous, its store keys kept apart per restart: the agent's store
+        # outlives a restart, and a restarted rank must not read a dead rank's gloo address.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"meshtrain/attempt_{attempt}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout
+        )
     elif int(os.environ.get("WORLD_SIZE", "1")) == 1:
         dist.init_process_group(
             backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
@@ -92,21 +138,22 @@ def init_distributed(
     return device
 
 
-def torchrun_command(
+def torchrun_arguments(
     args: Sequence[str],
     *,
     nproc: int,
     nnodes: int = 1,
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
 ) -> list[str]:
-    """The ``torchrun`` command line that runs ``python -m meshtrain <args>`` on ``nproc`` local
-    ranks (one node standalone, or node ``node_rank`` of ``nnodes`` meeting at
-    ``rdzv_endpoint``, node 0's address: node ``R`` holds global ranks ``R·nproc`` to
-    ``R·nproc + nproc - 1``)."""
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    """torchrun's arguments for running ``python -m meshtrain <args>`` on ``nproc`` local ranks
+    (one node standalone, or node ``node_rank`` of ``nnodes`` meeting at ``rdzv_endpoint``, node
+    0's address: node ``R`` holds global ranks ``R·nproc`` to ``R·nproc + nproc - 1``), failed
+    ranks restarted up to ``max_restarts`` times."""
+    arguments = [f"--nproc-per-node={nproc}"]
     if nnodes == 1 and rdzv_endpoint is None:
-        command += ["--nnodes=1", "--standalone"]
+        arguments += ["--nnodes=1", "--standalone"]
     else:
         if rdzv_endpoint is None:
             raise MeshtrainError(
@@ -120,11 +167,289 @@ def torchrun_command(
             )
         # Static rendezvous: node R's ranks are R·nproc … R·nproc + nproc - 1, and node 0 hosts
         # the store at the endpoint (c10d rendezvous would number nodes in joining order).
-        command += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                    f"--rdzv-endpoint={rdzv_endpoint}"]  # fmt: skip
-    return [*command, "-m", "meshtrain", *args]
+        arguments += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
+                      f"--rdzv-endpoint={rdzv_endpoint}"]  # fmt: skip
+    if max_restarts:
+        arguments.append(f"--max-restarts={max_restarts}")
+    return [*arguments, "-m", "meshtrain", *args]
 
 
-def run_under_torchrun(command: Sequence[str]) -> int:
-    """Run a :func:`torchrun_command`; its exit status (non-zero when any rank failed)."""
-    return subprocess.call(list(command))
+def torchrun_command(
+    args: Sequence[str],
+    *,
+    nproc: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    max_restarts: int = 0,
+) -> list[str]:
+    """The ``torchrun`` command line that does what :func:`run_agent` does with the same
+    :func:`torchrun_arguments` (what to type to run the ranks under torchrun yourself)."""
+    arguments = torchrun_arguments(args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
+                                   rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)  # fmt: skip
+    return [sys.executable, "-m", "torch.distributed.run", *arguments]
+
+
+# ----------------------------------------------------------------------- the launcher
+
+
+class StopRequested(BaseException):
+    """A stop signal arrived before training started, when there is nothing to save: the rank
+    unwinds (releasing its locks) and exits with :data:`EXIT_STOPPED`. A ``BaseException``, like
+    ``KeyboardInterrupt``, so no ``except Exception`` swallows it."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(number)
+        self.number = number
+
+    @property
+    def signal_name(self) -> str:
+        """``SIGTERM``, ``SIGINT``, ..."""
+        return signal.Signals(self.number).name
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """How one rank ended, written for its launcher: the exit status it chose and why."""
+
+    rank: int
+    exit_code: int
+    event: str  # "done", "stopped", "error", "lost contact"
+    message: str = ""  # what the launcher prints (once for the ranks that say the same)
+    pid: int = 0
+    attempt: int = 0  # torchrun's restart count: a report from an earlier attempt is stale
+
+
+def report_exit(exit_code: int, event: str, message: str = "") -> bool:
+    """Tell this node's launcher how this rank ends, when it asked (through
+    :data:`REPORT_VARIABLE`); True when told. A rank that dies without a report crashed."""
+    directory = os.environ.get(REPORT_VARIABLE)
+    if not directory:
+        return False
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt)
+    try:
+        path = Path(directory) / f"attempt-{attempt}-rank-{rank}.json"
+        path.write_text(json.dumps(asdict(report)))
+    except OSError:
+        return False
+    return True
+
+
+def refuse_restart() -> None:
+    """A rank that failed for a reason a restart cannot fix (a meshtrain error: the same recipe
+    fails the same way) asks torchrun's agent, its parent, to stop the job instead of restarting
+    it; the agent then stops every local rank. Does nothing when no restart is left."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")):
+        with contextlib.suppress(OSError):
+            os.kill(os.getppid(), signal.SIGTERM)
+
+
+def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | None = None) -> int:
+    """Run torchrun's elastic agent in this process with :func:`torchrun_arguments` and return
+    this node's exit status (:data:`EXIT_CODES`).
+
+    The agent forwards SIGTERM, SIGINT and SIGHUP to every rank's process group and gives them
+    ``stop_timeout_s`` seconds to finish their step and save before it kills them (default:
+    :data:`STOP_TIMEOUT_VARIABLE` when set, else 300). Ranks report
+    how they ended (:func:`report_exit`), so a stop, a meshtrain error and a crash each end in
+    one line and their own status instead of torchrun's tracebacks.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    reports = Path(tempfile.mkdtemp(prefix="meshtrain-ranks-"))
+    os.environ[REPORT_VARIABLE] = str(reports)
+    if stop_timeout_s is not None:
+        os.environ[STOP_TIMEOUT_VARIABLE] = str(stop_timeout_s)
+    os.environ.setdefault(STOP_TIMEOUT_VARIABLE, "300")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    _quiet_agent_logs()
+    try:
+        try:
+            run(parse_args(list(arguments)))
+        except SignalException as err:
+            found = _read_reports(reports)
+            _print_messages(found)
+            return _after_signal(signal.Signals(err.sigval), found, nproc)
+        except ChildFailedError as err:
+            found = _read_reports(reports)
+            _print_messages(found)
+            return _after_failure(err.failures, found)
+        return EXIT_OK
+    finally:
+        shutil.rmtree(reports, ignore_errors=True)
+        os.environ.pop(REPORT_VARIABLE, None)
+
+
+def _quiet_agent_logs() -> None:
+    """The agent's own log lines ("Sending process 123 closing signal SIGTERM", "failed
+    (exitcode: -9) local_rank: 1", ...) are what :func:`run_agent` replaces with one line. Each
+    torchrun module sets its logger's level when imported, so this runs after the imports."""
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.run")) and isinstance(
+            logger, logging.Logger
+        ):
+            logger.setLevel(logging.CRITICAL)
+
+
+def _read_reports(directory: Path) -> dict[int, RankReport]:
+    """The reports of the last attempt that wrote any (restarts start new attempts)."""
+    found: list[RankReport] = []
+    for path in directory.glob("attempt-*-rank-*.json"):
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            found.append(RankReport(**json.loads(path.read_text())))
+    last = max((report.attempt for report in found), default=0)
+    return {report.rank: report for report in found if report.attempt == last}
+
+
+def _print_messages(reports: Mapping[int, RankReport]) -> None:
+    """Each distinct error the ranks reported, once, with the ranks that raised it; a lost
+    peer is left to the summary line."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, report in sorted(reports.items()):
+        if report.message and report.event == "error":
+            text = report.message.split("] ", 1)[-1]  # without the rank's own "[rank N] "
+            ranks_of.setdefault(text, []).append(rank)
+    for text, ranks in ranks_of.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        with contextlib.suppress(OSError):
+            print(f"[{who}] {text}", file=sys.stderr, flush=True)
+
+
+def _after_signal(number: signal.Signals, reports: dict[int, RankReport], nproc: int) -> int:
+    codes = {report.exit_code for report in reports.values()}
+    if EXIT_ERROR in codes:
+        return EXIT_ERROR  # the ranks printed their error; they asked the agent to stop
+    # A rank stopped during start-up leaves its peers without a partner, but no step had run.
+    if len(reports) >= nproc and EXIT_STOPPED in codes and codes <= {EXIT_STOPPED, EXIT_FAILED}:
+        return EXIT_STOPPED  # rank 0 printed where to resume
+    timeout = os.environ.get(STOP_TIMEOUT_VARIABLE, "?")
+    _say(
+        f"{number.name} reached the ranks, but not all of them stopped within {timeout} s "
+        "(--stop-timeout) and the rest were killed; the newest intact checkpoint is where the "
+        "next run resumes (`meshtrain checkpoints RUN_DIR` lists them)."
+    )
+    return EXIT_FAILED
+
+
+def _after_failure(failures: Mapping[int, object], reports: Mapping[int, RankReport]) -> int:
+    """A rank failed: its own report decides, else one line naming how each failed rank ended."""
+    reports = {
+        rank: report
+        for rank, report in reports.items()
+        if rank in failures and getattr(failures[rank], "pid", report.pid) == report.pid
+    }  # only what the failed processes themselves reported
+    codes = {reports[rank].exit_code for rank in failures if rank in reports}
+    if all(rank in reports for rank in failures):
+        if EXIT_ERROR in codes:
+            return EXIT_ERROR
+        if codes == {EXIT_STOPPED}:
+            return EXIT_STOPPED
+    crashed = [
+        f"rank {rank} {_how_it_ended(failure)}"
+        for rank, failure in sorted(failures.items())
+        if rank not in reports or reports[rank].event == "lost contact"
+    ] or [f"rank {rank} {_how_it_ended(failure)}" for rank, failure in sorted(failures.items())]
+    _say(
+        f"{'; '.join(crashed)}. Run the same command to resume from the newest intact "
+        "checkpoint, or pass --max-restarts N to resume automatically."
+    )
+    return EXIT_FAILED
+
+
+def _how_it_ended(failure: object) -> str:
+    code = getattr(failure, "exitcode", None)
+    if isinstance(code, int) and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    if isinstance(code, int) and code == EXIT_FAILED:
+        return "stopped after losing contact with another rank"
+    return f"exited with status {code}"
+
+
+def _say(line: str) -> None:
+    with contextlib.suppress(OSError):
+        print(f"meshtrain: {line}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------- ranks
+
+#: How gloo and NCCL say that another rank is gone (they raise a plain RuntimeError).
+_PEER_GONE = (
+    "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+    "gloo/transport", "NCCL communicator was aborted", "ncclRemoteError",
+)  # fmt: skip
+
+
+def lost_peer(err: BaseException) -> bool:
+    """Whether ``err`` is a collective failing because another rank died or left.
+
+    Example:
+        >>> lost_peer(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))
+        True
+        >>> lost_peer(RuntimeError("shape mismatch"))
+        False
+    """
+    import torch.distributed as dist
+
+    if isinstance(err, dist.DistError):
+        return True
+    return isinstance(err, RuntimeError) and any(text in str(err) for text in _PEER_GONE)
+
+
+def exit_with_parent(*, grace_s: float | None = None) -> None:
+    """Make this rank stop when its launcher dies, however it dies (SIGKILL included).
+
+    The rank gets SIGTERM — the graceful stop: finish the step, save, exit — through the
+    kernel's parent-death signal on Linux and a watcher thread everywhere; if it has not exited
+    ``grace_s`` seconds later (default: :data:`STOP_TIMEOUT_VARIABLE`, else 30) the watcher ends
+    the process, so no rank outlives its job.
+    """
+    parent = os.getppid()
+    _set_parent_death_signal(signal.SIGTERM)
+    grace = grace_s if grace_s is not None else float(os.environ.get(STOP_TIMEOUT_VARIABLE, "30"))
+    watcher = threading.Thread(
+        target=_follow_parent, args=(parent, grace), name="meshtrain-parent-watch", daemon=True
+    )
+    watcher.start()
+
+
+def _set_parent_death_signal(number: signal.Signals) -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(number))  # PR_SET_PDEATHSIG
+
+
+def _follow_parent(parent: int, grace_s: float) -> None:
+    _wait_for_exit(parent)
+    with contextlib.suppress(OSError):
+        os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(grace_s)  # the graceful stop's deadline
+    _say(f"the launcher (pid {parent}) is gone and this rank did not stop within {grace_s:.0f} s")
+    os._exit(EXIT_FAILED)
+
+
+def _wait_for_exit(parent: int) -> None:
+    """Return when ``parent`` is no longer this process's parent (a pidfd where the kernel has
+    them, else a 0.2 s poll of the parent PID)."""
+    if os.getppid() != parent:
+        return
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is not None:
+        with contextlib.suppress(OSError):
+            handle = pidfd_open(parent)
+            try:
+                if os.getppid() == parent:
+                    select.select([handle], [], [])
+            finally:
+                os.close(handle)
+            return
+    while os.getppid() == parent:
+        time.sleep(0.2)

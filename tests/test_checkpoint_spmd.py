@@ -7,6 +7,8 @@ Every comparison is bit for bit: a checkpoint moves bytes, it does no arithmetic
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -21,11 +23,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 import meshtrain as mt
 from meshtrain import CheckpointError
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.testing.runner import get_pool
+from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.train import Batch, forward_backward
 from meshtrain.train.checkpoint import (
     CheckpointConfig,
     Checkpointer,
+    find_resume_point,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -198,6 +201,86 @@ def test_a_rank_failing_mid_save_publishes_nothing(tmp_path: Path) -> None:
         assert result["after_failure"] == ["step_00000001"]  # no step 2, no leftover
         assert result["after_next"] == ["step_00000001", "step_00000003"]
         assert result["extra"] == {"step": 3}
+
+
+def save_then_die_mid_write(directory: str, async_save: bool) -> None:
+    """Step 1 saves; during step 2's save rank 1 is SIGKILLed after writing part of its data."""
+    plan, applied = _build((("dp", 2),), seed=0)
+    params = dict(applied.named_parameters())
+    optimizer = _adamw(params)
+    _train_step(plan, applied, optimizer, seed=1)
+    checkpointer = Checkpointer(CheckpointConfig(directory, keep_last=0, async_save=async_save))
+    checkpointer.save(1, params, optimizer, {"step": 1})
+    checkpointer.wait()
+    original = FileSystemWriter.write_data
+
+    def write_then_die(self: FileSystemWriter, plan: Any, planner: Any) -> Any:
+        future = original(self, plan, planner)
+        future.wait()
+        (payload,) = Path(self.path).glob("__1_*.distcp")
+        with open(payload, "r+b") as file:  # a torn write: the file cut in the middle
+            file.truncate(payload.stat().st_size // 2)
+        os.kill(os.getpid(), signal.SIGKILL)
+        return future
+
+    if dist.get_rank() == 1:
+        FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+    checkpointer.save(2, params, optimizer, {"step": 2})
+    checkpointer.wait()
+
+
+def resume_after_the_kill(directory: str) -> dict[str, Any]:
+    _, applied = _build((("dp", 2),), seed=7)
+    params = dict(applied.named_parameters())
+    optimizer = _adamw(params)
+    point = find_resume_point(directory)
+    extra = load_checkpoint(point.checkpoint, params, optimizer) if point.checkpoint else None
+    leftovers = sorted(path.name for path in Path(directory).iterdir())
+    Checkpointer(CheckpointConfig(directory, keep_last=0)).save(2, params, optimizer, {"step": 2})
+    return {
+        "resumed": point.checkpoint.name if point.checkpoint else None,
+        "passed_over": [(s.path.name.split(".tmp-")[0], s.status) for s in point.passed_over],
+        "extra": extra,
+        "leftovers": leftovers,
+        "after_next_save": sorted(path.name for path in Path(directory).iterdir()),
+    }
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_rank_killed_mid_save_leaves_no_torn_checkpoint(tmp_path: Path, async_save: bool) -> None:
+    """A real SIGKILL of one rank while its shard is half written: the other rank stops with the
+    lost peer, the half-written step is never listed, the resume takes step 1 (saying it passed
+    over an unfinished save), and the next save of step 2 clears the leftover."""
+    pool = get_pool(2)
+    with pytest.raises(SPMDTaskError) as died:
+        pool.run(save_then_die_mid_write, str(tmp_path), async_save, _timeout_s=120)
+    assert 1 in died.value.failures
+    assert [path.name for path in list_checkpoints(tmp_path)] == ["step_00000001"]
+    (result, _) = pool.run(resume_after_the_kill, str(tmp_path), _timeout_s=120)
+    assert result["resumed"] == "step_00000001" and result["extra"] == {"step": 1}
+    assert result["passed_over"] == [("step_00000002", "incomplete")]
+    assert [name for name in result["leftovers"] if name.startswith("step_00000002")]
+    assert result["after_next_save"] == ["step_00000001", "step_00000002"]
+
+
+def resume_from_a_local_disk(root: str) -> str:
+    """Each rank looks in a directory of its own, as ranks on nodes without a shared disk would."""
+    directory = Path(root) / f"node{dist.get_rank()}"
+    try:
+        find_resume_point(directory)
+    except CheckpointError as err:
+        return err.message
+    return "agreed"
+
+
+def test_ranks_that_see_different_checkpoints_refuse_alike_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    Checkpointer(CheckpointConfig(tmp_path / "node0")).save(3, {"w": torch.ones(2)}, None, {})
+    messages = get_pool(2).run(resume_from_a_local_disk, str(tmp_path), _timeout_s=60)
+    views = [message.partition("' (")[2] for message in messages]  # past each rank's own path
+    assert views[0] == views[1] and views[0].startswith("rank 0: step_00000003; rank 1: none")
+    assert "on a filesystem every rank shares" in messages[0]
 
 
 def save_asynchronously(directory: str) -> dict[str, Any]:

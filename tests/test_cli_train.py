@@ -3,11 +3,22 @@ and the launcher builds the torchrun command a user would type."""
 
 from __future__ import annotations
 
+import signal
+from types import SimpleNamespace
+
 import pytest
 
 from meshtrain.cli import build_parser, main
 from meshtrain.errors import MeshtrainError
-from meshtrain.launch import torchrun_command
+from meshtrain.launch import (
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_STOPPED,
+    RankReport,
+    _after_failure,
+    _after_signal,
+    torchrun_command,
+)
 
 
 def test_unknown_override_exits_2_before_starting_ranks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -20,7 +31,7 @@ def test_unknown_override_exits_2_before_starting_ranks(capsys: pytest.CaptureFi
 def test_wrong_type_exits_2_naming_key_and_allowed_values(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["train", "debug", "--set", "logging.wandb=cloud"]) == 2
+    assert main(["train", "debug", "--nproc", "2", "--set", "logging.wandb=cloud"]) == 2
     err = capsys.readouterr().err
     assert 'logging.wandb = "cloud" is not allowed' in err
     assert '"offline", "online", "disabled"' in err
@@ -49,3 +60,33 @@ def test_multi_node_without_endpoint_or_with_a_bad_node_rank_is_refused() -> Non
         torchrun_command(["train", "debug"], nproc=2, nnodes=2)
     with pytest.raises(MeshtrainError, match=r"--node-rank=2 is not in 0\.\.1"):
         torchrun_command(["train", "debug"], nproc=2, nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+
+
+def _report(rank: int, code: int, event: str, pid: int) -> RankReport:
+    return RankReport(rank, code, event, "", pid)
+
+
+def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What ``run_agent`` makes of torchrun's outcome and the ranks' reports (the real launches
+    in tests/test_fault_injection.py cover the stop, error and restart paths end to end)."""
+    killed, lost = SimpleNamespace(pid=11, exitcode=-9), SimpleNamespace(pid=10, exitcode=1)
+    reports = {0: _report(0, EXIT_FAILED, "lost contact", pid=10)}
+    assert _after_failure({0: lost, 1: killed}, reports) == EXIT_FAILED
+    assert capsys.readouterr().err == (
+        "meshtrain: rank 0 stopped after losing contact with another rank; rank 1 was killed by "
+        "SIGKILL. Run the same command to resume from the newest intact checkpoint, or pass "
+        "--max-restarts N to resume automatically.\n"
+    )
+    stale = {0: _report(0, EXIT_STOPPED, "stopped", pid=99)}  # another process's report
+    assert _after_failure({0: SimpleNamespace(pid=10, exitcode=-9)}, stale) == EXIT_FAILED
+    assert capsys.readouterr().err.startswith("meshtrain: rank 0 was killed by SIGKILL. ")
+    errors = {rank: _report(rank, EXIT_ERROR, "error", pid=rank) for rank in (0, 1)}
+    assert _after_failure({0: SimpleNamespace(pid=0, exitcode=2)}, errors) == EXIT_ERROR
+    stopped = {rank: _report(rank, EXIT_STOPPED, "stopped", pid=rank) for rank in (0, 1)}
+    assert _after_signal(signal.SIGTERM, stopped, nproc=2) == EXIT_STOPPED
+    assert _after_signal(signal.SIGTERM, {**stopped, 1: errors[1]}, nproc=2) == EXIT_ERROR
+    assert capsys.readouterr().err == ""
+    assert _after_signal(signal.SIGINT, {0: stopped[0]}, nproc=2) == EXIT_FAILED
+    assert "SIGINT reached the ranks, but not all of them stopped within" in capsys.readouterr().err

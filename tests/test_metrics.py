@@ -23,6 +23,7 @@ from meshtrain.models import llama_flops_per_token
 from meshtrain.models.llama import LlamaConfig, build_llama
 from meshtrain.train.metrics import (
     METRICS_FILE,
+    WANDB_RUN_ID_FILE,
     ConsoleSink,
     JsonlSink,
     LoggingConfig,
@@ -32,6 +33,7 @@ from meshtrain.train.metrics import (
     format_metrics,
     make_sinks,
     read_jsonl,
+    truncate_jsonl,
 )
 from meshtrain.train.throughput import (
     Throughput,
@@ -90,6 +92,32 @@ def test_jsonl_appends_on_resume_and_skips_a_torn_last_line(tmp_path: Path) -> N
     with path.open("a", encoding="utf-8") as file:
         file.write('{"step": 3, "loss"')  # a crash in the middle of a write
     assert [(row["step"], row["loss"]) for row in read_jsonl(path)] == [(1, 1.0), (2, 2.0)]
+
+
+def test_a_resumed_run_drops_the_rows_past_its_checkpoint_so_no_step_repeats(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / METRICS_FILE
+    first = JsonlSink(path)
+    first.start(config={}, plan_text="", plan_json="{}")
+    for step in range(1, 8):  # a crash after step 7; the last checkpoint was at step 5
+        first.log(step, {"loss": float(step)})
+    first.close()
+    with path.open("a", encoding="utf-8") as file:
+        file.write('{"step": 8, "lo')
+    resumed = JsonlSink(path, start_step=5)
+    resumed.start(config={}, plan_text="", plan_json="{}")
+    for step in range(6, 9):
+        resumed.log(step, {"loss": step + 0.5})
+    resumed.close()
+    rows = read_jsonl(path)
+    assert [row["step"] for row in rows] == list(range(1, 9))
+    assert [row["loss"] for row in rows[4:]] == [5.0, 6.5, 7.5, 8.5]
+    assert truncate_jsonl(path, 8) == 0 and truncate_jsonl(tmp_path / "none.jsonl", 0) == 0
+    fresh = JsonlSink(path, start_step=0)  # a fresh start in the same directory
+    fresh.start(config={}, plan_text="", plan_json="{}")
+    fresh.close()
+    assert read_jsonl(path) == []
 
 
 def test_read_jsonl_names_the_broken_line(tmp_path: Path) -> None:
@@ -387,6 +415,29 @@ def test_offline_wandb_run_holds_metrics_config_and_plan(
     assert [row["skipped"] for row in history] == [0, 0, 1]
     assert "exit" in by_kind  # finish() completed the run
     assert [row["loss"] for row in read_jsonl(run_dir / METRICS_FILE)] == [2.5, 2.25, 2.0]
+
+
+def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_begins_a_new_one(
+    tmp_path: Path, offline_wandb_env: None
+) -> None:
+    run_dir = tmp_path / "run"
+    config = LoggingConfig(console=False, jsonl=False, wandb="offline", wandb_project="tests")
+    ids = []
+    for start_step in (0, 3, 0):
+        with make_sinks(config, run_dir=run_dir, rank=0, total_steps=6, run_name="debug",
+                        start_step=start_step) as sinks:  # fmt: skip
+            sinks.start(config={}, plan_text=PLAN_TEXT, plan_json=PLAN_JSON)
+            sinks.log(start_step + 1, STEP_METRICS[0])
+            (wandb_sink,) = [sink for sink in sinks.sinks if isinstance(sink, WandbSink)]
+            ids.append(wandb_sink.run.id)
+    assert ids[0] == ids[1] != ids[2]
+    assert (run_dir / WANDB_RUN_ID_FILE).read_text().strip() == ids[2]
+    import wandb
+
+    wandb.teardown()
+    runs = [path.name for path in (run_dir / "wandb").glob("offline-run-*")]
+    assert len(runs) == 3  # the first two under one run id, the third under another
+    assert sum(ids[0] in name for name in runs) == 2 and sum(ids[2] in name for name in runs) == 1
 
 
 def test_online_wandb_without_credentials_fails_on_every_rank_before_training(

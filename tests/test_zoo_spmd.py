@@ -117,7 +117,8 @@ def ddp_style_loop(
         torch.distributed.all_reduce(global_loss)  # every rank's mean, summed over all ranks
         global_loss /= torch.distributed.get_world_size()
         worst["loss"] = max(
-            worst["loss"], abs(float(global_loss) - float(ref_loss.detach())) / float(ref_loss.detach())
+            worst["loss"],
+            abs(float(global_loss) - float(ref_loss.detach())) / float(ref_loss.detach()),
         )
     per_channel = inputs.numel() // inputs.shape[1]  # what each BatchNorm channel sums over
     tolerance = contract_for(plan, statistics_size=per_channel).tolerance

@@ -11,26 +11,59 @@ Example:
     'debug'
 """
 
-from meshtrain.recipes.models import FactoryBuilder, HFBuilder, LlamaBuilder
-from meshtrain.recipes.recipe import (
-    OptimizerBuilder,
-    Recipe,
-    apply_overrides,
-    describe_shrink,
-    load_recipe,
-    recipe_from_toml,
-    shrink,
-)
-from meshtrain.recipes.schema import (
-    CheckpointSection,
-    DataSection,
-    LoggingSection,
-    ModelSection,
-    ParallelSection,
-    PipelineSection,
-    TrainSection,
-    parse_spec,
-)
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from meshtrain.recipes.models import FactoryBuilder, HFBuilder, LlamaBuilder
+    from meshtrain.recipes.recipe import (
+        OptimizerBuilder,
+        Recipe,
+        apply_overrides,
+        describe_shrink,
+        load_recipe,
+        recipe_from_toml,
+        shrink,
+    )
+    from meshtrain.recipes.schema import (
+        CheckpointSection,
+        DataSection,
+        LoggingSection,
+        ModelSection,
+        ParallelSection,
+        PipelineSection,
+        TrainSection,
+        parse_spec,
+    )
+
+#: Where each public name lives; imported on first use, so reading a recipe's file
+#: (:mod:`meshtrain.recipes.source`) and the launcher's checks (:mod:`~meshtrain.recipes.preflight`)
+#: import no torch.
+_LAZY = {
+    **dict.fromkeys(
+        ("OptimizerBuilder", "Recipe", "apply_overrides", "describe_shrink",
+         "load_recipe", "recipe_from_toml", "shrink"),
+        "meshtrain.recipes.recipe",
+    ),
+    **dict.fromkeys(("FactoryBuilder", "HFBuilder", "LlamaBuilder"), "meshtrain.recipes.models"),
+    **dict.fromkeys(
+        ("CheckpointSection", "DataSection", "LoggingSection", "ModelSection", "ParallelSection",
+         "PipelineSection", "TrainSection", "parse_spec"),
+        "meshtrain.recipes.schema",
+    ),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> object:
+    """A public name, imported on first use."""
+    import importlib
+
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshtrain.recipes' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "CheckpointSection",

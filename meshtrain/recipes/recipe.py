@@ -14,10 +14,8 @@ Example:
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
-import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,6 @@ from meshtrain.recipes.models import (
     resolve_factory,
 )
 from meshtrain.recipes.schema import (
-    SECTIONS,
     CheckpointSection,
     DataSection,
     LoggingSection,
@@ -48,19 +45,15 @@ from meshtrain.recipes.schema import (
     check_rules,
     check_sections,
     check_table,
-    find_recipe,
     model_section,
     parallel_section,
 )
+from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-exported
+from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
 ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:
-    import tomli as tomllib
 
 
 @dataclass(frozen=True)
@@ -194,45 +187,56 @@ def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Reci
         >>> load_recipe("debug", ["train.steps=50", "data.source=synthetic"]).train.steps
         50
     """
-    path = find_recipe(path_or_name)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise RecipeError(f"cannot read recipe {str(path)!r}: {err}.") from None
-    return recipe_from_toml(text, source=str(path), overrides=overrides)
+    text, source = read_recipe(path_or_name)
+    return recipe_from_toml(text, source=source, overrides=overrides)
 
 
 def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> Recipe:
     """Validate recipe text; ``source`` names it in errors (see :func:`load_recipe`)."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as err:
-        raise RecipeError(f"{source}: not valid TOML ({err}). Fix the syntax.") from None
-    if overrides:
-        data = apply_overrides(data, overrides, source)
-        source = f"{source} (with --set {' '.join(overrides)})"
+    data, source = parse_recipe(text, source, overrides)
     check_sections(source, data)
     mesh = check_mesh(source, data["mesh"])
     checkpoint = check_table(source, "checkpoint", data.get("checkpoint", {}))
     if "async" in checkpoint:
         checkpoint["async_save"] = checkpoint.pop("async")
     model = model_section(source, data["model"])
-    if model.hf:
-        read_hf_config(model.hf)  # the directory and its config, before any rank starts
+    hf_config = read_hf_config(model.hf) if model.hf else {}  # before any rank starts
     if model.factory:
         resolve_factory(model.factory)
+    train = _train_section(source, check_table(source, "train", data.get("train", {})))
+    _check_seq_len(source, model, hf_config, train)
     return Recipe(
         source=source,
         model=model,
         mesh=mesh,
         parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
-        train=_train_section(source, check_table(source, "train", data.get("train", {}))),
+        train=train,
         explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
         data=DataSection(**check_table(source, "data", data.get("data", {}))),
         checkpoint=CheckpointSection(**checkpoint),
         logging=LoggingSection(**check_table(source, "logging", data.get("logging", {}))),
         raw=data,
     )
+
+
+def _check_seq_len(
+    source: str, model: ModelSection, hf_config: dict[str, Any], train: TrainSection
+) -> None:
+    """``train.seq_len`` within the positions the model covers (Llama's rotary tables, an HF
+    config's ``max_position_embeddings``); a factory's model is checked when it is built."""
+    if model.config is not None:
+        limit, where = model.config.max_seq_len, f"preset {model.preset!r}"
+        name, fix = "max_seq_len", "model.max_seq_len"
+    elif isinstance(hf_config.get("max_position_embeddings"), int):
+        limit, where = hf_config["max_position_embeddings"], f"{model.hf}/config.json"
+        name, fix = "max_position_embeddings", "max_position_embeddings in that config.json"
+    else:
+        return
+    if train.seq_len > limit:
+        raise RecipeError(
+            f"{source}: train.seq_len = {train.seq_len} is longer than the model's {name} = "
+            f"{limit} ({where}). Lower train.seq_len, or raise {fix} to {train.seq_len}."
+        )
 
 
 def _train_section(source: str, values: dict[str, Any]) -> TrainSection:
@@ -249,44 +253,6 @@ def _train_section(source: str, values: dict[str, Any]) -> TrainSection:
             "decays from lr down to min_lr. Set min_lr ≤ lr."
         )
     return train
-
-
-def apply_overrides(
-    data: dict[str, Any], overrides: Sequence[str], source: str = "<string>"
-) -> dict[str, Any]:
-    """``data`` with each ``section.key=value`` set. The value is read as a TOML value
-    (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one is taken as a
-    bare string (``data.source=synthetic``). The section is the longest known section name the
-    path starts with (``parallel.pipeline.schedule=GPipe``); keys are checked afterwards with the
-    rest of the recipe, so an unknown key is the usual RecipeError.
-
-    Example:
-        >>> apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "mesh.tp=4"])
-        {'train': {'lr': 0.0003}, 'mesh': {'tp': 4}}
-    """
-    result = copy.deepcopy(data)
-    for override in overrides:
-        path, sep, text = override.partition("=")
-        section = max(
-            (name for name in SECTIONS if path.startswith(name + ".")), key=len, default=""
-        )
-        key = path[len(section) + 1 :] if section else ""
-        if not sep or not section or not key:
-            raise RecipeError(
-                f"{source}: --set {override!r} is not section.key=value with a known section "
-                f"({', '.join(SECTIONS)}). Write e.g. --set train.steps=100."
-            )
-        try:
-            value = tomllib.loads(f"value = {text}")["value"]
-        except tomllib.TOMLDecodeError:
-            value = text
-        table = result
-        for part in section.split("."):
-            table = table.setdefault(part, {})
-            if not isinstance(table, dict):
-                raise RecipeError(f"{source}: --set {override!r}: [{section}] is not a table.")
-        table[key] = value
-    return result
 
 
 # ----------------------------------------------------------------------------- shrink

@@ -1,11 +1,15 @@
 """The training loop a recipe describes: plan, data, train step, checkpoints and metrics.
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
-``torchrun``, or any SPMD launcher) and does, in this order: build the model on full tensors from
-the recipe's seed (or a safetensors file), plan it, check that every rank has the same plan
-(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the latest complete checkpoint when
-there is one (under whatever mesh this run has: DCP reshards), then train, logging every step and
-saving at the recipe's interval and at the end.
+``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
+the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed (or
+a safetensors file), plan it, check that every rank has the same plan
+(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the newest intact checkpoint when
+there is one (under whatever mesh this run has: DCP reshards; damaged or unfinished ones are
+passed over, one line each), then train, logging every step and saving at the recipe's interval
+and at the end. A stop signal ends every rank after the same step with a checkpoint
+(:mod:`~meshtrain.train.stop`); skipped steps are counted against the recipe's budget and never
+checkpointed, and ``keep_last`` spares the last good checkpoint (:mod:`~meshtrain.train.guard`).
 
 Example (on every rank)::
 
@@ -16,7 +20,9 @@ Example (on every rank)::
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,11 +30,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
 from meshtrain.lower import apply
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.models import flops_per_token, vocab_size
+from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 from meshtrain.train.batch import Batch, DataPosition
@@ -36,10 +43,12 @@ from meshtrain.train.checkpoint import (
     CheckpointConfig,
     Checkpointer,
     export_safetensors,
-    latest_checkpoint,
+    find_resume_point,
+    list_checkpoints,
     load_checkpoint,
     load_safetensors,
 )
+from meshtrain.train.checkpoint_files import checkpoint_name, checkpoint_step
 from meshtrain.train.data import (
     DistributedBatches,
     SyntheticTokens,
@@ -48,36 +57,58 @@ from meshtrain.train.data import (
     prepare_corpus,
 )
 from meshtrain.train.fingerprint import check_same_plan
+from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
+from meshtrain.train.lock import TOKEN_VARIABLE
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
-from meshtrain.train.metrics import LoggingConfig, make_sinks
+from meshtrain.train.metrics import LoggingConfig, Sinks, make_sinks
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
+from meshtrain.train.stop import GracefulStop, signal_name
 from meshtrain.train.throughput import Throughput
 
 
 @dataclass(frozen=True)
 class RunResult:
     """What a run did, on every rank: the global loss of each step it trained (by step number),
-    the step it resumed from (``None`` for a fresh start), its last checkpoint and run dir."""
+    the step it resumed from (``None`` for a fresh start), its last checkpoint and run dir, the
+    plan's fingerprint, and the signal that stopped it early (``None`` when it was not)."""
 
     losses: dict[int, float]
     resumed_from: int | None
     checkpoint: Path | None
     run_dir: Path
     fingerprint: str
+    stopped_by: str | None = None
+    last_step: int = 0
 
 
 def train(
-    recipe: Recipe, *, device: torch.device | None = None, stop_after: int | None = None
+    recipe: Recipe,
+    *,
+    device: torch.device | None = None,
+    stop_after: int | None = None,
+    stop: GracefulStop | None = None,
 ) -> RunResult:
     """Train ``recipe`` on this process group (see the module docstring).
 
     ``stop_after`` ends this run after that many steps (with a checkpoint), as a job with a time
     limit would; the schedule still runs to ``train.steps``, and the next run resumes there.
+    SIGTERM, SIGINT and SIGHUP stop every rank after the same step, with a checkpoint
+    (:mod:`meshtrain.train.stop`), and the result names the signal; ``stop`` is a
+    :class:`GracefulStop` whose handlers the caller installed (by default ``train`` installs its
+    own while it runs, in the main thread).
     """
     device = device or torch.device("cpu")
-    rank = dist.get_rank()
+    owned = stop is None
+    stop = stop or GracefulStop()
+    with _run_locks(recipe), stop.installed(enabled=owned):
+        return _train(recipe, device, stop_after, stop)
+
+
+def _train(
+    recipe: Recipe, device: torch.device, stop_after: int | None, stop: GracefulStop
+) -> RunResult:
     mesh = make_mesh(recipe.mesh_axes())
     model = _build_model(recipe, device)
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
@@ -99,49 +130,185 @@ def train(
             async_save=recipe.checkpoint.async_save,
         )
     )
-    resumed_from = None
-    latest = latest_checkpoint(recipe.checkpoint_dir) if recipe.checkpoint.resume else None
-    if latest is not None:
-        state = _restore(state, load_checkpoint(latest, state.params, optimizer))
-        resumed_from = state.step
+    budget = SkipBudget(train_cfg.max_consecutive_skips, train_cfg.max_total_skips)
+    state, guard, last_good, resume = _resume(recipe, state, optimizer, checkpointer, budget)
+    stop.arm()  # from here on a stop waits for a step boundary and saves
     dp_rank, dp_size = data_parallel_rank(plan)
     loader = DistributedBatches(_dataset(recipe, model), recipe.train.batch_size, dp_rank, dp_size,
                                 seed=recipe.data.seed, shuffle=recipe.data.shuffle)  # fmt: skip
     sinks = make_sinks(
-        _logging_config(recipe), run_dir=recipe.run_dir, rank=rank,
-        total_steps=train_cfg.steps, run_name=recipe.name,
+        _logging_config(recipe), run_dir=recipe.run_dir, rank=dist.get_rank(),
+        total_steps=train_cfg.steps, run_name=recipe.name, start_step=state.step,
     )  # fmt: skip
     sinks.start(config=recipe.raw, plan_text=plan.explain(), plan_json=plan.to_json())
     meter = Throughput(
         flops_per_token=flops_per_token(model, train_cfg.seq_len),
         device=device,
     )
-    losses: dict[int, float] = {}
-    saved: Path | None = latest
+    loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, last_good, resume)
     failed = True
     try:
+        state = loop.run(state, step_fn, loader, sinks, meter, stop, stop_after, device)
+        failed = False
+    finally:
+        sinks.close(failed=failed)
+    if recipe.checkpoint.export and loop.saved is not None and loop.stopped_by is None:
+        if dist.get_rank() == 0:
+            export_safetensors(loop.saved, Path(recipe.checkpoint.export))
+        dist.barrier()
+    resumed_from = checkpoint_step(resume) if resume is not None else None
+    return RunResult(loop.losses, resumed_from, loop.saved, recipe.run_dir, fingerprint,
+                     loop.stopped_by, state.step)  # fmt: skip
+
+
+class _Loop:
+    """The steps of one run: train, log, count skipped steps, save on the interval (never right
+    after a skipped step), and stop with a checkpoint when every rank agrees to."""
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        plan: Plan,
+        fingerprint: str,
+        checkpointer: Checkpointer,
+        guard: SkipGuard,
+        last_good: LastGood,
+        resume: Path | None,
+    ) -> None:
+        self.recipe, self.plan, self.fingerprint = recipe, plan, fingerprint
+        self.checkpointer, self.guard, self.last_good = checkpointer, guard, last_good
+        self.losses: dict[int, float] = {}
+        self.saved = resume
+        self.saved_step = checkpoint_step(resume) if resume is not None else 0
+        self.stopped_by: str | None = None
+        # a checkpoint is good once the run trained a whole interval past it with no skip
+        self.confirm_steps = max(1, recipe.checkpoint.interval)
+
+    def run(self, state: TrainState, step_fn: Any, loader: DistributedBatches, sinks: Sinks,
+            meter: Throughput, stop: GracefulStop, stop_after: int | None,
+            device: torch.device) -> TrainState:  # fmt: skip
+        """Train until ``train.steps``, ``stop_after`` steps, an agreed stop or a spent budget."""
+        steps, due = self.recipe.train.steps, False
         for batch in loader.batches(state.data):
-            if state.step >= train_cfg.steps or len(losses) == stop_after:
+            if state.step >= steps or len(self.losses) == stop_after:
+                break
+            if reason := stop.agreed(device):
+                self.stopped_by = signal_name(reason)
                 break
             if device.type != "cpu":
                 batch = Batch(batch.inputs.to(device), batch.targets.to(device), batch.position)
             state, metrics = step_fn(state, batch)
-            losses[state.step] = metrics["loss"]
+            self.losses[state.step] = metrics["loss"]
             sinks.log(state.step, meter.update(metrics))
-            last = state.step == train_cfg.steps or len(losses) == stop_after
-            if checkpointer.due(state.step) or last:
-                extra = _extra(state, plan, fingerprint, recipe)
-                saved = checkpointer.save(state.step, state.params, optimizer, extra)
+            self._count(state.step, metrics)
+            last = state.step == steps or len(self.losses) == stop_after
+            due = due or self.checkpointer.due(state.step) or last
+            if due and self.guard.may_checkpoint:
+                self._save(state)
+                due = False
                 meter.reset_timer()  # saving is not step time
-        checkpointer.wait()
-        failed = False
-    finally:
-        sinks.close(failed=failed)
-    if recipe.checkpoint.export and saved is not None:
-        if rank == 0:
-            export_safetensors(saved, Path(recipe.checkpoint.export))
-        dist.barrier()
-    return RunResult(losses, resumed_from, saved, recipe.run_dir, fingerprint)
+        stopped = self.stopped_by is not None and self.guard.may_checkpoint
+        if stopped and state.step > self.saved_step:
+            self._save(state, wait=True)  # synchronous: the job is ending
+        self.checkpointer.wait()
+        return state
+
+    def _count(self, step: int, metrics: dict[str, float]) -> None:
+        """Skipped-step accounting, and which checkpoint is the last good one."""
+        skipped = bool(metrics.get("skipped"))
+        self.last_good = self.last_good.after_step(skipped=skipped,
+                                                   confirm_steps=self.confirm_steps)  # fmt: skip
+        self.checkpointer.protect(self.last_good.step)
+        try:
+            self.guard.update(step, metrics)
+        except TrainingError as err:  # raised on every rank alike: collectives are safe
+            self.checkpointer.wait()  # a save still in flight is from before the trouble
+            raise TrainingError(f"{err.message} {self._advice()}") from None
+
+    def _advice(self) -> str:
+        good = self.last_good.step
+        if good is None:
+            return "No checkpoint of this run was confirmed good (trained past with no skip)."
+        directory = self.recipe.checkpoint_dir
+        newer = [path.name for path in list_checkpoints(directory)
+                 if checkpoint_step(path) > good]  # fmt: skip
+        advice = (
+            f"The last good checkpoint (trained {self.confirm_steps} steps past with no skipped "
+            f"step) is {directory / checkpoint_name(good)}"
+        )
+        if newer:
+            return f"{advice}; delete those saved since ({', '.join(newer)}) to resume from it."
+        return f"{advice}; the next run resumes from it."
+
+    def _save(self, state: TrainState, *, wait: bool = False) -> None:
+        extra = _extra(state, self.plan, self.fingerprint, self.recipe)
+        extra["nonfinite"] = self.guard.record.to_json()
+        extra["last_good"] = self.last_good.to_json()
+        self.saved = self.checkpointer.save(state.step, state.params, state.optimizer, extra,
+                                            wait=wait)  # fmt: skip
+        self.saved_step, self.last_good = state.step, self.last_good.after_save(state.step)
+
+
+def _resume(
+    recipe: Recipe,
+    state: TrainState,
+    optimizer: torch.optim.Optimizer,
+    checkpointer: Checkpointer,
+    budget: SkipBudget,
+) -> tuple[TrainState, SkipGuard, LastGood, Path | None]:
+    """The state to start from: the newest intact checkpoint (every checkpoint passed over on
+    the way is named on rank 0), restored with its skip counts and last good checkpoint, or a
+    fresh one."""
+    if not recipe.checkpoint.resume:
+        return state, SkipGuard(budget), LastGood(), None
+    point = find_resume_point(recipe.checkpoint_dir)
+    for line in point.describe_passed_over():
+        announce(f"{recipe.name}: warning: {line}")
+    damaged = [status.path.name for status in point.passed_over if status.status == "damaged"]
+    if point.checkpoint is None and damaged:  # starting over would bury a long run's work
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {str(recipe.checkpoint_dir)!r}: "
+            f"{', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged (the lines "
+            "above say how). Repair or remove them, or set checkpoint.resume = false to start "
+            "afresh."
+        )
+    if point.checkpoint is None:
+        return state, SkipGuard(budget), LastGood(), None
+    extra = load_checkpoint(point.checkpoint, state.params, optimizer, verify=False)
+    guard = SkipGuard(budget, SkipRecord.from_json(extra.get("nonfinite")))
+    state = _restore(state, extra)
+    last_good = LastGood.resumed(extra.get("last_good"), state.step)
+    checkpointer.protect(last_good.step)
+    announce(f"{recipe.name}: resumed from step {state.step} (checkpoint {point.checkpoint})")
+    return state, guard, last_good, point.checkpoint
+
+
+@contextlib.contextmanager
+def _run_locks(recipe: Recipe) -> Iterator[None]:
+    """Rank 0 holds the run directory's lock (shared with its launcher's job through
+    ``MESHTRAIN_RUN_TOKEN``); every rank raises the same error when it cannot."""
+    with contextlib.ExitStack() as stack:
+        problem = None
+        if dist.get_rank() == 0:
+            try:
+                stack.enter_context(lock_run(recipe, token=os.environ.get(TOKEN_VARIABLE)))
+            except MeshtrainError as err:
+                problem = (type(err).__name__, err.message)
+        outcomes: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(outcomes, problem)
+        if outcomes[0] is not None:
+            kind, message = outcomes[0]
+            raise (CheckpointError if kind == "CheckpointError" else RecipeError)(message)
+        yield
+
+
+def announce(line: str) -> None:
+    """One line on rank 0's console (an event: a resume, a checkpoint passed over, a stop); a
+    closed console does not stop the run."""
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    with contextlib.suppress(OSError):
+        print(line, flush=True)
 
 
 def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:

@@ -16,15 +16,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import MeshtrainError, RecipeError, did_you_mean
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.plan.pipeline import SCHEDULES
+from meshtrain.recipes.source import find_recipe as find_recipe  # re-exported
 from meshtrain.spec.partition import P
 
 PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
@@ -111,6 +112,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "max_norm": _positive(1.0, int, float),
         "seed": _nonnegative(0),
         "on_nonfinite": Key((str,), "skip", ("skip", "stop")),
+        "max_consecutive_skips": _positive(10),
+        "max_total_skips": _nonnegative(100),
     },
     "data": {
         "source": Key((str,), "corpus", DATA_SOURCES),
@@ -189,8 +192,9 @@ class ParallelSection:
 @dataclass(frozen=True)
 class TrainSection:
     """``[train]``: global sequences per step, tokens per sequence, optimizer and its schedule
-    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed and
-    what a non-finite loss does."""
+    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed,
+    what a non-finite loss does (``skip`` its update or ``stop``) and how many skipped steps end
+    the run (``max_consecutive_skips`` in a row, ``max_total_skips`` in all; 0: no bound)."""
 
     batch_size: int = 8
     seq_len: int = 16
@@ -203,6 +207,8 @@ class TrainSection:
     max_norm: float = 1.0
     seed: int = 0
     on_nonfinite: str = "skip"
+    max_consecutive_skips: int = 10
+    max_total_skips: int = 100
 
 
 @dataclass(frozen=True)
@@ -288,6 +294,10 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
         if wrong_type:
             raise RecipeError(
                 f"{where} is {_kind(value)}, but {key} must be {spec.describe()}. {example}"
+            )
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RecipeError(
+                f"{where} is not a finite number; {key} must be {spec.describe()}. {example}"
             )
         if spec.choices and value not in spec.choices:
             raise RecipeError(f"{where} is not allowed; {key} must be {spec.describe()}. {example}")
@@ -442,25 +452,6 @@ def parse_spec(text: str, *, where: str = "spec") -> P:
         return P(*entries)
     except MeshtrainError as err:
         raise RecipeError(f"{shown}: {err.message}") from None
-
-
-def find_recipe(path_or_name: str | Path) -> Path:
-    """A path as given, or ``recipes/<name>.toml`` under the current directory, then under the
-    repository root."""
-    path = Path(path_or_name)
-    if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
-        if not path.is_file():
-            raise RecipeError(f"recipe file {str(path)!r} does not exist.")
-        return path
-    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
-    for root in roots:
-        if (root / f"{path}.toml").is_file():
-            return root / f"{path}.toml"
-    known = sorted({p.stem for root in roots if root.is_dir() for p in root.glob("*.toml")})
-    raise RecipeError(
-        f"no recipe named {str(path)!r} in {' or '.join(str(root) for root in roots)}"
-        f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
-    )
 
 
 def toml_value(value: Any) -> str:

@@ -138,9 +138,7 @@ def contract_for(plan: Plan, *, statistics_size: int | None = None) -> Contract:
         reorderings.append(Reordering("data-parallel gradient and loss sum", data_ways))
     if data_ways > 1 and plan.batch_norms:
         ways = max(statistics_size or data_ways, data_ways)
-        reorderings.append(
-            Reordering("BatchNorm statistics summed over data-parallel ranks", ways)
-        )
+        reorderings.append(Reordering("BatchNorm statistics summed over data-parallel ranks", ways))
     micro = plan.pipeline.microbatches if plan.pipeline else options.microbatches
     if micro > 1:
         reorderings.append(Reordering("micro-batch gradient accumulation", micro))

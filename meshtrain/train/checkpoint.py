@@ -27,6 +27,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import uuid
@@ -43,15 +44,19 @@ from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
-from meshtrain.errors import CheckpointError
+from meshtrain.errors import CheckpointError, describe_os_error
 from meshtrain.train.checkpoint_files import (
+    METADATA_FILE,
     MODEL_PREFIX,
+    TMP_MARKER,
     RestrictedFileSystemReader,
     checkpoint_name,
+    checkpoint_step,
     latest_checkpoint,
     list_checkpoints,
     prune,
     publish,
+    read_checkpoint_metadata,
     read_state_file,
     remove_stale,
     single_process_dcp,
@@ -66,16 +71,26 @@ from meshtrain.train.checkpoint_state import (
     target_problems,
     unexpected_message,
 )
+from meshtrain.train.integrity import (
+    CheckpointStatus,
+    digest_files,
+    file_problems,
+    inspect_checkpoint,
+    seal_state,
+)
 from meshtrain.train.safetensors_io import export_safetensors, load_safetensors
 
 __all__ = [
     "CheckpointConfig",
     "Checkpointer",
+    "ResumePoint",
     "export_safetensors",
+    "find_resume_point",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
     "load_safetensors",
+    "verify_checkpoint",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -89,8 +104,9 @@ class CheckpointConfig:
 
     ``interval``: save every ``interval`` steps (0: never by schedule; call ``save`` yourself).
     ``keep_last``: complete checkpoints kept, older ones removed after each save (0: keep all).
-    ``async_save``: write in a background thread over a separate gloo group; ``save`` returns
-    once the state is copied, and the checkpoint is published by the next ``save`` or ``wait``.
+    ``async_save``: write in a background thread over a separate gloo group (created when the
+    :class:`Checkpointer` is, on every rank); ``save`` returns once the state is copied, and the
+    checkpoint is published by the next ``save`` or ``wait``.
 
     Example:
         >>> CheckpointConfig("runs/ckpt", interval=100).path.name
@@ -127,7 +143,8 @@ class _PendingSave:
 
 
 class Checkpointer:
-    """Saves checkpoints of one run on its schedule; call every method on every rank alike.
+    """Saves checkpoints of one run on its schedule; construct it and call every method on every
+    rank alike.
 
     Example:
         >>> import tempfile
@@ -138,9 +155,19 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig) -> None:
         self.config = config
+        self.protected: int | None = None
         self._pending: _PendingSave | None = None
         self._async_group: dist.ProcessGroup | None = None
         self._told_sync = False
+        if config.async_save and _distributed():
+            # Now, while the rendezvous store is surely up: a job whose launcher has died can
+            # still save on its way out, and creating a group needs the store.
+            self._checkpoint_group()
+
+    def protect(self, step: int | None) -> None:
+        """Never let ``keep_last`` prune the checkpoint of ``step`` (the run's last good one,
+        :class:`~meshtrain.train.guard.LastGood`); ``None`` lifts the protection."""
+        self.protected = step
 
     def due(self, step: int) -> bool:
         """Whether ``step`` (the number of optimizer steps done) is on the save interval."""
@@ -153,14 +180,17 @@ class Checkpointer:
         params: Mapping[str, Tensor],
         optimizer: torch.optim.Optimizer | None,
         extra: Mapping[str, Any],
+        *,
+        wait: bool = False,
     ) -> Path:
         """Checkpoint ``params`` (FQN → local tensor), ``optimizer``'s state and the JSON-ready
         ``extra`` (rank 0's is written) as step ``step``; return the checkpoint's path.
 
-        Synchronous: returns once the checkpoint is complete and visible to every rank. Async
-        (``config.async_save`` with a process group): returns once this rank's state is copied;
-        a previous async save is finalised first. Raises :class:`CheckpointError` on every rank
-        when any rank fails; the previous complete checkpoint stays the latest.
+        Synchronous: returns once the checkpoint is complete, its files' checksums recorded, and
+        visible to every rank. Async (``config.async_save`` with a process group, unless
+        ``wait``): returns once this rank's state is copied; a previous async save is finalised
+        first. Raises :class:`CheckpointError` on every rank when any rank fails (an unwritable
+        directory, a full disk); the previous complete checkpoint stays the latest.
         """
         self._finalise_pending()
         directory = self.config.path
@@ -168,18 +198,21 @@ class Checkpointer:
         state_dict = state_dict_to_save(params, optimizer, problems)
         state_text = state_json(step, _world_size(), optimizer, extra, problems)
         token = uuid.uuid4().hex[:8]
+        final = directory / checkpoint_name(step)
+        if _rank() == 0 and not problems:
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                remove_stale(directory, keep=directory / f"{final.name}.tmp-{token}")
+            except OSError as err:
+                problems.append(f"cannot write into {str(directory)!r}: {describe_os_error(err)}")
         gathered = _all_gather((problems, token))
         _raise_problems(f"cannot save checkpoint step {step} in {str(directory)!r}", gathered)
         token = gathered[0][1]
-        final = directory / checkpoint_name(step)
         scratch = directory / f"{final.name}.tmp-{token}"
-        if _rank() == 0:
-            directory.mkdir(parents=True, exist_ok=True)
-            remove_stale(directory, keep=scratch)
         if self.config.async_save and not _distributed() and not self._told_sync:
             self._told_sync = True
             _LOG.info("async_save needs a process group; saving synchronously in one process")
-        if self.config.async_save and _distributed():
+        if self.config.async_save and _distributed() and not wait:
             group = self._checkpoint_group()
             response = dcp.async_save(
                 state_dict, storage_writer=FileSystemWriter(scratch), process_group=group
@@ -187,12 +220,12 @@ class Checkpointer:
             upload = response if isinstance(response, Future) else response.upload_completion
             self._pending = _PendingSave(step, scratch, final, upload, state_text)
             return final
-        written: Future[None] = Future()
+        written: Future[Any] = Future()
         try:
             with single_process_dcp():
-                dcp.save(state_dict, storage_writer=FileSystemWriter(scratch),
-                         no_dist=not _distributed())  # fmt: skip
-            written.set_result(None)
+                metadata = dcp.save(state_dict, storage_writer=FileSystemWriter(scratch),
+                                    no_dist=not _distributed())  # fmt: skip
+            written.set_result(metadata)
         except _FAILURES as err:  # DCP raises on every rank when any rank failed
             written.set_exception(err)
         self._pending = _PendingSave(step, scratch, final, written, state_text)
@@ -213,26 +246,31 @@ class Checkpointer:
         return self._async_group
 
     def _finalise_pending(self) -> None:
-        """Every rank: wait for the write; rank 0: publish and prune; then agree on the outcome
-        (this collective is also the barrier after which every rank sees the new directory)."""
+        """Every rank: wait for the write and hash its share of the files; rank 0: record the
+        checksums, publish and prune; then agree on the outcome (this collective is also the
+        barrier after which every rank sees the new directory)."""
         pending, self._pending = self._pending, None
         if pending is None:
             return
         problems: list[str] = []
+        digests: dict[str, Any] = {}
         try:
-            pending.future.result()
+            written = pending.future.result()
+            digests = digest_files(pending.scratch, _files_to_hash(pending.scratch, written))
         except _FAILURES as err:
             problems.append(f"writing {str(pending.scratch)!r} failed: {_describe(err)}")
+        hashed = _all_gather((problems, digests))
         if _rank() == 0:
+            failed = any(rank_problems for rank_problems, _ in hashed)
             try:
-                if not problems:
-                    write_state_file(pending.scratch, pending.state_text)
-                    publish(pending.scratch, pending.final)
-                    for removed in prune(pending.final.parent, self.config.keep_last):
-                        _LOG.info("removed old checkpoint %s (keep_last)", removed)
+                if not failed:
+                    files = {name: digest for _, share in hashed for name, digest in share.items()}
+                    self._publish(pending, files)
             except OSError as err:
-                problems.append(f"publishing {str(pending.final)!r} failed: {err}")
-            if problems:  # every rank's writes are over: DCP reported the failure to all of them
+                problems.append(
+                    f"publishing {str(pending.final)!r} failed: {describe_os_error(err)}"
+                )
+            if failed or problems:  # every rank's writes are over (DCP told all of them)
                 shutil.rmtree(pending.scratch, ignore_errors=True)
         gathered = _all_gather((problems, None))
         if any(rank_problems for rank_problems, _ in gathered):
@@ -243,12 +281,36 @@ class Checkpointer:
                 gathered,
             )
 
+    def _publish(self, pending: _PendingSave, files: dict[str, Any]) -> None:
+        """Rank 0: the sealed state file (with every file's checksum), the rename, the prune."""
+        state = json.loads(pending.state_text)
+        state["files"] = dict(sorted(files.items()))
+        write_state_file(pending.scratch, seal_state(state))
+        publish(pending.scratch, pending.final)
+        protected = () if self.protected is None else (self.protected,)
+        for removed in prune(pending.final.parent, self.config.keep_last, protected=protected):
+            _LOG.info("removed old checkpoint %s (keep_last)", removed)
+
+
+def _files_to_hash(scratch: Path, written: Any) -> list[str]:
+    """This rank's share of a finished save's files: the payload files it wrote (DCP names them
+    ``__<rank>_<n>.distcp``), and on rank 0 ``.metadata`` and any payload no rank prefix claims."""
+    metadata = written if isinstance(written, Metadata) else read_checkpoint_metadata(scratch)
+    payload = sorted({info.relative_path for info in (metadata.storage_data or {}).values()})
+    rank, world = _rank(), _world_size()
+    prefixes = tuple(f"__{other}_" for other in range(world))
+    mine = [name for name in payload if name.startswith(f"__{rank}_")]
+    if rank == 0:
+        mine += [METADATA_FILE, *(name for name in payload if not name.startswith(prefixes))]
+    return mine
+
 
 def load_checkpoint(
     path: str | Path,
     params: Mapping[str, Tensor],
     optimizer: torch.optim.Optimizer | None,
     *,
+    verify: bool = True,
     trust_pickle: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``params`` and ``optimizer`` in place; return the
@@ -261,6 +323,9 @@ def load_checkpoint(
     any tensor is read, every rank's targets are compared with the checkpoint (missing or
     unexpected FQNs, shapes, dtypes), and every rank raises the same :class:`CheckpointError`.
 
+    ``verify`` (default) first checks every file against the checksums recorded when it was
+    saved (the ranks share the reading) and raises a :class:`CheckpointError` naming each bad
+    file; pass ``False`` for a checkpoint :func:`verify_checkpoint` has just passed.
     ``trust_pickle=True`` reads DCP's pickled metadata with ``pickle.load`` instead of the
     restricted unpickler; pass it only for checkpoints whose origin you trust.
 
@@ -270,6 +335,8 @@ def load_checkpoint(
         step = extra["step"]
     """
     path = Path(path)
+    if verify:
+        _refuse_damaged(verify_checkpoint(path))
     problems: list[str] = []
     state: dict[str, Any] | None = None
     metadata: Metadata | None = None
@@ -318,6 +385,88 @@ def load_checkpoint(
         prepared.finish()
     assert state is not None
     return dict(state.get("extra", {}))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a run resumes: the newest checkpoint that verified (``None``: start afresh) and the
+    newer ones passed over on the way (damaged, or saves that never finished), newest first."""
+
+    checkpoint: Path | None
+    passed_over: tuple[CheckpointStatus, ...]
+
+    def describe_passed_over(self) -> list[str]:
+        """One line per checkpoint passed over: its directory, its status and why."""
+        return [
+            f"passed over {status.path}: {status.status} ({'; '.join(status.problems)})"
+            for status in self.passed_over
+        ]
+
+
+def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePoint:
+    """The newest complete checkpoint in ``directory`` whose files match their checksums
+    (``verify``; the ranks share the reading), and what was passed over to reach it. Call on
+    every rank alike: every rank gets the same answer.
+
+    Example::
+
+        point = find_resume_point("runs/debug/checkpoints")
+        if point.checkpoint is not None:
+            extra = load_checkpoint(point.checkpoint, params, optimizer, verify=False)
+    """
+    directory = Path(directory)
+    complete = list_checkpoints(directory)
+    _check_same_listing(directory, [path.name for path in complete])
+    newest = checkpoint_step(complete[-1]) if complete else -1
+    unfinished = [inspect_checkpoint(path, content=False)
+                  for path in sorted(directory.glob(f"step_*{TMP_MARKER}*"), reverse=True)]  # fmt: skip
+    passed = [status for status in unfinished if (status.step or -1) > newest]
+    for path in reversed(complete):
+        status = verify_checkpoint(path) if verify else inspect_checkpoint(path, content=False)
+        if status.loadable:
+            return ResumePoint(path, tuple(passed))
+        passed.append(status)
+    return ResumePoint(None, tuple(passed))
+
+
+def _refuse_damaged(status: CheckpointStatus) -> None:
+    if status.status == "damaged":
+        raise CheckpointError(
+            f"checkpoint {str(status.path)!r} is damaged, so nothing was loaded:\n"
+            + "\n".join(f"  - {problem}" for problem in status.problems)
+            + "\nLoad an earlier one (`meshtrain checkpoints DIR` lists them with their status)."
+        )
+
+
+def _check_same_listing(directory: Path, names: list[str]) -> None:
+    """Every rank must see the same checkpoints, or they would load different ones (or wait for
+    each other forever): a directory on each node's own disk is refused on every rank."""
+    seen = _all_gather(names)
+    if any(listing != seen[0] for listing in seen):
+        views = "; ".join(
+            f"rank {rank}: {', '.join(listing[-3:]) or 'none'}" for rank, listing in enumerate(seen)
+        )
+        raise CheckpointError(
+            f"the ranks see different checkpoints in {str(directory)!r} ({views}; the newest "
+            "3 shown). Put checkpoint.dir on a filesystem every rank shares."
+        )
+
+
+def verify_checkpoint(path: str | Path) -> CheckpointStatus:
+    """:func:`~meshtrain.train.integrity.inspect_checkpoint` shared by the ranks: each reads a
+    share of the files, and every rank gets the same verdict. Call on every rank alike."""
+    path = Path(path)
+    rank, world = _rank(), _world_size()
+    outline = inspect_checkpoint(path, content=False)  # the state file and sizes: cheap
+    problems: list[str] = []
+    if outline.status == "intact":
+        listed = read_state_file(path)["files"]
+        problems = file_problems(path, listed, sorted(listed)[rank::world])
+    gathered = _all_gather(problems)
+    found = [problem for rank_problems in gathered for problem in rank_problems]
+    if not found:
+        return outline
+    return CheckpointStatus(path, outline.step, "damaged", tuple(found), outline.size_bytes)
 
 
 # ------------------------------------------------------------------ agreement across ranks

@@ -38,7 +38,7 @@ import re
 import shutil
 import uuid
 import warnings
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,7 @@ __all__ = [
 ]
 
 FORMAT = "meshtrain-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: file checksums and a sealed state (version 1 still loads)
 STATE_FILE = "meshtrain.json"
 METADATA_FILE = ".metadata"
 TMP_MARKER = ".tmp-"
@@ -148,7 +148,8 @@ def checkpoint_step(path: str | Path) -> int:
     if match is None:
         raise CheckpointError(
             f"{str(path)!r} is not a checkpoint directory name (expected 'step_' and 8 digits, "
-            "as Checkpointer.save writes them). Pass a path from list_checkpoints()."
+            "as Checkpointer.save writes them). Pass a checkpoint that `meshtrain checkpoints DIR` "
+            "lists (list_checkpoints() in Python)."
         )
     return int(match.group(1))
 
@@ -199,7 +200,7 @@ def read_state_file(path: str | Path) -> dict[str, Any]:
         hint = (
             " It is a directory of checkpoints: pass latest_checkpoint(path) instead."
             if Path(path).is_dir() and list_checkpoints(path)
-            else " Pass a complete checkpoint directory (see list_checkpoints())."
+            else " Pass a complete checkpoint directory (`meshtrain checkpoints DIR` lists them)."
         )
         raise CheckpointError(
             f"{str(path)!r} is not a complete meshtrain checkpoint: it has no {STATE_FILE}.{hint}"
@@ -209,7 +210,7 @@ def read_state_file(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(
             f"cannot read {str(state_path)!r}: {err}. The checkpoint is damaged; load an earlier "
-            "one from list_checkpoints()."
+            "one (`meshtrain checkpoints DIR` lists them with their status)."
         ) from err
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(
@@ -241,15 +242,20 @@ def publish(scratch: Path, final: Path) -> None:
         shutil.rmtree(replaced, ignore_errors=True)
 
 
-def prune(directory: Path, keep_last: int) -> list[Path]:
+def prune(directory: Path, keep_last: int, *, protected: Collection[int] = ()) -> list[Path]:
     """Remove all but the ``keep_last`` newest complete checkpoints (0 keeps all); return them.
+    The steps in ``protected`` are never removed (the last checkpoint before non-finite steps).
 
     Each is renamed to a ``*.tmp-*`` name before it is deleted, so a crash mid-delete never leaves
     a partly deleted directory that lists as complete.
     """
     if keep_last <= 0:
         return []
-    removed = list_checkpoints(directory)[:-keep_last]
+    removed = [
+        path
+        for path in list_checkpoints(directory)[:-keep_last]
+        if checkpoint_step(path) not in protected
+    ]
     for path in removed:
         doomed = path.with_name(f"{path.name}{TMP_MARKER}pruned-{uuid.uuid4().hex[:8]}")
         os.rename(path, doomed)
@@ -343,12 +349,14 @@ def read_checkpoint_metadata(
     except FileNotFoundError as err:
         raise CheckpointError(
             f"{str(path)!r} has no DCP {METADATA_FILE} file: it is not a complete checkpoint "
-            "(a save that did not finish?). Load one from list_checkpoints()."
+            "(a save that did not finish?). Load one that `meshtrain checkpoints DIR` lists as "
+            "intact."
         ) from err
     except Exception as err:  # a truncated or corrupt pickle raises almost anything
         raise CheckpointError(
             f"cannot read {str(source)!r}: {type(err).__name__}: {err}. The checkpoint is "
-            "damaged; load an earlier one from list_checkpoints()."
+            "damaged; load an earlier one (`meshtrain checkpoints DIR` lists them with their "
+            "status)."
         ) from err
     _check_metadata(metadata, source)
     return metadata

@@ -26,6 +26,7 @@ object to ``run_dir/metrics.jsonl`` and logs to wandb (offline unless configured
 from __future__ import annotations
 
 import configparser
+import contextlib
 import json
 import logging
 import math
@@ -33,17 +34,21 @@ import netrc
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
 from urllib.parse import urlsplit
 
-from meshtrain.errors import MeshtrainError, RecipeError
+from meshtrain.errors import MeshtrainError, RecipeError, describe_os_error
+from meshtrain.train.atomic import write_text_atomically
 
 _LOGGER = logging.getLogger(__name__)
 WANDB_MODES = ("offline", "online", "disabled")
 METRICS_FILE = "metrics.jsonl"
+#: The file in a run directory that keeps its wandb run id, so a resumed run continues that run.
+WANDB_RUN_ID_FILE = "wandb_run_id"
 _DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 
 
@@ -180,12 +185,15 @@ def make_sinks(
     total_steps: int | None,
     run_name: str,
     logging_rank: int = 0,
+    start_step: int = 0,
 ) -> Sinks:
     """The sinks ``config`` asks for on the logging rank; empty :class:`Sinks` on the others.
 
     ``logging_rank`` picks the rank that logs (e.g. the last pipeline stage's first rank when the
     loss is not reduced to every rank). wandb ``"online"`` credentials are checked on every rank,
     so a missing key stops all ranks before training starts rather than one of them mid-run.
+    ``start_step`` is the step the run resumes from (0: a fresh start): the metrics file drops
+    rows past it and the wandb run of the run directory continues (a fresh start begins a new one).
 
     Example:
         >>> make_sinks(LoggingConfig(), run_dir="runs/x", rank=1, total_steps=10, run_name="x").enabled
@@ -196,12 +204,13 @@ def make_sinks(
     if rank != logging_rank:
         return Sinks((), log_every=config.log_every, total_steps=total_steps)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with _writing(run_dir):
+        run_dir.mkdir(parents=True, exist_ok=True)
     sinks: list[Sink] = [RunFilesSink(run_dir)]
     if config.jsonl:
-        sinks.append(JsonlSink(run_dir / METRICS_FILE))
+        sinks.append(JsonlSink(run_dir / METRICS_FILE, start_step=start_step))
     if config.wandb != "disabled":
-        sinks.append(WandbSink(config, run_dir=run_dir, run_name=run_name))
+        sinks.append(WandbSink(config, run_dir=run_dir, run_name=run_name, resume=start_step > 0))
     if config.console:  # last: its progress bar starts only once the others have
         sinks.append(ConsoleSink(total_steps, run_name=run_name))
     return Sinks(sinks, log_every=config.log_every, total_steps=total_steps)
@@ -223,11 +232,12 @@ class RunFilesSink:
 
     def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
         _parse_plan_json(plan_json)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "plan.txt").write_text(_with_newline(plan_text), encoding="utf-8")
-        (self.run_dir / "plan.json").write_text(_with_newline(plan_json), encoding="utf-8")
         config_text = json.dumps(config, indent=2, sort_keys=True, default=str)
-        (self.run_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+        with _writing(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "plan.txt").write_text(_with_newline(plan_text), encoding="utf-8")
+            (self.run_dir / "plan.json").write_text(_with_newline(plan_json), encoding="utf-8")
+            (self.run_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Nothing per step."""
@@ -239,9 +249,11 @@ class RunFilesSink:
 class JsonlSink:
     """One JSON object per line, ``{"step": ..., "time": <unix s>, **metrics}``, flushed per line.
 
-    The file is opened for appending, so a resumed run continues its history; a crash loses at
-    most the line being written (:func:`read_jsonl` skips a torn last line). Non-finite floats are
-    written as ``NaN``/``Infinity``, as Python's json module reads them back.
+    The file is opened for appending, so a resumed run continues its history; at ``start`` rows
+    past ``start_step`` (the step the run resumes from; 0 for a fresh start) are dropped, so a
+    step the resumed run trains again appears once. A crash loses at most the line being written
+    (:func:`read_jsonl` skips a torn last line). Non-finite floats are written as
+    ``NaN``/``Infinity``, as Python's json module reads them back.
 
     Example:
         >>> import tempfile
@@ -253,19 +265,23 @@ class JsonlSink:
         [2.5]
     """
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, *, start_step: int = 0) -> None:
         self.path = Path(path)
+        self.start_step = start_step
         self._file: TextIO | None = None
 
     def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+        with _writing(self.path):
+            truncate_jsonl(self.path, self.start_step)
         self._open()
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         row = {"step": step, "time": time.time()}
         row.update((key, _plain_value(key, value)) for key, value in metrics.items())
         file = self._open()
-        file.write(json.dumps(row) + "\n")
-        file.flush()
+        with _writing(self.path):
+            file.write(json.dumps(row) + "\n")
+            file.flush()
 
     def close(self, *, failed: bool = False) -> None:
         if self._file is not None:
@@ -274,9 +290,46 @@ class JsonlSink:
 
     def _open(self) -> TextIO:
         if self._file is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = self.path.open("a", encoding="utf-8")
+            with _writing(self.path):
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = self.path.open("a", encoding="utf-8")
         return self._file
+
+
+def truncate_jsonl(path: Path | str, last_step: int) -> int:
+    """Drop the rows of a metrics file past ``last_step`` (and a torn last line); return how many
+    were dropped. The file is rewritten whole or not at all.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as run_dir:
+        ...     path = Path(run_dir) / "m.jsonl"
+        ...     _ = path.write_text('{"step": 1}\\n{"step": 2}\\n{"step": 3}\\n{"st')
+        ...     truncate_jsonl(path, 2), [row["step"] for row in read_jsonl(path)]
+        (2, [1, 2])
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").split("\n")
+    kept, dropped = [], 0
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):  # torn by a crash mid-write
+                dropped += 1
+                continue
+            row = None  # not ours to judge: read_jsonl names it
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] > last_step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        write_text_atomically(path, "".join(line + "\n" for line in kept))
+    return dropped
 
 
 def read_jsonl(path: Path | str) -> list[dict[str, Any]]:
@@ -384,10 +437,11 @@ class ConsoleSink:
         self._progress.start()
 
     def _print(self, line: str) -> None:
-        if self._progress is not None:
-            self._progress.console.print(line, markup=False, highlight=False)
-        else:
-            print(line, file=self.stream, flush=True)
+        with contextlib.suppress(OSError):  # a closed terminal or pipe must not stop training
+            if self._progress is not None:
+                self._progress.console.print(line, markup=False, highlight=False)
+            else:
+                print(line, file=self.stream, flush=True)
 
 
 def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | None = None) -> str:
@@ -439,7 +493,9 @@ class WandbSink:
         sink.start(config={"train": {"lr": 1e-3}}, plan_text=plan.explain(), plan_json=plan.to_json())
     """
 
-    def __init__(self, config: LoggingConfig, *, run_dir: Path | str, run_name: str) -> None:
+    def __init__(
+        self, config: LoggingConfig, *, run_dir: Path | str, run_name: str, resume: bool = False
+    ) -> None:
         if config.wandb == "disabled":
             raise RecipeError(
                 "WandbSink was built with logging.wandb = 'disabled'; build no WandbSink for a "
@@ -450,6 +506,7 @@ class WandbSink:
         self.config = config
         self.run_dir = Path(run_dir)
         self.run_name = run_name
+        self.resume = resume
         self.run: Any = None
 
     def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
@@ -461,15 +518,19 @@ class WandbSink:
                 "JSON; rename that key in the config passed to Sinks.start."
             )
         run_config = {**config, "plan": _parse_plan_json(plan_json)}
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         mode: Literal["online", "offline"] = (
             "online" if self.config.wandb == "online" else "offline"
         )
+        with _writing(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            run_id = self._run_id()
         try:
             self.run = wandb.init(
                 project=self.config.wandb_project,
                 entity=self.config.wandb_entity,
                 name=self.run_name,
+                id=run_id,
+                resume="allow",
                 dir=str(self.run_dir),
                 mode=mode,
                 config=run_config,
@@ -488,6 +549,18 @@ class WandbSink:
             self.run.save(str(files_dir / name), base_path=str(files_dir), policy="now", glob=False)
         if mode == "online":  # silent hides wandb's own banner; the URL is still worth a log line
             _LOGGER.info("wandb run %s: %s", self.run_name, self.run.url)
+
+    def _run_id(self) -> str:
+        """The wandb run id of this run directory (``WANDB_RUN_ID_FILE`` in it): kept when the
+        run resumes, a new one for a fresh start."""
+        path = self.run_dir / WANDB_RUN_ID_FILE
+        if self.resume and path.is_file():
+            run_id = path.read_text(encoding="utf-8").strip()
+            if run_id:
+                return run_id
+        run_id = uuid.uuid4().hex[:12]
+        write_text_atomically(path, run_id + "\n")
+        return run_id
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self.run is None:
@@ -574,6 +647,19 @@ def _parse_plan_json(plan_json: str) -> Any:
         raise MeshtrainError(
             f"plan_json passed to Sinks.start is not JSON ({error}); pass plan.to_json()."
         ) from error
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """OS errors while writing the run directory (permissions, a read-only filesystem, a full
+    disk) become a :class:`RecipeError` naming the path and ``logging.run_dir``."""
+    try:
+        yield
+    except OSError as err:
+        raise RecipeError(
+            f"cannot write {str(path)!r}: {describe_os_error(err)} (logging.run_dir sets the run "
+            "directory)."
+        ) from None
 
 
 def _with_newline(text: str) -> str:

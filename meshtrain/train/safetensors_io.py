@@ -80,7 +80,8 @@ def export_safetensors(
         raise CheckpointError(
             f"reading the tensors of {str(checkpoint)!r} failed: {type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. The checkpoint is "
-            "damaged; export an earlier one from list_checkpoints()."
+            "damaged; export an earlier one (`meshtrain checkpoints DIR` lists them with their "
+            "status)."
         ) from err
     named = {}
     for key, tensor in tensors.items():

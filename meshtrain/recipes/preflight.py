@@ -1,0 +1,190 @@
+"""What the launcher checks before any rank starts, so a launch that cannot work is refused in a
+fraction of a second with one line and exit status 2, instead of failing inside every rank.
+
+:func:`check_launch` reads the recipe as parsed (:mod:`meshtrain.recipes.source`) and imports no
+torch: every number is finite, the mesh fits the ranks being started (``--nproc`` × ``--nnodes``),
+the global batch splits over the data-parallel ranks and micro-batches, and the data and files
+the run reads exist (or can be made). A value of the wrong type is left to the schema, which
+runs next (in :func:`meshtrain.recipes.load_recipe`). Then :func:`check_plan` plans the recipe on
+the launch's world with abstract ranks on the meta device — whatever ``mt.plan`` refuses (heads
+that do not split over tensor parallelism, a pipeline that does not fit) is refused here too —
+and :func:`lock_run` takes the run directory's lock for the job.
+
+Example:
+    >>> check_launch({"mesh": {"dp": -1, "tp": 2}, "train": {"batch_size": 8}}, "r.toml",
+    ...              nproc=3)
+    Traceback (most recent call last):
+    ...
+    meshtrain.errors.RecipeError: r.toml: [mesh] {dp: -1, tp: 2} needs a multiple of 2 ranks (tp = 2), but this launch starts 3 (--nproc 3 × --nnodes 1). Start a multiple of 2 ranks (e.g. --nproc 2), or change the mesh (e.g. --set mesh.tp=1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from meshtrain.errors import RecipeError
+
+if TYPE_CHECKING:
+    from meshtrain.recipes.recipe import Recipe
+
+__all__ = ["DEFAULTS", "check_launch", "check_plan", "lock_run"]
+
+#: The schema's defaults these checks need (``tests/test_preflight.py`` keeps them equal).
+DEFAULTS: dict[str, Any] = {
+    "train.batch_size": 8,
+    "parallel.microbatches": 1,
+    "data.source": "corpus",
+    "data.path": "data/corpus",
+}
+
+
+def check_launch(data: Mapping[str, Any], source: str, *, nproc: int, nnodes: int = 1) -> None:
+    """Refuse (:class:`RecipeError`) a launch of the recipe ``data`` on ``nproc`` × ``nnodes``
+    ranks that cannot work; see the module docstring."""
+    _check_finite(data, source)
+    sizes = _mesh_sizes(data, source, nproc, nnodes)
+    if sizes is not None:
+        _check_batch(data, source, sizes)
+    _check_files(data, source)
+
+
+def _check_finite(data: Mapping[str, Any], source: str, where: str = "") -> None:
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else str(key)
+        if isinstance(value, Mapping):
+            _check_finite(value, source, path)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise RecipeError(
+                f"{source}: {path} = {value} is not a finite number: no recipe value can be "
+                "infinite or NaN (an infinite learning rate trains NaN). Give a finite value."
+            )
+
+
+def _mesh_sizes(
+    data: Mapping[str, Any], source: str, nproc: int, nnodes: int
+) -> dict[str, int] | None:
+    """The mesh's sizes on ``nproc × nnodes`` ranks (``None`` when the schema will refuse the
+    table anyway: wrong types, several -1s)."""
+    mesh = data.get("mesh")
+    if not isinstance(mesh, Mapping) or not mesh:
+        return None
+    if not all(type(size) is int and (size >= 1 or size == -1) for size in mesh.values()):
+        return None
+    free = [axis for axis, size in mesh.items() if size == -1]
+    if len(free) > 1:
+        return None
+    world = nproc * nnodes
+    fixed = math.prod(size for size in mesh.values() if size != -1)
+    shown = "{" + ", ".join(f"{axis}: {size}" for axis, size in mesh.items()) + "}"
+    launch = f"this launch starts {world} (--nproc {nproc} × --nnodes {nnodes})"
+    if free and world % fixed:
+        axes = " × ".join(f"{axis} = {size}" for axis, size in mesh.items() if size != -1)
+        shrink = next(axis for axis, size in mesh.items() if size not in (-1, 1))
+        raise RecipeError(
+            f"{source}: [mesh] {shown} needs a multiple of {fixed} ranks ({axes}), but {launch}. "
+            f"Start a multiple of {fixed} ranks (e.g. --nproc {fixed}), or change the mesh "
+            f"(e.g. --set mesh.{shrink}=1)."
+        )
+    if not free and fixed != world:
+        nodes = f"--nproc {fixed // nnodes}" if fixed % nnodes == 0 else f"{fixed} ranks"
+        raise RecipeError(
+            f"{source}: [mesh] {shown} needs exactly {fixed} ranks, but {launch}. Start "
+            f"{nodes}, or set one mesh axis to -1 to take the ranks there are."
+        )
+    return {axis: world // fixed if size == -1 else size for axis, size in mesh.items()}
+
+
+def _check_batch(data: Mapping[str, Any], source: str, sizes: Mapping[str, int]) -> None:
+    """The global batch splits over the data-parallel ranks and micro-batches (the planner's
+    rule, checked here without torch); skipped where the schema or the planner decide."""
+    train, parallel = data.get("train", {}), data.get("parallel", {})
+    if not isinstance(train, Mapping) or not isinstance(parallel, Mapping):
+        return
+    batch = train.get("batch_size", DEFAULTS["train.batch_size"])
+    fsdp = parallel.get("fsdp", ["dp"] if "dp" in sizes else [])
+    pipeline = parallel.get("pipeline")
+    micro = (
+        pipeline.get("microbatches")
+        if isinstance(pipeline, Mapping)
+        else parallel.get("microbatches", DEFAULTS["parallel.microbatches"])
+    )
+    usable = isinstance(fsdp, list) and all(axis in sizes for axis in fsdp)
+    if type(batch) is not int or type(micro) is not int or not usable or batch < 1 or micro < 1:
+        return  # the schema (or the planner, for a pipeline's default micro-batches) decides
+    data_ranks = math.prod(sizes[axis] for axis in fsdp)
+    if batch % (data_ranks * micro):
+        per_step = data_ranks * micro
+        axes = " × ".join(f"{axis} = {sizes[axis]}" for axis in fsdp) or "none"
+        raise RecipeError(
+            f"{source}: train.batch_size = {batch} does not split into {data_ranks} data-parallel "
+            f"ranks ({axes}) × {micro} micro-batches: each micro-batch needs a whole number of "
+            f"sequences. Use a multiple of {per_step} (e.g. --set train.batch_size="
+            f"{per_step * max(1, batch // per_step)}), or change the mesh or micro-batches."
+        )
+
+
+def _check_files(data: Mapping[str, Any], source: str) -> None:
+    """The data the run reads exists, or its directory can be created; so do files it starts
+    from."""
+    checkpoint = data.get("checkpoint", {})
+    start = checkpoint.get("init_from") if isinstance(checkpoint, Mapping) else None
+    if isinstance(start, str) and start and not Path(start).is_file():
+        raise RecipeError(
+            f"{source}: checkpoint.init_from = {start!r} does not exist (or is not a file): give "
+            "the safetensors file the run starts from."
+        )
+    table = data.get("data", {})
+    table = table if isinstance(table, Mapping) else {}
+    kind = table.get("source", DEFAULTS["data.source"])
+    path = table.get("path", DEFAULTS["data.path"])
+    if not isinstance(path, str) or kind not in ("tokens", "corpus"):
+        return
+    prepared = (Path(path) / "tokens.json").is_file()
+    if kind == "tokens" and not prepared:
+        raise RecipeError(
+            f"{source}: data.path = {path!r} holds no prepared tokens (no tokens.json there), and "
+            "data.source = 'tokens' reads a prepared token directory. Fix the path, prepare it "
+            "with meshtrain.train.data.prepare_tokens or prepare_corpus, or use data.source = "
+            "'corpus'."
+        )
+    if kind == "corpus" and not prepared:
+        existing = next(parent for parent in (Path(path), *Path(path).parents) if parent.exists())
+        if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+            raise RecipeError(
+                f"{source}: data.path = {path!r}: the corpus is tokenized there on first use, "
+                f"but {str(existing)!r} is not a writable directory. Choose a writable "
+                "data.path, or fix its permissions."
+            )
+
+
+def check_plan(recipe: Recipe, world: int) -> None:
+    """Plan ``recipe`` on ``world`` abstract ranks with the model on the meta device: whatever
+    the planner refuses is refused before any rank starts (no memory, no process group)."""
+    from meshtrain.plan.api import plan
+    from meshtrain.spec.mesh import make_mesh
+
+    mesh = make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
+    plan(recipe.build_model(device="meta"), mesh, recipe.rules(), **recipe.plan_options())
+
+
+@contextlib.contextmanager
+def lock_run(recipe: Recipe, *, token: str | None = None) -> Iterator[str]:
+    """Hold the locks of the recipe's run directory (and of its checkpoint directory, when that
+    lies elsewhere) for a job; yields the job's token, for its ranks."""
+    import uuid
+
+    from meshtrain.train.lock import acquire_run_lock
+
+    token = token or uuid.uuid4().hex
+    directories = [recipe.run_dir]
+    if not recipe.checkpoint_dir.resolve().is_relative_to(recipe.run_dir.resolve()):
+        directories.append(recipe.checkpoint_dir)
+    with contextlib.ExitStack() as stack:
+        for directory in directories:
+            stack.enter_context(acquire_run_lock(directory, token=token))
+        yield token

@@ -1,0 +1,129 @@
+"""Reading a recipe: finding the file, parsing its TOML and applying ``--set`` overrides.
+
+This module imports no torch, so the launcher reads a recipe and refuses an impossible launch
+(:mod:`meshtrain.recipes.preflight`) in a fraction of a second; validation against the schema
+(:mod:`meshtrain.recipes.schema`) comes after.
+
+Example:
+    >>> data, source = parse_recipe('[mesh]\\ndp = -1\\n', "r.toml", ["mesh.tp=2"])
+    >>> data, source
+    ({'mesh': {'dp': -1, 'tp': 2}}, 'r.toml (with --set mesh.tp=2)')
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import RecipeError, did_you_mean
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:
+    import tomli as tomllib
+
+__all__ = ["SECTION_NAMES", "apply_overrides", "find_recipe", "parse_recipe", "read_recipe"]
+
+#: Every section a recipe may have (``parallel.pipeline`` is a table inside ``[parallel]``); the
+#: keys of each are in :data:`meshtrain.recipes.schema.SECTIONS`.
+SECTION_NAMES = (
+    "model", "mesh", "parallel", "parallel.pipeline", "rules", "train", "data", "checkpoint",
+    "logging",
+)  # fmt: skip
+
+
+def find_recipe(path_or_name: str | Path) -> Path:
+    """A path as given, or ``recipes/<name>.toml`` under the current directory, then under the
+    repository root."""
+    path = Path(path_or_name)
+    if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
+        if path.is_dir():
+            raise RecipeError(_directory_message(path))
+        if not path.is_file():
+            raise RecipeError(f"recipe file {str(path)!r} does not exist.")
+        return path
+    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
+    for root in roots:
+        if (root / f"{path}.toml").is_file():
+            return root / f"{path}.toml"
+    known = sorted({p.stem for root in roots if root.is_dir() for p in root.glob("*.toml")})
+    if path.is_dir() and str(path) not in known:
+        raise RecipeError(_directory_message(path))
+    raise RecipeError(
+        f"no recipe named {str(path)!r} in {' or '.join(str(root) for root in roots)}"
+        f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
+    )
+
+
+def _directory_message(path: Path) -> str:
+    inside = sorted(entry.name for entry in path.glob("*.toml"))
+    hint = f" (it holds {', '.join(inside)})" if inside else ""
+    return (
+        f"recipe {str(path)!r} is a directory, not a recipe file{hint}: give the path of a .toml "
+        "file, or a recipe name."
+    )
+
+
+def read_recipe(path_or_name: str | Path) -> tuple[str, str]:
+    """The text of a recipe and the path that names it in messages."""
+    path = find_recipe(path_or_name)
+    try:
+        return path.read_text(), str(path)
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(f"cannot read recipe {str(path)!r}: {err}.") from None
+
+
+def parse_recipe(
+    text: str, source: str = "<string>", overrides: Sequence[str] = ()
+) -> tuple[dict[str, Any], str]:
+    """The recipe's TOML as a dict with ``overrides`` applied, and its source as messages name
+    it (the overrides included)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeError(f"{source}: not valid TOML ({err}). Fix the syntax.") from None
+    if overrides:
+        data = apply_overrides(data, overrides, source)
+        source = f"{source} (with --set {' '.join(overrides)})"
+    return data, source
+
+
+def apply_overrides(
+    data: dict[str, Any], overrides: Sequence[str], source: str = "<string>"
+) -> dict[str, Any]:
+    """``data`` with each ``section.key=value`` set. The value is read as a TOML value
+    (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one is taken as a
+    bare string (``data.source=synthetic``). The section is the longest known section name the
+    path starts with (``parallel.pipeline.schedule=GPipe``); keys are checked afterwards with the
+    rest of the recipe, so an unknown key is the usual RecipeError.
+
+    Example:
+        >>> apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "mesh.tp=4"])
+        {'train': {'lr': 0.0003}, 'mesh': {'tp': 4}}
+    """
+    result = copy.deepcopy(data)
+    for override in overrides:
+        path, sep, text = override.partition("=")
+        section = max(
+            (name for name in SECTION_NAMES if path.startswith(name + ".")), key=len, default=""
+        )
+        key = path[len(section) + 1 :] if section else ""
+        if not sep or not section or not key:
+            raise RecipeError(
+                f"{source}: --set {override!r} is not section.key=value with a known section "
+                f"({', '.join(SECTION_NAMES)}). Write e.g. --set train.steps=100."
+            )
+        try:
+            value = tomllib.loads(f"value = {text}")["value"]
+        except tomllib.TOMLDecodeError:
+            value = text
+        table = result
+        for part in section.split("."):
+            table = table.setdefault(part, {})
+            if not isinstance(table, dict):
+                raise RecipeError(f"{source}: --set {override!r}: [{section}] is not a table.")
+        table[key] = value
+    return result

@@ -1,0 +1,268 @@
+"""Fault injection on ``meshtrain train --nproc 2`` (tier 3, real torchrun launches of the debug
+recipe): stop signals to the launcher's process group, a rank killed under ``--max-restarts``, the
+launcher killed outright, a second run on a busy run directory, a learning rate that ruins the
+model. Every resumed run is compared, loss by loss and bit for bit, with one uninterrupted run of
+the same recipe on the same 2-rank mesh (the SPMD pool's gloo ranks run the same code)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from meshtrain import CheckpointError
+from meshtrain.recipes import load_recipe
+from meshtrain.recipes.run import train
+from meshtrain.testing.runner import get_pool
+from meshtrain.train.data import prepare_corpus
+from meshtrain.train.integrity import inspect_directory
+from meshtrain.train.metrics import WANDB_RUN_ID_FILE, read_jsonl
+
+pytestmark = [pytest.mark.slow, pytest.mark.spmd]
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+CORPUS_BYTES = 300_000
+
+
+def _overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
+    return [
+        f"train.steps={STEPS}", "train.warmup_steps=2", "train.seq_len=16",
+        f"data.path={corpus}", f"data.corpus_bytes={CORPUS_BYTES}",
+        f"logging.run_dir={run_dir}", "logging.log_every=1", "checkpoint.interval=100",
+        *extra,
+    ]  # fmt: skip
+
+
+def uninterrupted_losses(overrides: list[str]) -> dict[int, float]:
+    """On every pool rank: the recipe trained from scratch to the end."""
+    return train(load_recipe("debug", overrides)).losses
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "tokens"
+    prepare_corpus(path, limit_bytes=CORPUS_BYTES)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    run_dir = tmp_path_factory.mktemp("reference")
+    overrides = _overrides(run_dir, corpus, "logging.wandb=disabled", "logging.console=false")
+    losses = get_pool(2).run(uninterrupted_losses, overrides)[0]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+def train_two_steps(overrides: list[str]) -> str:
+    """On every pool rank: train two steps (saving them); the error's message if it raises."""
+    try:
+        train(load_recipe("debug", overrides), stop_after=2)
+    except CheckpointError as err:
+        return err.message
+    return "trained"
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(
+    tmp_path: Path, corpus: Path
+) -> None:
+    overrides = _overrides(tmp_path / "run", corpus, "logging.wandb=disabled",
+                           "logging.console=false")  # fmt: skip
+    assert get_pool(2).run(train_two_steps, overrides) == ["trained"] * 2
+    (payload, *_) = sorted((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
+    payload.write_bytes(payload.read_bytes()[:-8])
+    messages = get_pool(2).run(train_two_steps, overrides)
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("no intact checkpoint to resume from in ")
+    assert "step_00000002 is damaged" in messages[0] and "checkpoint.resume = false" in messages[0]
+
+
+class Job:
+    """One ``meshtrain train --nproc 2`` launcher in its own process group, its output read
+    line by line; every process it starts carries the job's token in its environment."""
+
+    def __init__(self, tmp_path: Path, args: list[str]) -> None:
+        self.token = uuid.uuid4().hex
+        env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
+        env.update(
+            PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", MESHTRAIN_TEST_JOB=self.token,
+            WANDB_DIR=str(tmp_path / "wandb-home"), WANDB_BASE_URL="http://127.0.0.1:9",
+            WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), NETRC=str(tmp_path / "no-netrc"),
+            WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
+        )  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "2", *args],
+            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        self.lines: list[str] = []
+
+    def wait_for(self, pattern: str) -> re.Match[str]:
+        """Read output until a line matches ``pattern`` (the job announcing an event)."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            if found := re.search(pattern, line):
+                return found
+        raise AssertionError(f"the job ended without {pattern!r}:\n{self.output}")
+
+    def finish(self, timeout: float = 300) -> int:
+        rest, _ = self.process.communicate(timeout=timeout)
+        self.lines += rest.splitlines(keepends=True)
+        return self.process.returncode
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def processes(self) -> list[str]:
+        """Every live process of this job, ``pid:name`` (ranks, wandb's helpers, ...)."""
+        return [f"{pid}:{name}" for pid, name, _ in _processes(self.token)]
+
+    def rank_pid(self, rank: int) -> int:
+        (pid,) = [pid for pid, _, env in _processes(self.token) if f"RANK={rank}" in env]
+        return pid
+
+
+def _processes(token: str) -> Iterator[tuple[int, str, list[str]]]:
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().decode(errors="replace").split("\0")
+            name = (entry / "comm").read_text().strip()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"MESHTRAIN_TEST_JOB={token}" in env:
+            yield int(entry.name), name, env
+
+
+def _sets(overrides: list[str]) -> list[str]:
+    return [item for value in overrides for item in ("--set", value)]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(row["step"], row["loss"]) for row in read_jsonl(run_dir / "metrics.jsonl")]
+
+
+STOPPED = (
+    r"debug: stopped by (SIG\w+) after step (\d+)\. Run the same command to resume from step "
+    r"(\d+) \(checkpoint (\S+)\)\."
+)
+
+
+def test_a_stop_signal_saves_and_the_rerun_resumes_bit_for_bit(
+    tmp_path: Path, corpus: Path, reference: dict[int, float]
+) -> None:
+    """SIGTERM to the launcher's process group reaches both ranks (each in its own session);
+    they finish the step, save, exit 75 with one line; the rerun says where it resumed, trains
+    the rest with the uninterrupted run's losses, logs each step once, continues the wandb run."""
+    run_dir = tmp_path / "run"
+    sets = _sets(_overrides(run_dir, corpus))
+    first = Job(tmp_path, sets)
+    first.wait_for(rf"^step 2/{STEPS} ")
+    os.killpg(first.process.pid, signal.SIGTERM)
+    assert first.finish() == 75, first.output
+    stopped = re.search(STOPPED, first.output)
+    assert stopped is not None, first.output
+    name, step, resume_step, checkpoint = stopped.groups()
+    assert (name, step) == ("SIGTERM", resume_step) and Path(checkpoint).is_dir()
+    assert "Traceback" not in first.output and "Error" not in first.output
+    wandb_id = (run_dir / WANDB_RUN_ID_FILE).read_text().strip()
+
+    second = Job(tmp_path, sets)
+    assert second.finish() == 0, second.output
+    assert f"debug: resumed from step {step} (checkpoint {checkpoint})" in second.output
+    assert _losses(run_dir) == sorted(reference.items())  # each step once, the same losses
+    assert (run_dir / WANDB_RUN_ID_FILE).read_text().strip() == wandb_id
+    offline = [path.name for path in (run_dir / "wandb").glob("offline-run-*")]
+    assert len(offline) == 2 and all(wandb_id in name for name in offline)
+
+
+def test_a_killed_rank_is_restarted_and_resumes_bit_for_bit(
+    tmp_path: Path, corpus: Path, reference: dict[int, float]
+) -> None:
+    run_dir = tmp_path / "run"
+    overrides = _overrides(run_dir, corpus, "checkpoint.interval=3", "logging.wandb=disabled")
+    job = Job(tmp_path, ["--max-restarts", "1", *_sets(overrides)])
+    job.wait_for(rf"^step 1/{STEPS} ")
+    rank1 = job.rank_pid(1)
+    job.wait_for(rf"^step 4/{STEPS} ")
+    os.kill(rank1, signal.SIGKILL)
+    assert job.finish() == 0, job.output
+    resumed = re.findall(r"debug: resumed from step (\d+) \(checkpoint ", job.output)
+    assert resumed in (["3"], ["6"]), job.output
+    assert _losses(run_dir) == sorted(reference.items()), job.output
+    assert f"debug: trained to step {STEPS}" in job.output
+
+
+def test_killing_the_launcher_stops_every_rank_and_leaves_nothing_running(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """SIGKILL to the launcher's group: the ranks notice their parent is gone, take the stop
+    path (a checkpoint), and exit; wandb's processes exit with rank 0. Meanwhile a second run
+    on the same directory is refused, naming the first one."""
+    run_dir = tmp_path / "run"
+    sets = _sets(_overrides(run_dir, corpus, "train.steps=100000"))
+    job = Job(tmp_path, sets)
+    job.wait_for(r"^step 2/100000 ")
+    rival = Job(tmp_path, sets)
+    assert rival.finish() == 2, rival.output
+    assert f"in use by another run: pid {job.process.pid} on host" in rival.output
+    assert rival.output.count("\n") == 1
+    assert any("wandb-core" in process for process in job.processes()), job.processes()
+    os.killpg(job.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while job.processes() and time.monotonic() < deadline:
+        time.sleep(0.2)  # no event to wait on for processes that are not our children
+    assert job.processes() == [], "processes left running after the launcher was killed"
+    assert job.finish() == -signal.SIGKILL
+    stopped = re.search(STOPPED, job.output)
+    assert stopped is not None and stopped.group(1) == "SIGTERM", job.output
+    (status,) = inspect_directory(run_dir / "checkpoints")
+    assert status.status == "intact" and status.step == int(stopped.group(2)) >= 2
+
+
+def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpoint(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """A good run stopped by Ctrl-C (SIGINT), then resumed with a learning rate that ruins the
+    model: after 10 skipped steps in a row every rank stops with the same TrainingError, shown
+    once; ``--max-restarts`` does not retry it; no checkpoint holds a skipped step, and the last
+    good checkpoint survives ``keep_last = 1``."""
+    run_dir = tmp_path / "run"
+    good = _overrides(run_dir, corpus, "train.steps=40", "checkpoint.interval=2",
+                      "checkpoint.keep_last=1", "logging.wandb=disabled")  # fmt: skip
+    first = Job(tmp_path, _sets(good))
+    first.wait_for(r"^step 4/40 ")
+    os.kill(first.process.pid, signal.SIGINT)
+    assert first.finish() == 75, first.output
+    stopped = re.search(STOPPED, first.output)
+    assert stopped is not None and stopped.group(1) == "SIGINT", first.output
+    resume = int(stopped.group(3))
+
+    ruined = Job(
+        tmp_path, ["--max-restarts", "1", *_sets([*good, "train.lr=1e6", "train.min_lr=0"])]
+    )
+    assert ruined.finish() == 2, ruined.output
+    errors = [line for line in ruined.lines if "TrainingError" in line]
+    assert len(errors) == 1 and errors[0].startswith("[ranks 0, 1] TrainingError: step "), errors
+    assert "11 steps in a row were skipped (max_consecutive_skips = 10)" in errors[0]
+    last_good = run_dir / "checkpoints" / f"step_{resume:08d}"
+    assert (
+        f"The last good checkpoint (trained 2 steps past with no skipped step) is {last_good}"
+        in errors[0]
+    )
+    assert ruined.output.count("debug: resumed from step") == 1, "a TrainingError is not retried"
+    skipped = {row["step"]: row["skipped"] for row in read_jsonl(run_dir / "metrics.jsonl")}
+    statuses = inspect_directory(run_dir / "checkpoints")
+    assert last_good in [status.path for status in statuses]
+    assert all(status.status == "intact" and not skipped[status.step] for status in statuses)

@@ -1,0 +1,185 @@
+"""What ``meshtrain train`` refuses before any rank starts: the torch-free checks (mesh against
+the ranks started, batch split, data paths, finite values) exit 2 with one line in under 3 s,
+measured on the real command; what needs the model (sequence length, heads over tensor
+parallelism) or the run directory (its lock, its permissions) is refused right after, with no
+rank started either."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshtrain import MeshtrainError, RecipeError
+from meshtrain import launch as launch_module
+from meshtrain.cli import main
+from meshtrain.recipes import load_recipe
+from meshtrain.recipes.preflight import DEFAULTS, check_launch, check_plan
+from meshtrain.recipes.schema import DataSection, ParallelSection, TrainSection
+from meshtrain.train.lock import acquire_run_lock
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The launcher's refusal budget (the issue's), measured from process start to exit.
+REFUSAL_BUDGET_S = 3.0
+
+
+def _recipe(**sections: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {"mesh": {"dp": -1, "tp": 2}, "train": {"batch_size": 8},
+                            "data": {"source": "synthetic"}}  # fmt: skip
+    for name, table in sections.items():
+        base[name] = table if name == "mesh" else {**base.get(name, {}), **table}
+    return base
+
+
+def test_the_defaults_the_checks_assume_are_the_schemas() -> None:
+    assert {
+        "train.batch_size": TrainSection().batch_size,
+        "parallel.microbatches": ParallelSection().microbatches,
+        "data.source": DataSection().source,
+        "data.path": DataSection().path,
+    } == DEFAULTS
+
+
+@pytest.mark.parametrize(
+    ("recipe", "nproc", "nnodes", "message"),
+    [
+        (_recipe(), 3, 1, "[mesh] {dp: -1, tp: 2} needs a multiple of 2 ranks (tp = 2), but this launch starts 3 (--nproc 3 × --nnodes 1)"),
+        (_recipe(mesh={"dp": 2, "tp": 2}), 2, 1, "needs exactly 4 ranks, but this launch starts 2 (--nproc 2 × --nnodes 1). Start --nproc 4"),
+        (_recipe(mesh={"dp": 2, "tp": 2}), 1, 2, "needs exactly 4 ranks, but this launch starts 2 (--nproc 1 × --nnodes 2). Start --nproc 2"),
+        (_recipe(train={"batch_size": 6}), 8, 1, "train.batch_size = 6 does not split into 4 data-parallel ranks (dp = 4) × 1 micro-batches"),
+        (_recipe(parallel={"microbatches": 3}), 4, 1, "train.batch_size = 8 does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches"),
+        (_recipe(mesh={"pp": 2, "dp": -1}, parallel={"pipeline": {"microbatches": 3}}), 4, 1, "does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches"),
+        (_recipe(train={"lr": float("inf")}), 2, 1, "train.lr = inf is not a finite number"),
+        (_recipe(train={"weight_decay": float("nan")}), 2, 1, "train.weight_decay = nan is not a finite number"),
+        (_recipe(parallel={"pipeline": {"axis": "pp", "x": float("-inf")}}), 2, 1, "parallel.pipeline.x = -inf is not a finite number"),
+    ],
+    ids=["mesh-multiple", "mesh-exact", "mesh-nodes", "batch", "microbatches", "pipeline-micro",
+         "lr-inf", "weight-decay-nan", "nested-inf"],
+)  # fmt: skip
+def test_impossible_launches_are_refused_naming_the_fix(
+    recipe: dict[str, Any], nproc: int, nnodes: int, message: str
+) -> None:
+    with pytest.raises(RecipeError) as raised:
+        check_launch(recipe, "r.toml", nproc=nproc, nnodes=nnodes)
+    assert message in raised.value.message
+    assert raised.value.message.startswith("r.toml: ")
+
+
+def test_missing_data_and_files_are_refused(tmp_path: Path) -> None:
+    tokens = _recipe(data={"source": "tokens", "path": str(tmp_path / "none")})
+    with pytest.raises(RecipeError, match=r"holds no prepared tokens \(no tokens.json there\)"):
+        check_launch(tokens, "r.toml", nproc=2)
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    corpus = _recipe(data={"source": "corpus", "path": str(blocked / "corpus")})
+    with pytest.raises(RecipeError, match=f"'{blocked}' is not a writable directory"):
+        check_launch(corpus, "r.toml", nproc=2)
+    start = _recipe(checkpoint={"init_from": str(tmp_path / "model.safetensors")})
+    with pytest.raises(RecipeError, match=r"checkpoint.init_from = .* does not exist"):
+        check_launch(start, "r.toml", nproc=2)
+    check_launch(_recipe(data={"source": "corpus", "path": str(tmp_path / "new")}), "r", nproc=2)
+
+
+def test_values_of_the_wrong_type_are_left_to_the_schema() -> None:
+    for recipe in (_recipe(mesh={"dp": "two"}), _recipe(train={"batch_size": "8"}),
+                   _recipe(parallel={"fsdp": "dp"}), {"mesh": [1, 2]}):  # fmt: skip
+        check_launch(recipe, "r.toml", nproc=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world"),
+    [((), 4), ((), 3), ((), 6), (("mesh.tp=1",), 3), (("train.batch_size=6",), 8),
+     (("train.batch_size=6",), 6), (("parallel.microbatches=4",), 4),
+     (("parallel.microbatches=2",), 8), (("mesh.dp=2", "mesh.tp=2"), 8),
+     (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=2"), 4),
+     (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=3"), 4)],
+)  # fmt: skip
+def test_the_fast_checks_agree_with_the_planner(overrides: tuple[str, ...], world: int) -> None:
+    """The torch-free rules repeat the planner's for meshes and batches: both refuse, or both
+    accept (the planner may refuse for reasons of its own only where the fast checks are silent)."""
+    recipe = load_recipe("debug", ["data.source=synthetic", *overrides])
+    try:
+        check_launch(recipe.raw, recipe.source, nproc=world)
+        fast = None
+    except RecipeError as err:
+        fast = err.message
+    try:
+        check_plan(recipe, world)
+        planned = None
+    except MeshtrainError as err:
+        planned = err.message
+    assert (fast is None) == (planned is None), (fast, planned)
+
+
+def _launch(*args: str, cwd: Path = ROOT) -> tuple[int, str, float]:
+    started = time.perf_counter()
+    process = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", *args], cwd=cwd, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    return process.returncode, process.stdout + process.stderr, time.perf_counter() - started
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (("--nproc", "3"), "needs a multiple of 2 ranks"),
+        (("--nproc", "8", "--set", "train.batch_size=6"), "does not split into 4 data-parallel"),
+        (("--nproc", "2", "--set", "train.lr=inf"), "train.lr = inf is not a finite number"),
+        (("--nproc", "2", "--set", "train.lr=nan"), "train.lr = nan is not a finite number"),
+        (("--nproc", "2", "--set", "data.source=tokens", "--set", "data.path=/nonexistent"),
+         "holds no prepared tokens"),
+    ],
+    ids=["mesh", "batch", "lr-inf", "lr-nan", "data-path"],
+)  # fmt: skip
+def test_the_launcher_refuses_in_under_3_s_with_one_line(
+    args: tuple[str, ...], expected: str
+) -> None:
+    code, output, seconds = _launch("debug", *args)
+    assert code == 2, output
+    assert output.count("\n") == 1 and output.startswith("RecipeError: ") and expected in output
+    assert seconds < REFUSAL_BUDGET_S, f"refused in {seconds:.2f} s"
+
+
+@pytest.fixture
+def no_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher must refuse before starting any rank."""
+
+    def started(*args: object, **kwargs: object) -> int:
+        raise AssertionError("the launcher started ranks")
+
+    monkeypatch.setattr(launch_module, "run_agent", started)
+
+
+def test_what_needs_the_model_is_refused_before_any_rank_starts(
+    no_ranks: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "debug", "--nproc", "2", "--set", "train.seq_len=100"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "train.seq_len = 100 is longer than the model's max_seq_len = 64" in err  # fmt: skip
+    heads = ["--set", "model.n_heads=2", "--set", "model.n_kv_heads=2", "--set", "mesh.tp=4"]
+    assert main(["train", "debug", "--nproc", "4", *heads]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("PlanError: ") and "do not split evenly over tensor-parallel axis 'tp' of size 4" in err  # fmt: skip
+    assert main(["train", "recipes"]) == 2
+    assert "recipe 'recipes' is a directory, not a recipe file" in capsys.readouterr().err
+
+
+def test_a_busy_or_unwritable_run_directory_is_refused_before_any_rank_starts(
+    tmp_path: Path, no_ranks: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sets = ["--set", "data.source=synthetic", "--set", f"logging.run_dir={tmp_path / 'run'}"]
+    with acquire_run_lock(tmp_path / "run"):
+        assert main(["train", "debug", "--nproc", "2", *sets]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("CheckpointError: run directory ") and "in use by another run" in err
+    unwritable = "/sys/meshtrain-test-run" if os.geteuid() == 0 else "/proc/meshtrain-test-run"
+    assert main(["train", "debug", "--nproc", "2", "--set", "data.source=synthetic",
+                 "--set", f"logging.run_dir={unwritable}"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot lock the run directory '{unwritable}'" in err
