@@ -31,7 +31,15 @@ from meshtrain.errors import (
 
 if TYPE_CHECKING:
     from meshtrain.launch import init_distributed
-    from meshtrain.lower import apply, constrain, distribute, loss_parallel, micro_batch, shard_map
+    from meshtrain.lower import (
+        apply,
+        constrain,
+        distribute,
+        loss_parallel,
+        materialise,
+        micro_batch,
+        shard_map,
+    )
     from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
     from meshtrain.spec import Mesh, P, Resolution, Rules, annotate, make_mesh
     from meshtrain.train import TrainState, make_train_step
@@ -43,7 +51,15 @@ __version__ = "0.1.0"
 _LAZY = {
     **dict.fromkeys(("init_distributed",), "meshtrain.launch"),
     **dict.fromkeys(
-        ("apply", "constrain", "distribute", "loss_parallel", "micro_batch", "shard_map"),
+        (
+            "apply",
+            "constrain",
+            "distribute",
+            "loss_parallel",
+            "materialise",
+            "micro_batch",
+            "shard_map",
+        ),
         "meshtrain.lower",
     ),
     **dict.fromkeys(("Pipeline", "Plan", "PlanOptions"), "meshtrain.plan"),
@@ -120,6 +136,7 @@ __all__ = [
     "loss_parallel",
     "make_mesh",
     "make_train_step",
+    "materialise",
     "micro_batch",
     "plan",
     "shard_map",

@@ -18,6 +18,7 @@ from meshtrain.lower.data_parallel import micro_batch
 from meshtrain.lower.distribute import distribute
 from meshtrain.lower.functional import constrain, shard_map
 from meshtrain.lower.groups import device_mesh, group_over, plan_device
+from meshtrain.lower.materialise import initialise, materialise
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.reference import one_device_reference
 from meshtrain.lower.tensor_parallel import loss_parallel
@@ -32,7 +33,9 @@ __all__ = [
     "device_mesh",
     "distribute",
     "group_over",
+    "initialise",
     "loss_parallel",
+    "materialise",
     "micro_batch",
     "one_device_reference",
     "plan_device",

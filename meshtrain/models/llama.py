@@ -480,9 +480,7 @@ def _fill_(param: Tensor, init: _Init, seed: int) -> None:
     if init.std is None:
         full.fill_(1.0)
     elif init.truncated:
-        generator = torch.Generator().manual_seed(seed)
-        std = init.std
-        nn.init.trunc_normal_(full, std=std, a=-3 * std, b=3 * std, generator=generator)
+        _trunc_normal_(full, init.std, seed)
     else:
         nn.init.normal_(full, std=init.std, generator=torch.Generator().manual_seed(seed))
     if isinstance(param, DTensor):
@@ -491,6 +489,22 @@ def _fill_(param: Tensor, init: _Init, seed: int) -> None:
             full.to(mesh.device_type), mesh, param.placements, src_data_rank=None
         )
     param.copy_(full)
+
+
+#: Elements per block of a truncated-normal fill (see :func:`_trunc_normal_`).
+_TRUNC_BLOCK = 1 << 22
+
+
+def _trunc_normal_(full: Tensor, std: float, seed: int) -> None:
+    """Truncated normal (±3 std) in blocks of :data:`_TRUNC_BLOCK` elements, each from its own
+    generator seeded with (seed, block): torch's rejection sampling allocates several temporaries
+    the size of what it fills, so filling block by block keeps a large embedding's start-up peak
+    near its own size, and the values do not depend on how the tensor is sharded."""
+    flat = full.view(-1)
+    for index, start in enumerate(range(0, flat.numel(), _TRUNC_BLOCK)):
+        block = flat[start : start + _TRUNC_BLOCK]
+        generator = torch.Generator().manual_seed((seed + index * 0x9E3779B97F4A7C15) % 2**63)
+        nn.init.trunc_normal_(block, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
 def llama_flops_per_token(config: LlamaConfig, seq_len: int) -> float:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import RecipeError
+from meshtrain.lower.materialise import materialise
 from meshtrain.models.llama import LlamaConfig, build_llama, llama_flops_per_token
 
 
@@ -69,8 +70,9 @@ class FactoryBuilder:
 @dataclass(frozen=True)
 class HFBuilder:
     """A ``transformers`` model built from the ``config.json`` of a local directory: the class
-    its ``architectures`` names, random weights from ``seed`` (load real ones with
-    ``[checkpoint] init_from``), the key-value cache off (training)."""
+    its ``architectures`` names, random weights from ``seed`` as :func:`~meshtrain.materialise`
+    gives them (load real ones with ``[checkpoint] init_from``), the key-value cache off
+    (training)."""
 
     directory: str
     seed: int = 0
@@ -88,9 +90,12 @@ class HFBuilder:
                 f'which transformers {transformers.__version__} has. Set "architectures" to a '
                 'model class (e.g. ["LlamaForCausalLM"]).'
             )
-        torch.manual_seed(self.seed)
-        with torch.device(self.device):
-            return cls(config)
+        with torch.device("meta"):
+            model = cls(config)
+        if self.device == "meta":
+            return model
+        # the values mt.materialise gives the same model started on the meta device
+        return materialise(model, device=self.device, seed=self.seed)
 
 
 def resolve_factory(target: str) -> Any:

@@ -29,15 +29,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
-from meshtrain.lower import apply
+from meshtrain.lower import PipelinedModel, apply, materialise
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.recipe import Recipe
-from meshtrain.spec.mesh import make_mesh
+from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.checkpoint import (
     CheckpointConfig,
@@ -110,10 +111,8 @@ def _train(
     recipe: Recipe, device: torch.device, stop_after: int | None, stop: GracefulStop
 ) -> RunResult:
     mesh = make_mesh(recipe.mesh_axes())
-    model = _build_model(recipe, device)
-    plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
+    plan, applied, model = start_model(recipe, mesh, device)
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
-    applied = apply(plan, model)
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
@@ -311,12 +310,26 @@ def announce(line: str) -> None:
         print(line, flush=True)
 
 
-def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
-    """Full tensors from the recipe's seed (identical on every rank), or from a safetensors file."""
-    model = recipe.build_model(device=device, seed=recipe.train.seed)
+def start_model(
+    recipe: Recipe, mesh: Mesh, device: torch.device
+) -> tuple[Plan, nn.Module | PipelinedModel, nn.Module]:
+    """Build the recipe's model, plan it on ``mesh`` and apply the plan; returns the plan, the
+    applied model and the model as built (for its config and vocabulary).
+
+    With ``[model] meta_init`` (the default) the model is built on the meta device and each rank
+    then allocates and initialises only its own shards (:func:`~meshtrain.materialise`): a rank's
+    peak memory at start-up is its share at rest plus one module's full tensors. Otherwise every
+    rank builds the full model from the recipe's seed before the plan shards it.
+    """
+    meta = recipe.model.meta_init and not recipe.checkpoint.init_from
+    model = recipe.build_model(device="meta" if meta else device, seed=recipe.train.seed)
     if recipe.checkpoint.init_from:
         load_safetensors(Path(recipe.checkpoint.init_from), model)
-    return model
+    plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
+    applied = apply(plan, model)
+    if meta:
+        materialise(applied, device=device, seed=recipe.train.seed)
+    return plan, applied, model
 
 
 def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:

@@ -79,6 +79,7 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "preset": Key((str,), "debug", PRESETS),
         "factory": Key((str,), "my_models:tiny_cnn"),
         "hf": Key((str,), "models/tiny-llama"),
+        "meta_init": Key((bool,), False),
         **_LLAMA_KEYS,
     },
     "mesh": {},
@@ -157,6 +158,7 @@ class ModelSection:
     config: LlamaConfig | None
     factory: str = ""
     hf: str = ""
+    meta_init: bool = True  # start on the meta device: each rank allocates only its shards
 
     @property
     def kind(self) -> str:
@@ -353,6 +355,7 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
     factory or a Hugging Face directory, which take no Llama keys."""
     values = check_table(source, "model", table)
     factory, hf = values.pop("factory", ""), values.pop("hf", "")
+    meta_init = values.pop("meta_init", True)
     if factory or hf:
         if (factory and hf) or values:
             given = ["factory"] * bool(factory) + ["hf"] * bool(hf) + sorted(values)
@@ -361,7 +364,7 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
                 '(preset + its config keys), factory = "package.module:function", or hf = '
                 '"DIR" — pick one.'
             )
-        return ModelSection("factory" if factory else "hf", "", None, factory, hf)
+        return ModelSection("factory" if factory else "hf", "", None, factory, hf, meta_init)
     name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
     try:
         config = LlamaConfig.preset(preset, **values)
@@ -369,7 +372,7 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
         raise RecipeError(
             f"{source}: [model] preset {toml_value(preset)} with overrides {values}: {err.message}"
         ) from None
-    return ModelSection(name, preset, config)
+    return ModelSection(name, preset, config, meta_init=meta_init)
 
 
 def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
