@@ -1,5 +1,6 @@
-"""Developer sessions: ``nox -s tests``, ``lint``, ``typecheck``, ``docs``, ``tests_long``,
-``bench`` (benchmarks; not part of the default run).
+"""Developer sessions: ``nox -s tests`` (the first tier), ``lint``, ``typecheck``, ``docs``,
+``tests_extended`` (the second tier), ``tests_long``, ``bench`` (benchmarks; not part of the
+default run).
 
 Each session builds its own virtual environment. On machines without a GPU, torch is pinned
 through ``constraints/cpu.txt`` so pip does not fetch the newest (CUDA) build; set
@@ -21,14 +22,24 @@ PIN = ["-c", _CONSTRAINTS] if _CONSTRAINTS else []
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """The whole test suite (derandomised Hypothesis profile: the same examples every run)."""
+    """The first tier (every test not marked ``extended``; derandomised Hypothesis profile: the
+    same examples every run). What CI runs on every change."""
     session.install(*PIN, "-e", ".[test]")
-    session.run("pytest", *session.posargs)
+    session.run("pytest", "-m", "not extended", *session.posargs)
+
+
+@nox.session
+def tests_extended(session: nox.Session) -> None:
+    """The second tier only (tests marked ``extended``): the rest of the schedule × composition
+    grid, multi-node launches, PyTorch-limit regressions. Run beside ``tests`` (a parallel job)."""
+    session.install(*PIN, "-e", ".[test]")
+    session.run("pytest", "-m", "extended", *session.posargs)
 
 
 @nox.session
 def tests_long(session: nox.Session) -> None:
-    """The suite with the long, randomised Hypothesis profile (many more examples per property)."""
+    """Both tiers with the long, randomised Hypothesis profile (many more examples per property);
+    run before resolving a change to planning or lowering."""
     session.install(*PIN, "-e", ".[test]")
     session.run("pytest", *session.posargs, env={"HYPOTHESIS_PROFILE": "long"})
 

@@ -22,7 +22,8 @@ from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.train import Batch, forward_backward
 
-pytestmark = pytest.mark.spmd
+# The extended tier: each guards a refusal the planner makes; CI runs them with tests_extended.
+pytestmark = [pytest.mark.spmd, pytest.mark.extended]
 
 
 def _forced(

@@ -185,7 +185,17 @@ COMPILE_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(COMPILE_CASES))
+# Compiled pipelines are the extended tier (the slowest compiles; docs/testing.md, "Tiers").
+EXTENDED_COMPILE = {"block-pp-fsdp", "model-pp-tp-sp"}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.extended if name in EXTENDED_COMPILE else ())
+        for name in COMPILE_CASES
+    ],
+)
 def test_aot_eager_compile_is_bitwise_identical(name: str) -> None:
     case = COMPILE_CASES[name]
     results = get_pool(case.world).run(compare_variant, case, _timeout_s=300.0)

@@ -9,6 +9,7 @@ parameters and a momentum buffer, so every quantity the contract names is compar
 from __future__ import annotations
 
 import copy
+from typing import Any
 from dataclasses import dataclass
 
 import pytest
@@ -154,10 +155,28 @@ def _check(case: Case) -> None:
 SEQUENCE_PARALLEL_3D = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 
 
+# The first tier runs every schedule under pp × FSDP and every composition at least once; the
+# rest of the grid is the extended tier (docs/testing.md, "Tiers").
+FIRST_TIER = {
+    *((schedule, "pp-fsdp") for schedule in SCHEDULES),
+    ("1F1B", "pp"),
+    ("Interleaved1F1B", "pp-tp"),
+    ("GPipe", "pp-fsdp-tp"),
+    ("1F1B", "pp-tp-sp"),
+    ("Interleaved1F1B", "pp-fsdp-tp-sp"),
+    ("ZBVZeroBubble", "pp-tp-sp"),
+}
+
+
+def _tiered(*values: str) -> Any:
+    first = (values[0], values[1]) in FIRST_TIER
+    return pytest.param(*values, marks=() if first else pytest.mark.extended)
+
+
 @pytest.mark.parametrize(
     ("schedule", "composition"),
     [
-        (schedule, composition)
+        _tiered(schedule, composition)
         for schedule in SCHEDULES
         for composition in COMPOSITIONS
         if not (composition == "pp-fsdp-tp" and schedule in SEQUENCE_PARALLEL_3D)
@@ -181,8 +200,18 @@ def test_zero_stages_under_a_pipeline(schedule: str, composition: str, zero: int
     _check(_case(schedule, composition, zero=zero))
 
 
-@pytest.mark.parametrize("schedule", SEQUENCE_PARALLEL_3D)
-@pytest.mark.parametrize("composition", ["pp-tp", "pp-fsdp-tp"])
+@pytest.mark.parametrize(
+    ("schedule", "composition"),
+    [
+        pytest.param(
+            schedule,
+            composition,
+            marks=() if (schedule, f"{composition}-sp") in FIRST_TIER else pytest.mark.extended,
+        )
+        for composition in ("pp-tp", "pp-fsdp-tp")
+        for schedule in SEQUENCE_PARALLEL_3D
+    ],
+)
 def test_sequence_parallel_under_a_pipeline(schedule: str, composition: str) -> None:
     _check(_case(schedule, composition, sequence_parallel=True))
 

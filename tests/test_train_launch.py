@@ -100,6 +100,7 @@ def _two_nodes(
     return results
 
 
+@pytest.mark.extended  # multi-node launches: the second tier (docs/testing.md, "Tiers")
 def test_two_launchers_on_localhost_train_as_two_nodes(tmp_path: Path, corpus_dir: Path) -> None:
     results = _two_nodes(tmp_path, corpus_dir)
     for code, output in results:
@@ -110,6 +111,7 @@ def test_two_launchers_on_localhost_train_as_two_nodes(tmp_path: Path, corpus_di
     assert [row["step"] for row in rows] == [1, 4]  # written once, by global rank 0
 
 
+@pytest.mark.extended
 def test_nodes_with_different_recipes_stop_with_a_clear_message(
     tmp_path: Path, corpus_dir: Path
 ) -> None:
