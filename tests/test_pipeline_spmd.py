@@ -9,8 +9,8 @@ parameters and a momentum buffer, so every quantity the contract names is compar
 from __future__ import annotations
 
 import copy
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
