@@ -150,13 +150,20 @@ def _largest_direction(
 def state_bound(
     rule: UpdateRule, key: str, grad: torch.Tensor, delta: float, new_state: torch.Tensor
 ) -> torch.Tensor:
-    """Element-wise bound on one optimizer state entry's difference after the step (plus the
-    rounding of both sides, 2ε of the larger)."""
+    """Element-wise bound on one optimizer state entry's difference after the step, plus the
+    rounding of both sides: 2ε of the largest term the update adds up. A moving average's
+    terms can cancel (``β·m`` against ``(1 - β)·g``), so the terms — the weighted gradient, and
+    the decayed old state, at most the new state plus that — bound the rounding, not the
+    (possibly tiny) result."""
     beta1, beta2 = rule.betas
+    size = grad.abs() + delta
     if key == "momentum_buffer":
         change = torch.full_like(new_state, delta)
+        terms = new_state.abs() + 2 * size  # μ·buf ≤ |new| + |g|, and the gradient term
     elif key == "exp_avg":
         change = torch.full_like(new_state, (1 - beta1) * delta)
+        terms = new_state.abs() + 2 * (1 - beta1) * size
     else:
         change = (1 - beta2) * (2 * grad.abs() + delta) * delta
-    return change + 2 * EPS_FP32 * (new_state.abs() + change)
+        terms = new_state.abs()  # both terms are non-negative: the sum bounds each
+    return change + 2 * EPS_FP32 * (terms + change)
