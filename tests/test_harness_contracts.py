@@ -115,6 +115,10 @@ optimizers = st.sampled_from(
     torch.tensor([0.0, 0.0, -1.0, 0.0]), 0.0009169139084406197, -1.0, False,
     torch.tensor([0.0, 0.0, 1.0, 0.0]),
 )  # fmt: skip
+@example(  # found by the long profile: a subnormal gradient difference (float32 underflow)
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
+    torch.zeros(4), torch.zeros(4), 1.8210860499863144e-43, 0.7109375, False, torch.zeros(4),
+)  # fmt: skip
 def test_update_bounds_hold_for_torch_optimizers(
     optimizer: tuple[type, dict],
     param: torch.Tensor,

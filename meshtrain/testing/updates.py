@@ -36,6 +36,10 @@ import torch
 
 from meshtrain.testing.contract import EPS_FP32
 
+#: Absolute rounding of float32 below its normal range: half the smallest subnormal per operation,
+#: and an update is a handful of operations on each side (the relative ε model stops there).
+UNDERFLOW_FP32 = 8 * 2.0**-150
+
 #: Optimizer state entries compared after each step, per update rule.
 STATE_KEYS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq"), "none": ()}
 
@@ -93,7 +97,7 @@ def param_bound(
     ``grad`` is the reference's (clipped) gradient, ``old_state`` its optimizer state before the
     step (empty at step one), ``step`` the 1-based step count, ``new_param`` its new value.
     """
-    rounding = 2 * EPS_FP32 * new_param.abs()
+    rounding = 2 * EPS_FP32 * new_param.abs() + UNDERFLOW_FP32
     if rule.kind == "sgd":
         gain = (1 - rule.dampening if old_state else 1.0) * (1 + rule.momentum * rule.nesterov)
         buffer = old_state.get("momentum_buffer", torch.zeros_like(grad)).abs()
@@ -166,4 +170,4 @@ def state_bound(
     else:
         change = (1 - beta2) * (2 * grad.abs() + delta) * delta
         terms = new_state.abs()  # both terms are non-negative: the sum bounds each
-    return change + 2 * EPS_FP32 * (terms + change)
+    return change + 2 * EPS_FP32 * (terms + change) + UNDERFLOW_FP32
