@@ -2,9 +2,10 @@
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
 ``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
-the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed (or
-a safetensors file), plan it, check that every rank has the same plan
-(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the newest intact checkpoint when
+the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed, plan
+it, check that every rank has the same plan (:mod:`~meshtrain.train.fingerprint`), apply it, load
+``[checkpoint] init_from`` into it (each rank its slices; :mod:`~meshtrain.recipes.pretrained`),
+resume from the newest intact checkpoint when
 there is one (under whatever mesh this run has: DCP reshards; damaged or unfinished ones are
 passed over, one line each), then train, logging every step and saving at the recipe's interval
 and at the end. A stop signal ends every rank after the same step with a checkpoint
@@ -36,6 +37,7 @@ from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.preflight import lock_run
+from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 from meshtrain.train.batch import Batch, DataPosition
@@ -46,7 +48,6 @@ from meshtrain.train.checkpoint import (
     find_resume_point,
     list_checkpoints,
     load_checkpoint,
-    load_safetensors,
 )
 from meshtrain.train.checkpoint_files import checkpoint_name, checkpoint_step
 from meshtrain.train.data import (
@@ -114,6 +115,7 @@ def _train(
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
     applied = apply(plan, model)
+    initialise_from(recipe, applied)  # [checkpoint] init_from, unless the run resumes
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
@@ -312,11 +314,8 @@ def announce(line: str) -> None:
 
 
 def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
-    """Full tensors from the recipe's seed (identical on every rank), or from a safetensors file."""
-    model = recipe.build_model(device=device, seed=recipe.train.seed)
-    if recipe.checkpoint.init_from:
-        load_safetensors(Path(recipe.checkpoint.init_from), model)
-    return model
+    """Full tensors from the recipe's seed (identical on every rank)."""
+    return recipe.build_model(device=device, seed=recipe.train.seed)
 
 
 def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
