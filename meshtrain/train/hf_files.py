@@ -44,10 +44,11 @@ class WeightFiles:
     dtypes: dict[str, str]
     index: Path | None = None
 
-    def where(self, name: str) -> str:
-        """The file holding ``name``, relative to the source, for messages."""
-        file = self.files[name]
-        return file.name if self.source.is_dir() else str(self.source)
+    def where(self, name: str | None) -> str:
+        """The file holding ``name`` (``None``: the one file), as messages name it."""
+        if not self.source.is_dir():
+            return str(self.source)
+        return self.files[name].name if name in self.files else SINGLE_FILE
 
     def total_bytes(self) -> int:
         """Bytes of tensor data in every file (headers excluded)."""

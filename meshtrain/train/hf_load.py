@@ -38,6 +38,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from meshtrain.errors import CheckpointError, format_shape
 from meshtrain.train.checkpoint_files import canonical_fqn, format_names
@@ -62,9 +63,9 @@ class LoadReport:
 @dataclass(frozen=True)
 class _Target:
     fqn: str
-    tensor: Tensor
+    local: Tensor  # this rank's part of the parameter (the tensor itself when not a DTensor)
     name: str  # in the checkpoint
-    rows: Tensor | None
+    indices: list[Tensor]  # per dim, the checkpoint indices of the local elements
 
 
 def load_hf(
@@ -88,7 +89,8 @@ def load_hf(
     targets, aliases = _model_tensors(modules)
     problems: list[str] = []
     plan = _plan(weights, targets, aliases, sources, problems)
-    gathered = _all_gather((problems, sorted({target.name for target in plan})))
+    claimed = {source[0] for source in (sources or {}).values()} if sources else set(targets)
+    gathered = _all_gather((problems, sorted(claimed & set(weights.files))))
     used = {name for _, names in gathered for name in names}
     used |= {alias for alias in aliases if sources is None}
     problems = sorted({problem for rank_problems, _ in gathered for problem in rank_problems})
@@ -185,9 +187,15 @@ def _plan(
                 f"{fqn!r} is {format_shape(tuple(tensor.shape))} in the model"
             )
         else:
-            plan.append(_Target(fqn, tensor, name, rows))
+            try:
+                indices = _checkpoint_indices(fqn, tensor, rows)
+            except CheckpointError as err:
+                problems.append(err.message)
+                continue
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            plan.append(_Target(fqn, local, name, indices))
     if missing:
-        where = weights.index.name if weights.index is not None else weights.where(missing[0])
+        where = weights.index.name if weights.index is not None else weights.where(None)
         problems.append(
             f"{len(missing)} tensor(s) the model needs are not in the checkpoint ({where}): "
             f"{format_names(sorted(missing))}"
@@ -195,26 +203,30 @@ def _plan(
     return plan
 
 
-def _fill(target: _Target, stored: Any) -> int:
-    """Copy this rank's part of ``target`` from the checkpoint slice ``stored``; bytes read."""
-    tensor = target.tensor
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _checkpoint_indices(fqn: str, tensor: Tensor, rows: Tensor | None) -> list[Tensor]:
+    """Per dim, the checkpoint indices of the elements this rank holds of ``tensor``."""
     if isinstance(tensor, DTensor):
         indices = local_indices(tensor)
-        if tuple(len(index) for index in indices) != tuple(local.shape):
+        local_shape = tuple(tensor.to_local().shape)
+        if tuple(len(index) for index in indices) != local_shape:
             raise CheckpointError(
-                f"{target.fqn!r}: its placements {tensor.placements} on mesh "
+                f"{fqn!r}: its placements {tensor.placements} on mesh "
                 f"{tuple(tensor.device_mesh.shape)} give a local shape "
                 f"{format_shape([len(index) for index in indices])}, but this rank holds "
-                f"{format_shape(tuple(local.shape))}. This layout cannot be read slice by slice; "
-                "load before applying the plan (load_hf on the full model)."
+                f"{format_shape(local_shape)}: this layout cannot be read slice by slice. Load "
+                "before applying the plan (load_hf on the full model)"
             )
     else:
         indices = [torch.arange(size) for size in tensor.shape]
-    if target.rows is not None and indices:
-        indices = [target.rows[indices[0]], *indices[1:]]
-    data, read = _read(stored, indices)
-    local.copy_(data)
+    if rows is not None and indices:
+        indices = [rows[indices[0]], *indices[1:]]
+    return indices
+
+
+def _fill(target: _Target, stored: Any) -> int:
+    """Copy this rank's part of ``target`` from the checkpoint slice ``stored``; bytes read."""
+    data, read = _read(stored, target.indices)
+    target.local.copy_(data)
     return read
 
 
@@ -227,15 +239,15 @@ def local_indices(tensor: DTensor) -> list[Tensor]:
         local_indices(param)  # Shard(0) over 2 ranks of an 8×4 weight: [tensor([0..3]), tensor([0..3])] on rank 0
     """
     placements = tensor.placements
-    if any(not isinstance(p, Shard | Replicate) for p in placements):
+    if any(not isinstance(p, Shard | _StridedShard | Replicate) for p in placements):
         raise CheckpointError(
-            f"a parameter with placements {placements} cannot be loaded (only Shard and "
-            "Replicate are parameter layouts); load before applying the plan."
+            f"a tensor with placements {placements} cannot be loaded slice by slice (a parameter "
+            "is sharded or replicated, never partial); load before applying the plan"
         )
     shape = tuple(tensor.shape)
     splits = [1] * len(shape)
     for placement, size in zip(placements, tensor.device_mesh.shape, strict=True):
-        if isinstance(placement, Shard):  # _StridedShard is a Shard
+        if isinstance(placement, Shard | _StridedShard):  # FSDP2 under TP: _StridedShard
             splits[placement.dim] *= size
     indices = []
     for dim, size in enumerate(shape):
