@@ -306,3 +306,29 @@ def test_export_refuses_an_existing_output_and_a_run_without_checkpoints(
     with pytest.raises(CheckpointError, match="does not record the recipe that trained it"):
         export_run(tmp_path / "ckpt", tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    """``[model] hf`` runs export under the model's own names, with the source directory's
+    config.json (dtype set to what was written) and the files beside it (generation config,
+    tokenizer)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    (hf_dir / "tokenizer_config.json").write_text("{}")
+    recipe = {"model": {"hf": str(hf_dir)}, "mesh": {"dp": 1}}
+    params = dict(model.named_parameters())
+    Checkpointer(CheckpointConfig(tmp_path / "run" / "checkpoints")).save(
+        4, params, None, {"step": 4, "recipe": recipe}
+    )
+    report = export_run(tmp_path / "run", tmp_path / "out", dtype=torch.bfloat16)
+    assert report.files == ("model.safetensors",) and report.tensors == 21
+    names = sorted(path.name for path in (tmp_path / "out").iterdir())
+    assert names == ["config.json", "generation_config.json", "model.safetensors",
+                     "tokenizer_config.json"]  # fmt: skip
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config == {**json.loads((hf_dir / "config.json").read_text()), "dtype": "bfloat16"}
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert all(
+        torch.equal(v, model.state_dict()[k].bfloat16()) for k, v in exported.state_dict().items()
+    )

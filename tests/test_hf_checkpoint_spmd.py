@@ -212,3 +212,71 @@ def test_a_directory_that_does_not_fit_is_refused_alike_on_every_rank(
         "1 tensor(s) in the checkpoint that the model lacks: 'model.final_norm.weight'"
         in messages[0]
     )
+
+
+def run_recipe(overrides: list[str]) -> dict[str, Any]:
+    """On every rank: train the debug recipe with ``overrides``."""
+    from meshtrain.recipes import load_recipe
+    from meshtrain.recipes.run import train
+
+    result = train(load_recipe("debug", overrides))
+    return {"losses": result.losses, "resumed_from": result.resumed_from}
+
+
+@pytest.mark.slow
+def test_a_recipe_starts_from_a_transformers_directory_exports_one_and_resumes_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshtrain.cli import main
+    from meshtrain.recipes import load_recipe
+    from meshtrain.train.data import DistributedBatches, SyntheticTokens
+    from meshtrain.train.hf_export import CheckpointTensors
+    from meshtrain.train.loss import summed_cross_entropy
+
+    torch.manual_seed(0)
+    pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(  # the debug preset's shapes
+        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=64, initializer_range=0.1, use_cache=False,
+    )).eval()  # fmt: skip
+    pretrained.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    run = tmp_path / "run"
+    overrides = [
+        "train.steps=2", "train.seq_len=16", "train.warmup_steps=0", "data.source=synthetic",
+        "data.samples=64", f"logging.run_dir={run}", "logging.console=false",
+        "logging.wandb=disabled", "checkpoint.interval=0",
+        f"checkpoint.init_from={tmp_path / 'hf'}",
+    ]  # fmt: skip
+    first = get_pool(4).run(run_recipe, overrides)[0]
+
+    # step 1's loss is the pretrained model's on the first global batch: every weight came from
+    # the directory (the recipe's seed would give another loss)
+    recipe = load_recipe("debug", overrides)
+    data = SyntheticTokens(256, 16, 64, recipe.data.seed)
+    loader = DistributedBatches(data, recipe.train.batch_size, 0, 1, seed=recipe.data.seed)
+    batch = next(iter(loader.batches()))
+    with torch.no_grad():
+        logits = pretrained(batch.inputs).logits
+    expected = float(summed_cross_entropy(logits, batch.targets)) / batch.targets.numel()
+    assert abs(first["losses"][1] - expected) <= 1e-5 * abs(expected)
+
+    out = tmp_path / "exported"
+    command = ["export", str(run), "--format", "hf", "--out", str(out), "--max-shard-size", "100KB"]
+    assert main(command) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: 21 tensors, ")
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    trained = build_llama(llama_config_from_hf(read_config(out) or {}), seed=9)
+    load_pretrained(out, trained)  # back to meshtrain's layout: equal to the checkpoint's tensors
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    assert checkpoint is not None
+    saved = CheckpointTensors(checkpoint)
+    assert all(torch.equal(param, saved[fqn]) for fqn, param in trained.named_parameters())
+    with torch.no_grad():
+        difference = (trained(batch.inputs) - exported(batch.inputs).logits).abs().max().item()
+    assert difference <= 1e-5 * (1 + logits.abs().max().item())
+
+    # a resumed run never reads init_from: its weights are gone, and it resumes all the same
+    for file in (tmp_path / "hf").glob("*.safetensors"):
+        file.unlink()
+    again = get_pool(4).run(run_recipe, [*overrides, "train.steps=3"])[0]
+    assert again["resumed_from"] == 2 and sorted(again["losses"]) == [3]
