@@ -309,7 +309,7 @@ def test_export_refuses_an_existing_output_and_a_run_without_checkpoints(
 
 
 def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
-    hf_dir: Path, tmp_path: Path
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``[model] hf`` runs export under the model's own names, with the source directory's
     config.json (dtype set to what was written) and the files beside it (generation config,
@@ -331,4 +331,10 @@ def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     assert all(
         torch.equal(v, model.state_dict()[k].bfloat16()) for k, v in exported.state_dict().items()
+    )
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"CheckpointError: '{tmp_path / 'out'}' already exists and is not an empty directory; "
+        "nothing was written. Choose a new --out directory or remove that one.\n"
     )
