@@ -24,6 +24,7 @@ from meshtrain.errors import CheckpointError
 from meshtrain.models.llama import LlamaConfig, build_llama
 from meshtrain.models.llama_hf import (
     hf_config_from_llama,
+    hf_sources,
     llama_config_from_hf,
     llama_to_hf,
     rotary_rows,
@@ -146,7 +147,7 @@ def _broken_copy(hf_dir: Path, tmp_path: Path, change: dict[str, torch.Tensor | 
         else:
             tensors[name] = tensor
     out = tmp_path / "broken"
-    out.mkdir()
+    out.mkdir(parents=True)
     (out / "config.json").write_text((hf_dir / "config.json").read_text())
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
@@ -177,6 +178,22 @@ def test_missing_unexpected_and_misshaped_keys_name_the_keys_and_the_file(
     assert "'model.norm.weight' is 32 in model.safetensors but 'norm.weight' is 64" in message
     assert "Build the model from the checkpoint's own config.json" in message
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_strict_false_skips_missing_and_extra_names_but_never_a_wrong_shape(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    broken = _broken_copy(hf_dir, tmp_path, {"model.norm.weight": None, "extra": torch.zeros(1)})
+    config = llama_config_from_hf(read_config(hf_dir) or {})
+    model = _llama_for(hf_dir)
+    norm = model.norm.weight.detach().clone()
+    report = load_hf(broken, model, sources=hf_sources(config), strict=False)
+    assert report.tensors == 20 and torch.equal(model.norm.weight, norm)
+    reference = load_file(broken / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    assert torch.equal(model.layers["1"].feed_forward.w2.weight, reference)
+    wrong = _broken_copy(hf_dir, tmp_path / "w", {"model.norm.weight": torch.ones(3)})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' is 3 in model\.safetensors"):
+        load_hf(wrong, model, sources=hf_sources(config), strict=False)
 
 
 def test_a_model_on_the_meta_device_is_refused(hf_dir: Path) -> None:

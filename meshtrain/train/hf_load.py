@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -80,15 +81,16 @@ def load_hf(
     ``mt.apply``.
 
     ``model`` may be a list of modules whose FQNs are the full model's (a pipeline's stages on
-    this rank: ``PipelinedModel.modules``). ``sources`` maps model FQNs to checkpoint names (default: the same names; a tied parameter
-    may come from any of its names). With ``strict`` (default) every model tensor must be in the
-    checkpoint and every checkpoint tensor must be used; shapes must always match.
+    this rank: ``PipelinedModel.modules``). ``sources`` maps model FQNs to checkpoint names
+    (default: the same names; a tied parameter may come from any of its names). With ``strict``
+    (default) every model tensor must be in the checkpoint and every checkpoint tensor must be
+    used; shapes must always match.
     """
     weights = weight_files(path)
     modules = [model] if isinstance(model, nn.Module) else list(model)
     targets, aliases = _model_tensors(modules)
     problems: list[str] = []
-    plan = _plan(weights, targets, aliases, sources, problems)
+    plan = _plan(weights, targets, aliases, sources, problems, strict=strict)
     claimed = {source[0] for source in (sources or {}).values()} if sources else set(targets)
     gathered = _all_gather((problems, sorted(claimed & set(weights.files))))
     used = {name for _, names in gathered for name in names}
@@ -112,16 +114,12 @@ def load_hf(
         )
     read = 0
     handles: dict[Path, Any] = {}
-    try:
-        with torch.no_grad():
-            for target in plan:
-                file = weights.files[target.name]
-                if file not in handles:
-                    handles[file] = safe_open(str(file), framework="pt", device="cpu").__enter__()
-                read += _fill(target, handles[file].get_slice(target.name))
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)
+    with contextlib.ExitStack() as stack, torch.no_grad():
+        for target in plan:
+            file = weights.files[target.name]
+            if file not in handles:
+                handles[file] = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
+            read += _fill(target, handles[file].get_slice(target.name))
     return LoadReport(len(plan), read, weights.total_bytes())
 
 
@@ -161,6 +159,8 @@ def _plan(
     aliases: dict[str, str],
     sources: Sources | None,
     problems: list[str],
+    *,
+    strict: bool,
 ) -> list[_Target]:
     """What each model tensor reads, and the problems found on the way (from headers only)."""
     plan: list[_Target] = []
@@ -194,7 +194,7 @@ def _plan(
                 continue
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             plan.append(_Target(fqn, local, name, indices))
-    if missing:
+    if missing and strict:
         where = weights.index.name if weights.index is not None else weights.where(None)
         problems.append(
             f"{len(missing)} tensor(s) the model needs are not in the checkpoint ({where}): "
