@@ -355,3 +355,44 @@ def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
         f"CheckpointError: '{tmp_path / 'out'}' already exists and is not an empty directory; "
         "nothing was written. Choose a new --out directory or remove that one.\n"
     )
+
+
+def test_damaged_indexes_headers_and_configs_are_refused(hf_dir: Path, tmp_path: Path) -> None:
+    model = _llama_for(hf_dir)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in hf_dir.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    index = copy / "model.safetensors.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    first, second = sorted(set(weight_map.values()))[:2]
+    moved = next(name for name, file in weight_map.items() if file == first)
+    index.write_text(json.dumps({"weight_map": {**weight_map, moved: second}}))
+    with pytest.raises(CheckpointError, match=f"places '{moved}' in '{second}', which does not "
+                       "hold it"):  # fmt: skip
+        load_hf(copy, model)
+    index.write_text("{not json")
+    with pytest.raises(CheckpointError, match=r"cannot read .*index\.json.*weight_map"):
+        load_hf(copy, model)
+    index.unlink()
+    (copy / "model.safetensors").write_bytes(b"\x00" * 16)
+    with pytest.raises(CheckpointError, match=r"cannot read the safetensors header of .*damaged"):
+        load_hf(copy, model)
+    (copy / "config.json").write_text("[1]")
+    with pytest.raises(CheckpointError, match=r"config\.json' is not a JSON object"):
+        read_config(copy)
+
+
+def test_export_refuses_names_written_twice_and_runs_it_cannot_describe(
+    hf_dir: Path, tmp_path: Path
+) -> None:
+    model = _llama_for(hf_dir)
+    checkpoint = _save_checkpoint(model, tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match="writes 'same' twice"):
+        export_hf(checkpoint, tmp_path / "out", config={}, rename=lambda fqn, t: [("same", t)])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob("out.tmp-*"))
+    recipe = {"model": {"factory": "torch.nn:Identity"}, "mesh": {"dp": 1}}
+    params = dict(model.named_parameters())
+    Checkpointer(CheckpointConfig(tmp_path / "run")).save(1, params, None, {"recipe": recipe})
+    with pytest.raises(CheckpointError, match=r"is a factory .* Export it from Python"):
+        export_run(tmp_path / "run", tmp_path / "out")
