@@ -18,6 +18,11 @@ is, 2 when there is no such directory.
 recipe on N abstract ranks (:func:`meshtrain.recipes.sizing.size_recipe`) and prints one rank's memory
 and communication; exit status 3 when it does not fit the device memory.
 
+``meshtrain export RUN_DIR --format hf --out OUT [--max-shard-size 5GB] [--dtype bfloat16]``
+writes the newest intact checkpoint of a run as a Hugging Face ``transformers`` directory
+(:func:`meshtrain.recipes.pretrained.export_run`); exit status 2 when there is nothing to export,
+the format is unknown or OUT is not empty.
+
 ``meshtrain check RECIPE [--world N] [--steps S]`` shrinks a recipe to ``N`` CPU ranks
 (:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testing.assert_equivalent`
 that its plan trains like one device. Exit status: 0 when it does, 1 when it does not
@@ -119,6 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
                       help="devices per node, for --strategy auto (default 8)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=plan_command)
+
+    export = commands.add_parser(
+        "export",
+        help="write a run's latest intact checkpoint as a Hugging Face transformers directory",
+        description="Write the newest intact checkpoint of RUN_DIR (a run directory, or its "
+        "checkpoints directory) to OUT as a transformers model directory: config.json and "
+        "safetensors shards with their index, streamed one shard at a time in this process.",
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
+    export.add_argument("--format", default="hf", metavar="FORMAT",
+                        help="what to write: hf (a transformers directory; the default)")  # fmt: skip
+    export.add_argument("--out", required=True, metavar="OUT",
+                        help="the directory to create (must not exist, or be empty)")  # fmt: skip
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest safetensors file, e.g. 5GB or 500MiB (default 5GB)")  # fmt: skip
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                        help="cast floating-point weights (default: as trained)")  # fmt: skip
+    export.set_defaults(run=export_command)
     return parser
 
 
@@ -329,6 +352,20 @@ def checkpoints_command(args: argparse.Namespace) -> int:
         print("no intact checkpoint: a run in this directory starts from scratch")
         return 1
     print(f"a run resumes from step {resumable[-1].step} ({resumable[-1].path.name})")
+    return 0
+
+
+def export_command(args: argparse.Namespace) -> int:
+    """``meshtrain export``: the run's newest intact checkpoint as a transformers directory."""
+    import torch
+
+    from meshtrain.recipes.pretrained import export_run
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    report = export_run(args.run_dir, args.out, format=args.format,
+                        max_shard_size=args.max_shard_size, dtype=dtype)  # fmt: skip
+    print(f"wrote {report.out_dir}: {report.tensors} tensors, {_size(report.total_bytes)} in "
+          f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}")  # fmt: skip
     return 0
 
 

@@ -85,6 +85,26 @@ def test_missing_data_and_files_are_refused(tmp_path: Path) -> None:
     check_launch(_recipe(data={"source": "corpus", "path": str(tmp_path / "new")}), "r", nproc=2)
 
 
+def test_init_from_must_be_a_safetensors_file_or_a_transformers_directory(tmp_path: Path) -> None:
+    def start(path: Path) -> dict[str, Any]:
+        return _recipe(checkpoint={"init_from": str(path)}, data={"source": "synthetic"})
+
+    (tmp_path / "model.bin").write_bytes(b"x")
+    with pytest.raises(RecipeError, match=r"init_from = .*model\.bin' is not a \.safetensors file"):
+        check_launch(start(tmp_path / "model.bin"), "r.toml", nproc=2)
+    with pytest.raises(RecipeError, match=r"init_from = .* is a directory without config\.json: "
+                       r"give a transformers model directory"):  # fmt: skip
+        check_launch(start(tmp_path), "r.toml", nproc=2)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"has a config\.json but no model\.safetensors or "
+                       r"model\.safetensors\.index\.json"):  # fmt: skip
+        check_launch(start(tmp_path), "r.toml", nproc=2)
+    (tmp_path / "model.safetensors.index.json").write_text("{}")
+    check_launch(start(tmp_path), "r.toml", nproc=2)
+    (tmp_path / "one.safetensors").write_bytes(b"x")
+    check_launch(start(tmp_path / "one.safetensors"), "r.toml", nproc=2)
+
+
 def test_values_of_the_wrong_type_are_left_to_the_schema() -> None:
     for recipe in (_recipe(mesh={"dp": "two"}), _recipe(train={"batch_size": "8"}),
                    _recipe(parallel={"fsdp": "dp"}), {"mesh": [1, 2]}):  # fmt: skip

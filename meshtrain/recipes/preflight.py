@@ -133,11 +133,8 @@ def _check_files(data: Mapping[str, Any], source: str) -> None:
     from."""
     checkpoint = data.get("checkpoint", {})
     start = checkpoint.get("init_from") if isinstance(checkpoint, Mapping) else None
-    if isinstance(start, str) and start and not Path(start).is_file():
-        raise RecipeError(
-            f"{source}: checkpoint.init_from = {start!r} does not exist (or is not a file): give "
-            "the safetensors file the run starts from."
-        )
+    if isinstance(start, str) and start:
+        _check_init_from(start, source)
     table = data.get("data", {})
     table = table if isinstance(table, Mapping) else {}
     kind = table.get("source", DEFAULTS["data.source"])
@@ -160,6 +157,31 @@ def _check_files(data: Mapping[str, Any], source: str) -> None:
                 f"but {str(existing)!r} is not a writable directory. Choose a writable "
                 "data.path, or fix its permissions."
             )
+
+
+def _check_init_from(start: str, source: str) -> None:
+    """``init_from`` is a .safetensors file or a model directory with config.json and weights."""
+    path = Path(start)
+    weights = ("model.safetensors", "model.safetensors.index.json")
+    if path.is_file() and path.suffix == ".safetensors":
+        return
+    if path.is_dir() and (path / "config.json").is_file():
+        if any((path / name).is_file() for name in weights):
+            return
+        raise RecipeError(
+            f"{source}: checkpoint.init_from = {start!r} has a config.json but no "
+            "model.safetensors or model.safetensors.index.json: copy the weights there "
+            "(save_pretrained writes them), or point at the directory that has them."
+        )
+    what = (
+        "does not exist" if not path.exists()
+        else "is a directory without config.json" if path.is_dir()
+        else "is not a .safetensors file"
+    )  # fmt: skip
+    raise RecipeError(
+        f"{source}: checkpoint.init_from = {start!r} {what}: give a transformers model directory "
+        "(config.json and model*.safetensors) or a .safetensors file the run starts from."
+    )
 
 
 def check_plan(recipe: Recipe, world: int) -> None:

@@ -2,9 +2,10 @@
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
 ``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
-the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed (or
-a safetensors file), plan it, check that every rank has the same plan
-(:mod:`~meshtrain.train.fingerprint`), apply it, resume from the newest intact checkpoint when
+the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed, plan
+it, check that every rank has the same plan (:mod:`~meshtrain.train.fingerprint`), apply it, load
+``[checkpoint] init_from`` into it (each rank its slices; :mod:`~meshtrain.recipes.pretrained`),
+resume from the newest intact checkpoint when
 there is one (under whatever mesh this run has: DCP reshards; damaged or unfinished ones are
 passed over, one line each), then train, logging every step and saving at the recipe's interval
 and at the end. A stop signal ends every rank after the same step with a checkpoint
@@ -37,6 +38,7 @@ from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.preflight import lock_run
+from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train.batch import Batch, DataPosition
@@ -47,7 +49,6 @@ from meshtrain.train.checkpoint import (
     find_resume_point,
     list_checkpoints,
     load_checkpoint,
-    load_safetensors,
 )
 from meshtrain.train.checkpoint_files import checkpoint_name, checkpoint_step
 from meshtrain.train.data import (
@@ -319,16 +320,18 @@ def start_model(
     With ``[model] meta_init`` (the default) the model is built on the meta device and each rank
     then allocates and initialises only its own shards (:func:`~meshtrain.materialise`): a rank's
     peak memory at start-up is its share at rest plus one module's full tensors. Otherwise every
-    rank builds the full model from the recipe's seed before the plan shards it.
+    rank builds the full model from the recipe's seed before the plan shards it. Weights named by
+    ``[checkpoint] init_from`` are then read slice by slice into the shards (not on a resume).
     """
-    meta = recipe.model.meta_init and not recipe.checkpoint.init_from
+    meta = recipe.model.meta_init
     model = recipe.build_model(device="meta" if meta else device, seed=recipe.train.seed)
-    if recipe.checkpoint.init_from:
-        load_safetensors(Path(recipe.checkpoint.init_from), model)
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=recipe.train.seed)
+    initialise_from(
+        recipe, applied
+    )  # [checkpoint] init_from (each rank its slices), unless resuming
     return plan, applied, model
 
 

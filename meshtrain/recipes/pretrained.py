@@ -1,0 +1,198 @@
+"""Pretrained weights in and out of a recipe's model: ``[checkpoint] init_from`` and
+``meshtrain export RUN_DIR --format hf``.
+
+In: :func:`load_pretrained` loads a transformers directory or a safetensors file into a model,
+planned and applied or not, each rank reading its slices (:func:`meshtrain.train.hf_load.load_hf`).
+For meshtrain's Llama it picks the name and rotary mapping
+(:mod:`meshtrain.models.llama_hf`) when the checkpoint uses transformers' names, and checks that
+``config.json`` describes the same model (what shapes cannot tell: ``rope_theta``,
+``rms_norm_eps``); any other model loads by its own names. :func:`initialise_from` is what a run
+calls once its model is applied: it loads ``init_from``, unless the run resumes from a checkpoint
+of its own (then ``init_from`` is not read at all).
+
+Out: :func:`export_run` writes the newest intact checkpoint of a run as a transformers
+directory (:func:`meshtrain.train.hf_export.export_hf`): for meshtrain's Llama a
+``LlamaForCausalLM`` config.json and transformers' names and layout; for ``[model] hf`` the
+original config.json (and tokenizer files) with the weights under their own names.
+
+Example::
+
+    report = export_run("runs/debug", "out/debug-hf", max_shard_size="2GB")
+    model = transformers.AutoModelForCausalLM.from_pretrained("out/debug-hf")
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.errors import CheckpointError, MeshtrainError
+from meshtrain.lower.pipeline import PipelinedModel
+from meshtrain.models.llama import LlamaConfig
+from meshtrain.models.llama_hf import (
+    hf_config_from_llama,
+    hf_sources,
+    llama_config_from_hf,
+    llama_to_hf,
+)
+from meshtrain.recipes.recipe import Recipe
+from meshtrain.recipes.schema import model_section
+from meshtrain.train.checkpoint import find_resume_point, list_checkpoints
+from meshtrain.train.checkpoint_files import canonical_fqn, read_state_file
+from meshtrain.train.hf_export import ExportReport, Rename, Transform, export_hf
+from meshtrain.train.hf_files import read_config, weight_files
+from meshtrain.train.hf_load import LoadReport, load_hf
+
+__all__ = ["EXPORT_FORMATS", "export_run", "initialise_from", "load_pretrained"]
+
+EXPORT_FORMATS = ("hf",)
+#: Files beside config.json that an ``[model] hf`` export copies when the source has them.
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
+             "rope_theta")  # fmt: skip
+_RECIPE_KEYS = {"ffn_dim": "multiple_of / ffn_dim_multiplier"}
+
+
+def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> LoadReport:
+    """Load the transformers directory or safetensors file at ``path`` into ``model`` (see the
+    module docstring); call on every rank alike, before or after ``mt.apply``.
+
+    Example::
+
+        model = mt.apply(plan, build_llama(config))
+        load_pretrained("checkpoints/Llama-3.2-1B", model)
+    """
+    modules = model.modules if isinstance(model, PipelinedModel) else [model]
+    config = getattr(modules[0], "config", None)
+    if not isinstance(config, LlamaConfig):
+        return load_hf(path, modules)
+    weights = weight_files(path)
+    own_names = {canonical_fqn(fqn) for fqn, _ in model.named_parameters()}
+    if own_names & set(weights.files) and "model.embed_tokens.weight" not in weights.files:
+        return load_hf(path, modules)  # meshtrain's own names (export_safetensors)
+    hf_config = read_config(path) if Path(path).is_dir() else None
+    if hf_config is not None:
+        _check_same_llama(config, hf_config, Path(path) / "config.json")
+        tied = bool(hf_config.get("tie_word_embeddings", False))
+    else:
+        tied = "lm_head.weight" not in weights.files
+    return load_hf(path, modules, sources=hf_sources(config, tied=tied))
+
+
+def initialise_from(recipe: Recipe, model: nn.Module | PipelinedModel) -> LoadReport | None:
+    """Load ``[checkpoint] init_from`` into the applied ``model``, unless there is none or the
+    run will resume from a checkpoint of its own (``checkpoint.resume`` and a complete
+    checkpoint in its directory): that run's weights come from there. Call on every rank."""
+    start = recipe.checkpoint.init_from
+    if not start:
+        return None
+    if recipe.checkpoint.resume and list_checkpoints(recipe.checkpoint_dir):
+        return None
+    return load_pretrained(start, model)
+
+
+def export_run(
+    run_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    format: str = "hf",
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    transform: Transform | None = None,
+) -> ExportReport:
+    """Write the newest intact checkpoint of the run in ``run_dir`` (a run directory or its
+    checkpoints directory) to ``out_dir`` as a transformers directory; ``transform`` is
+    :func:`~meshtrain.train.hf_export.export_hf`'s hook (e.g. a LoRA merge). Runs in one
+    process, no process group."""
+    if format not in EXPORT_FORMATS:
+        raise CheckpointError(
+            f"unknown export format {format!r}: meshtrain export writes "
+            f"{', '.join(repr(name) for name in EXPORT_FORMATS)} (a transformers directory)."
+        )
+    root = Path(run_dir)
+    directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{str(root)!r} is not a directory: give a run directory (logging.run_dir, e.g. "
+            "runs/debug) or its checkpoints directory."
+        )
+    point = find_resume_point(directory)
+    if point.checkpoint is None:
+        damaged = "; ".join(point.describe_passed_over())
+        raise CheckpointError(
+            f"no intact checkpoint in {str(directory)!r}"
+            + (f" ({damaged})" if damaged else "")
+            + ": nothing to export. Train the run first (`meshtrain checkpoints DIR` lists "
+            "what is there)."
+        )
+    state = read_state_file(point.checkpoint)
+    recipe = state.get("extra", {}).get("recipe")
+    config, rename, copied = _export_target(recipe, point.checkpoint)
+    return export_hf(point.checkpoint, out_dir, config=config, rename=rename,
+                     transform=transform, max_shard_size=max_shard_size, dtype=dtype,
+                     copy_files=copied)  # fmt: skip
+
+
+def _export_target(
+    recipe: Any, checkpoint: Path
+) -> tuple[dict[str, Any], Rename | None, list[Path]]:
+    """config.json, the rename and the files to copy, for the model the run's recipe names."""
+    table = recipe.get("model") if isinstance(recipe, dict) else None
+    if not isinstance(table, dict):
+        raise CheckpointError(
+            f"{str(checkpoint)!r} does not record the recipe that trained it, so the model's "
+            "architecture is unknown. Export it from Python: "
+            "meshtrain.train.hf_export.export_hf(checkpoint, out, config=...)."
+        )
+    try:
+        model = model_section(str(checkpoint), dict(table))
+    except MeshtrainError as err:
+        raise CheckpointError(
+            f"the recipe recorded in {str(checkpoint)!r}: {err.message}"
+        ) from None
+    if model.kind == "hf":
+        config = read_config(model.hf)
+        if config is None:
+            raise CheckpointError(
+                f"the run's model came from {model.hf!r}, whose config.json is gone; restore "
+                "that directory (its config.json describes the architecture) and export again."
+            )
+        copied = [
+            Path(model.hf) / name for name in COPIED_FILES if (Path(model.hf) / name).is_file()
+        ]
+        return config, None, copied
+    if model.config is None:
+        raise CheckpointError(
+            f"the run's model is a factory ({model.factory!r}): meshtrain does not know its "
+            "transformers architecture. Export it from Python with "
+            "meshtrain.train.hf_export.export_hf(checkpoint, out, config=..., rename=...)."
+        )
+    return hf_config_from_llama(model.config), partial(llama_to_hf, model.config), []
+
+
+def _check_same_llama(config: LlamaConfig, hf_config: dict[str, Any], source: Path) -> None:
+    """The recipe's Llama and the checkpoint's config.json must describe the same model."""
+    theirs = llama_config_from_hf(hf_config, str(source))
+    differ = [
+        f"{name} = {getattr(config, name)!r} here but {getattr(theirs, name)!r} there"
+        for name in _COMPARED
+        if getattr(config, name) != getattr(theirs, name)
+    ]
+    if differ:
+        keys = ", ".join(_RECIPE_KEYS.get(name, name) for name in _COMPARED
+                         if getattr(config, name) != getattr(theirs, name))  # fmt: skip
+        raise CheckpointError(
+            f"the model differs from the one {str(source)!r} describes: {'; '.join(differ)}. "
+            f"Set [model] {keys} to match, or use [model] hf = {str(source.parent)!r} to train "
+            "the transformers model itself."
+        )
