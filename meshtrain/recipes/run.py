@@ -312,11 +312,12 @@ def announce(line: str) -> None:
 
 
 def _build_model(recipe: Recipe, device: torch.device) -> torch.nn.Module:
-    """Full tensors from the recipe's seed (identical on every rank), or from a safetensors file."""
-    model = recipe.build_model(device=device, seed=recipe.train.seed)
+    """Full tensors from the recipe's seed (identical on every rank), or from a safetensors file;
+    then the ``[lora]`` adapters, on the loaded base."""
+    model = recipe.build_model(device=device, seed=recipe.train.seed, adapters=False)
     if recipe.checkpoint.init_from:
         load_safetensors(Path(recipe.checkpoint.init_from), model)
-    return model
+    return recipe.adapt(model, seed=recipe.train.seed)
 
 
 def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
