@@ -21,7 +21,7 @@ Example:
     >>> resolution = resolve_with_adapters(mt.Rules({"0.weight": mt.P("tp"), ".*": mt.P()}),
     ...                                    model, mesh)
     >>> resolution.specs["0.lora_A"], resolution.specs["0.lora_B"]
-    (P(), P('tp', None))
+    (P(), P('tp'))
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def resolve_with_adapters(rules: Rules, model: nn.Module, mesh: Mesh) -> Resolut
         base = by_fqn[adapters[fqn]]
         out_entry, in_entry = base.spec.padded(2)[:2]
         entries = [None, in_entry] if fqn.endswith(ADAPTERS[0]) else [out_entry]
-        spec = P(*entries) if any(e is not None for e in entries) else P()
+        while entries and entries[-1] is None:
+            entries.pop()
+        spec = P(*entries)
         source = f"lora of '{base.fqn}' ({base.spec!r})"
         validate_spec(spec, tuple(param.shape), mesh, fqn=fqn, rule=source)
         params.append(ParamSpec(fqn, tuple(param.shape), spec, source))
