@@ -122,7 +122,7 @@ def lora(
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> _ = lora(model, rank=2, alpha=2, targets=[r"\\d"])
+        >>> _ = lora(model, rank=2, alpha=2, targets=["0", "2"])
         >>> [type(m).__name__ for m in model]
         ['LoRALinear', 'ReLU', 'LoRALinear']
     """

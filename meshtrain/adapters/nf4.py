@@ -8,7 +8,7 @@ input's dtype; the base gets no gradient.
 
 Example:
     >>> nf4_bytes(4096 * 4096) / (4096 * 4096)
-    0.515655517578125
+    0.5157471895217896
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class AdaptedBuilder:
     ``seed``, the same on every rank).
 
     Example:
-        >>> builder = AdaptedBuilder(LlamaBuilder(LlamaConfig.debug()), 4, 8.0, (r".*\.wq",))
+        >>> builder = AdaptedBuilder(LlamaBuilder(LlamaConfig.debug()), 4, 8.0, (".*wq",))
         >>> sorted({n.rsplit(".", 1)[-1] for n, p in builder().named_parameters() if p.requires_grad})
         ['lora_A', 'lora_B']
     """
