@@ -55,6 +55,7 @@ from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-ex
 from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
+from meshtrain.train.offload import offload_states
 
 ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
 
@@ -75,9 +76,13 @@ class OptimizerBuilder:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    offload_states: bool = False
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
-        params = [param for param in params if param.requires_grad]
+        optimizer = self._build([param for param in params if param.requires_grad])
+        return offload_states(optimizer) if self.offload_states else optimizer
+
+    def _build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if self.name == "adam":
@@ -162,7 +167,7 @@ class Recipe:
     def optimizer_fn(self) -> OptimizerBuilder:
         train = self.train
         return OptimizerBuilder(train.optimizer, train.lr, train.weight_decay, train.betas,
-                                train.eps)  # fmt: skip
+                                train.eps, self.parallel.offload_optimizer)  # fmt: skip
 
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
@@ -307,7 +312,9 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     make small); meshtrain's Llama becomes a Llama of the same structure: ``n_layers = max(2, pipeline stages)``, ``head_dim``
     16, ``n_heads = max(4, 2·tp)``, ``n_kv_heads`` divisible by tp and as close to the recipe's
     query/kv ratio as that allows, vocab 256, ``multiple_of`` 32, no ffn multiplier,
-    ``max_seq_len`` ≥ ``seq_len``. Options, rules and the optimizer are kept; micro-batches are
+    ``max_seq_len`` ≥ ``seq_len``; ``[lora]`` is kept (the same module names), its NF4 base
+    dense (NF4 quantizes whole 16,384-element blocks, more than the shrunk weights hold). Options,
+    rules and the optimizer are kept; micro-batches are
     capped (2 without a pipeline, one per stage with one); ``seq_len`` ≤ 16 (a multiple of tp
     under sequence parallelism); ``batch_size`` the smallest multiple of data ranks ×
     micro-batches that is ≥ min(recipe batch, 8); ``steps`` ≤ 3.
@@ -343,12 +350,16 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
         steps=min(recipe.train.steps, 3),
         warmup_steps=min(recipe.train.warmup_steps, recipe.train.steps, 3),
     )
+    adapters = recipe.lora
+    if adapters is not None and adapters.quantize_base and model.config is not None:
+        adapters = dataclasses.replace(adapters, quantize_base="")
     return dataclasses.replace(
         recipe,
         model=model,
         mesh=tuple(sizes.items()),
         parallel=par,
         train=train,
+        lora=adapters,
     )
 
 
@@ -433,6 +444,9 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
             f"({after.n_layers} layers, dim {after.dim}, {after.n_heads} heads, "
             f"{_plural(after.n_kv_heads, 'kv head')})"
         )
+    if small.lora is not None:
+        dense = " on a dense base" if recipe.lora and recipe.lora.quantize_base and not small.lora.quantize_base else ""
+        model += f", LoRA rank {small.lora.rank}{dense}"
     return (
         f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "
         f"{_format_mesh(small.mesh_axes())}; {model}; batch {small.train.batch_size} × "
