@@ -202,3 +202,19 @@ def test_nf4_bytes_are_half_a_byte_per_element_plus_scales() -> None:
     numel = 4096 * 4096
     assert nf4_bytes(numel) == numel // 2 + numel // 64 + 2 * (numel // 64 // 256) + 2
     assert 0.515 < nf4_bytes(numel) / numel < 0.516
+
+
+def test_qlora_needs_11_times_less_memory_than_full_fine_tuning_for_llama3_8b() -> None:
+    mesh = mt.make_mesh(dp=1, world_size=1, abstract=True, device_type="cuda")
+    shared = {"zero": 3, "seq_len": 2048, "batch_size": 1, "activation_checkpointing": "full"}
+    config = LlamaConfig.preset("llama3_8b")
+    full = mt.plan(build_llama(config, device="meta"), mesh, default_rules(tp=None), **shared)
+    adapted = lora(build_llama(config, device="meta"), rank=16, alpha=32, targets=TARGETS,
+                   quantize_base="nf4")  # fmt: skip
+    qlora = mt.plan(adapted, mesh, default_rules(tp=None), precision="bf16", **shared)
+    gib = 2**30
+    assert round(full.memory.total / gib, 1) == 121.4 and round(qlora.memory.total / gib, 1) == 11.0
+    assert round(full.memory.at_rest / gib, 1) == 119.7 and round(qlora.memory.at_rest / gib, 1) == 7.9
+    assert 10.5 < full.memory.total / qlora.memory.total < 11.5
+    # the 4–5× quoted for QLoRA is a 16-bit base against a 4-bit one
+    assert round(2 / (nf4_bytes(4096 * 4096) / 4096**2), 2) == 3.88
