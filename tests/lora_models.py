@@ -13,7 +13,10 @@ from meshtrain.adapters import LoRALinear, lora
 from meshtrain.models import LlamaConfig, build_llama
 
 LLAMA_TARGETS = [r"layers\.\d+\.attention\.w[qkvo]", r"layers\.\d+\.feed_forward\.w[123]"]
-HF_TARGETS = [r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj", r"model\.layers\.\d+\.mlp\.\w+_proj"]
+HF_TARGETS = [
+    r"model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj",
+    r"model\.layers\.\d+\.mlp\.\w+_proj",
+]
 
 
 def _perturb(model: nn.Module) -> nn.Module:

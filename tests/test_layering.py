@@ -23,7 +23,15 @@ ALLOWED: dict[str, set[str]] = {
     "lower": {"errors", "spec", "adapters", "plan", "launch", "lower"},
     "train": {"errors", "spec", "adapters", "plan", "launch", "lower", "train"},
     "recipes": {
-        "errors", "spec", "models", "adapters", "plan", "launch", "lower", "train", "recipes"
+        "errors",
+        "spec",
+        "models",
+        "adapters",
+        "plan",
+        "launch",
+        "lower",
+        "train",
+        "recipes",
     },
     "testing": {
         "errors",
@@ -38,7 +46,15 @@ ALLOWED: dict[str, set[str]] = {
         "testing",
     },
     "cli": {
-        "errors", "spec", "adapters", "plan", "launch", "lower", "train", "recipes", "testing",
+        "errors",
+        "spec",
+        "adapters",
+        "plan",
+        "launch",
+        "lower",
+        "train",
+        "recipes",
+        "testing",
         "cli",
     },
     "__main__": {"cli"},

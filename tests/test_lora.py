@@ -138,9 +138,15 @@ def test_adapter_specs_follow_the_base() -> None:
     assert specs["layers.0.attention.wo.lora_A"] == mt.P(None, "tp")
     assert specs["layers.0.attention.wo.lora_B"] == mt.P()
     sources = {p.fqn: p.source for p in plan.params}
-    assert sources["layers.0.attention.wo.lora_A"] == "lora of 'layers.0.attention.wo.weight' (P(None, 'tp'))"
+    assert (
+        sources["layers.0.attention.wo.lora_A"]
+        == "lora of 'layers.0.attention.wo.weight' (P(None, 'tp'))"
+    )
     styles = {s.fqn: s.style for s in plan.styles}
-    assert styles["layers.0.attention.wq"] == "colwise" and styles["layers.0.attention.wo"] == "rowwise"
+    assert (
+        styles["layers.0.attention.wq"] == "colwise"
+        and styles["layers.0.attention.wo"] == "rowwise"
+    )
 
 
 def test_plan_counts_gradients_and_states_of_trainable_parameters_only() -> None:
@@ -155,7 +161,9 @@ def test_plan_counts_gradients_and_states_of_trainable_parameters_only() -> None
     assert plan.memory.params == full.memory.params + shard_bytes  # every weight is still held
     assert full.memory.grads == full.memory.params
     grads = sum(p.local_numel for p in trainable) * 4
-    (count, payload), = [v for k, v in plan.collective_totals().items() if k[0] == "reduce_scatter"]
+    ((count, payload),) = [
+        v for k, v in plan.collective_totals().items() if k[0] == "reduce_scatter"
+    ]
     assert payload == grads  # only adapters' gradients are reduce-scattered
     assert count == 2  # the two blocks; the root (embedding, norm, head) has no adapters
     assert "trainable parameters: 9,728 of 141,120" in plan.explain()
@@ -165,7 +173,9 @@ def test_plan_counts_gradients_and_states_of_trainable_parameters_only() -> None
 def test_units_with_only_frozen_parameters_issue_no_reduce_scatter() -> None:
     model = lora(_llama("meta"), rank=4, alpha=8, targets=[r"layers\.0\.attention\.wq"])
     plan = _plan(model, zero=3)
-    (count, payload), = [v for k, v in plan.collective_totals().items() if k[0] == "reduce_scatter"]
+    ((count, payload),) = [
+        v for k, v in plan.collective_totals().items() if k[0] == "reduce_scatter"
+    ]
     assert count == 1 and payload == (4 * 64 + 32 * 4) * 4
 
 
@@ -214,7 +224,9 @@ def test_qlora_needs_11_times_less_memory_than_full_fine_tuning_for_llama3_8b() 
     qlora = mt.plan(adapted, mesh, default_rules(tp=None), precision="bf16", **shared)
     gib = 2**30
     assert round(full.memory.total / gib, 1) == 121.4 and round(qlora.memory.total / gib, 1) == 11.0
-    assert round(full.memory.at_rest / gib, 1) == 119.7 and round(qlora.memory.at_rest / gib, 1) == 7.9
+    assert (
+        round(full.memory.at_rest / gib, 1) == 119.7 and round(qlora.memory.at_rest / gib, 1) == 7.9
+    )
     assert 10.5 < full.memory.total / qlora.memory.total < 11.5
     # the 4–5× quoted for QLoRA is a 16-bit base against a 4-bit one
     assert round(2 / (nf4_bytes(4096 * 4096) / 4096**2), 2) == 3.88

@@ -63,7 +63,9 @@ def test_betas_eps_and_offload_reach_the_optimizer_and_plan() -> None:
     recipe = recipe_from_toml(text)
     optimizer = recipe.optimizer_fn()([torch.nn.Parameter(torch.zeros(2))])
     assert optimizer.defaults["betas"] == (0.9, 0.95) and optimizer.defaults["eps"] == 1e-6
-    assert type(optimizer).__name__ == "AdamW" and type(optimizer).__mro__[1].__name__ == "_HostStates"
+    assert (
+        type(optimizer).__name__ == "AdamW" and type(optimizer).__mro__[1].__name__ == "_HostStates"
+    )
     options = recipe.plan_options()
     assert options["offload_optimizer"] is True and options["offload"] is False
     assert recipe_from_toml(BASE + "[parallel]\noffload = true\n").plan_options()["offload"]

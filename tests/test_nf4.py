@@ -35,7 +35,9 @@ def test_nf4_forward_is_the_dequantized_weights_forward() -> None:
     dense = model[0].weight.get_original_weight().float()
     torch.testing.assert_close(model[0](x), x @ dense.T, rtol=1e-2, atol=1e-2)  # bf16 matmul
     merged = merge_lora(dict(model.state_dict()), alpha=8)
-    assert merged["0.weight"].dtype == torch.bfloat16 and torch.equal(merged["0.weight"].float(), dense)
+    assert merged["0.weight"].dtype == torch.bfloat16 and torch.equal(
+        merged["0.weight"].float(), dense
+    )
 
 
 def test_plan_counts_nf4_storage() -> None:

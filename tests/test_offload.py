@@ -46,5 +46,7 @@ def test_parameters_without_gradients_are_skipped() -> None:
 
 def test_non_elementwise_optimizers_are_refused() -> None:
     optimizer = torch.optim.Adagrad([torch.nn.Parameter(torch.ones(2))])
-    with pytest.raises(mt.PlanError, match=r"exact for element-wise optimizers only .* got Adagrad"):
+    with pytest.raises(
+        mt.PlanError, match=r"exact for element-wise optimizers only .* got Adagrad"
+    ):
         offload_states(optimizer)

@@ -86,7 +86,9 @@ class LoRALinear(nn.Linear):
         zero."""
         bound = 1.0 / math.sqrt(self.in_features)  # kaiming_uniform_(a=√5) on fan_in
         if self.lora_A.device.type != "meta":
-            drawn = torch.empty(self.lora_A.shape, dtype=self.lora_A.dtype)  # on the generator's CPU
+            drawn = torch.empty(
+                self.lora_A.shape, dtype=self.lora_A.dtype
+            )  # on the generator's CPU
             self.lora_A.copy_(drawn.uniform_(-bound, bound, generator=generator))
         self.lora_B.zero_()
 

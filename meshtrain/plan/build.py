@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.adapters import resolve_with_adapters, storage, trainable
 from meshtrain.plan.activations import ActivationProfile, trace_activations
+from meshtrain.plan.adapters import resolve_with_adapters, storage, trainable
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
 from meshtrain.plan.infer import (
     check_sequence_length,

@@ -175,9 +175,7 @@ def estimate_collectives(
     result: list[Collective]
     if pipelined and options.zero == 3:
         forward, backward = block_gathers
-        result = list(
-            _stage_zero3(shard_axis, n_units, total - root, root, forward, backward)
-        )
+        result = list(_stage_zero3(shard_axis, n_units, total - root, root, forward, backward))
     else:
         result = [
             Collective(

@@ -445,7 +445,11 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
             f"{_plural(after.n_kv_heads, 'kv head')})"
         )
     if small.lora is not None:
-        dense = " on a dense base" if recipe.lora and recipe.lora.quantize_base and not small.lora.quantize_base else ""
+        dense = (
+            " on a dense base"
+            if recipe.lora and recipe.lora.quantize_base and not small.lora.quantize_base
+            else ""
+        )
         model += f", LoRA rank {small.lora.rank}{dense}"
     return (
         f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "

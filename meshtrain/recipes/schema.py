@@ -319,8 +319,7 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
             )
         example = f"Write e.g. {key} = {toml_value(spec.example)}."
         wrong_type = type(value) not in spec.kinds or (
-            spec.kinds == (list,)
-            and not all(type(item) in spec.items for item in value)
+            spec.kinds == (list,) and not all(type(item) in spec.items for item in value)
         )
         if wrong_type:
             raise RecipeError(
@@ -348,7 +347,9 @@ def _check_array(where: str, key: str, spec: Key, value: list[Any], example: str
     """An array's length (non-empty when ``positive``) and, for numbers, each in [0, 1)."""
     wrong_length = spec.length is not None and len(value) != spec.length
     if wrong_length or (spec.positive and not value):
-        raise RecipeError(f"{where} has {len(value)} items; {key} must be {spec.describe()}. {example}")
+        raise RecipeError(
+            f"{where} has {len(value)} items; {key} must be {spec.describe()}. {example}"
+        )
     if float in spec.items and not all(math.isfinite(v) and 0 <= v < 1 for v in value):
         raise RecipeError(f"{where} is out of range; {key} must be {spec.describe()}. {example}")
 

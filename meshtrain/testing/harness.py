@@ -45,8 +45,8 @@ from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.clip import clip_grad_norm_
-from meshtrain.train.offload import offload_states
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
+from meshtrain.train.offload import offload_states
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.step import forward_backward
 
