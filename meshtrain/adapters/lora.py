@@ -61,9 +61,9 @@ class LoRALinear(nn.Linear):
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
         self.rank, self.alpha, self.quantized = rank, float(alpha), ""
-        factory = {"device": base.weight.device, "dtype": dtype or _dense_dtype(base.weight)}
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, **factory))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, **factory))
+        device, dtype = base.weight.device, dtype or _dense_dtype(base.weight)
+        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, device=device, dtype=dtype))
         self.reset_lora_parameters(generator)
         names = logical_axes(base).get("weight")
         if names is not None:

@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,10 +37,10 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor"
 
 
-def quantize_weight(module: nn.Module) -> None:
+def quantize_weight(module: nn.Linear) -> None:
     """Store ``module.weight`` as NF4 (frozen), or only mark it on the meta device (the planner
     counts it as NF4; quantize once real weights are loaded)."""
-    module.quantized = "nf4"  # type: ignore[assignment]
+    module.quantized = "nf4"  # type: ignore[assignment,unused-ignore]
     weight = module.weight
     if weight.device.type == "meta" or is_nf4(weight):
         return
@@ -59,11 +60,12 @@ def quantize_weight(module: nn.Module) -> None:
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     """A dense copy of an NF4 tensor (in its bf16 dtype); any other tensor as it is."""
     if is_nf4(tensor):
-        return tensor.get_original_weight()  # type: ignore[attr-defined,no-any-return]
+        dense: torch.Tensor = tensor.get_original_weight()  # type: ignore[attr-defined]
+        return dense
     return tensor
 
 
-def _to_nf4():  # type: ignore[no-untyped-def]
+def _to_nf4() -> Any:
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
