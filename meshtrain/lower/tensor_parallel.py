@@ -55,6 +55,7 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
     retie(plan, model)
     refreeze(plan, model)
     modules = dict(model.named_modules())
+    _sync_partial_grads(plan, modules)
     for style in plan.styles:
         if style.style == "loss_parallel_head":
             modules[style.fqn].register_forward_hook(_gather_logits_outside_loss_parallel)
@@ -67,13 +68,6 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
             if style.module_type == "Embedding":
                 check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
                 modules[style.fqn].register_forward_pre_hook(check)
-        if not plan.data_axes:  # FSDP2 reduces these itself when it wraps the model
-            sync = PartialGradSync()
-            for style in plan.styles:
-                if style.style == "sequence_parallel":
-                    for param in modules[style.fqn].parameters():
-                        param.register_post_accumulate_grad_hook(sync)
-            model._meshtrain_partial_grads = sync  # type: ignore[assignment]
 
 
 def retie(plan: Plan, model: nn.Module) -> None:
@@ -150,6 +144,27 @@ def _check_sequence(
             f"axis '{axis}' of size {ways} under sequence parallelism. Pad or cut sequences to a "
             f"multiple of {ways}."
         )
+
+
+def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
+    """Without FSDP2 (which reduces them itself when it wraps the model), a hook reduces the
+    partial-sum gradients of replicated weights that compute on shards: sequence-parallel norms,
+    and the replicated adapter of a tensor-parallel LoRA Linear (``lora_A`` of a column-wise
+    one, ``lora_B`` of a row-wise one: its gradient contracts over the sharded dim)."""
+    if plan.data_axes:
+        return
+    params = []
+    for style in plan.styles:
+        module = modules[style.fqn]
+        if style.style == "sequence_parallel" and plan.sequence_parallel:
+            params += list(module.parameters())
+        elif style.module_type == "LoRALinear":
+            params += [p for name, p in module.named_parameters() if name.startswith("lora_")]
+    if params:
+        sync = PartialGradSync()
+        for param in params:
+            param.register_post_accumulate_grad_hook(sync)
+        modules[""]._meshtrain_partial_grads = sync  # type: ignore[assignment]
 
 
 class PartialGradSync:
