@@ -50,3 +50,9 @@ def test_non_elementwise_optimizers_are_refused() -> None:
         mt.PlanError, match=r"exact for element-wise optimizers only .* got Adagrad"
     ):
         offload_states(optimizer)
+
+
+def test_offloading_twice_changes_nothing() -> None:
+    optimizer = offload_states(torch.optim.AdamW([torch.nn.Parameter(torch.ones(2))]))
+    cls = type(optimizer)
+    assert offload_states(optimizer) is optimizer and type(optimizer) is cls

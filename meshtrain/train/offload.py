@@ -37,7 +37,10 @@ ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
 
 def offload_states(optimizer: OptimizerT, host: str | torch.device = "cpu") -> OptimizerT:
     """``optimizer`` (changed in place) keeping its states on ``host`` between steps; its class
-    name, state keys and state dict stay the same (checkpoints load either way)."""
+    name, state keys and state dict stay the same (checkpoints load either way). Offloading an
+    offloaded optimizer changes nothing."""
+    if isinstance(optimizer, _HostStates):
+        return optimizer
     if not isinstance(optimizer, ELEMENTWISE):
         raise PlanError(
             f"offload_optimizer keeps states on the host and steps one parameter at a time, which "
