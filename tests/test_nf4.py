@@ -49,5 +49,19 @@ def test_plan_counts_nf4_storage() -> None:
 
 
 def test_weights_smaller_than_an_nf4_block_group_are_refused() -> None:
-    with pytest.raises(mt.PlanError, match=r"shape \(8, 8\) as NF4: .* multiple of 16384"):
+    with pytest.raises(
+        mt.PlanError,
+        match=r"cannot store '0\.weight' \(shape \(8, 8\)\) as NF4: .* multiple of 16384",
+    ):
         lora(nn.Sequential(nn.Linear(8, 8)), rank=2, alpha=2, targets=["0"], quantize_base="nf4")
+
+
+def test_a_size_one_tensor_parallel_axis_is_allowed_under_nf4() -> None:
+    from meshtrain.models import LlamaConfig, build_llama, default_rules
+
+    model = lora(build_llama(LlamaConfig(dim=128, n_layers=1, n_heads=4, n_kv_heads=4,
+                                         vocab_size=256, multiple_of=32), device="meta"),
+                 rank=4, alpha=8, targets=[r"layers\.0\.attention\.wq"], quantize_base="nf4")  # fmt: skip
+    plan = mt.plan(model, mt.make_mesh(dp=2, tp=1, world_size=2, abstract=True), default_rules())
+    layout = {p.fqn: p for p in plan.params}["layers.0.attention.wq.weight"]
+    assert layout.storage == "nf4" and layout.bytes_at_rest == nf4_bytes(64 * 128)

@@ -160,7 +160,7 @@ def lora(
         if quantize_base is not None:
             from meshtrain.adapters.nf4 import quantize_weight
 
-            quantize_weight(wrapped)
+            quantize_weight(wrapped, fqn)
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, name, wrapped)
     return model

@@ -37,21 +37,25 @@ def is_nf4(tensor: torch.Tensor) -> bool:
     return type(tensor).__name__ == "NF4Tensor"
 
 
-def quantize_weight(module: nn.Linear) -> None:
+def quantize_weight(module: nn.Linear, fqn: str = "") -> None:
     """Store ``module.weight`` as NF4 (frozen), or only mark it on the meta device (the planner
     counts it as NF4; quantize once real weights are loaded)."""
     module.quantized = "nf4"  # type: ignore[assignment,unused-ignore]
     weight = module.weight
-    if weight.device.type == "meta" or is_nf4(weight):
+    if is_nf4(weight):
         return
     numel = weight.numel()
     if numel % (BLOCK_SIZE * SCALER_BLOCK_SIZE):
         raise PlanError(
-            f"cannot store the weight of shape {tuple(weight.shape)} as NF4: torchao quantizes in "
+            f"cannot store '{fqn}.weight' (shape {tuple(weight.shape)}) as NF4: torchao quantizes in "
             f"blocks of {BLOCK_SIZE} elements with scales in groups of {SCALER_BLOCK_SIZE}, so its "
             f"{numel} elements must be a multiple of {BLOCK_SIZE * SCALER_BLOCK_SIZE}. Leave this "
-            "module out of the LoRA targets or do not quantize the base."
+            "module out of the LoRA targets or do not quantize the base.",
+            fqn=f"{fqn}.weight",
+            shape=tuple(weight.shape),
         )
+    if weight.device.type == "meta":
+        return
     to_nf4 = _to_nf4()
     dense = weight.detach().to(torch.bfloat16)
     module.weight = nn.Parameter(to_nf4(dense, BLOCK_SIZE, SCALER_BLOCK_SIZE), requires_grad=False)

@@ -60,7 +60,7 @@ def resolve_with_adapters(rules: Rules, model: nn.Module, mesh: Mesh) -> Resolut
         source = f"lora of '{base.fqn}' ({base.spec!r})"
         validate_spec(spec, tuple(param.shape), mesh, fqn=fqn, rule=source)
         params.append(ParamSpec(fqn, tuple(param.shape), spec, source))
-    _check_quantized(model, by_fqn)
+    _check_quantized(model, by_fqn, mesh)
     return type(resolved)(mesh, tuple(params))
 
 
@@ -78,11 +78,12 @@ def storage(model: nn.Module) -> dict[str, str]:
     }
 
 
-def _check_quantized(model: nn.Module, by_fqn: dict[str, ParamSpec]) -> None:
-    """An NF4 base cannot be tensor-parallel: torchao's NF4 tensor is not a DTensor shard."""
+def _check_quantized(model: nn.Module, by_fqn: dict[str, ParamSpec], mesh: Mesh) -> None:
+    """An NF4 base cannot be tensor-parallel: torchao's NF4 tensor is not a DTensor shard (a
+    spec over axes of size 1 shards nothing and is allowed)."""
     for fqn in storage(model):
         spec = by_fqn[fqn].spec
-        if spec.axes:
+        if any(mesh.size(axis) > 1 for axis in spec.axes):
             raise PlanError(
                 f"parameter '{fqn}' is an NF4 (QLoRA) base weight and its rule shards it as "
                 f"{spec!r}: torchao's NF4 tensor composes with FSDP2 (data-parallel shards) but "
