@@ -30,6 +30,7 @@ from meshtrain.errors import (
 )
 
 if TYPE_CHECKING:
+    from meshtrain.adapters import LoRALinear, lora, merge_lora
     from meshtrain.launch import init_distributed
     from meshtrain.lower import (
         apply,
@@ -49,6 +50,7 @@ __version__ = "0.1.0"
 #: Where each public name lives. Names are imported on first use, so ``python -m meshtrain``
 #: can read a recipe and refuse a bad launch before torch is imported.
 _LAZY = {
+    **dict.fromkeys(("LoRALinear", "lora", "merge_lora"), "meshtrain.adapters"),
     **dict.fromkeys(("init_distributed",), "meshtrain.launch"),
     **dict.fromkeys(
         (
@@ -112,6 +114,7 @@ __all__ = [
     "DataError",
     "EquivalenceError",
     "GraphBreakWarning",
+    "LoRALinear",
     "Mesh",
     "MeshError",
     "MeshtrainError",
@@ -133,10 +136,12 @@ __all__ = [
     "constrain",
     "distribute",
     "init_distributed",
+    "lora",
     "loss_parallel",
     "make_mesh",
     "make_train_step",
     "materialise",
+    "merge_lora",
     "micro_batch",
     "plan",
     "shard_map",

@@ -99,7 +99,7 @@ def test_defaults_overrides_and_plan_options() -> None:
     assert options == {
         "zero": 3, "precision": "fp32", "activation_checkpointing": "none", "compile": False,
         "optimizer": "adamw", "global_batch": 8, "seq_len": 16, "microbatches": 1,
-        "grad_reduction": "sum",
+        "grad_reduction": "sum", "offload": False, "offload_optimizer": False,
     }  # fmt: skip
     assert _plan(recipe, 4).mesh == mt.Mesh(("dp", "tp"), (2, 2))
 

@@ -89,7 +89,12 @@ def initialise(model: nn.Module, *, seed: int = 0) -> nn.Module:
     """
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights) and "generator" in inspect.signature(init_weights).parameters:
-        init_weights(generator=torch.Generator().manual_seed(seed))  # meshtrain's own models
+        adapters = _adapters(model)
+        with _hidden(adapters):  # meshtrain's own models initialise their own parameters
+            init_weights(generator=torch.Generator().manual_seed(seed))
+        for fqn, module in adapters:
+            with torch.no_grad():
+                _initialise_module(fqn, module, _reset_adapter, seed, names=_ADAPTER_NAMES)
         return model
     initialiser = _initialiser(model)
     for fqn, module in _children_first(model):
@@ -98,18 +103,52 @@ def initialise(model: nn.Module, *, seed: int = 0) -> nn.Module:
     return model
 
 
+#: A LoRA Linear's own parameters (``reset_lora_parameters`` sets them).
+_ADAPTER_NAMES = ("lora_A", "lora_B")
+
+
+def _adapters(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (fqn, module)
+        for fqn, module in model.named_modules()
+        if callable(getattr(module, "reset_lora_parameters", None))
+    ]
+
+
+def _reset_adapter(module: nn.Module) -> None:
+    module.reset_lora_parameters()  # type: ignore[operator]
+
+
+@contextlib.contextmanager
+def _hidden(adapters: list[tuple[str, nn.Module]]) -> Iterator[None]:
+    """The adapters' parameters out of sight (a model's own initialiser does not know them)."""
+    saved = [(module, name, module._parameters.pop(name)) for _, module in adapters
+             for name in _ADAPTER_NAMES if name in module._parameters]  # fmt: skip
+    try:
+        yield
+    finally:
+        for module, name, param in saved:
+            module._parameters[name] = param
+
+
 def _initialiser(model: nn.Module) -> Initialiser:
     """The model family's per-module initialiser (see the module doc)."""
     hf_init = getattr(model, "_init_weights", None)
-    if callable(hf_init) and hasattr(model, "config"):
-        return hf_init
 
     def reset(module: nn.Module) -> None:
         reset_parameters = getattr(module, "reset_parameters", None)
         if callable(reset_parameters):
             reset_parameters()
 
-    return reset
+    if not callable(hf_init) or not hasattr(model, "config"):
+        return reset
+
+    def hf_then_adapters(module: nn.Module) -> None:
+        hf_init(module)  # a LoRA Linear is an nn.Linear to it; its adapters are reset here
+        if callable(getattr(module, "reset_lora_parameters", None)):
+            _reset_adapter(module)
+
+    return hf_then_adapters
 
 
 def _children_first(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
@@ -118,10 +157,19 @@ def _children_first(model: nn.Module, prefix: str = "") -> Iterator[tuple[str, n
     yield prefix, model
 
 
-def _initialise_module(fqn: str, module: nn.Module, initialiser: Initialiser, seed: int) -> None:
-    """Run ``initialiser`` on full-size CPU stand-ins for ``module``'s direct tensors, then copy
-    each into the real (possibly sharded) tensor; refuse a tensor the initialiser left unset."""
+def _initialise_module(
+    fqn: str,
+    module: nn.Module,
+    initialiser: Initialiser,
+    seed: int,
+    names: tuple[str, ...] | None = None,
+) -> None:
+    """Run ``initialiser`` on full-size CPU stand-ins for ``module``'s direct tensors (those in
+    ``names`` only, when given), then copy each into the real (possibly sharded) tensor; refuse
+    a tensor the initialiser left unset."""
     targets = _direct_tensors(module)
+    if names is not None:
+        targets = {name: tensor for name, tensor in targets.items() if name in names}
     if not targets:
         return
     stand_ins = {name: _sentinel(tensor) for name, tensor in targets.items()}

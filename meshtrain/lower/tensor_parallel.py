@@ -53,7 +53,9 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
     if root is not None:  # a pair directly under the root: the root prepares its own input
         parallelize_module(model, tp_mesh, root)
     retie(plan, model)
+    refreeze(plan, model)
     modules = dict(model.named_modules())
+    _sync_partial_grads(plan, modules)
     for style in plan.styles:
         if style.style == "loss_parallel_head":
             modules[style.fqn].register_forward_hook(_gather_logits_outside_loss_parallel)
@@ -66,13 +68,6 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
             if style.module_type == "Embedding":
                 check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
                 modules[style.fqn].register_forward_pre_hook(check)
-        if not plan.data_axes:  # FSDP2 reduces these itself when it wraps the model
-            sync = PartialGradSync()
-            for style in plan.styles:
-                if style.style == "sequence_parallel":
-                    for param in modules[style.fqn].parameters():
-                        param.register_post_accumulate_grad_hook(sync)
-            model._meshtrain_partial_grads = sync  # type: ignore[assignment]
 
 
 def retie(plan: Plan, model: nn.Module) -> None:
@@ -92,6 +87,18 @@ def retie(plan: Plan, model: nn.Module) -> None:
             module = model.get_submodule(owner) if owner else model
             if getattr(module, name) is not shared:
                 module.register_parameter(name, shared)
+
+
+def refreeze(plan: Plan, model: nn.Module) -> None:
+    """Frozen parameters frozen again: PyTorch's parallel styles wrap each distributed tensor
+    in a new ``nn.Parameter``, which requires a gradient whatever the original did."""
+    frozen = {layout.fqn for layout in plan.params if not layout.trainable}
+    for group in plan.tied:
+        if group[0] in frozen:
+            frozen.update(group)
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        if fqn in frozen and param.requires_grad:
+            param.requires_grad_(False)
 
 
 def _check_pair_input(fqn: str, ways: int, module: nn.Module, args: Any) -> None:
@@ -139,6 +146,27 @@ def _check_sequence(
         )
 
 
+def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
+    """Without FSDP2 (which reduces them itself when it wraps the model), a hook reduces the
+    partial-sum gradients of replicated weights that compute on shards: sequence-parallel norms,
+    and the replicated adapter of a tensor-parallel LoRA Linear (``lora_A`` of a column-wise
+    one, ``lora_B`` of a row-wise one: its gradient contracts over the sharded dim)."""
+    if plan.data_axes:
+        return
+    params = []
+    for style in plan.styles:
+        module = modules[style.fqn]
+        if style.style == "sequence_parallel" and plan.sequence_parallel:
+            params += list(module.parameters())
+        elif style.module_type == "LoRALinear":
+            params += [p for name, p in module.named_parameters() if name.startswith("lora_")]
+    if params:
+        sync = PartialGradSync()
+        for param in params:
+            param.register_post_accumulate_grad_hook(sync)
+        modules[""]._meshtrain_partial_grads = sync  # type: ignore[assignment]
+
+
 class PartialGradSync:
     """Reduces the partial-sum gradients of sequence-parallel norm weights to replicated ones.
 
@@ -169,8 +197,13 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     styles: dict[str, ParallelStyle] = {}
     for style in plan.styles:
         transposed = style.module_type == "Conv1D"
-        colwise = _TransposedColwise if transposed else ColwiseParallel
-        rowwise = _TransposedRowwise if transposed else RowwiseParallel
+        adapted = style.module_type == "LoRALinear"
+        colwise: type[ColwiseParallel] = (
+            _TransposedColwise if transposed else _AdapterColwise if adapted else ColwiseParallel
+        )
+        rowwise: type[RowwiseParallel] = (
+            _TransposedRowwise if transposed else _AdapterRowwise if adapted else RowwiseParallel
+        )
         if style.style == "colwise":
             styles[style.fqn] = colwise()
         elif style.style == "rowwise":
@@ -246,6 +279,43 @@ class _TransposedRowwise(RowwiseParallel):
         )
 
 
+class _AdapterColwise(ColwiseParallel):
+    """Column-wise for a LoRA Linear: the base weight and bias and ``lora_B`` sharded along out
+    (dim 0), ``lora_A`` replicated (see :mod:`meshtrain.plan.adapters`)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        placements = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
+                      "lora_B": Shard(0)}  # fmt: skip
+        return distribute_module(
+            module,
+            device_mesh,
+            functools.partial(_shard_params, placements, self.src_data_rank),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
+class _AdapterRowwise(RowwiseParallel):
+    """Row-wise for a LoRA Linear: the base weight and ``lora_A`` sharded along in (dim 1), the
+    bias and ``lora_B`` replicated; the low-rank path's partial sums are reduced with the base's."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.desired_input_layouts = (Shard(-1),)
+        placements = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
+                      "lora_B": Replicate()}  # fmt: skip
+        return distribute_module(
+            module,
+            device_mesh,
+            functools.partial(_shard_params, placements, self.src_data_rank),
+            functools.partial(
+                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
+            ),
+            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+        )
+
+
 def _shard_params(
     placements: dict[str, Placement],
     source: int | None,
@@ -258,7 +328,9 @@ def _shard_params(
     for param_name, param in list(module.named_parameters(recurse=False)):
         placement = placements[param_name]
         sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=source)
-        module.register_parameter(param_name, nn.Parameter(sharded))
+        module.register_parameter(
+            param_name, nn.Parameter(sharded, requires_grad=param.requires_grad)
+        )
 
 
 class _PrepareActivation(ParallelStyle):

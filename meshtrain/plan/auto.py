@@ -47,7 +47,9 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from meshtrain.adapters.nf4 import nf4_bytes
 from meshtrain.errors import MeshtrainError, PlanError
+from meshtrain.plan.adapters import storage
 from meshtrain.plan.build import build_plan
 from meshtrain.plan.footprint import footprint
 from meshtrain.plan.infer import infer_units
@@ -170,7 +172,7 @@ def choose_plan(
     engine = _Search(
         model, world_size, rules, search.device_memory, options.global_batch, options.seq_len,
         search.node_size, links or Links(), device_type, shared, n_blocks=_n_blocks(model),
-        param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()),
+        rest_bytes=_rest_bytes(model, shared),
     )  # fmt: skip
     evaluated = list(engine.evaluate_all())
     fitting = [e for e in evaluated if e.fits(search.device_memory)]
@@ -263,14 +265,27 @@ def _microbatches(pp: int, dp: int, global_batch: int) -> tuple[int, ...]:
     return ()
 
 
-def _at_rest_floor(param_bytes: int, c: Candidate, options: PlanOptions) -> int:
-    """A lower bound of a candidate's memory at rest: the model's ``param_bytes`` split tp·pp
-    ways (and dp ways under ZeRO ≥ 1) with its gradient and optimizer states (0 under offload)."""
+def _rest_bytes(model: nn.Module, options: PlanOptions) -> int:
+    """The whole model's bytes at rest on one device: every parameter in its storage (NF4 for a
+    QLoRA base), and a gradient and the optimizer's states for each trainable one (no states on
+    the device under ``offload_optimizer``)."""
+    nf4 = storage(model)
+    states = 0 if options.offload_optimizer else options.optimizer_states
+    total = 0
+    for fqn, param in model.named_parameters():
+        numel, size = param.numel(), param.element_size()
+        total += nf4_bytes(numel) if fqn in nf4 else numel * size
+        total += numel * size * (1 + states) if param.requires_grad else 0
+    return total
+
+
+def _at_rest_floor(rest_bytes: int, c: Candidate, options: PlanOptions) -> int:
+    """A lower bound of a candidate's memory at rest: the model's ``rest_bytes`` split tp·pp
+    ways (and dp ways under ZeRO ≥ 1); 0 under offload."""
     if options.offload:
         return 0
-    states = options.optimizer_states
     ways = c.tp * c.pp * (c.dp if c.zero >= 1 else 1)
-    return param_bytes * (2 + states) // ways
+    return rest_bytes // ways
 
 
 def _options(c: Candidate, global_batch: int, shared: PlanOptions) -> PlanOptions:
@@ -299,7 +314,7 @@ class _Search:
     device_type: str
     shared: PlanOptions  # what every candidate shares (precision, optimizer, seq_len, ...)
     n_blocks: int  # repeated blocks: the most pipeline stages
-    param_bytes: int  # the whole model's parameters
+    rest_bytes: int  # the whole model's bytes at rest (see _rest_bytes)
 
     def plan(
         self, c: Candidate, *, world: int | None = None, batch: int | None = None,
@@ -335,7 +350,7 @@ class _Search:
 
     def evaluate_modes(self, base: Candidate) -> Iterator[Evaluated]:
         """``base`` (full checkpointing) and its selective and no-checkpointing variants."""
-        floor = _at_rest_floor(self.param_bytes, base, self.shared)
+        floor = _at_rest_floor(self.rest_bytes, base, self.shared)
         if floor > self.device_memory:
             for mode in MODES:
                 yield Evaluated(replace(base, checkpointing=mode), None, None,

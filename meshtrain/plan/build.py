@@ -23,6 +23,7 @@ from torch import nn
 
 from meshtrain.errors import PlanError
 from meshtrain.plan.activations import ActivationProfile, trace_activations
+from meshtrain.plan.adapters import resolve_with_adapters, storage, trainable
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
 from meshtrain.plan.infer import (
     check_sequence_length,
@@ -110,12 +111,13 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     """Specs resolved per parameter, the data and tensor-parallel axes, layouts, module styles,
     FSDP units and the compute policies (checkpointed blocks, compile scope, cast axes)."""
     pipeline = options.pipeline
-    resolution = rules.resolve(model, mesh)
+    resolution = resolve_with_adapters(rules, model, mesh)
     data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline.axis if pipeline else None)
     active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
     shard_axes = shard_axes_of(active)
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
-    layouts = infer_layouts(resolution, shard_axes, options, element_bytes)
+    layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
+                            trainable=trainable(model), storage=storage(model))  # fmt: skip
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:

@@ -20,7 +20,11 @@ zero    parameters (master)   gradients       optimizer states  gathered compute
 while its reduce-scatter runs, and every unit's under zero 1 with micro-batches (accumulated
 whole until the step's one reduce-scatter). Without a data axis larger than 1 nothing is wrapped
 and everything is local. With offload, master parameters, gradients and optimizer states live on
-the host and count 0 on the device. Data-parallel collectives follow FSDP2's schedule: one
+the host and count 0 on the device; with ``offload_optimizer`` only the optimizer states do.
+Frozen parameters (``requires_grad=False``: a LoRA base) have no gradient, no optimizer state,
+no unsharded gradient and no gradient collective; a unit with only frozen parameters issues no
+reduce-scatter (FSDP2 reduces the parameters that have gradients). NF4 weights (QLoRA) count
+their 4-bit storage at rest and when gathered. Data-parallel collectives follow FSDP2's schedule: one
 all-gather per unit in forward (the root's parameters are not resharded after forward), one more
 per non-root unit in backward under zero=3, one reduce-scatter per unit per gradient sync, and an
 all-reduce over the replicate axis under HSDP. zero 0 and 1 sync gradients once per step; zero 2
@@ -57,40 +61,72 @@ def estimate_memory(
     the units shard over a data axis larger than 1 (False when FSDP2 only carries the
     mixed-precision policy over size-1 axes).
     """
-    local = sum(p.local_numel * p.element_bytes for p in layouts)
-    shard = sum(p.shard_numel * p.element_bytes for p in layouts)
-    at_rest = shard if units and sharded and options.zero >= 1 else local
-    states = at_rest * options.optimizer_states
+    shards = units and sharded and options.zero >= 1
+    at_rest = sum(p.bytes_of(p.shard_numel if shards else p.local_numel) for p in layouts)
+    trained = sum(
+        (p.shard_numel if shards else p.local_numel) * p.element_bytes
+        for p in layouts
+        if p.trainable
+    )
+    states = trained * options.optimizer_states
     host = options.offload and bool(units)
-    numel = _unit_numel(layouts, units)
     param_bytes = getattr(torch, options.param_dtype).itemsize
     reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
-    blocks = [n for unit, n in zip(units, numel) if unit.fqn]
-    largest = max(numel, default=0)
+    gathered_by_unit = _unit_bytes(layouts, units, param_bytes)
+    grads_by_unit = _unit_numel(layouts, units, trainable_only=True)
+    blocks = [n for unit, n in zip(units, gathered_by_unit) if unit.fqn]
     gathered = unsharded = 0
     if units and (options.zero >= 1 or options.precision != "fp32"):
         if options.zero == 3:
-            root = sum(n for unit, n in zip(units, numel) if not unit.fqn)
-            gathered = (root + 2 * max(blocks, default=0)) * param_bytes
+            root = sum(n for unit, n in zip(units, gathered_by_unit) if not unit.fqn)
+            gathered = root + 2 * max(blocks, default=0)
         else:
-            gathered = sum(numel) * param_bytes
+            gathered = sum(gathered_by_unit)
     if units and options.zero >= 1:
         whole = options.zero == 1 and options.microbatches > 1
-        unsharded = (sum(numel) if whole else largest) * reduce_bytes
+        unsharded = (sum(grads_by_unit) if whole else max(grads_by_unit, default=0)) * reduce_bytes
     return Memory(
         params=0 if host else at_rest,
-        grads=0 if host else at_rest,
-        optimizer_states=0 if host else states,
+        grads=0 if host else trained,
+        optimizer_states=0 if host or options.offload_optimizer else states,
         gathered_params=gathered,
         unsharded_grads=unsharded,
         buffers=buffers,
     )
 
 
-def _unit_numel(layouts: Sequence[ParamLayout], units: Sequence[FSDPUnit]) -> list[int]:
-    """Local (tensor-parallel shard) elements of each unit's own parameters."""
+def _unit_numel(
+    layouts: Sequence[ParamLayout], units: Sequence[FSDPUnit], *, trainable_only: bool = False
+) -> list[int]:
+    """Local (tensor-parallel shard) elements of each unit's own parameters (the trainable ones
+    only: those that have gradients)."""
     by_fqn = {p.fqn: p for p in layouts}
-    return [sum(by_fqn[fqn].local_numel for fqn in unit.params if fqn in by_fqn) for unit in units]
+    return [
+        sum(
+            by_fqn[fqn].local_numel
+            for fqn in unit.params
+            if fqn in by_fqn and (by_fqn[fqn].trainable or not trainable_only)
+        )
+        for unit in units
+    ]
+
+
+def _unit_bytes(
+    layouts: Sequence[ParamLayout], units: Sequence[FSDPUnit], param_bytes: int
+) -> list[int]:
+    """Bytes of each unit's gathered compute copies: ``param_bytes`` per element, an NF4 weight
+    in its 4-bit storage (FSDP2 all-gathers the NF4 tensor's codes and scales)."""
+    by_fqn = {p.fqn: p for p in layouts}
+    return [
+        sum(
+            by_fqn[fqn].bytes_of(by_fqn[fqn].local_numel)
+            if by_fqn[fqn].storage
+            else by_fqn[fqn].local_numel * param_bytes
+            for fqn in unit.params
+            if fqn in by_fqn
+        )
+        for unit in units
+    ]
 
 
 def estimate_collectives(
@@ -112,23 +148,26 @@ def estimate_collectives(
     """
     if not data_axes:
         return ()
-    unit_numel = _unit_numel(layouts, units)
     param_bytes = getattr(torch, options.param_dtype).itemsize
     reduce_bytes = getattr(torch, options.reduce_dtype).itemsize
+    gathered = _unit_bytes(layouts, units, param_bytes)
+    grads = _unit_numel(layouts, units, trainable_only=True)
+    reducing = sum(1 for n in grads if n)  # frozen units reduce nothing
+    grad_total = sum(grads)
     micro = options.microbatches
     syncs = micro if options.zero >= 2 and not pipelined else 1
     n_units = len(units)
-    total = sum(unit_numel)
-    root = unit_numel[-1]
+    total = sum(gathered)
+    root = gathered[-1]
     if options.zero == 0:
         axis = "+".join(data_axes)
         return (
             Collective(
                 "all_reduce",
                 axis,
-                n_units * syncs,
-                total * reduce_bytes * syncs,
-                "gradients, one per unit",
+                reducing * syncs,
+                grad_total * reduce_bytes * syncs,
+                "gradients, one per unit with trainable parameters",
             ),
         )
     replicate_axis, shard_axis = data_axes if len(data_axes) == 2 else (None, data_axes[0])
@@ -136,16 +175,14 @@ def estimate_collectives(
     result: list[Collective]
     if pipelined and options.zero == 3:
         forward, backward = block_gathers
-        result = list(
-            _stage_zero3(shard_axis, n_units, total - root, root, param_bytes, forward, backward)
-        )
+        result = list(_stage_zero3(shard_axis, n_units, total - root, root, forward, backward))
     else:
         result = [
             Collective(
                 "all_gather",
                 shard_axis,
                 n_units * gathers,
-                total * param_bytes * gathers,
+                total * gathers,
                 "parameters, one per unit in forward",
             )
         ]
@@ -155,7 +192,7 @@ def estimate_collectives(
                 "all_gather",
                 shard_axis,
                 (n_units - 1) * micro,
-                (total - root) * param_bytes * micro,
+                (total - root) * micro,
                 "parameters again in backward (non-root units are resharded after forward; the root is kept)",
             )
         )
@@ -163,18 +200,18 @@ def estimate_collectives(
         Collective(
             "reduce_scatter",
             shard_axis,
-            n_units * syncs,
-            total * reduce_bytes * syncs,
-            "gradients, one per unit per sync",
+            reducing * syncs,
+            grad_total * reduce_bytes * syncs,
+            "gradients, one per unit with trainable parameters per sync",
         )
     )
     if replicate_axis is not None:
-        shard_total = sum(p.shard_numel for p in layouts)
+        shard_total = sum(p.shard_numel for p in layouts if p.trainable)
         result.append(
             Collective(
                 "all_reduce",
                 replicate_axis,
-                n_units * syncs,
+                reducing * syncs,
                 shard_total * reduce_bytes * syncs,
                 "HSDP: gradient shards across replicas",
             )
@@ -208,17 +245,18 @@ def pipeline_step_scalars(
 
 
 def _stage_zero3(
-    axis: str, n_units: int, blocks: int, root: int, param_bytes: int, forward: int, backward: int
+    axis: str, n_units: int, blocks: int, root: int, forward: int, backward: int
 ) -> tuple[Collective, ...]:
-    """A pipeline stage's parameter all-gathers under zero=3 (see ``estimate_collectives``)."""
+    """A pipeline stage's parameter all-gathers under zero=3 (see ``estimate_collectives``);
+    ``blocks`` and ``root`` are the bytes they gather."""
     n_blocks = n_units - 1
     return (
         Collective(
-            "all_gather", axis, n_blocks * forward + 1, (blocks * forward + root) * param_bytes,
+            "all_gather", axis, n_blocks * forward + 1, blocks * forward + root,
             "parameters in forward: the stage's root once, its blocks whenever resharded",
         ),
         Collective(
-            "all_gather", axis, n_blocks * backward, blocks * backward * param_bytes,
+            "all_gather", axis, n_blocks * backward, blocks * backward,
             "parameters in backward: blocks resharded since their last backward",
         ),
     )  # fmt: skip

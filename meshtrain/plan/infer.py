@@ -166,9 +166,14 @@ def infer_layouts(
     shard_axes: Sequence[str],
     options: PlanOptions,
     element_bytes: Mapping[str, int] | None = None,
+    *,
+    trainable: Mapping[str, bool] | None = None,
+    storage: Mapping[str, str] | None = None,
 ) -> tuple[ParamLayout, ...]:
     """Per-parameter compute layout and FSDP shard shape (dim 0 split over ``shard_axes``, padded);
-    ``element_bytes``: each parameter's dtype size (default 4, fp32 master parameters)."""
+    ``element_bytes``: each parameter's dtype size (default 4, fp32 master parameters);
+    ``trainable``: whether each requires a gradient (default yes); ``storage``: "nf4" for
+    4-bit weights."""
     mesh = resolution.mesh
     ways = math.prod(mesh.size(axis) for axis in shard_axes) if options.zero >= 1 else 1
     layouts = []
@@ -184,6 +189,8 @@ def infer_layouts(
                 local,
                 shard,
                 (element_bytes or {}).get(param.fqn, _ELEMENT_BYTES),
+                (trainable or {}).get(param.fqn, True),
+                (storage or {}).get(param.fqn, ""),
             )
         )
     return tuple(layouts)

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshtrain.adapters.nf4 import nf4_bytes
 from meshtrain.errors import format_shape
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
@@ -31,7 +32,9 @@ class ParamLayout:
 
     ``local_shape`` is what forward sees on a rank (tensor-parallel shard); ``shard_shape`` is the
     slice FSDP keeps at rest (dim 0 of the local shape split over the sharding data axes, padded
-    as FSDP2 pads).
+    as FSDP2 pads). ``trainable``: the parameter requires a gradient (a frozen one has no
+    gradient, no optimizer state and no gradient collective); ``storage``: "nf4" for a 4-bit
+    NormalFloat weight (QLoRA's base), counted with :func:`~meshtrain.adapters.nf4_bytes`.
     """
 
     fqn: str
@@ -41,6 +44,8 @@ class ParamLayout:
     local_shape: tuple[int, ...]
     shard_shape: tuple[int, ...]
     element_bytes: int = 4
+    trainable: bool = True
+    storage: str = ""
 
     @property
     def local_numel(self) -> int:
@@ -54,7 +59,11 @@ class ParamLayout:
     def bytes_at_rest(self) -> int:
         """Bytes of this parameter's master copy a rank keeps between steps: its data-parallel
         shard under zero ≥ 1 (``shard_shape`` is the local shape otherwise)."""
-        return self.shard_numel * self.element_bytes
+        return self.bytes_of(self.shard_numel)
+
+    def bytes_of(self, numel: int) -> int:
+        """Bytes ``numel`` of this parameter's elements take in its storage."""
+        return nf4_bytes(numel) if self.storage == "nf4" else numel * self.element_bytes
 
 
 @dataclass(frozen=True)
@@ -267,7 +276,8 @@ class Plan:
             f"plan on mesh {self.mesh}: data axes {list(self.data_axes)}, tensor-parallel axis "
             f"{self.tp_axis!r}{' with sequence parallelism' if self.sequence_parallel else ''}, "
             f"zero={self.options.zero}, precision={self.options.precision}, "
-            f"offload={self.options.offload}, data-parallel gradients "
+            f"offload={self.options.offload}, offload_optimizer={self.options.offload_optimizer}, "
+            "data-parallel gradients "
             f"{'summed' if self.options.grad_reduction == 'sum' else 'averaged'}",
             "",
             "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
@@ -277,8 +287,16 @@ class Plan:
             lines.append(
                 f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
                 f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
-                f"{p.bytes_at_rest:>10,}"
+                f"{p.bytes_at_rest:>10,}{'' if p.trainable else '  frozen'}"
+                f"{'  ' + p.storage if p.storage else ''}"
             )
+        frozen = [p for p in self.params if not p.trainable]
+        if frozen:
+            trainable = sum(math.prod(p.shape) for p in self.params if p.trainable)
+            total = sum(math.prod(p.shape) for p in self.params)
+            lines += ["", f"trainable parameters: {trainable:,} of {total:,} "
+                      f"({trainable / max(total, 1):.3%}); {len(frozen)} frozen tensors get no "
+                      "gradient, optimizer state or gradient collective"]  # fmt: skip
         lines += ["", "tensor-parallel styles:"]
         lines += [
             f"  {s.fqn}: {s.style} over '{s.axis}' ({s.module_type}){' — ' + s.note if s.note else ''}"
@@ -381,6 +399,8 @@ class Plan:
                     local_shape=tuple(p["local_shape"]),
                     shard_shape=tuple(p["shard_shape"]),
                     element_bytes=p["element_bytes"],
+                    trainable=p.get("trainable", True),
+                    storage=p.get("storage", ""),
                 )
                 for p in data["params"]
             ),
@@ -451,6 +471,8 @@ def _to_data(plan: Plan) -> dict[str, Any]:
                 "local_shape": list(p.local_shape),
                 "shard_shape": list(p.shard_shape),
                 "element_bytes": p.element_bytes,
+                "trainable": p.trainable,
+                "storage": p.storage,
             }
             for p in plan.params
         ],

@@ -111,6 +111,10 @@ class PlanOptions:
     step); 2 = gradients sharded too (parameters kept gathered from forward to backward); 3 =
     parameters sharded as well (gathered per unit in forward and again in backward).
 
+    ``offload``: FSDP2's CPU offload — master parameters, gradients and optimizer states on the
+    host. ``offload_optimizer``: only the optimizer states on the host (the optimizer steps there,
+    see :class:`meshtrain.train.HostOptimizer`); parameters and gradients stay on the device.
+
     ``grad_reduction``: how data-parallel gradients combine. ``"mean"`` (default) is PyTorch's
     DDP/FSDP semantics: each rank's loss is the mean over its own batch and the gradients are
     averaged, so a loop written for DDP trains as on one device unchanged. ``"sum"``: the
@@ -121,6 +125,7 @@ class PlanOptions:
 
     zero: int = 3
     offload: bool = False
+    offload_optimizer: bool = False
     precision: Precision = "fp32"
     reduce_precision: Precision = "fp32"
     optimizer: str = "adamw"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.adapters import lora
 from meshtrain.errors import RecipeError
 from meshtrain.lower.materialise import materialise
 from meshtrain.models.llama import LlamaConfig, build_llama, llama_flops_per_token
@@ -44,6 +45,35 @@ class LlamaBuilder:
 
     def __call__(self) -> nn.Module:
         return build_llama(self.config, seed=self.seed, device=self.device)
+
+
+@dataclass(frozen=True)
+class AdaptedBuilder:
+    """A picklable ``() -> model`` with LoRA adapters: ``base()``, then
+    :func:`~meshtrain.adapters.lora` with the recipe's ``[lora]`` (``lora_A`` drawn from
+    ``seed``, the same on every rank).
+
+    Example:
+        >>> builder = AdaptedBuilder(LlamaBuilder(LlamaConfig.debug()), 4, 8.0, (".*wq",))
+        >>> sorted({n.rsplit(".", 1)[-1] for n, p in builder().named_parameters() if p.requires_grad})
+        ['lora_A', 'lora_B']
+    """
+
+    base: Any
+    rank: int
+    alpha: float
+    targets: tuple[str, ...]
+    quantize_base: str = ""
+    seed: int = 0
+
+    def __call__(self) -> nn.Module:
+        return self.adapt(self.base())
+
+    def adapt(self, model: nn.Module) -> nn.Module:
+        """Adapters on ``model`` (already built, e.g. with base weights loaded)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        return lora(model, rank=self.rank, alpha=self.alpha, targets=list(self.targets),
+                    quantize_base=self.quantize_base or None, generator=generator)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.adapters import LoRALinear
 from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.models.llama import LlamaConfig
@@ -73,9 +74,10 @@ def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> Load
         load_pretrained("checkpoints/Llama-3.2-1B", model)
     """
     modules = model.modules if isinstance(model, PipelinedModel) else [model]
+    adapters = _adapter_fqns(modules)
     config = getattr(modules[0], "config", None)
     if not isinstance(config, LlamaConfig):
-        return load_hf(path, modules)
+        return load_hf(path, modules, exclude=adapters)
     weights = weight_files(path)
     own_names = {canonical_fqn(fqn) for fqn, _ in model.named_parameters()}
     if own_names & set(weights.files) and "model.embed_tokens.weight" not in weights.files:
@@ -86,7 +88,18 @@ def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> Load
         tied = bool(hf_config.get("tie_word_embeddings", False))
     else:
         tied = "lm_head.weight" not in weights.files
-    return load_hf(path, modules, sources=hf_sources(config, tied=tied))
+    return load_hf(path, modules, sources=hf_sources(config, tied=tied), exclude=adapters)
+
+
+def _adapter_fqns(modules: list[nn.Module]) -> set[str]:
+    """The LoRA adapters' parameters (no pretrained checkpoint holds them)."""
+    return {
+        canonical_fqn(f"{prefix}.{name}")
+        for module in modules
+        for prefix, sub in module.named_modules()
+        if isinstance(sub, LoRALinear)
+        for name in ("lora_A", "lora_B")
+    }
 
 
 def initialise_from(recipe: Recipe, model: nn.Module | PipelinedModel) -> LoadReport | None:

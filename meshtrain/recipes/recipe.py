@@ -28,6 +28,7 @@ from meshtrain.errors import RecipeError
 from meshtrain.models.llama import LlamaConfig, default_rules
 from meshtrain.plan.pipeline import Pipeline
 from meshtrain.recipes.models import (
+    AdaptedBuilder,
     FactoryBuilder,
     HFBuilder,
     LlamaBuilder,
@@ -38,6 +39,7 @@ from meshtrain.recipes.schema import (
     CheckpointSection,
     DataSection,
     LoggingSection,
+    LoRASection,
     ModelSection,
     ParallelSection,
     TrainSection,
@@ -45,6 +47,7 @@ from meshtrain.recipes.schema import (
     check_rules,
     check_sections,
     check_table,
+    lora_section,
     model_section,
     parallel_section,
 )
@@ -52,29 +55,40 @@ from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-ex
 from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
+from meshtrain.train.offload import offload_states
 
 ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
 
 
 @dataclass(frozen=True)
 class OptimizerBuilder:
-    """A picklable ``params -> Optimizer``: SGD (momentum 0.9), Adam, or AdamW (weight decay 0.1).
+    """A picklable ``params -> Optimizer``: SGD (momentum 0.9), Adam, or AdamW (weight decay 0.1),
+    Adam's ``betas`` and ``eps`` as the recipe gives them. Frozen parameters are left out (they
+    have no gradient and get no state).
 
     Example:
-        >>> OptimizerBuilder("sgd", 0.1)([nn.Parameter(torch.zeros(2))]).defaults["momentum"]
-        0.9
+        >>> OptimizerBuilder("adamw", 1e-3, betas=(0.9, 0.95))([nn.Parameter(torch.zeros(2))]).defaults["betas"]
+        (0.9, 0.95)
     """
 
     name: str
     lr: float
     weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    offload_states: bool = False
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        optimizer = self._build([param for param in params if param.requires_grad])
+        return offload_states(optimizer) if self.offload_states else optimizer
+
+    def _build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "sgd":
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if self.name == "adam":
-            return torch.optim.Adam(params, lr=self.lr)
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay)
+            return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps)
+        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay,
+                                 betas=self.betas, eps=self.eps)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,7 @@ class Recipe:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    lora: LoRASection | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -116,12 +131,31 @@ class Recipe:
         """Axis → size, in order, as ``mt.make_mesh`` takes them (one may be -1)."""
         return dict(self.mesh)
 
-    def build_model(self, device: str | torch.device = "cpu", seed: int = 0) -> nn.Module:
-        """The model, initialised from ``seed`` (``device="meta"``: shapes only)."""
-        return self.model_fn(seed=seed, device=str(torch.device(device)))()
+    def build_model(
+        self, device: str | torch.device = "cpu", seed: int = 0, *, adapters: bool = True
+    ) -> nn.Module:
+        """The model, initialised from ``seed`` (``device="meta"``: shapes only), with the
+        ``[lora]`` adapters unless ``adapters=False`` (then :meth:`adapt` adds them, e.g. once
+        base weights are loaded)."""
+        return self.model_fn(seed=seed, device=str(torch.device(device)), adapters=adapters)()
 
-    def model_fn(self, *, seed: int = 0, device: str = "cpu") -> ModelBuilder:
+    def adapt(self, model: nn.Module, seed: int = 0) -> nn.Module:
+        """``model`` with the ``[lora]`` adapters (every other parameter frozen), or unchanged
+        without a ``[lora]`` section."""
+        builder = self.model_fn(seed=seed)
+        return builder.adapt(model) if isinstance(builder, AdaptedBuilder) else model
+
+    def model_fn(
+        self, *, seed: int = 0, device: str = "cpu", adapters: bool = True
+    ) -> ModelBuilder | AdaptedBuilder:
         """A picklable builder of the recipe's model (:mod:`meshtrain.recipes.models`)."""
+        base = self._base_fn(seed=seed, device=device)
+        if self.lora is None or not adapters:
+            return base
+        lora = self.lora
+        return AdaptedBuilder(base, lora.rank, lora.alpha, lora.targets, lora.quantize_base, seed)
+
+    def _base_fn(self, *, seed: int, device: str) -> ModelBuilder:
         model = self.model
         if model.factory:
             return FactoryBuilder(model.factory, seed, device)
@@ -131,7 +165,9 @@ class Recipe:
         return LlamaBuilder(model.config, seed, device)
 
     def optimizer_fn(self) -> OptimizerBuilder:
-        return OptimizerBuilder(self.train.optimizer, self.train.lr, self.train.weight_decay)
+        train = self.train
+        return OptimizerBuilder(train.optimizer, train.lr, train.weight_decay, train.betas,
+                                train.eps, self.parallel.offload_optimizer)  # fmt: skip
 
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
@@ -140,7 +176,7 @@ class Recipe:
         par = self.parallel
         tp = par.tp or None
         if self.explicit_rules is None and self.model.kind == "hf":
-            return Rules.from_hf(self.build_model("meta"), fsdp=par.fsdp, tp=tp or "tp",
+            return Rules.from_hf(self.build_model("meta", adapters=False), fsdp=par.fsdp, tp=tp or "tp",
                                  sequence_parallel=par.sequence_parallel and tp is not None)  # fmt: skip
         if self.explicit_rules is None and self.model.kind == "factory":
             raise RecipeError(
@@ -162,6 +198,8 @@ class Recipe:
             "activation_checkpointing": par.activation_checkpointing,
             "compile": par.compile,
             "optimizer": self.train.optimizer,
+            "offload": par.offload,
+            "offload_optimizer": par.offload_optimizer,
             "global_batch": self.train.batch_size,
             "seq_len": self.train.seq_len,
             # the train step divides the loss by the global token count: gradients are summed
@@ -215,6 +253,7 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
         data=DataSection(**check_table(source, "data", data.get("data", {}))),
         checkpoint=CheckpointSection(**checkpoint),
         logging=LoggingSection(**check_table(source, "logging", data.get("logging", {}))),
+        lora=lora_section(source, data["lora"]) if "lora" in data else None,
         raw=data,
     )
 
@@ -273,7 +312,9 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     make small); meshtrain's Llama becomes a Llama of the same structure: ``n_layers = max(2, pipeline stages)``, ``head_dim``
     16, ``n_heads = max(4, 2·tp)``, ``n_kv_heads`` divisible by tp and as close to the recipe's
     query/kv ratio as that allows, vocab 256, ``multiple_of`` 32, no ffn multiplier,
-    ``max_seq_len`` ≥ ``seq_len``. Options, rules and the optimizer are kept; micro-batches are
+    ``max_seq_len`` ≥ ``seq_len``; ``[lora]`` is kept (the same module names), its NF4 base
+    dense (NF4 quantizes whole 16,384-element blocks, more than the shrunk weights hold). Options,
+    rules and the optimizer are kept; micro-batches are
     capped (2 without a pipeline, one per stage with one); ``seq_len`` ≤ 16 (a multiple of tp
     under sequence parallelism); ``batch_size`` the smallest multiple of data ranks ×
     micro-batches that is ≥ min(recipe batch, 8); ``steps`` ≤ 3.
@@ -309,12 +350,16 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
         steps=min(recipe.train.steps, 3),
         warmup_steps=min(recipe.train.warmup_steps, recipe.train.steps, 3),
     )
+    adapters = recipe.lora
+    if adapters is not None and adapters.quantize_base and model.config is not None:
+        adapters = dataclasses.replace(adapters, quantize_base="")
     return dataclasses.replace(
         recipe,
         model=model,
         mesh=tuple(sizes.items()),
         parallel=par,
         train=train,
+        lora=adapters,
     )
 
 
@@ -399,6 +444,13 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
             f"({after.n_layers} layers, dim {after.dim}, {after.n_heads} heads, "
             f"{_plural(after.n_kv_heads, 'kv head')})"
         )
+    if small.lora is not None:
+        dense = (
+            " on a dense base"
+            if recipe.lora and recipe.lora.quantize_base and not small.lora.quantize_base
+            else ""
+        )
+        model += f", LoRA rank {small.lora.rank}{dense}"
     return (
         f"{recipe.name}: mesh {_format_mesh(recipe.mesh_axes())} → "
         f"{_format_mesh(small.mesh_axes())}; {model}; batch {small.train.batch_size} × "

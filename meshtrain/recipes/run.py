@@ -314,24 +314,31 @@ def announce(line: str) -> None:
 def start_model(
     recipe: Recipe, mesh: Mesh, device: torch.device
 ) -> tuple[Plan, nn.Module | PipelinedModel, nn.Module]:
-    """Build the recipe's model, plan it on ``mesh`` and apply the plan; returns the plan, the
-    applied model and the model as built (for its config and vocabulary).
+    """Build the recipe's model (with its ``[lora]`` adapters), plan it on ``mesh`` and apply the
+    plan; returns the plan, the applied model and the model as built (for its config and
+    vocabulary).
 
     With ``[model] meta_init`` (the default) the model is built on the meta device and each rank
     then allocates and initialises only its own shards (:func:`~meshtrain.materialise`): a rank's
     peak memory at start-up is its share at rest plus one module's full tensors. Otherwise every
     rank builds the full model from the recipe's seed before the plan shards it. Weights named by
-    ``[checkpoint] init_from`` are then read slice by slice into the shards (not on a resume).
+    ``[checkpoint] init_from`` are then read slice by slice into the shards (not on a resume). A
+    QLoRA base (``lora.quantize_base``) is quantized from real weights, so it is built and loaded
+    whole on every rank before the adapters are added.
     """
-    meta = recipe.model.meta_init
-    model = recipe.build_model(device="meta" if meta else device, seed=recipe.train.seed)
+    seed = recipe.train.seed
+    quantized = recipe.lora is not None and bool(recipe.lora.quantize_base)
+    meta = recipe.model.meta_init and not quantized
+    base = recipe.build_model(device="meta" if meta else device, seed=seed, adapters=False)
+    if quantized:
+        initialise_from(recipe, base)
+    model = recipe.adapt(base, seed=seed)
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
     applied = apply(plan, model)
     if meta:
-        materialise(applied, device=device, seed=recipe.train.seed)
-    initialise_from(
-        recipe, applied
-    )  # [checkpoint] init_from (each rank its slices), unless resuming
+        materialise(applied, device=device, seed=seed)
+    if not quantized:
+        initialise_from(recipe, applied)  # each rank its slices; the adapters keep their init
     return plan, applied, model
 
 

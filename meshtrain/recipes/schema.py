@@ -46,12 +46,16 @@ class Key:
     choices: tuple[Any, ...] = ()
     positive: bool = False
     nonnegative: bool = False
+    items: tuple[type, ...] = (str,)  # what an array's items are
+    length: int | None = None  # an array's required length
 
     def describe(self) -> str:
         if self.choices:
             return "one of " + ", ".join(toml_value(choice) for choice in self.choices)
+        if self.kinds == (list,) and self.items != (str,):
+            return f"an array of {self.length} numbers, each in [0, 1)"
         if self.kinds == (list,):
-            return "an array of strings"
+            return "a non-empty array of strings" if self.positive else "an array of strings"
         what = _KINDS[float if float in self.kinds else self.kinds[0]]
         if self.nonnegative:
             return f"a non-negative {what.split()[-1]} (0 or more)"
@@ -93,6 +97,8 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "precision": Key((str,), "bf16", ("fp32", "bf16", "fp16")),
         "microbatches": _positive(2),
         "pipeline": Key((dict,), {}),
+        "offload": Key((bool,), True),
+        "offload_optimizer": Key((bool,), True),
     },
     "parallel.pipeline": {
         "axis": Key((str,), "pp"),
@@ -110,11 +116,19 @@ SECTIONS: dict[str, dict[str, Key]] = {
         "warmup_steps": _nonnegative(10),
         "steps": _positive(3),
         "weight_decay": _nonnegative(0.1, int, float),
+        "betas": Key((list,), [0.9, 0.95], items=(int, float), length=2),
+        "eps": _positive(1e-8, int, float),
         "max_norm": _positive(1.0, int, float),
         "seed": _nonnegative(0),
         "on_nonfinite": Key((str,), "skip", ("skip", "stop")),
         "max_consecutive_skips": _positive(10),
         "max_total_skips": _nonnegative(100),
+    },
+    "lora": {
+        "rank": _positive(8),
+        "alpha": _positive(16, int, float),
+        "targets": Key((list,), [r"layers\.\d+\.attention\.w[qkvo]"], positive=True),
+        "quantize_base": Key((str,), "nf4", ("nf4",)),
     },
     "data": {
         "source": Key((str,), "corpus", DATA_SOURCES),
@@ -189,6 +203,8 @@ class ParallelSection:
     precision: str = "fp32"
     microbatches: int = 1
     pipeline: PipelineSection | None = None
+    offload: bool = False
+    offload_optimizer: bool = False
 
 
 @dataclass(frozen=True)
@@ -208,9 +224,23 @@ class TrainSection:
     weight_decay: float = 0.1
     max_norm: float = 1.0
     seed: int = 0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
     on_nonfinite: str = "skip"
     max_consecutive_skips: int = 10
     max_total_skips: int = 100
+
+
+@dataclass(frozen=True)
+class LoRASection:
+    """``[lora]``: adapters of ``rank`` with scale ``alpha / rank`` on the Linears whose FQNs
+    fully match one of ``targets`` (regexes), every other parameter frozen; ``quantize_base =
+    "nf4"`` stores the adapted base weights in 4-bit NF4 (QLoRA)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ()
+    quantize_base: str = ""
 
 
 @dataclass(frozen=True)
@@ -291,7 +321,7 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
             )
         example = f"Write e.g. {key} = {toml_value(spec.example)}."
         wrong_type = type(value) not in spec.kinds or (
-            spec.kinds == (list,) and not all(isinstance(item, str) for item in value)
+            spec.kinds == (list,) and not all(type(item) in spec.items for item in value)
         )
         if wrong_type:
             raise RecipeError(
@@ -303,12 +333,47 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
             )
         if spec.choices and value not in spec.choices:
             raise RecipeError(f"{where} is not allowed; {key} must be {spec.describe()}. {example}")
-        if (spec.positive and value <= 0) or (spec.nonnegative and value < 0):
+        if isinstance(value, list):
+            _check_array(where, key, spec, value, example)
+        elif (spec.positive and value <= 0) or (spec.nonnegative and value < 0):
             raise RecipeError(
                 f"{where} is out of range; {key} must be {spec.describe()}. {example}"
             )
+        if isinstance(value, list) and float in spec.items:
+            value = tuple(float(item) for item in value)
         values[key] = float(value) if float in spec.kinds else value
     return values
+
+
+def _check_array(where: str, key: str, spec: Key, value: list[Any], example: str) -> None:
+    """An array's length (non-empty when ``positive``) and, for numbers, each in [0, 1)."""
+    wrong_length = spec.length is not None and len(value) != spec.length
+    if wrong_length or (spec.positive and not value):
+        raise RecipeError(
+            f"{where} has {len(value)} items; {key} must be {spec.describe()}. {example}"
+        )
+    if float in spec.items and not all(math.isfinite(v) and 0 <= v < 1 for v in value):
+        raise RecipeError(f"{where} is out of range; {key} must be {spec.describe()}. {example}")
+
+
+def lora_section(source: str, table: dict[str, Any]) -> LoRASection:
+    """``[lora]``: ``targets`` required, each a valid regex."""
+    values = check_table(source, "lora", table)
+    if "targets" not in values:
+        raise RecipeError(
+            f"{source}: [lora] has no targets; give the Linear modules to adapt as regexes that "
+            "fully match their FQNs, e.g. targets = ['layers\\.\\d+\\.attention\\.w[qkvo]']."
+        )
+    for pattern in values["targets"]:
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise RecipeError(
+                f"{source}: lora.targets = {toml_value(values['targets'])}: {pattern!r} is not a "
+                f"valid regex ({err}). Fix the pattern."
+            ) from None
+    values["targets"] = tuple(values["targets"])
+    return LoRASection(**values)
 
 
 def check_mesh(source: str, table: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:

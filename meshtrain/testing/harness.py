@@ -46,6 +46,7 @@ from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
+from meshtrain.train.offload import offload_states
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.step import forward_backward
 
@@ -417,6 +418,8 @@ class _Run:
         self.named = dict(self.applied.named_parameters())
         self.ref_named = dict(self.reference.named_parameters())
         self.optimizer = _optimizer(config.optimizer, iter(self.named.values()))
+        if self.plan.options.offload_optimizer:
+            offload_states(self.optimizer)
         self.ref_optimizer = _optimizer(config.optimizer, iter(self.ref_named.values()))
         self.rule: UpdateRule = update_rule(self.ref_optimizer)
         fp16 = self.plan.options.precision == "fp16"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,7 @@ def load_hf(
     *,
     sources: Sources | None = None,
     strict: bool = True,
+    exclude: Collection[str] = (),
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint at
     ``path`` (see the module docstring); call on every rank alike, before or after
@@ -84,11 +85,13 @@ def load_hf(
     this rank: ``PipelinedModel.modules``). ``sources`` maps model FQNs to checkpoint names
     (default: the same names; a tied parameter may come from any of its names). With ``strict``
     (default) every model tensor must be in the checkpoint and every checkpoint tensor must be
-    used; shapes must always match.
+    used; shapes must always match. ``exclude``: model FQNs no checkpoint holds (LoRA adapters on
+    a pretrained base), left as they are.
     """
     weights = weight_files(path)
     modules = [model] if isinstance(model, nn.Module) else list(model)
     targets, aliases = _model_tensors(modules)
+    targets = {fqn: tensor for fqn, tensor in targets.items() if fqn not in exclude}
     problems: list[str] = []
     plan = _plan(weights, targets, aliases, sources, problems, strict=strict)
     claimed = {source[0] for source in (sources or {}).values()} if sources else set(targets)
