@@ -35,10 +35,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import PlanError
 from meshtrain.lower.pipeline import PipelinedModel
+from meshtrain.lower.tensor_parallel import PartialGradSync
 
 Initialiser = Callable[[nn.Module], None]
 
@@ -59,13 +61,29 @@ def materialise(model: Any, *, device: str | torch.device = "cpu", seed: int = 0
     stages = model.modules if isinstance(model, PipelinedModel) else [model]
     for module in stages:
         shared = _shared_parameters(module)
-        module.to_empty(device=device)  # gives each owner of a shared parameter its own copy
+        module.to_empty(device=device)  # ties are lost, and gradient hooks no longer fire
+        if not any(isinstance(sub, FSDPModule) for sub in module.modules()):
+            _fresh_parameters(module)  # FSDP2 re-registers its own; the rest need new ones
         for owners in shared:
             first, name = owners[0]
             for owner, other in owners[1:]:
                 owner._parameters[other] = first._parameters[name]
+        sync = getattr(module, "_meshtrain_partial_grads", None)
+        if isinstance(sync, PartialGradSync):
+            sync.attach(module)  # the gradient hooks lowering put on the meta parameters
         initialise(module, seed=seed)
     return model
+
+
+def _fresh_parameters(model: nn.Module) -> None:
+    """Each parameter as a new ``nn.Parameter`` over its (already allocated) data: after
+    ``to_empty`` a DTensor parameter's gradient no longer reaches hooks registered on it."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[name] = nn.Parameter(
+                    param.detach(), requires_grad=param.requires_grad
+                )
 
 
 def _shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

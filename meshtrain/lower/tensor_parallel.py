@@ -153,17 +153,18 @@ def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
     one, ``lora_B`` of a row-wise one: its gradient contracts over the sharded dim)."""
     if plan.data_axes:
         return
-    params = []
+    fqns = []
     for style in plan.styles:
         module = modules[style.fqn]
+        prefix = f"{style.fqn}." if style.fqn else ""
         if style.style == "sequence_parallel" and plan.sequence_parallel:
-            params += list(module.parameters())
+            fqns += [prefix + name for name, _ in module.named_parameters()]
         elif style.module_type == "LoRALinear":
-            params += [p for name, p in module.named_parameters() if name.startswith("lora_")]
-    if params:
-        sync = PartialGradSync()
-        for param in params:
-            param.register_post_accumulate_grad_hook(sync)
+            fqns += [prefix + name for name, _ in module.named_parameters()
+                     if name.startswith("lora_")]  # fmt: skip
+    if fqns:
+        sync = PartialGradSync(tuple(fqns))
+        sync.attach(modules[""])
         modules[""]._meshtrain_partial_grads = sync  # type: ignore[assignment]
 
 
@@ -176,8 +177,16 @@ class PartialGradSync:
     optimizer see the same gradient as one device.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fqns: tuple[str, ...] = ()) -> None:
         self.enabled = True
+        self.fqns = fqns  # the parameters it reduces, under the model's root
+
+    def attach(self, root: nn.Module) -> None:
+        """Hook the parameters named by :attr:`fqns` (again, after ``to_empty`` replaced them:
+        ``mt.materialise`` calls this)."""
+        params = dict(root.named_parameters(remove_duplicate=False))
+        for fqn in self.fqns:
+            params[fqn].register_post_accumulate_grad_hook(self)
 
     def __call__(self, param: torch.Tensor) -> None:
         grad = param.grad

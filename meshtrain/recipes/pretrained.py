@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain.adapters import LoRALinear
+from meshtrain.adapters import LoRALinear, merge_lora
 from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.models.llama import LlamaConfig
@@ -151,9 +152,46 @@ def export_run(
     state = read_state_file(point.checkpoint)
     recipe = state.get("extra", {}).get("recipe")
     config, rename, copied = _export_target(recipe, point.checkpoint)
+    transform = transform or _lora_merge(recipe)
     return export_hf(point.checkpoint, out_dir, config=config, rename=rename,
                      transform=transform, max_shard_size=max_shard_size, dtype=dtype,
                      copy_files=copied)  # fmt: skip
+
+
+def _lora_merge(recipe: Any) -> Transform | None:
+    """The merge of a LoRA run's adapters into their base weights (``[lora] alpha`` from the
+    recipe the checkpoint records), or None for a run without adapters."""
+    table = recipe.get("lora") if isinstance(recipe, dict) else None
+    if not isinstance(table, dict) or "alpha" not in table:
+        return None
+    return partial(merge_adapters, alpha=float(table["alpha"]))
+
+
+def merge_adapters(
+    fqn: str, tensor: torch.Tensor, checkpoint: Mapping[str, torch.Tensor], *, alpha: float
+) -> list[tuple[str, torch.Tensor]]:
+    """An export :data:`~meshtrain.train.hf_export.Transform`: a base weight with LoRA adapters
+    beside it comes out merged (``W + (alpha / r)·B·A``, :func:`~meshtrain.merge_lora`); the
+    adapters themselves are dropped; every other tensor passes unchanged.
+
+    Example:
+        >>> import torch
+        >>> state = {"wq.weight": torch.ones(2, 3), "wq.lora_A": torch.ones(1, 3),
+        ...          "wq.lora_B": torch.ones(2, 1)}
+        >>> merge_adapters("wq.weight", state["wq.weight"], state, alpha=2.0)[0][1][0, 0].item()
+        3.0
+        >>> merge_adapters("wq.lora_A", state["wq.lora_A"], state, alpha=2.0)
+        []
+    """
+    prefix, _, name = fqn.rpartition(".")
+    if name in ("lora_A", "lora_B"):
+        return []  # folded into the base weight
+    base = f"{prefix}." if prefix else ""
+    if name != "weight" or f"{base}lora_A" not in checkpoint:
+        return [(fqn, tensor)]
+    state = {fqn: tensor, f"{base}lora_A": checkpoint[f"{base}lora_A"],
+             f"{base}lora_B": checkpoint[f"{base}lora_B"]}  # fmt: skip
+    return list(merge_lora(state, alpha=alpha).items())
 
 
 def _export_target(
