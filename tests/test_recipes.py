@@ -31,6 +31,10 @@ SHIPPED = sorted(path.stem for path in (ROOT / "recipes").glob("*.toml"))
 WORLDS = (1, 2, 4, 8)
 # The scale each shipped recipe is written for, planned on an abstract mesh.
 AT_SCALE = {"debug": 8, "llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 1024}
+#: The fine-tuning recipes (LoRA from a pretrained directory; tests/test_finetune_recipes.py and
+#: tests/test_finetune_e2e.py), each on a Llama preset.
+FINETUNE = {"debug_lora": "debug", "llama3_8b_lora": "llama3_8b", "llama3_70b_qlora": "llama3_70b"}
+PRETRAIN = sorted(AT_SCALE)
 
 BASE = """
 [model]
@@ -54,12 +58,16 @@ def _plan(recipe: Recipe, world: int) -> mt.Plan:
     return mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), **recipe.plan_options())
 
 
-def test_the_shipped_recipes_are_the_four_llama_presets() -> None:
-    assert SHIPPED == ["debug", "llama3_405b", "llama3_70b", "llama3_8b"]
+def test_the_shipped_recipes_are_the_four_llama_presets_and_their_fine_tuning() -> None:
+    assert SHIPPED == sorted([*PRETRAIN, *FINETUNE])
+    for name, preset in FINETUNE.items():
+        recipe = load_recipe(name)
+        assert recipe.model.preset == preset and recipe.lora is not None
+        assert recipe.checkpoint.init_from
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", PRETRAIN)
 def test_every_shipped_recipe_loads_and_plans_at_its_scale(name: str) -> None:
     recipe = load_recipe(name)
     assert recipe.name == name and recipe.model.preset == name
@@ -366,7 +374,7 @@ def test_a_mesh_without_a_data_axis_cannot_absorb_extra_ranks() -> None:
         shrink(recipe, 4)
 
 
-@pytest.mark.parametrize("name", SHIPPED)
+@pytest.mark.parametrize("name", PRETRAIN)  # the fine-tuning recipes write no [rules]
 def test_shipped_rules_give_the_plan_of_the_models_logical_axes(name: str) -> None:
     """The ``[rules]`` block each shipped recipe spells out lays every parameter out as the
     model's logical-axis rules do: same specs, styles, units and memory (on the recipe shrunk to
