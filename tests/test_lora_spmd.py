@@ -114,30 +114,8 @@ def test_a_plain_lora_loop_trains_like_one_process() -> None:
 def lora_collectives() -> tuple[dict, dict, dict, dict]:
     """One counted step of the Hugging Face Llama with adapters on dp 2 × tp 2 (after a warm-up
     step) against the plan's prediction, in which frozen parameters reduce nothing."""
-    from meshtrain.testing.comms import CollectiveCounter
-
     torch.manual_seed(0)
-    model = lora_models.hf_llama_lora()
-    mesh = mt.make_mesh(TP)
-    plan = mt.plan(model, mesh, zoo.hf_rules(zoo.llama()), batch_size=2, seq_len=16)
-    mt.apply(plan, model)
-    inputs, targets = zoo.token_batches(0)
-    first = 2 * mesh.coordinates(torch.distributed.get_rank())["dp"]
-    mine = slice(first, first + 2)
-
-    def step() -> None:
-        with mt.loss_parallel(plan):
-            logits = model(inputs[mine]).logits
-            F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
-
-    step()
-    model.zero_grad()
-    with CollectiveCounter(mesh) as counter:
-        step()
-    totals = plan.collective_totals()
-    predicted = {k: n for k, (n, _) in totals.items()}
-    predicted_bytes = {k: b for k, (_, b) in totals.items()}
-    return dict(counter.counts), predicted, dict(counter.bytes), predicted_bytes
+    return zoo.counted_step(lora_models.hf_llama_lora(), zoo.hf_rules(zoo.llama()), TP)
 
 
 @pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")

@@ -59,7 +59,7 @@ def _plan(recipe: Recipe, world: int) -> mt.Plan:
 
 
 def test_the_shipped_recipes_are_the_four_llama_presets_and_their_fine_tuning() -> None:
-    assert SHIPPED == sorted([*PRETRAIN, *FINETUNE])
+    assert sorted([*PRETRAIN, *FINETUNE]) == SHIPPED
     for name, preset in FINETUNE.items():
         recipe = load_recipe(name)
         assert recipe.model.preset == preset and recipe.lora is not None

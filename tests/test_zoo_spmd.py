@@ -169,31 +169,9 @@ def test_a_loop_written_for_ddp_trains_like_one_device(name: str) -> None:
 def hf_collectives(sequence_parallel: bool) -> tuple[dict, dict, dict, dict]:
     """On every rank of dp 2 × tp 2: one counted step of the Hugging Face Llama (after a warm-up
     step) against the plan's prediction, counts and payload bytes."""
-    from meshtrain.testing.comms import CollectiveCounter
-
     torch.manual_seed(0)
     model = zoo.llama()
-    rules = zoo.hf_rules(model, sequence_parallel=sequence_parallel)
-    mesh = mt.make_mesh(TP)
-    plan = mt.plan(model, mesh, rules, batch_size=2, seq_len=16)
-    mt.apply(plan, model)
-    inputs, targets = zoo.token_batches(0)
-    first = 2 * mesh.coordinates(torch.distributed.get_rank())["dp"]
-    mine = slice(first, first + 2)  # batch_size 2 per data-parallel rank, as planned
-
-    def step() -> None:
-        with mt.loss_parallel(plan):
-            logits = model(inputs[mine]).logits
-            F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
-
-    step()
-    model.zero_grad()
-    with CollectiveCounter(mesh) as counter:
-        step()
-    totals = plan.collective_totals()
-    predicted = {k: n for k, (n, _) in totals.items()}
-    predicted_bytes = {k: b for k, (_, b) in totals.items()}
-    return dict(counter.counts), predicted, dict(counter.bytes), predicted_bytes
+    return zoo.counted_step(model, zoo.hf_rules(model, sequence_parallel=sequence_parallel), TP)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp-sp"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import (
     BertConfig,
@@ -197,3 +198,34 @@ def image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 3, 16, 16, generator=generator), torch.randint(
         0, 10, (8,), generator=generator
     )
+
+
+def counted_step(
+    model: nn.Module, rules: Rules, axes: dict[str, int]
+) -> tuple[dict, dict, dict, dict]:
+    """On every rank: plan and apply ``model`` (a Hugging Face causal LM) on ``axes``, take one
+    warm-up step, then count the collectives of a second one; returns the counts, the plan's
+    predicted counts, the payload bytes and the predicted bytes, by (kind, axis)."""
+    import meshtrain as mt
+    from meshtrain.testing.comms import CollectiveCounter
+
+    mesh = mt.make_mesh(axes)
+    plan = mt.plan(model, mesh, rules, batch_size=2, seq_len=16)
+    mt.apply(plan, model)
+    inputs, targets = token_batches(0)
+    first = 2 * mesh.coordinates(torch.distributed.get_rank())["dp"]
+    mine = slice(first, first + 2)  # batch_size 2 per data-parallel rank, as planned
+
+    def step() -> None:
+        with mt.loss_parallel(plan):
+            logits = model(inputs[mine]).logits
+            F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+
+    step()
+    model.zero_grad()
+    with CollectiveCounter(mesh) as counter:
+        step()
+    totals = plan.collective_totals()
+    predicted = {k: n for k, (n, _) in totals.items()}
+    predicted_bytes = {k: b for k, (_, b) in totals.items()}
+    return dict(counter.counts), predicted, dict(counter.bytes), predicted_bytes

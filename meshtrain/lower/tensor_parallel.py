@@ -295,15 +295,7 @@ class _AdapterColwise(ColwiseParallel):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         placements = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
                       "lora_B": Shard(0)}  # fmt: skip
-        return distribute_module(
-            module,
-            device_mesh,
-            functools.partial(_shard_params, placements, self.src_data_rank),
-            functools.partial(
-                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
-            ),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_adapted(self, module, device_mesh, placements)
 
 
 class _AdapterRowwise(RowwiseParallel):
@@ -314,15 +306,23 @@ class _AdapterRowwise(RowwiseParallel):
         self.desired_input_layouts = (Shard(-1),)
         placements = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
                       "lora_B": Replicate()}  # fmt: skip
-        return distribute_module(
-            module,
-            device_mesh,
-            functools.partial(_shard_params, placements, self.src_data_rank),
-            functools.partial(
-                self._prepare_input_fn, self.input_layouts, self.desired_input_layouts
-            ),
-            functools.partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
-        )
+        return _distribute_adapted(self, module, device_mesh, placements)
+
+
+def _distribute_adapted(
+    style: Any, module: nn.Module, device_mesh: DeviceMesh, placements: dict[str, Placement]
+) -> nn.Module:
+    """``distribute_module`` with ``style``'s input and output hooks and a placement per
+    parameter name (the LoRA styles above)."""
+    return distribute_module(
+        module,
+        device_mesh,
+        functools.partial(_shard_params, placements, style.src_data_rank),
+        functools.partial(
+            style._prepare_input_fn, style.input_layouts, style.desired_input_layouts
+        ),
+        functools.partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
 
 
 def _shard_params(
