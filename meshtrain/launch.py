@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import MeshtrainError
 
@@ -174,20 +174,11 @@ def torchrun_arguments(
     return [*arguments, "-m", "meshtrain", *args]
 
 
-def torchrun_command(
-    args: Sequence[str],
-    *,
-    nproc: int,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    rdzv_endpoint: str | None = None,
-    max_restarts: int = 0,
-) -> list[str]:
+def torchrun_command(args: Sequence[str], **options: Any) -> list[str]:
     """The ``torchrun`` command line that does what :func:`run_agent` does with the same
-    :func:`torchrun_arguments` (what to type to run the ranks under torchrun yourself)."""
-    arguments = torchrun_arguments(args, nproc=nproc, nnodes=nnodes, node_rank=node_rank,
-                                   rdzv_endpoint=rdzv_endpoint, max_restarts=max_restarts)  # fmt: skip
-    return [sys.executable, "-m", "torch.distributed.run", *arguments]
+    :func:`torchrun_arguments` (``options`` are its keywords: ``nproc``, ``nnodes``, ...; what to
+    type to run the ranks under torchrun yourself)."""
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_arguments(args, **options)]
 
 
 # ----------------------------------------------------------------------- the launcher

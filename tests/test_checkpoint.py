@@ -415,11 +415,12 @@ def test_safetensors_mismatches_are_named(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"odd\.safetensors") as caught:
         load_safetensors(file, TwoLayers())
     message = str(caught.value)
-    assert "'first.weight' is 5×4 in the file but 8×4 in the model" in message
+    assert f"'first.weight' is 5×4 in {file} but 'first.weight' is 8×4 in the model" in message
     assert (
-        "parameters missing from the file: 'first.bias', 'second.bias', 'second.weight'" in message
-    )
-    assert "tensors in the file that the model lacks: 'extra'" in message
+        "3 tensor(s) the model needs are not in the checkpoint "
+        f"({file}): 'first.bias', 'second.bias', 'second.weight'"
+    ) in message
+    assert "1 tensor(s) in the checkpoint that the model lacks: 'extra'" in message
     partial = {"first.weight": torch.ones(8, 4)}
     save_file(partial, str(file))
     model = TwoLayers()

@@ -180,7 +180,7 @@ def _plan(
         if tensor.is_meta:
             problems.append(
                 f"{fqn!r} is on the meta device: materialise the model first "
-                "(model.to_empty(device=...)), then load"
+                "(mt.materialise(model, device=...)), then load"
             )
         elif name not in weights.files:
             missing.append(name)

@@ -20,24 +20,21 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.tensor import DTensor
 
-from meshtrain.errors import CheckpointError, format_shape
+from meshtrain.errors import CheckpointError
 from meshtrain.train.atomic import replaced_atomically
 from meshtrain.train.checkpoint_files import (
     MODEL_PREFIX,
     RestrictedFileSystemReader,
-    canonical_fqn,
     checkpoint_step,
-    format_names,
     read_state_file,
     single_process_dcp,
 )
+from meshtrain.train.hf_load import load_hf
 
 __all__ = ["SAFETENSORS_FORMAT", "export_safetensors", "load_safetensors"]
 
@@ -101,12 +98,12 @@ def export_safetensors(
 
 
 def load_safetensors(file: str | Path, model: nn.Module, *, strict: bool = True) -> None:
-    """Copy a safetensors file's tensors into ``model``'s parameters of the same FQN, in place.
-
-    ``model`` holds full tensors (call before ``plan.apply``); values are cast to each
-    parameter's dtype. With ``strict`` every parameter must be in the file and every tensor in
-    the file must be a parameter; shapes must always match. Raises :class:`CheckpointError`
-    naming the mismatched FQNs and shapes before changing anything.
+    """Copy a safetensors file's tensors into ``model``'s parameters of the same FQN, in place:
+    :func:`~meshtrain.train.hf_load.load_hf` on one file (a full model, or one already planned
+    and applied: each rank reads its slices). Values are cast to each parameter's dtype. With
+    ``strict`` every parameter must be in the file and every tensor in the file must be a
+    parameter; shapes must always match. Raises :class:`CheckpointError` naming the mismatched
+    FQNs and shapes before changing anything.
 
     Example:
         >>> import tempfile
@@ -118,45 +115,4 @@ def load_safetensors(file: str | Path, model: nn.Module, *, strict: bool = True)
         >>> model.weight.detach().sum().item()
         6.0
     """
-    file = Path(file)
-    targets: dict[str, nn.Parameter] = {}
-    for fqn, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            raise CheckpointError(
-                f"parameter {fqn!r} is already a DTensor: load_safetensors fills a full model. "
-                "Call it before plan.apply (initialise on full tensors, then distribute)."
-            )
-        if param.is_meta:
-            raise CheckpointError(
-                f"parameter {fqn!r} is on the meta device and cannot be filled: materialise the "
-                "model first (model.to_empty(device='cpu'))."
-            )
-        targets[canonical_fqn(fqn)] = param
-    if not file.is_file():
-        raise CheckpointError(f"safetensors file {str(file)!r} does not exist: check the path.")
-    with safe_open(str(file), framework="pt", device="cpu") as handle:
-        names = set(handle.keys())
-        shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in names}
-        problems = []
-        missing = sorted(set(targets) - names)
-        unexpected = sorted(names - set(targets))
-        if strict and missing:
-            problems.append(f"parameters missing from the file: {format_names(missing)}")
-        if strict and unexpected:
-            problems.append(f"tensors in the file that the model lacks: {format_names(unexpected)}")
-        for name in sorted(names & set(targets)):
-            if shapes[name] != tuple(targets[name].shape):
-                problems.append(
-                    f"{name!r} is {format_shape(shapes[name])} in the file but "
-                    f"{format_shape(tuple(targets[name].shape))} in the model"
-                )
-        if problems:
-            raise CheckpointError(
-                f"cannot load {str(file)!r} into {type(model).__name__}:\n"
-                + "\n".join(f"  - {problem}" for problem in problems)
-                + "\nBuild the model with the configuration that was exported"
-                + (" (or pass strict=False to skip missing and extra names)." if strict else ".")
-            )
-        with torch.no_grad():
-            for name in sorted(names & set(targets)):
-                targets[name].copy_(handle.get_tensor(name))
+    load_hf(file, model, strict=strict)
