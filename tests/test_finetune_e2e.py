@@ -72,3 +72,104 @@ def test_pretrain_export_finetune_with_lora_and_export_merged(tmp_path: Path) ->
     assert delta.abs().max() > 0
     assert torch.allclose(delta.abs().sum(), ((8 / 4) * (b @ a)).abs().sum(), rtol=1e-4)
     assert torch.isfinite(merged(tokens).logits).all()
+
+
+QLORA_RECIPE = """
+[model]
+preset = "debug"
+dim = 256
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+vocab_size = 512
+multiple_of = 256
+
+[mesh]
+dp = 2
+tp = 1
+
+[parallel]
+zero = 3
+fsdp = ["dp"]
+
+[lora]
+rank = 4
+alpha = 8
+targets = ['layers\\.\\d+\\.attention\\.w[qkvo]', 'layers\\.\\d+\\.feed_forward\\.w[123]']
+quantize_base = "nf4"
+
+[train]
+batch_size = 4
+seq_len = 32
+optimizer = "adamw"
+lr = 1e-2
+min_lr = 1e-2  # a constant rate after warm-up: stopping at step 4 changes no step's rate
+warmup_steps = 1
+steps = 6
+
+[data]
+source = "synthetic"
+samples = 256
+
+[checkpoint]
+interval = 2
+
+[logging]
+wandb = "disabled"
+"""
+
+
+def _losses(run: Path) -> list[float]:
+    import json
+
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows]
+
+
+def test_qlora_resumes_bit_for_bit_and_exports_the_merged_nf4_base(tmp_path: Path) -> None:
+    """A QLoRA run from a dense checkpoint: stopped at step 4 and resumed, it trains exactly as
+    an uninterrupted run (the NF4 shards come back whole, scale mean included); its export is
+    the dequantized NF4 base plus (alpha / r)·B·A, the frozen dense weights bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torchao")
+    from safetensors.torch import save_file
+
+    from meshtrain.adapters.nf4 import quantize
+    from meshtrain.recipes.recipe import recipe_from_toml
+
+    base = recipe_from_toml(QLORA_RECIPE).build_model(device="cpu", seed=3, adapters=False)
+    initial = {name: tensor.contiguous() for name, tensor in base.state_dict().items()
+               if not name.endswith(("rope_cos", "rope_sin"))}  # fmt: skip
+    save_file(initial, str(tmp_path / "base.safetensors"))
+    recipe = tmp_path / "qlora.toml"
+    recipe.write_text(QLORA_RECIPE.replace(
+        "[checkpoint]\n", f'[checkpoint]\ninit_from = "{tmp_path / "base.safetensors"}"\n'))  # fmt: skip
+    stopped, whole = tmp_path / "stopped", tmp_path / "whole"
+    _meshtrain(["train", str(recipe), "--nproc", "2",
+                *_sets(**{"logging.run_dir": stopped, "train.steps": 4})], tmp_path)  # fmt: skip
+    out = _meshtrain(["train", str(recipe), "--nproc", "2",
+                      *_sets(**{"logging.run_dir": stopped})], tmp_path)  # fmt: skip
+    assert "resumed from step 4" in out
+    _meshtrain(["train", str(recipe), "--nproc", "2", *_sets(**{"logging.run_dir": whole})],
+               tmp_path)  # fmt: skip
+    assert _losses(stopped) == _losses(whole) and len(_losses(whole)) == 6
+
+    exported = tmp_path / "tuned"
+    _meshtrain(["export", str(stopped), "--format", "hf", "--out", str(exported)], tmp_path)
+    after = transformers.AutoModelForCausalLM.from_pretrained(exported).state_dict()
+    assert not [name for name in after if "lora" in name]
+    assert torch.equal(after["model.embed_tokens.weight"], initial["tok_embeddings.weight"])
+    assert torch.equal(after["model.norm.weight"], initial["norm.weight"])
+    checkpoint = CheckpointTensors(sorted((stopped / "checkpoints").glob("step_*"))[-1])
+    for ours, theirs in (
+        ("attention.wv", "self_attn.v_proj"),
+        ("feed_forward.w2", "mlp.down_proj"),
+    ):
+        fqn = f"layers.1.{ours}"
+        a, b = checkpoint[f"{fqn}.lora_A"], checkpoint[f"{fqn}.lora_B"]
+        assert b.abs().max() > 0  # the adapters trained
+        dequantized = quantize(initial[f"{fqn}.weight"].to(torch.bfloat16)).get_original_weight()
+        expected = dequantized.float() + (8 / 4) * (b @ a)
+        merged = after[f"model.layers.1.{theirs}.weight"].float()
+        # the merged weight keeps the NF4 base's bf16: one rounding, bf16's unit roundoff 2^-8
+        assert ((merged - expected).abs() <= 2.0**-8 * expected.abs()).all(), fqn

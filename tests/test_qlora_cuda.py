@@ -19,7 +19,7 @@ from meshtrain.models import LlamaConfig, build_llama, default_rules
 
 pytest.importorskip("torchao")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-BF16_U = 2.0**-9  # bf16's unit roundoff
+BF16_U = 2.0**-8  # bf16's unit roundoff (8 significant bits)
 TARGETS = [r"layers\.\d+\.attention\.w[qkvo]", r"layers\.\d+\.feed_forward\.w[123]"]
 
 

@@ -6,6 +6,11 @@ Bound per rank: the plan's parameter bytes at rest + the largest single tensor o
 materialiser initialises one module's full tensors at a time, then keeps only its shard) + 96 MiB
 for what a process allocates besides tensors (gloo's buffers, the allocator's arenas). A full copy
 of either model is larger than that bound, so building it on every rank would fail the test.
+
+QLoRA (an NF4 base under adapters) the same way: its share at rest is the NF4 shards, the dense
+embedding and head shards and the adapters; the largest unit is one weight drawn in fp32. Started
+from a checkpoint (``init_from``), the process's anonymous resident memory is what is bounded: the
+memory-mapped checkpoint pages each rank reads are the page cache's, not the rank's.
 """
 
 from __future__ import annotations
@@ -46,11 +51,20 @@ def _hf_directory(tmp_path: Path) -> Path:
     return directory
 
 
-def _run(tmp_path: Path, model_section: str) -> list[dict[str, object]]:
+QLORA = """
+[lora]
+rank = 8
+alpha = 16
+targets = ['layers\\.\\d+\\.attention\\.w[qkvo]', 'layers\\.\\d+\\.feed_forward\\.w[123]']
+quantize_base = "nf4"
+"""
+
+
+def _run(tmp_path: Path, model_section: str, extra: str = "") -> list[dict[str, object]]:
     recipe = tmp_path / "recipe.toml"
     recipe.write_text(
         f"{model_section}\n[mesh]\ndp = 2\ntp = 1\n\n[parallel]\nzero = 3\n"
-        f'\n[logging]\nrun_dir = "{tmp_path / "run"}"\n'
+        f'\n[logging]\nrun_dir = "{tmp_path / "run"}"\n{extra}'
     )
     out = tmp_path / "out"
     out.mkdir()
@@ -67,9 +81,9 @@ def _run(tmp_path: Path, model_section: str) -> list[dict[str, object]]:
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
-def _check(reports: list[dict[str, object]]) -> None:
+def _check(reports: list[dict[str, object]], grown_key: str = "grown") -> None:
     for report in reports:
-        grown, at_rest = int(report["grown"]), int(report["at_rest"])  # type: ignore[call-overload]
+        grown, at_rest = int(report[grown_key]), int(report["at_rest"])  # type: ignore[call-overload]
         largest, full = int(report["largest"]), int(report["full"])  # type: ignore[call-overload]
         bound = at_rest + largest + SLACK
         assert report["finite"], report
@@ -89,3 +103,28 @@ def test_llama_starts_within_its_share(tmp_path: Path) -> None:
 def test_hf_model_starts_within_its_share(tmp_path: Path) -> None:
     directory = _hf_directory(tmp_path)
     _check(_run(tmp_path, f'[model]\nhf = "{directory}"\n'))
+
+
+def test_qlora_starts_within_its_share(tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    reports = _run(tmp_path, LLAMA, QLORA)
+    assert all(report["nf4"] == 8 * 7 for report in reports)  # every projection of 8 blocks
+    _check(reports)
+
+
+@pytest.mark.extended
+def test_qlora_from_a_checkpoint_starts_within_its_share(tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    import torch
+    from safetensors.torch import save_file
+
+    from meshtrain.recipes.recipe import recipe_from_toml
+
+    model = recipe_from_toml(LLAMA + "[mesh]\ndp = 1\n").build_model(device="cpu", seed=3)
+    weights = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in
+               model.state_dict().items() if not name.endswith(("rope_cos", "rope_sin"))}  # fmt: skip
+    save_file(weights, str(tmp_path / "base.safetensors"))
+    del model, weights
+    extra = f'{QLORA}\n[checkpoint]\ninit_from = "{tmp_path / "base.safetensors"}"\n'
+    reports = _run(tmp_path, LLAMA, extra)
+    _check(reports, "grown_anonymous")

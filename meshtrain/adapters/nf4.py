@@ -6,6 +6,14 @@ per block, and the scales double-quantized in groups of 256 with one bf16 factor
 0.5 + 1/64 bytes per element (:func:`nf4_bytes`). The forward dequantizes the weight to the
 input's dtype; the base gets no gradient.
 
+The double quantization subtracts one number per tensor, the mean of its block scales, and under
+FSDP2 every shard must carry the whole tensor's mean (torchao rebuilds the gathered weight with the
+mean of the rank that gathers it). So a weight is quantized whole (:func:`quantize_weight`), or
+shard by shard with the whole tensor's mean (:func:`quantize` with ``scaler_mean``, the mean from
+:func:`scale_sums` added up over the shards): both give the same bytes. On the meta device the
+base is an NF4 tensor with meta storage (:func:`meta_nf4`), so the plan, ``fully_shard`` and
+``to_empty`` see its true layout before any weight exists.
+
 Example:
     >>> nf4_bytes(4096 * 4096) / (4096 * 4096)
     0.5157471895217896
@@ -14,7 +22,7 @@ Example:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -38,8 +46,9 @@ def is_nf4(tensor: torch.Tensor) -> bool:
 
 
 def quantize_weight(module: nn.Linear, fqn: str = "") -> None:
-    """Store ``module.weight`` as NF4 (frozen), or only mark it on the meta device (the planner
-    counts it as NF4; quantize once real weights are loaded)."""
+    """Store ``module.weight`` as NF4 (frozen): quantized from its values, or on the meta device
+    an NF4 tensor with meta storage (:func:`meta_nf4`) to be filled shard by shard once the model
+    is applied (:func:`write_nf4`)."""
     module.quantized = "nf4"  # type: ignore[assignment,unused-ignore]
     weight = module.weight
     if is_nf4(weight):
@@ -55,10 +64,97 @@ def quantize_weight(module: nn.Linear, fqn: str = "") -> None:
             shape=tuple(weight.shape),
         )
     if weight.device.type == "meta":
-        return
-    to_nf4 = _to_nf4()
-    dense = weight.detach().to(torch.bfloat16)
-    module.weight = nn.Parameter(to_nf4(dense, BLOCK_SIZE, SCALER_BLOCK_SIZE), requires_grad=False)
+        stored = meta_nf4(tuple(weight.shape))
+    else:
+        stored = quantize(weight.detach().to(DTYPE))
+    module.weight = nn.Parameter(stored, requires_grad=False)
+
+
+def meta_nf4(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An NF4 tensor of ``shape`` whose storage is on the meta device (no memory): what a base
+    weight built on the meta device becomes, so FSDP2 shards it as NF4.
+
+    Example:
+        >>> meta_nf4((128, 256)).quantized_data.shape
+        torch.Size([16384])
+    """
+    nf4_class, tensor_args = _torchao()
+    numel = math.prod(shape)
+    blocks = numel // BLOCK_SIZE
+
+    def empty(size: tuple[int, ...], kind: torch.dtype) -> torch.Tensor:
+        return torch.empty(size, dtype=kind, device="meta")
+
+    strides = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
+    args = tensor_args(torch.Size(shape), strides, 0, dtype, torch.device("meta"), False)
+    return nf4_class(  # type: ignore[no-any-return]
+        args, BLOCK_SIZE, blocks, SCALER_BLOCK_SIZE, empty((blocks,), torch.int8),
+        empty((blocks // SCALER_BLOCK_SIZE,), dtype), empty((), dtype),
+        empty((numel // 2,), torch.uint8), empty((16,), dtype),
+    )  # fmt: skip
+
+
+def scale_sums(dense: torch.Tensor) -> torch.Tensor:
+    """``[sum of the block scales, number of blocks]`` of ``dense`` in float64: summed over a
+    weight's shards, they give the whole weight's scale mean (:func:`scale_mean`).
+
+    Example:
+        >>> scale_sums(torch.ones(2, 64) * torch.tensor([[1.0], [3.0]]))
+        tensor([4., 2.], dtype=torch.float64)
+    """
+    scales = dense.reshape(-1, BLOCK_SIZE).abs().amax(dim=1)
+    return torch.stack([scales.sum(dtype=torch.float64), torch.tensor(float(scales.numel()),
+                                                                        dtype=torch.float64)])  # fmt: skip
+
+
+def scale_mean(sums: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The mean block scale from :func:`scale_sums` (added up over shards), in ``dtype``."""
+    return (sums[0] / sums[1]).to(dtype)
+
+
+def quantize(dense: torch.Tensor, scaler_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """``dense`` (bf16) as torchao's NF4 tensor, its scales double-quantized around
+    ``scaler_mean`` (default: ``dense``'s own mean block scale, from :func:`scale_sums`). A shard
+    quantized with its whole tensor's mean holds exactly the bytes of that shard of the whole
+    tensor quantized at once (blocks and scale groups never straddle shards).
+
+    Example:
+        >>> weight = torch.randn(128, 256, dtype=torch.bfloat16)
+        >>> whole = quantize(weight)
+        >>> half = quantize(weight[:64], whole.scaler_mean)
+        >>> torch.equal(half.quantized_scalers, whole.quantized_scalers[:256])
+        True
+    """
+    dense = dense.contiguous()
+    mean = scale_mean(scale_sums(dense), dense.dtype) if scaler_mean is None else scaler_mean
+    stored = _to_nf4()(dense, BLOCK_SIZE, SCALER_BLOCK_SIZE)  # its codes and the shared table
+    scales = dense.reshape(-1, BLOCK_SIZE).abs().amax(dim=1)  # torchao's first-level scales
+    groups = (scales - mean.to(scales.device, scales.dtype)).view(-1, SCALER_BLOCK_SIZE)
+    factor = 256 / (2 * groups.abs().amax(dim=1, keepdim=True))  # as torchao computes them
+    codes = (groups * factor).round().clamp(-128, 127).flatten().to(torch.int8)
+    stored.quantized_scalers = codes
+    stored.quantization_factor = factor.flatten().contiguous()
+    stored.scaler_mean = mean.to(scales.device, scales.dtype)
+    return stored
+
+
+def write_nf4(target: torch.Tensor, dense: torch.Tensor, scaler_mean: torch.Tensor) -> None:
+    """Quantize ``dense`` (this rank's part of a weight, any float dtype) into the NF4 tensor
+    ``target`` in place, around the whole weight's ``scaler_mean``: storage on the meta device
+    (after ``to_empty``, torchao leaves part of it there) is replaced, real storage is copied
+    into, so views FSDP2 keeps of it stay valid."""
+    new = quantize(dense.to(device=target.device, dtype=target.dtype), scaler_mean)
+    for name in _STORAGE:
+        current, value = getattr(target, name), getattr(new, name)
+        if current.is_meta or current.shape != value.shape:
+            setattr(target, name, value)
+        else:
+            current.copy_(value)
+
+
+#: the tensors an NF4 tensor is made of (torchao's attribute names)
+_STORAGE = ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean", "nf4")
+DTYPE = torch.bfloat16  # what an NF4 base dequantizes to
 
 
 def dequantize(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,13 +165,35 @@ def dequantize(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def register_nf4() -> None:
+    """Make torchao's NF4 tensor known to ``torch.load(weights_only=True)`` (torchao registers it
+    when imported), for reading a QLoRA checkpoint's NF4 shards."""
+    _torchao()
+
+
 def _to_nf4() -> Any:
     try:
         from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     except ImportError:
-        raise PlanError(
-            "quantize_base='nf4' needs torchao's NF4 tensor, and torchao is not installed. "
-            "Install it with `pip install meshtrain[qlora]` (torchao 0.18), or train LoRA "
-            "without quantize_base."
-        ) from None
+        _missing()
     return to_nf4
+
+
+def _torchao() -> tuple[Any, Any]:
+    """torchao's NF4 tensor class and its constructor's metadata record."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
+            NF4Tensor,
+            SubclassTensorArgs,
+        )
+    except ImportError:
+        _missing()
+    return NF4Tensor, SubclassTensorArgs
+
+
+def _missing() -> NoReturn:
+    raise PlanError(
+        "quantize_base='nf4' needs torchao's NF4 tensor, and torchao is not installed. "
+        "Install it with `pip install meshtrain[qlora]` (torchao 0.18), or train LoRA "
+        "without quantize_base."
+    ) from None

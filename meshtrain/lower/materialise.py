@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import PlanError
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.tensor_parallel import PartialGradSync
@@ -108,8 +109,13 @@ def initialise(model: nn.Module, *, seed: int = 0) -> nn.Module:
     init_weights = getattr(model, "init_weights", None)
     if callable(init_weights) and "generator" in inspect.signature(init_weights).parameters:
         adapters = _adapters(model)
-        with _hidden(adapters):  # meshtrain's own models initialise their own parameters
+        quantized = _nf4_weights(model)
+        # meshtrain's own models initialise their own parameters; an NF4 weight one at a time
+        with _hidden(adapters, _ADAPTER_NAMES), _hidden(quantized, ("weight",)):
             init_weights(generator=torch.Generator().manual_seed(seed))
+        for fqn, module in quantized:
+            with torch.no_grad():
+                _initialise_alone(model, fqn, module, init_weights, seed)
         for fqn, module in adapters:
             with torch.no_grad():
                 _initialise_module(fqn, module, _reset_adapter, seed, names=_ADAPTER_NAMES)
@@ -137,11 +143,43 @@ def _reset_adapter(module: nn.Module) -> None:
     module.reset_lora_parameters()  # type: ignore[operator]
 
 
+def _nf4_weights(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules whose ``weight`` is stored as NF4 (QLoRA's base)."""
+    found = []
+    for fqn, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and is_nf4(held(weight)):
+            found.append((fqn, module))
+    return found
+
+
+def _initialise_alone(
+    model: nn.Module, fqn: str, module: nn.Module, init_weights: Callable[..., None], seed: int
+) -> None:
+    """Run the model's ``init_weights`` with only ``module.weight`` in sight, held by a full-size
+    fp32 CPU stand-in (one weight's memory), then write this rank's NF4 shard of it."""
+    weight = module._parameters["weight"]
+    assert weight is not None
+    stand_in = {"weight": _sentinel(weight, torch.float32)}
+    others = [(name, sub) for name, sub in model.named_modules() if sub is not module]
+    rest = tuple(name for name in module._parameters if name != "weight")
+    with _hidden(others, None), _hidden([(fqn, module)], rest), _swapped(module, stand_in):
+        init_weights(generator=torch.Generator().manual_seed(seed))
+    full = stand_in["weight"]
+    if _unset(full):
+        raise PlanError(
+            f"materialise: the model's init_weights does not set '{fqn}.weight' (an NF4 base "
+            "weight). Give it an initialiser, or load the weights with init_from."
+        )
+    _copy_shard(weight, full)
+
+
 @contextlib.contextmanager
-def _hidden(adapters: list[tuple[str, nn.Module]]) -> Iterator[None]:
-    """The adapters' parameters out of sight (a model's own initialiser does not know them)."""
-    saved = [(module, name, module._parameters.pop(name)) for _, module in adapters
-             for name in _ADAPTER_NAMES if name in module._parameters]  # fmt: skip
+def _hidden(modules: list[tuple[str, nn.Module]], names: tuple[str, ...] | None) -> Iterator[None]:
+    """The ``names`` parameters (all, with ``None``) of ``modules`` out of sight (a model's own
+    initialiser does not know adapters; an NF4 weight is initialised on its own)."""
+    saved = [(module, name, module._parameters.pop(name)) for _, module in modules
+             for name in list(module._parameters) if names is None or name in names]  # fmt: skip
     try:
         yield
     finally:
@@ -214,9 +252,12 @@ def _direct_tensors(module: nn.Module) -> dict[str, Tensor]:
     return tensors
 
 
-def _sentinel(tensor: Tensor) -> Tensor:
-    """A full-size CPU tensor holding a value no initialiser writes by accident."""
-    full = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+def _sentinel(tensor: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A full-size CPU tensor holding a value no initialiser writes by accident (an NF4 weight's
+    in fp32, the dtype its values are drawn in before they are rounded and quantized)."""
+    nf4 = is_nf4(held(tensor))
+    dtype = dtype or (torch.float32 if nf4 else tensor.dtype)
+    full = torch.empty(tensor.shape, dtype=dtype, device="cpu")
     if full.is_floating_point() or full.is_complex():
         return full.fill_(float("nan"))
     if full.dtype == torch.bool:
@@ -265,14 +306,26 @@ def _seeded(seed: int, fqn: str) -> Iterator[None]:
         yield
 
 
+def held(tensor: Tensor) -> Tensor:
+    """The tensor this rank holds: a DTensor's local tensor object itself (``to_local()`` returns a
+    view, and an NF4 weight's storage must be written into the object FSDP2 keeps), else
+    ``tensor``."""
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def _copy_shard(tensor: Tensor, full: Tensor) -> None:
     """Copy ``full`` (CPU, global shape) into ``tensor``: this rank's shard of it for a DTensor
-    (cut locally, no collective)."""
+    (cut locally, no collective); an NF4 weight quantized around ``full``'s own scale mean, so
+    every shard carries the whole weight's."""
+    target = held(tensor)
+    local = full
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
         local = distribute_tensor(
             full.to(mesh.device_type), mesh, tensor.placements, src_data_rank=None
         ).to_local()
-        tensor.to_local().copy_(local)
+    if is_nf4(target):
+        rounded = full.to(target.dtype)
+        write_nf4(target, local, scale_mean(scale_sums(rounded), target.dtype))
     else:
-        tensor.data.copy_(full)
+        target.data.copy_(local)

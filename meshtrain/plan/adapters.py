@@ -26,10 +26,14 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 from meshtrain.adapters.lora import ADAPTERS, LoRALinear, adapter_names
-from meshtrain.errors import PlanError
+from meshtrain.adapters.nf4 import BLOCK_SIZE, SCALER_BLOCK_SIZE
+from meshtrain.errors import PlanError, format_shape
+from meshtrain.plan.ir import ParamLayout
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -62,6 +66,36 @@ def resolve_with_adapters(rules: Rules, model: nn.Module, mesh: Mesh) -> Resolut
         params.append(ParamSpec(fqn, tuple(param.shape), spec, source))
     _check_quantized(model, by_fqn, mesh)
     return type(resolved)(mesh, tuple(params))
+
+
+def check_nf4_shards(layouts: Sequence[ParamLayout], ways: int, zero: int) -> None:
+    """NF4 base weights under data parallelism: FSDP2 must shard them (``zero`` ≥ 1; its
+    replicate path cannot gather torchao's NF4 tensor), evenly along dim 0, each shard a whole
+    number of NF4 scale groups (torchao splits its codes, scales and factors with the shard).
+    ``ways``: the data-parallel ranks FSDP would shard a parameter over (1: none)."""
+    group = BLOCK_SIZE * SCALER_BLOCK_SIZE
+    for layout in layouts:
+        if layout.storage != "nf4" or ways == 1:
+            continue
+        if zero == 0:
+            raise PlanError(
+                f"parameter '{layout.fqn}' is an NF4 (QLoRA) base weight and the plan replicates "
+                "it over the data-parallel ranks (zero=0), which FSDP2's replicate cannot do for "
+                "torchao's NF4 tensor. Use zero=2 or zero=3: FSDP shards the frozen base (which "
+                "is QLoRA's point) and still reduces only the adapters' gradients.",
+                fqn=layout.fqn,
+            )
+        rows, numel = layout.local_shape[0], layout.local_numel
+        if rows % ways or (numel // ways) % group:
+            raise PlanError(
+                f"parameter '{layout.fqn}' ({format_shape(layout.local_shape)}) is an NF4 "
+                f"(QLoRA) base weight and FSDP shards it {ways} ways: each shard must hold whole "
+                f"rows and a multiple of {group} elements (torchao's NF4 scale groups), but "
+                f"{format_shape(layout.local_shape)} / {ways} does not. Shard over a data-parallel "
+                "size that divides it, or leave this module out of the LoRA targets.",
+                fqn=layout.fqn,
+                shape=layout.local_shape,
+            )
 
 
 def trainable(model: nn.Module) -> dict[str, bool]:

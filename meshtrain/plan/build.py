@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
@@ -23,7 +24,12 @@ from torch import nn
 
 from meshtrain.errors import PlanError
 from meshtrain.plan.activations import ActivationProfile, trace_activations
-from meshtrain.plan.adapters import resolve_with_adapters, storage, trainable
+from meshtrain.plan.adapters import (
+    check_nf4_shards,
+    resolve_with_adapters,
+    storage,
+    trainable,
+)
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
 from meshtrain.plan.infer import (
     check_sequence_length,
@@ -118,6 +124,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
+    check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), options.zero)
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:

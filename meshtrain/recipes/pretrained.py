@@ -82,7 +82,7 @@ def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> Load
     weights = weight_files(path)
     own_names = {canonical_fqn(fqn) for fqn, _ in model.named_parameters()}
     if own_names & set(weights.files) and "model.embed_tokens.weight" not in weights.files:
-        return load_hf(path, modules)  # meshtrain's own names (export_safetensors)
+        return load_hf(path, modules, exclude=adapters)  # meshtrain's own names
     hf_config = read_config(path) if Path(path).is_dir() else None
     if hf_config is not None:
         _check_same_llama(config, hf_config, Path(path) / "config.json")

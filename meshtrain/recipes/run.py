@@ -323,22 +323,19 @@ def start_model(
     peak memory at start-up is its share at rest plus one module's full tensors. Otherwise every
     rank builds the full model from the recipe's seed before the plan shards it. Weights named by
     ``[checkpoint] init_from`` are then read slice by slice into the shards (not on a resume). A
-    QLoRA base (``lora.quantize_base``) is quantized from real weights, so it is built and loaded
-    whole on every rank before the adapters are added.
+    QLoRA base (``lora.quantize_base``) is NF4 from the start (meta storage on the meta device)
+    and each shard is quantized as it is initialised or read, so the full-precision base never
+    exists on a rank.
     """
     seed = recipe.train.seed
-    quantized = recipe.lora is not None and bool(recipe.lora.quantize_base)
-    meta = recipe.model.meta_init and not quantized
+    meta = recipe.model.meta_init
     base = recipe.build_model(device="meta" if meta else device, seed=seed, adapters=False)
-    if quantized:
-        initialise_from(recipe, base)
     model = recipe.adapt(base, seed=seed)
     plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=seed)
-    if not quantized:
-        initialise_from(recipe, applied)  # each rank its slices; the adapters keep their init
+    initialise_from(recipe, applied)  # each rank its slices; the adapters keep their init
     return plan, applied, model
 
 

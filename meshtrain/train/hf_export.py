@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -42,6 +43,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from meshtrain.adapters.nf4 import dequantize, register_nf4
 from meshtrain.errors import CheckpointError, PlanError
 from meshtrain.plan.sizes import parse_bytes
 from meshtrain.train.checkpoint_files import (
@@ -85,7 +87,8 @@ class CheckpointTensors(Mapping[str, Tensor]):
     def __init__(self, checkpoint: Path, *, trust_pickle: bool = False) -> None:
         self.checkpoint = checkpoint
         self.reader = RestrictedFileSystemReader(checkpoint, trust_pickle=trust_pickle)
-        entries = self.reader.read_metadata().state_dict_metadata
+        self.metadata = self.reader.read_metadata()
+        entries = self.metadata.state_dict_metadata
         self.entries = {
             key[len(MODEL_PREFIX) :]: entry
             for key, entry in entries.items()
@@ -107,12 +110,15 @@ class CheckpointTensors(Mapping[str, Tensor]):
         return int(torch.Size(entry.size).numel()) * _itemsize(entry.properties.dtype)
 
     def read(self, fqns: Sequence[str]) -> dict[str, Tensor]:
-        """Full plain tensors of ``fqns``, read in one DCP load (only their bytes)."""
+        """Full plain tensors of ``fqns``, read in one DCP load (only their bytes); a packed
+        tensor (a QLoRA base's NF4 shards) dequantized to its dtype."""
+        packed = [fqn for fqn in fqns if self._packed(fqn)]
         tensors = {
             MODEL_PREFIX + fqn: torch.empty(
                 tuple(self.entries[fqn].size), dtype=self.entries[fqn].properties.dtype
             )
             for fqn in fqns
+            if fqn not in packed
         }
         try:
             with single_process_dcp():
@@ -124,7 +130,45 @@ class CheckpointTensors(Mapping[str, Tensor]):
                 f"{first[0] if first else ''}. The checkpoint is damaged; export an earlier one "
                 "(`meshtrain checkpoints DIR` lists them with their status)."
             ) from err
-        return {key[len(MODEL_PREFIX) :]: tensor for key, tensor in tensors.items()}
+        read = {key[len(MODEL_PREFIX) :]: tensor for key, tensor in tensors.items()}
+        return read | {fqn: self._read_packed(fqn) for fqn in packed}
+
+    def _chunks(self, fqn: str) -> list[tuple[tuple[int, ...], Any]]:
+        """(offsets, storage) of each stored chunk of ``fqn``."""
+        return [
+            (tuple(index.offset or ()), info)
+            for index, info in self.metadata.storage_data.items()
+            if index.fqn == MODEL_PREFIX + fqn
+        ]
+
+    def _packed(self, fqn: str) -> bool:
+        """Whether ``fqn`` is stored in fewer bytes than its elements take (a tensor subclass such
+        as torchao's NF4, pickled whole, not a plain tensor's bytes)."""
+        entry = self.entries[fqn]
+        stored = sum(int(info.length) for _, info in self._chunks(fqn))
+        return stored < int(torch.Size(entry.size).numel()) * _itemsize(entry.properties.dtype)
+
+    def _read_packed(self, fqn: str) -> Tensor:
+        """A packed tensor's chunks read one by one and dequantized into the full tensor."""
+        entry = self.entries[fqn]
+        full = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        register_nf4()  # NF4 chunks unpickle under weights_only once torchao knows them
+        for offsets, info in self._chunks(fqn):
+            path = self.checkpoint / info.relative_path
+            try:
+                with path.open("rb") as stream:
+                    stream.seek(info.offset)
+                    payload = stream.read(info.length)
+                chunk = dequantize(torch.load(io.BytesIO(payload), weights_only=True))
+            except Exception as err:  # a damaged payload, or an unknown packed format
+                raise CheckpointError(
+                    f"reading '{fqn}' from {str(path)!r} failed: {type(err).__name__}: "
+                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}. The "
+                    "checkpoint is damaged (or its packed tensors need torchao: pip install "
+                    "meshtrain[qlora]); export an earlier one."
+                ) from err
+            full[tuple(slice(o, o + n) for o, n in zip(offsets, chunk.shape, strict=True))] = chunk
+        return full
 
 
 def export_hf(

@@ -7,7 +7,10 @@ device mesh and placements (``Shard``, FSDP2's ``_StridedShard`` under tensor pa
 data (``distribute_tensor`` with ``src_data_rank=None``: local, no collective). The indices are
 grouped into contiguous runs and each run is read with ``safe_open(...).get_slice(name)[...]``,
 so a rank reads its share of each tensor and nothing else; values are cast to the parameter's
-dtype. A plain tensor is read whole (it is the rank's). Names may be mapped (``sources``: model
+dtype. A plain tensor is read whole (it is the rank's). An NF4 (QLoRA) base weight is read the
+same way and quantized shard by shard around the whole weight's scale mean (its shards' scale
+sums added up over the ranks that shard it: one small all-reduce per weight), so each rank
+holds exactly its shard of the weight quantized whole. Names may be mapped (``sources``: model
 FQN → checkpoint name and an optional row order, e.g. meshtrain's Llama from transformers'
 names with the rotary permutation, :func:`meshtrain.models.llama_hf.hf_sources`).
 
@@ -41,7 +44,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import CheckpointError, format_shape
+from meshtrain.lower.materialise import held
 from meshtrain.train.checkpoint_files import canonical_fqn, format_names
 from meshtrain.train.hf_files import WeightFiles, weight_files
 
@@ -64,7 +69,8 @@ class LoadReport:
 @dataclass(frozen=True)
 class _Target:
     fqn: str
-    local: Tensor  # this rank's part of the parameter (the tensor itself when not a DTensor)
+    tensor: Tensor  # the parameter or buffer
+    local: Tensor  # this rank's part of it (the tensor itself when not a DTensor)
     name: str  # in the checkpoint
     indices: list[Tensor]  # per dim, the checkpoint indices of the local elements
 
@@ -195,8 +201,7 @@ def _plan(
             except CheckpointError as err:
                 problems.append(err.message)
                 continue
-            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-            plan.append(_Target(fqn, local, name, indices))
+            plan.append(_Target(fqn, tensor, held(tensor), name, indices))
     if missing and strict:
         where = weights.index.name if weights.index is not None else weights.where(None)
         problems.append(
@@ -229,8 +234,24 @@ def _checkpoint_indices(fqn: str, tensor: Tensor, rows: Tensor | None) -> list[T
 def _fill(target: _Target, stored: Any) -> int:
     """Copy this rank's part of ``target`` from the checkpoint slice ``stored``; bytes read."""
     data, read = _read(stored, target.indices)
-    target.local.copy_(data)
+    if is_nf4(target.local):
+        write_nf4(target.local, data, _whole_scale_mean(target.tensor, data, target.local.dtype))
+    else:
+        target.local.copy_(data)
     return read
+
+
+def _whole_scale_mean(tensor: Tensor, local: Tensor, dtype: torch.dtype) -> Tensor:
+    """The NF4 scale mean of the whole weight whose part ``local`` this rank read: the parts'
+    scale sums added up over each mesh dim that shards ``tensor``."""
+    sums = scale_sums(local.to(dtype))
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        sums = sums.to(mesh.device_type)
+        for dim, placement in enumerate(tensor.placements):
+            if isinstance(placement, Shard | _StridedShard) and mesh.size(dim) > 1:
+                dist.all_reduce(sums, group=mesh.get_group(dim))
+    return scale_mean(sums.cpu(), dtype)
 
 
 def local_indices(tensor: DTensor) -> list[Tensor]:
