@@ -14,7 +14,7 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain.adapters import lora
-from meshtrain.adapters.nf4 import is_nf4
+from meshtrain.adapters.nf4 import is_nf4, quantize_weight
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 
 pytest.importorskip("torchao")
@@ -96,6 +96,48 @@ def check_fsdp_qlora(device: torch.device) -> None:
     assert losses[-1] < losses[0]
 
 
+def check_meta_start(device: torch.device) -> None:
+    """A QLoRA Llama built on the meta device and materialised on ``device`` (each NF4 weight
+    quantized there as it is initialised) holds the same NF4 bytes as the model built on the CPU,
+    moved to ``device`` and quantized there, and trains the same."""
+    from meshtrain.lower.materialise import initialise
+
+    mt.init_distributed()
+    mesh = mt.make_mesh(dp=1, device_type=device.type)
+    config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
+                         multiple_of=256, max_seq_len=64)  # fmt: skip
+    ordinary = lora(build_llama(config), rank=8, alpha=16, targets=TARGETS)
+    initialise(ordinary, seed=0)
+    ordinary = ordinary.to(device)
+    for fqn, module in ordinary.named_modules():
+        if hasattr(module, "lora_A"):
+            quantize_weight(module, fqn)
+    meta = lora(build_llama(config, device="meta"), rank=8, alpha=16, targets=TARGETS,
+                quantize_base="nf4")  # fmt: skip
+    plans = []
+    for model in (ordinary, meta):
+        plan = mt.plan(model, mesh, default_rules(tp=None), zero=3)
+        mt.apply(plan, model)
+        plans.append(plan)
+    mt.materialise(meta, device=device, seed=0)
+    for (fqn, a), (_, b) in zip(ordinary.named_parameters(), meta.named_parameters(), strict=True):
+        a, b = getattr(a, "_local_tensor", a), getattr(b, "_local_tensor", b)
+        assert a.device.type == b.device.type == device.type, fqn
+        if is_nf4(a):
+            assert is_nf4(b), fqn
+            for part in (
+                "quantized_scalers",
+                "quantization_factor",
+                "quantized_data",
+                "scaler_mean",
+            ):
+                assert torch.equal(getattr(a, part), getattr(b, part)), (fqn, part)
+        else:
+            assert torch.equal(a, b), fqn
+    tokens = torch.randint(0, 512, (4, 65), generator=torch.Generator().manual_seed(2)).to(device)
+    assert train(ordinary, plans[0], tokens, 2) == train(meta, plans[1], tokens, 2)
+
+
 @needs_cuda
 def test_nf4_lora_linear_on_cuda() -> None:
     check_nf4_linear(torch.device("cuda"))
@@ -106,8 +148,14 @@ def test_planned_qlora_on_one_gpu() -> None:
     check_fsdp_qlora(torch.device("cuda"))
 
 
+@needs_cuda
+def test_qlora_starts_on_the_meta_device_on_a_gpu() -> None:
+    check_meta_start(torch.device("cuda"))
+
+
 if __name__ == "__main__":  # the same checks on whatever device there is
     where = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     check_nf4_linear(where)
     check_fsdp_qlora(where)
+    check_meta_start(where)
     print(f"QLoRA checks passed on {where}", file=sys.stderr)

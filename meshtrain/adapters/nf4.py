@@ -103,8 +103,8 @@ def scale_sums(dense: torch.Tensor) -> torch.Tensor:
         tensor([4., 2.], dtype=torch.float64)
     """
     scales = dense.reshape(-1, BLOCK_SIZE).abs().amax(dim=1)
-    return torch.stack([scales.sum(dtype=torch.float64), torch.tensor(float(scales.numel()),
-                                                                        dtype=torch.float64)])  # fmt: skip
+    count = torch.tensor(float(scales.numel()), dtype=torch.float64, device=scales.device)
+    return torch.stack([scales.sum(dtype=torch.float64), count])
 
 
 def scale_mean(sums: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
