@@ -1,7 +1,7 @@
 """LoRA on a sharded base, on real gloo ranks against one device (tier 2): meshtrain's Llama and
-a Hugging Face Llama with adapters under data × tensor parallelism, FSDP × tensor parallelism and
-a pipeline, through ``assert_equivalent``; and a plain PyTorch LoRA loop written the ordinary way
-on one process against the same loop under a plan."""
+a Hugging Face Llama with adapters under data × tensor (and sequence) parallelism, FSDP × tensor
+parallelism and a pipeline, through ``assert_equivalent``; and a plain PyTorch LoRA loop written
+the ordinary way on one process against the same loop under a plan."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ PP = {"pp": 2, "dp": 2}
 
 CASES = {
     "llama-tp": (lora_models.llama_lora, {"tp": 2}, {"rules": default_rules(fsdp=())}),
+    "llama-tp-sp": (lora_models.llama_lora, {"tp": 2},
+                    {"rules": default_rules(fsdp=(), sequence_parallel=True)}),
     "llama-dp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 0}),
     "llama-fsdp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 3}),
     "llama-pp-fsdp": (lora_models.llama_lora, PP, {"rules": default_rules(tp=None), "zero": 2,
