@@ -1,6 +1,6 @@
 """LoRA in one process: wrapping and freezing, refusals, merging into the base, the adapters'
-derived layouts, and the memory model counting gradients and optimizer states of trainable
-parameters only (with the textbook figures it must reproduce)."""
+derived layouts, the memory model counting gradients and optimizer states of trainable
+parameters only (with the textbook figures it must reproduce), and the adapters' collectives."""
 
 from __future__ import annotations
 
@@ -177,6 +177,36 @@ def test_units_with_only_frozen_parameters_issue_no_reduce_scatter() -> None:
         v for k, v in plan.collective_totals().items() if k[0] == "reduce_scatter"
     ]
     assert count == 1 and payload == (4 * 64 + 32 * 4) * 4
+
+
+def test_tensor_parallel_adapters_reduce_their_partial_gradients_once_per_sync() -> None:
+    """Per block, lora_A of the 5 column-wise Linears and lora_B of the 2 row-wise ones are
+    replicated over tp and contract the sharded dim in their gradient: one all-reduce of each
+    per gradient sync (every micro-batch under zero 3, once per step under zero 1). Backward
+    computes no input gradient before the first adapter (one all-reduce fewer per micro-batch)
+    and frozen norms have no partial gradient under sequence parallelism."""
+    adapted = lora(_llama("meta"), rank=4, alpha=8, targets=TARGETS)
+    sized = {"batch_size": 2, "seq_len": 16}
+    adapter_bytes = 2 * 7 * 4 * 64 * 4  # 2 blocks × 7 replicated [4, 64] or [64, 4] fp32 adapters
+
+    def rows(plan: mt.Plan, why: str) -> list[tuple[str, str, int, int]]:
+        return [(c.kind, c.axis, c.count, c.bytes) for c in plan.collectives if why in c.why]
+
+    for zero, syncs in ((3, 2), (1, 1)):
+        plan = _plan(adapted, zero=zero, microbatches=2, **sized)
+        expected = ("all_reduce", "tp", 14 * syncs, adapter_bytes * syncs)
+        assert rows(plan, "LoRA adapters") == [expected]
+    full, plan = _plan(_llama("meta"), **sized), _plan(adapted, **sized)
+    activation = 2 * 16 * 64 * 4
+    assert rows(full, "backward: input gradients") == [("all_reduce", "tp", 5, 5 * activation)]
+    assert rows(plan, "backward: input gradients") == [("all_reduce", "tp", 4, 4 * activation)]
+    assert "partial gradients of replicated LoRA adapters" in plan.explain()
+    mesh, sp = (
+        mt.make_mesh(dp=2, tp=2, world_size=4, abstract=True),
+        default_rules(sequence_parallel=True),
+    )
+    assert rows(mt.plan(_llama("meta"), mesh, sp, **sized), "norm weights")
+    assert not rows(mt.plan(adapted, mesh, sp, **sized), "norm weights")
 
 
 def test_plan_round_trips_trainable_and_storage() -> None:

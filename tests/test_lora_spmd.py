@@ -1,11 +1,13 @@
 """LoRA on a sharded base, on real gloo ranks against one device (tier 2): meshtrain's Llama and
-a Hugging Face Llama with adapters under data × tensor parallelism, FSDP × tensor parallelism and
-a pipeline, through ``assert_equivalent``; and a plain PyTorch LoRA loop written the ordinary way
-on one process against the same loop under a plan."""
+a Hugging Face Llama with adapters under data × tensor (and sequence) parallelism, FSDP × tensor
+parallelism and a pipeline, through ``assert_equivalent``; a plain PyTorch LoRA loop written the
+ordinary way on one process against the same loop under a plan; and every collective of a step
+against the plan's prediction."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import lora_models
 import pytest
@@ -28,6 +30,8 @@ PP = {"pp": 2, "dp": 2}
 
 CASES = {
     "llama-tp": (lora_models.llama_lora, {"tp": 2}, {"rules": default_rules(fsdp=())}),
+    "llama-tp-sp": (lora_models.llama_lora, {"tp": 2},
+                    {"rules": default_rules(fsdp=(), sequence_parallel=True)}),
     "llama-dp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 0}),
     "llama-fsdp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 3}),
     "llama-pp-fsdp": (lora_models.llama_lora, PP, {"rules": default_rules(tp=None), "zero": 2,
@@ -111,23 +115,53 @@ def test_a_plain_lora_loop_trains_like_one_process() -> None:
         assert worst["param"] <= worst["tolerance"], worst
 
 
-def lora_collectives() -> tuple[dict, dict, dict, dict]:
-    """One counted step of the Hugging Face Llama with adapters on dp 2 × tp 2 (after a warm-up
-    step) against the plan's prediction, in which frozen parameters reduce nothing."""
+COLLECTIVE_CASES = {
+    "hf-llama-fsdp-tp": (lora_models.hf_llama_lora, TP, zoo.hf_rules(zoo.llama()), {"zero": 3}),
+    "hf-llama-fsdp-tp-sp": (lora_models.hf_llama_lora, TP,
+                            zoo.hf_rules(zoo.llama(), sequence_parallel=True), {"zero": 3}),
+    "llama-tp": (lora_models.llama_lora, {"tp": 2}, default_rules(fsdp=()), {"microbatches": 2}),
+    "llama-tp-sp": (lora_models.llama_lora, {"tp": 2},
+                    default_rules(fsdp=(), sequence_parallel=True), {"microbatches": 2}),
+    "llama-dp-tp": (lora_models.llama_lora, TP, default_rules(), {"zero": 0, "microbatches": 2}),
+    "llama-fsdp-tp": (lora_models.llama_lora, TP, default_rules(), {"zero": 3, "microbatches": 2}),
+    # gradients accumulated over micro-batches are reduced in the reduce dtype (fp32), not bf16
+    "llama-zero1-tp-bf16": (lora_models.llama_lora, TP, default_rules(),
+                            {"zero": 1, "microbatches": 2, "precision": "bf16"}),
+}  # fmt: skip
+
+
+def lora_collectives(name: str) -> tuple[dict, dict, dict, dict]:
+    """On every rank: one counted step of a plan of :data:`COLLECTIVE_CASES` (after a warm-up
+    step) against the plan's prediction, counts and payload bytes by (kind, axis)."""
+    factory, axes, rules, options = COLLECTIVE_CASES[name]
     torch.manual_seed(0)
-    return zoo.counted_step(lora_models.hf_llama_lora(), zoo.hf_rules(zoo.llama()), TP)
+    return zoo.counted_step(factory(), rules, axes, **options)
 
 
 @pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
 def test_frozen_parameters_issue_no_gradient_collectives() -> None:
-    """The data-parallel collectives are exactly the plan's: every unit's parameters gathered,
-    only the adapters' gradients reduce-scattered. (Over tp the adapters add all-reduces of
-    their partial-sum gradients that the plan does not yet predict: measured 23 against 10.)"""
-
-    def data_parallel(values: dict) -> dict:
-        return {key: value for key, value in values.items() if key[1] == "dp"}
-
-    for counts, predicted, payload, predicted_payload in get_pool(4).run(lora_collectives):
-        assert data_parallel(counts) == data_parallel(predicted)
-        assert data_parallel(payload) == data_parallel(predicted_payload)
+    """The Hugging Face Llama with adapters on dp 2 × tp 2: every collective is the plan's. Over
+    dp every unit's parameters are gathered and only the adapters' gradients reduce-scattered.
+    Over tp the replicated adapters' partial gradients are all-reduced (7 per block), and the
+    first block's attention input gradient is never computed (nothing before it trains)."""
+    for counts, predicted, payload, predicted_payload in get_pool(4).run(
+        lora_collectives, "hf-llama-fsdp-tp"
+    ):
+        assert counts == predicted
+        assert payload == predicted_payload
         assert predicted[("reduce_scatter", "dp")] == 2  # two blocks; the root has no adapters
+        assert predicted[("all_reduce", "tp")] == 5 + 4 + 2 * 7  # forward, inputs, adapters
+
+
+@pytest.mark.parametrize("name", [name for name in COLLECTIVE_CASES if name != "hf-llama-fsdp-tp"])
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_lora_steps_issue_exactly_the_predicted_collectives(name: str) -> None:
+    """Tensor and data parallel, with and without sequence parallelism and FSDP, one and two
+    micro-batches: the adapters' partial gradients are reduced once per gradient sync (every
+    micro-batch under zero 3, once per step under zero 0 and 1 and without a data axis)."""
+    axes = COLLECTIVE_CASES[name][1]
+    for counts, predicted, payload, predicted_payload in get_pool(math.prod(axes.values())).run(
+        lora_collectives, name
+    ):
+        assert counts == predicted
+        assert payload == predicted_payload

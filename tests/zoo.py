@@ -7,6 +7,7 @@ dropout is off (a model with dropout is not deterministic, see the harness's hin
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -201,25 +202,30 @@ def image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def counted_step(
-    model: nn.Module, rules: Rules, axes: dict[str, int]
+    model: nn.Module, rules: Rules, axes: dict[str, int], **options: Any
 ) -> tuple[dict, dict, dict, dict]:
-    """On every rank: plan and apply ``model`` (a Hugging Face causal LM) on ``axes``, take one
-    warm-up step, then count the collectives of a second one; returns the counts, the plan's
-    predicted counts, the payload bytes and the predicted bytes, by (kind, axis)."""
+    """On every rank: plan and apply ``model`` (a causal LM: a Hugging Face one, whose output has
+    ``logits``, or one that returns them) on ``axes`` with ``options`` (``zero``,
+    ``microbatches``), take one warm-up step, then count the collectives of a second one;
+    returns the counts, the plan's predicted counts, the payload bytes and the predicted bytes,
+    by (kind, axis)."""
     import meshtrain as mt
     from meshtrain.testing.comms import CollectiveCounter
 
     mesh = mt.make_mesh(axes)
-    plan = mt.plan(model, mesh, rules, batch_size=2, seq_len=16)
+    plan = mt.plan(model, mesh, rules, batch_size=2, seq_len=16, **options)
     mt.apply(plan, model)
     inputs, targets = token_batches(0)
-    first = 2 * mesh.coordinates(torch.distributed.get_rank())["dp"]
+    first = 2 * mesh.coordinates(torch.distributed.get_rank()).get("dp", 0)
     mine = slice(first, first + 2)  # batch_size 2 per data-parallel rank, as planned
+    micro = plan.options.microbatches
 
     def step() -> None:
-        with mt.loss_parallel(plan):
-            logits = model(inputs[mine]).logits
-            F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
+        for i in range(micro):
+            with mt.micro_batch(plan, model, last=i == micro - 1), mt.loss_parallel(plan):
+                output = model(inputs[mine])
+                logits = output.logits if hasattr(output, "logits") else output
+                F.cross_entropy(logits.flatten(0, 1), targets[mine].flatten()).backward()
 
     step()
     model.zero_grad()

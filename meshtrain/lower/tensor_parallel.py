@@ -158,10 +158,10 @@ def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
         module = modules[style.fqn]
         prefix = f"{style.fqn}." if style.fqn else ""
         if style.style == "sequence_parallel" and plan.sequence_parallel:
-            fqns += [prefix + name for name, _ in module.named_parameters()]
+            fqns += [prefix + name for name, p in module.named_parameters() if p.requires_grad]
         elif style.module_type == "LoRALinear":
-            fqns += [prefix + name for name, _ in module.named_parameters()
-                     if name.startswith("lora_")]  # fmt: skip
+            fqns += [prefix + name for name, p in module.named_parameters()
+                     if name.startswith("lora_") and p.requires_grad]  # fmt: skip
     if fqns:
         sync = PartialGradSync(tuple(fqns))
         sync.attach(modules[""])

@@ -38,10 +38,11 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from meshtrain.adapters.lora import ADAPTERS
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ModuleStyle, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
@@ -266,6 +267,10 @@ _HEADS = ("colwise_gathered", "loss_parallel_head")
 _MARKED_INPUTS = (
     "backward: input gradients of pair parents and column-wise modules that mark their own input"
 )
+_ADAPTER_GRADS = (
+    "backward: partial gradients of replicated LoRA adapters (lora_A of column-wise, lora_B of "
+    "row-wise Linears), once per gradient sync"
+)
 
 
 def estimate_tp_collectives(
@@ -293,6 +298,43 @@ def estimate_tp_collectives(
     ``batch_size`` and ``seq_len``). Measured against real steps in the tests. ``pipelined``:
     the norm weights' partial gradients are reduced once per step (the schedule holds them).
     ``tied``: groups of names sharing one parameter (aliases take the first name's layout).
+
+    Frozen parameters (a LoRA base) change backward only. Autograd computes an activation's
+    gradient only when a trainable parameter is upstream of it, so an input gradient's collective
+    is issued only past the first trainable parameter (in the order the model registers its
+    parameters: the forward order of the models meshtrain plans; a later pipeline stage receives
+    an input that requires a gradient only then too), a sequence-parallel row-wise module's
+    output gradient only when its output requires one, and a frozen norm weight has no partial
+    gradient to reduce. A tensor-parallel LoRA Linear's replicated adapter (``lora_A`` of a
+    column-wise one, ``lora_B`` of a row-wise one; see :mod:`meshtrain.plan.adapters`) contracts
+    the sharded dim in its gradient, a partial sum: one all-reduce of its local gradient per
+    gradient sync, like the norms'. Both are in the compute dtype, or in the reduce dtype where
+    FSDP2 accumulated several micro-batches before the sync. The low-rank path adds no other
+    collective: a row-wise module's low-rank partial sums are reduced with the base's output, a
+    column-wise one's input gradient with the base's.
+
+    Example (tensor parallel of 2 ways, adapters of rank 4 on a [64, 32] column-wise Linear and a
+    [32, 64] row-wise one under a pair parent; only the adapters train):
+        >>> from meshtrain.spec.partition import P
+        >>> def layout(fqn, shape, spec, trainable):
+        ...     local = tuple(n // 2 if e == "tp" else n for n, e in zip(shape, spec.padded(2)))
+        ...     return ParamLayout(fqn, shape, spec, "", local, local, trainable=trainable)
+        >>> layouts = [layout("mlp.up.weight", (64, 32), P("tp"), False),
+        ...            layout("mlp.up.lora_A", (4, 32), P(), True),
+        ...            layout("mlp.up.lora_B", (64, 4), P("tp"), True),
+        ...            layout("mlp.down.weight", (32, 64), P(None, "tp"), False),
+        ...            layout("mlp.down.lora_A", (4, 64), P(None, "tp"), True),
+        ...            layout("mlp.down.lora_B", (32, 4), P(), True)]
+        >>> styles = [ModuleStyle("mlp", "MLP", "prepare_input", "tp"),
+        ...           ModuleStyle("mlp.up", "LoRALinear", "colwise", "tp"),
+        ...           ModuleStyle("mlp.down", "LoRALinear", "rowwise", "tp")]
+        >>> for c in estimate_tp_collectives(styles, layouts, "tp",
+        ...                                  PlanOptions(batch_size=2, seq_len=8)):
+        ...     print(c.kind, c.count, c.bytes, c.why.partition(" (")[0])
+        all_reduce 1 2048 forward: partial sums of row-wise outputs
+        all_reduce 2 1024 backward: partial gradients of replicated LoRA adapters
+
+    (No input gradient of ``mlp`` is reduced: nothing trainable comes before it.)
     """
     if tp_axis is None or not styles:
         return ()
@@ -305,6 +347,7 @@ def estimate_tp_collectives(
     tokens = (options.batch_size or 0) * (options.seq_len or 0)
     act_bytes = tokens * getattr(torch, options.param_dtype).itemsize
     rows: dict[tuple[str, str], list[int]] = {}
+    input_grad, output_grad = _gradient_flow(layouts)
 
     def add(kind: str, why: str, width: int) -> None:
         row = rows.setdefault((kind, why), [0, 0])
@@ -329,21 +372,31 @@ def estimate_tp_collectives(
     prepared = {s.fqn for s in styles if s.style == "prepare_input"}
     partial_kind = "reduce_scatter" if sp else "all_reduce"
     norms = norm_numel = 0
+    adapters: list[ParamLayout] = []
     for style in styles:
         kind = style.style
+        if style.module_type == "LoRALinear":
+            prefix = f"{style.fqn}." if style.fqn else ""
+            adapters += [
+                p
+                for name in ADAPTERS
+                if (p := by_fqn.get(prefix + name)) is not None
+                and p.trainable
+                and tp_axis not in p.spec.axes
+            ]
         if kind in ("rowwise", "rowwise_replicated_input"):
             add(
                 partial_kind if kind == "rowwise" else "all_reduce",
                 "forward: partial sums of row-wise outputs",
                 shape(style.fqn)[0],
             )
-            if sp and kind == "rowwise":
+            if sp and kind == "rowwise" and output_grad(style.fqn):
                 add(
                     "all_gather",
                     "backward: output gradients of row-wise modules from sequence shards",
                     shape(style.fqn)[0],
                 )
-            if kind == "rowwise_replicated_input":
+            if kind == "rowwise_replicated_input" and input_grad(style.fqn):
                 add(
                     "all_gather",
                     "backward: input gradients of row-wise modules fed a replicated input",
@@ -356,23 +409,25 @@ def estimate_tp_collectives(
                 "forward: partial sums of the vocab-parallel embedding",
                 shape(style.fqn)[1],
             )
-            if shards_out:
+            if shards_out and output_grad(style.fqn):
                 add(
                     "all_gather",
                     "backward: embedding output gradient from sequence shards",
                     shape(style.fqn)[1],
                 )
         elif kind == "sequence_split_input":
-            add(
-                "all_gather",
-                "backward: the first block's input gradient from sequence shards",
-                child_in_width(next(s.fqn for s in styles if s.style == "prepare_input")),
-            )
+            if input_grad(style.fqn):
+                add(
+                    "all_gather",
+                    "backward: the first block's input gradient from sequence shards",
+                    child_in_width(next(s.fqn for s in styles if s.style == "prepare_input")),
+                )
         elif kind == "colwise" and not any(
             style.fqn.startswith(parent + ".") or not parent for parent in prepared
         ):
             # under a parent with other consumers of its input: marks its own plain input
-            add("all_reduce", _MARKED_INPUTS, shape(style.fqn)[1])
+            if input_grad(style.fqn):
+                add("all_reduce", _MARKED_INPUTS, shape(style.fqn)[1])
         elif kind == "embedding_dim_parallel":
             add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[1])
         elif kind == "prepare_input" or kind in _HEADS:
@@ -383,29 +438,32 @@ def estimate_tp_collectives(
                     "forward: inputs of pair parents and the head from sequence shards",
                     width,
                 )
-                add(
-                    "reduce_scatter",
-                    "backward: input gradients of pair parents and the head to sequence shards",
-                    width,
-                )
-            else:
+                if input_grad(style.fqn):
+                    add(
+                        "reduce_scatter",
+                        "backward: input gradients of pair parents and the head to sequence shards",
+                        width,
+                    )
+            elif input_grad(style.fqn):
                 add("all_reduce", _MARKED_INPUTS, width)
             if kind == "colwise_gathered":
                 add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[0])
         elif kind == "sequence_parallel":
-            norms += 1
-            norm_numel += sum(
-                p.local_numel for p in layouts if p.fqn.rpartition(".")[0] == style.fqn
-            )
+            trained = [p for p in layouts if p.fqn.rpartition(".")[0] == style.fqn and p.trainable]
+            norms += bool(trained)
+            norm_numel += sum(p.local_numel for p in trained)
     micro = options.microbatches
     sized = "" if tokens else " (activation-sized: give batch_size and seq_len to size it)"
     result = [
         Collective(kind, tp_axis, count * micro, payload * micro, why + sized)
         for (kind, why), (count, payload) in rows.items()
     ]
+    syncs = micro if data_parallel and options.zero >= 2 and not pipelined else 1
+    # FSDP2 accumulates the gradients of micro-batches it does not sync in the reduce dtype
+    accumulated = data_parallel and micro > 1 and (options.zero <= 1 or pipelined)
+    dtype = options.reduce_dtype if accumulated else options.param_dtype
+    grad_bytes = getattr(torch, dtype).itemsize
     if norms:
-        syncs = micro if data_parallel and options.zero >= 2 and not pipelined else 1
-        grad_bytes = getattr(torch, options.param_dtype).itemsize
         result.append(
             Collective(
                 "all_reduce",
@@ -415,4 +473,40 @@ def estimate_tp_collectives(
                 "norm weights' partial gradients, once per gradient sync",
             )
         )
+    if adapters:
+        result.append(
+            Collective(
+                "all_reduce",
+                tp_axis,
+                len(adapters) * syncs,
+                sum(p.local_numel for p in adapters) * grad_bytes * syncs,
+                _ADAPTER_GRADS,
+            )
+        )
     return tuple(result)
+
+
+def _gradient_flow(
+    layouts: Sequence[ParamLayout],
+) -> tuple[Callable[[str], bool], Callable[[str], bool]]:
+    """Whether autograd computes the gradient of a module's input (some trainable parameter is
+    registered before the module's first parameter; a module without parameters of its own, a
+    tied head, comes last), and of its output (also when it owns a trainable parameter)."""
+    first: dict[str, int] = {}
+    trains: set[str] = set()
+    for index, p in enumerate(layouts):
+        parts = p.fqn.split(".")
+        for depth in range(len(parts)):
+            module = ".".join(parts[:depth])
+            first.setdefault(module, index)
+            if p.trainable:
+                trains.add(module)
+    first_trainable = next((i for i, p in enumerate(layouts) if p.trainable), len(layouts))
+
+    def input_grad(fqn: str) -> bool:
+        return first_trainable < first.get(fqn, len(layouts))
+
+    def output_grad(fqn: str) -> bool:
+        return fqn in trains or input_grad(fqn)
+
+    return input_grad, output_grad
