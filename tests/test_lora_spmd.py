@@ -165,3 +165,77 @@ def test_lora_steps_issue_exactly_the_predicted_collectives(name: str) -> None:
     ):
         assert counts == predicted
         assert payload == predicted_payload
+
+
+# --------------------------------------------------------------- a pipeline with a frozen stage
+
+LATER = [r"layers\.[1-9]\d*\.attention\.w[qv]"]  # layers.1 and on: stage 1 of the debug Llama
+PIPELINED_CASES = {  # mesh, adapter targets, sends per step (4 micro-batches, one boundary)
+    "frozen-first-stage-tp": ({"pp": 2, "tp": 2}, LATER, 4),
+    "frozen-first-stage-fsdp": ({"pp": 2, "dp": 2}, LATER, 4),
+    "first-stage-trains-tp": ({"pp": 2, "tp": 2}, [r"layers\.\d+\.attention\.w[qv]"], 8),
+}
+
+
+def pipelined_lora_collectives(name: str) -> dict:
+    """On every rank of a :data:`PIPELINED_CASES` plan (the debug Llama's two layers on two
+    stages: embedding and layers.0, then layers.1 and the head): one warm-up step, then one
+    counted step; returns what was counted, whether this is the busiest pipeline rank (the one
+    ``plan.collectives`` describes), the plan's prediction, and the trainable parameters left
+    without a gradient."""
+    import re
+
+    from meshtrain.adapters import lora
+    from meshtrain.models import LlamaConfig, build_llama
+    from meshtrain.testing.comms import CollectiveCounter
+    from meshtrain.train import Batch, forward_backward
+
+    axes, targets, _ = PIPELINED_CASES[name]
+    mesh = mt.make_mesh(axes)
+    model = lora(build_llama(LlamaConfig.debug(), seed=0), rank=4, alpha=8, targets=targets)
+    rules = default_rules(fsdp=()) if "tp" in axes else default_rules(tp=None)
+    plan = mt.plan(model, mesh, rules, zero=2, pipeline=mt.Pipeline(microbatches=4),
+                   global_batch=4 * axes.get("dp", 1), seq_len=8)  # fmt: skip
+    pipelined = mt.apply(plan, model)
+    tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
+    batch = Batch(tokens[:, :-1], tokens[:, 1:])
+    forward_backward(plan, pipelined, batch)  # lazy initialisation issues its own
+    for param in pipelined.parameters():
+        param.grad = None
+    with CollectiveCounter(mesh) as counter:
+        forward_backward(plan, pipelined, batch)
+    (busiest,) = (
+        int(match.group(1))
+        for note in plan.notes
+        if (match := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))
+    )
+    totals = plan.collective_totals()
+    return {
+        "counts": dict(counter.counts),
+        "bytes": dict(counter.bytes),
+        "busiest": mesh.coordinates(torch.distributed.get_rank())["pp"] == busiest,
+        "predicted": {k: n for k, (n, _) in totals.items()},
+        "predicted bytes": {k: b for k, (_, b) in totals.items()},
+        "no grad": [fqn for fqn, p in pipelined.named_parameters()
+                    if p.requires_grad and p.grad is None],
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PIPELINED_CASES))
+def test_a_frozen_first_stage_receives_no_gradient(name: str) -> None:
+    """Adapters only past the first stage: autograd computes no gradient of the activation the
+    second stage receives, so the pipeline sends activations forward and nothing back (4 sends
+    of 4 micro-batches, not 8); with adapters on the first stage too, both ways. Every
+    collective of the busiest pipeline rank, and every rank's sends, are the plan's."""
+    axes, _, sends = PIPELINED_CASES[name]
+    results = get_pool(math.prod(axes.values())).run(pipelined_lora_collectives, name)
+    assert sum(r["busiest"] for r in results) == len(results) // 2
+    for r in results:
+        assert r["no grad"] == []
+        key = ("send/recv", "pp")
+        assert r["predicted"][key] == r["counts"][key] == sends
+        assert r["predicted bytes"][key] == r["bytes"][key] == sends * 8 * 64 * 4  # 1 × 8 × 64 fp32
+        if r["busiest"]:  # a frozen stage's row of no reduce-scatters counts as none issued
+            issued = [k for k, n in r["predicted"].items() if n]
+            assert r["counts"] == {k: r["predicted"][k] for k in issued}
+            assert r["bytes"] == {k: r["predicted bytes"][k] for k in issued}

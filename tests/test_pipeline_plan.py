@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import StackedMLP, TiedMLP
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshtrain as mt
 from meshtrain import P, PlanError, Rules
+from meshtrain.adapters import lora
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import SCHEDULES, Plan
 from meshtrain.plan.activations import trace_activations
@@ -133,6 +135,57 @@ def test_a_V_schedule_sends_nothing_between_its_two_middle_stages() -> None:
     plan = pipelined("ZBVZeroBubble", pp=2, microbatches=4)
     assert plan.pipeline is not None
     assert plan.pipeline.p2p_count == 2 * 4 * 2  # stages 1 and 2 share rank 1
+
+
+def adapted(*layers: int) -> torch.nn.Module:
+    """The 8-layer debug Llama with adapters on the attention of ``layers``, the rest frozen."""
+    model = build_llama(LlamaConfig.preset("debug", n_layers=8), device="meta")
+    which = "|".join(map(str, layers))
+    return lora(model, rank=4, alpha=8, targets=[rf"layers\.({which})\.attention\.w[qv]"])
+
+
+# Stages of 8 layers on pp 2: 1F1B 0: embedding, layers 0–3 | 1: layers 4–7, head. Looped and V
+# schedules, 2 per rank: 0: embedding, layers 0–1 | 1: 2–3 | 2: 4–5 | 3: 6–7, head; looped ranks
+# 0 1 0 1 (3 rank boundaries), V ranks 0 1 1 0 (2). No gradient goes back across a boundary
+# before the first stage with an adapter; a frozen stage after one still sends its gradient.
+FROZEN_SENDS = [  # (schedule, adapted layers, frozen rank boundaries)
+    ("1F1B", (0,), 0),
+    ("1F1B", (4, 7), 1),
+    ("GPipe", (5,), 1),
+    ("Interleaved1F1B", (2,), 1),
+    ("Interleaved1F1B", (4,), 2),
+    ("Interleaved1F1B", (0, 7), 0),
+    ("LoopedBFS", (7,), 3),
+    ("ZBVZeroBubble", (4,), 1),  # stages 1 and 2 share a rank
+    ("DualPipeV", (6,), 2),
+]
+
+
+@pytest.mark.parametrize(("schedule", "layers", "frozen"), FROZEN_SENDS)
+def test_no_gradient_is_sent_back_before_the_first_trainable_stage(
+    schedule: str, layers: tuple[int, ...], frozen: int
+) -> None:
+    plan = pipelined(schedule, model=adapted(*layers), batch_size=2, seq_len=16)
+    assert plan.pipeline is not None
+    crossings = 3 if schedule in LOOPED else 2 if schedule in V_SHAPED else 1
+    assert plan.pipeline.frozen_crossings == frozen
+    # 8 micro-batches forward across every boundary, backward across the others
+    assert plan.pipeline.p2p_count == 8 * (2 * crossings - frozen)
+    assert plan.pipeline.p2p_bytes == plan.pipeline.p2p_count * 2 * 16 * 64 * 4  # fp32
+    (row,) = (c for c in plan.collectives if c.kind == "send/recv")
+    assert (row.count, row.bytes) == (plan.pipeline.p2p_count, plan.pipeline.p2p_bytes)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_explain_says_where_no_gradient_is_sent_back() -> None:
+    plan = pipelined("Interleaved1F1B", model=adapted(4), microbatches=4)
+    assert plan.pipeline is not None
+    assert "point-to-point per step: 16 sends" in plan.explain()
+    assert (
+        "(activations forward across 3 rank boundaries, their gradients backward across 1: the "
+        "first 2 have no trainable parameter before them)" in plan.explain()
+    )
+    assert "(activations forward, their gradients backward)" in pipelined("1F1B").explain()
 
 
 def test_memory_is_the_busiest_pipeline_ranks() -> None:

@@ -198,6 +198,7 @@ def cost_pipelined(
         resharded=bool(layout.data_axes) and options.zero == 3,
         param_bytes={p.fqn: p.bytes_at_rest for p in layout.params},
         activations=layout.profile, checkpointed=options.checkpointed_blocks(layout.blocks),
+        trainable={p.fqn: p.trainable for p in layout.params},
     )  # fmt: skip
     costs = pipeline_costs(pipeline_plan, mesh, layout, options)
     note = (

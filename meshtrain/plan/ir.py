@@ -158,8 +158,10 @@ class PipelinePlan:
     """A pipeline's layout and costs: stages in order, the schedule's bubble fraction (idle share
     of rank time with forward 1, backward 2 time units) and the point-to-point traffic of one step
     between neighbouring pipeline ranks (activations forward, their gradients backward).
-    ``container`` is the FQN of the repeated blocks' ModuleList/ModuleDict, ``before``/``after``
-    the modules the first and the last stage keep around them."""
+    ``frozen_crossings``: the stage boundaries between ranks before the first stage with a
+    trainable parameter, which carry activations forward but no gradient back (autograd computes
+    none there). ``container`` is the FQN of the repeated blocks' ModuleList/ModuleDict,
+    ``before``/``after`` the modules the first and the last stage keep around them."""
 
     axis: str
     schedule: str
@@ -174,6 +176,7 @@ class PipelinePlan:
     container: str = ""
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
+    frozen_crossings: int = 0
 
     def local_stages(self, pp_rank: int) -> tuple[StagePlan, ...]:
         """The stages pipeline rank ``pp_rank`` runs, in stage order."""
@@ -198,9 +201,20 @@ class PipelinePlan:
                 f"{s.activation_bytes:>13,}  {shown}"
             )
         sized = "" if self.p2p_bytes else " (give batch_size and seq_len to size them)"
+        what = "activations forward, their gradients backward"
+        if self.frozen_crossings:
+            crossings = sum(a.rank != b.rank for a, b in zip(self.stages, self.stages[1:]))
+            frozen = self.frozen_crossings
+            what = (
+                f"activations forward across {crossings} rank boundar"
+                f"{'y' if crossings == 1 else 'ies'}, their gradients backward across "
+                f"{crossings - frozen}: "
+                + ("the first has no trainable parameter before it" if frozen == 1 else
+                   f"the first {frozen} have no trainable parameter before them")
+            )  # fmt: skip
         lines.append(
             f"  point-to-point per step: {self.p2p_count} sends of {self.p2p_bytes:,} B in total"
-            f" (activations forward, their gradients backward){sized}"
+            f" ({what}){sized}"
         )
         return lines
 

@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +47,8 @@ from meshtrain.plan.options import SCHEDULE_KINDS, SCHEDULES, Pipeline, PlanOpti
 from meshtrain.plan.stages import split_stages, units_of
 from meshtrain.spec.mesh import Mesh
 
-__all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "plan_pipeline",
-           "stage_ranks"]  # fmt: skip
+__all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "frozen_crossings",
+           "plan_pipeline", "stage_ranks"]  # fmt: skip
 
 # Relative cost of the schedule's actions for the bubble estimate: forward 1, full backward 2,
 # its input- and weight-gradient halves 1 each (an overlapped forward+backward: the sum).
@@ -74,6 +74,7 @@ def plan_pipeline(
     param_bytes: dict[str, int] | None = None,
     activations: ActivationProfile | None = None,
     checkpointed: Sequence[str] = (),
+    trainable: Mapping[str, bool] | None = None,
 ) -> PipelinePlan:
     """Check ``pipeline`` against ``model`` and ``mesh`` and lay it out (see the module docstring).
 
@@ -84,6 +85,9 @@ def plan_pipeline(
     ``activations``: the traced activation profile (stage activations are then its blocks' peak
     under ``options.activation_checkpointing`` for ``checkpointed``; without it, 34·s·b·h bytes
     per block at 2-byte activations, after Korthikanti et al.).
+    ``trainable``: whether each parameter requires a gradient (default: every one); no gradient
+    is sent back across the stage boundaries before the first stage that trains
+    (:func:`frozen_crossings`).
     """
     axis = pipeline.axis
     if resharded and pipeline.splits_backward:
@@ -152,6 +156,8 @@ def plan_pipeline(
         for stage in stages
     )
     crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
+    frozen = frozen_crossings(ranks, [params_of[s] for s in range(n_stages)], trainable or {})
+    sends = micro * (2 * crossings - frozen)  # activations forward, gradients back where computed
     return PipelinePlan(
         axis=axis,
         schedule=pipeline.schedule,
@@ -160,13 +166,41 @@ def plan_pipeline(
         split=pipeline.split,
         stages=stage_plans,
         bubble_fraction=_bubble_fraction(tasks),
-        p2p_count=2 * micro * crossings,
-        p2p_bytes=2 * micro * crossings * boundary,
+        p2p_count=sends,
+        p2p_bytes=sends * boundary,
         activation_width=width,
+        frozen_crossings=frozen,
         container=units.container,
         before=units.before,
         after=units.after,
     )
+
+
+def frozen_crossings(
+    ranks: Sequence[int], params: Sequence[Sequence[str]], trainable: Mapping[str, bool]
+) -> int:
+    """How many stage boundaries between different ranks no gradient crosses, given each stage's
+    rank and parameter FQNs in stage order and whether each parameter trains (default yes).
+
+    Autograd computes the gradient of a stage's input only when its received activation requires
+    one, i.e. when some earlier stage holds a trainable parameter: the boundaries before the
+    first stage that trains carry activations forward but no gradient back (torch's
+    ``PipelineStage`` sends none, in every schedule). A frozen stage after a trainable one still
+    sends its input's gradient back.
+
+    Example:
+        >>> stages = [("embed", "layers.0.w"), ("layers.1.w", "layers.1.lora_A"), ("head",)]
+        >>> frozen = {"embed": False, "layers.0.w": False, "layers.1.w": False, "head": False}
+        >>> frozen_crossings([0, 1, 0], stages, frozen)  # stage 1 trains (its adapter)
+        1
+        >>> frozen_crossings([0, 1, 0], stages, {})  # everything trains
+        0
+    """
+    first = next(
+        (s for s, names in enumerate(params) if any(trainable.get(f, True) for f in names)),
+        len(params),
+    )
+    return sum(ranks[s] != ranks[s + 1] for s in range(min(first, len(ranks) - 1)))
 
 
 def bubble_fraction(schedule: str, pp_size: int, microbatches: int, stages_per_rank: int) -> float:

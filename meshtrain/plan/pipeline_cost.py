@@ -100,12 +100,13 @@ def _rank_collectives(
         for style in inferred.styles
         if any(style.fqn == m or style.fqn.startswith(m + ".") for m in modules)
     )
+    back = " where a stage before them trains" if pipeline.frozen_crossings else ""
     send = Collective(
         "send/recv",
         pipeline.axis,
         pipeline.p2p_count,
         pipeline.p2p_bytes,
-        "activations to the next stage, their gradients back (per pipeline rank pair)",
+        f"activations to the next stage, their gradients back{back} (per pipeline rank pair)",
     )
     data_parallel: list[Collective] = []
     for stage in stages:
