@@ -156,7 +156,8 @@ FROZEN_SENDS = [  # (schedule, adapted layers, frozen rank boundaries)
     ("Interleaved1F1B", (4,), 2),
     ("Interleaved1F1B", (0, 7), 0),
     ("LoopedBFS", (7,), 3),
-    ("ZBVZeroBubble", (4,), 1),  # stages 1 and 2 share a rank
+    ("DualPipeV", (4,), 1),  # stages 1 and 2 share a rank
+    ("ZBVZeroBubble", (0, 4), 0),
     ("DualPipeV", (6,), 2),
 ]
 
@@ -175,6 +176,15 @@ def test_no_gradient_is_sent_back_before_the_first_trainable_stage(
     (row,) = (c for c in plan.collectives if c.kind == "send/recv")
     assert (row.count, row.bytes) == (plan.pipeline.p2p_count, plan.pipeline.p2p_bytes)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_zero_bubble_schedules_refuse_a_frozen_first_stage(schedule: str) -> None:
+    """Their weight-gradient step gives a later first-to-train stage's parameters no gradient
+    (measured: ``layers.3``'s adapters under ZBVZeroBubble kept ``grad=None``)."""
+    with pytest.raises(PlanError, match=rf"schedule '{schedule}' with stage 2 the first to train"):
+        pipelined(schedule, model=adapted(4))
+    pipelined(schedule, model=adapted(0, 4))  # stage 0 trains: its inputs' gradients flow
 
 
 def test_explain_says_where_no_gradient_is_sent_back() -> None:

@@ -155,6 +155,7 @@ def plan_pipeline(
         )
         for stage in stages
     )
+    _check_frozen_start(pipeline.schedule, [params_of[s] for s in range(n_stages)], trainable or {})
     crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
     frozen = frozen_crossings(ranks, [params_of[s] for s in range(n_stages)], trainable or {})
     sends = micro * (2 * crossings - frozen)  # activations forward, gradients back where computed
@@ -196,11 +197,40 @@ def frozen_crossings(
         >>> frozen_crossings([0, 1, 0], stages, {})  # everything trains
         0
     """
-    first = next(
+    first = _first_trained(params, trainable)
+    return sum(ranks[s] != ranks[s + 1] for s in range(min(first, len(ranks) - 1)))
+
+
+def _first_trained(params: Sequence[Sequence[str]], trainable: Mapping[str, bool]) -> int:
+    """The first stage holding a trainable parameter (the stage count when none does)."""
+    return next(
         (s for s, names in enumerate(params) if any(trainable.get(f, True) for f in names)),
         len(params),
     )
-    return sum(ranks[s] != ranks[s + 1] for s in range(min(first, len(ranks) - 1)))
+
+
+#: Schedules whose weight-gradient step skips a stage whose input needs no gradient unless it is
+#: stage 0 (torch 2.13's ``backward_weight_one_chunk``): its parameters would get no gradient.
+_FIRST_STAGE_MUST_TRAIN = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def _check_frozen_start(
+    schedule: str, params: Sequence[Sequence[str]], trainable: Mapping[str, bool]
+) -> None:
+    first = _first_trained(params, trainable)
+    if schedule in _FIRST_STAGE_MUST_TRAIN and 0 < first < len(params):
+        raise PlanError(
+            f"schedule {schedule!r} with stage {first} the first to train (stages 0–{first - 1} "
+            "hold only frozen parameters, e.g. a LoRA base): in torch 2.13 its weight-gradient "
+            f"step leaves the parameters of such a stage without gradients (e.g. "
+            f"{_trained_example(params[first], trainable)!r}), silently. Use '1F1B', "
+            "'Interleaved1F1B' or 'DualPipeV', or train a parameter of stage 0 too.",
+            rule=schedule,
+        )
+
+
+def _trained_example(names: Sequence[str], trainable: Mapping[str, bool]) -> str:
+    return next(name for name in names if trainable.get(name, True))
 
 
 def bubble_fraction(schedule: str, pp_size: int, microbatches: int, stages_per_rank: int) -> float:
