@@ -126,6 +126,7 @@ def _losses(run: Path) -> list[float]:
     return [row["loss"] for row in rows]
 
 
+@pytest.mark.extended  # three launches and an export: ~70 s on 2 cores
 def test_qlora_resumes_bit_for_bit_and_exports_the_merged_nf4_base(tmp_path: Path) -> None:
     """A QLoRA run from a dense checkpoint: stopped at step 4 and resumed, it trains exactly as
     an uninterrupted run (the NF4 shards come back whole, scale mean included); its export is
