@@ -119,6 +119,10 @@ optimizers = st.sampled_from(
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
     torch.zeros(4), torch.zeros(4), 1.8210860499863144e-43, 0.7109375, False, torch.zeros(4),
 )  # fmt: skip
+@example(  # found by the long profile: Adam's lr/bc1 · m is subnormal, its rounding then ÷ eps
+    (torch.optim.Adam, {"lr": 1e-3}), torch.zeros(4), torch.tensor([0.0, 0.0, 0.0, 2.0**-126]),
+    2.0**-126, -0.5, True, torch.tensor([0.8054, 0.0, 0.0, 0.0]),
+)  # fmt: skip
 def test_update_bounds_hold_for_torch_optimizers(
     optimizer: tuple[type, dict],
     param: torch.Tensor,

@@ -122,7 +122,10 @@ def param_bound(
     direction = (m_hat / (v_hat.sqrt() + rule.eps)).abs()
     cap = direction + _largest_direction(rule, m_old, v_old, grad, delta, bc1, bc2)
     change = torch.minimum(torch.nan_to_num(slope, nan=0.0, posinf=torch.inf), cap)
-    bound = rule.lr * change + rounding + 2 * EPS_FP32 * rule.lr * (direction + change)
+    # torch scales m by lr / bc1 before dividing by √v̂ + eps: that product can be subnormal, and
+    # its absolute rounding (UNDERFLOW_FP32) is divided by at least eps, on either side
+    underflow = 2 * UNDERFLOW_FP32 / rule.eps
+    bound = rule.lr * change + rounding + underflow + 2 * EPS_FP32 * rule.lr * (direction + change)
     return bound.to(dtype)
 
 
