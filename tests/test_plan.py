@@ -327,7 +327,9 @@ def test_sequence_parallel_collectives_and_their_payloads() -> None:
     assert rows[("all_gather", "forward")] == (3 * 5, 3 * 5 * dim * act)
     assert rows[("reduce_scatter", "backward")] == (3 * 5, 3 * 5 * dim * act)
     assert rows[("all_gather", "backward")][0] == 3 * 5
-    assert rows[("all_reduce", "norm weights' partial gradients, once per gradient sync")] == (
+    assert rows[
+        ("all_reduce", "norm weights' partial gradients, one per parameter per gradient sync")
+    ] == (
         5,
         5 * dim * 4,
     )

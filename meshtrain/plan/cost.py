@@ -292,7 +292,8 @@ def estimate_tp_collectives(
     unpaired column-wise module, one all-gather per row-wise module whose input was sliced locally.
     With sequence parallelism the all-reduces become reduce-scatters to sequence shards, each pair
     parent and the head all-gather their input in forward (reduce-scatter in backward), and the
-    replicated norm weights' partial gradients are all-reduced once per gradient sync. The
+    replicated parameters of sequence-parallel modules (norm weights and biases) have partial
+    gradients, all-reduced one parameter at a time once per gradient sync. The
     loss-parallel cross-entropy adds none. Payload: the full activation each collective handles,
     ``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
     ``batch_size`` and ``seq_len``). Measured against real steps in the tests. ``pipelined``:
@@ -450,7 +451,7 @@ def estimate_tp_collectives(
                 add("all_gather", "forward: gathered column-wise outputs", shape(style.fqn)[0])
         elif kind == "sequence_parallel":
             trained = [p for p in layouts if p.fqn.rpartition(".")[0] == style.fqn and p.trainable]
-            norms += bool(trained)
+            norms += len(trained)  # one all-reduce per parameter (a LayerNorm's weight and bias)
             norm_numel += sum(p.local_numel for p in trained)
     micro = options.microbatches
     sized = "" if tokens else " (activation-sized: give batch_size and seq_len to size it)"
@@ -470,7 +471,7 @@ def estimate_tp_collectives(
                 tp_axis,
                 norms * syncs,
                 norm_numel * grad_bytes * syncs,
-                "norm weights' partial gradients, once per gradient sync",
+                "norm weights' partial gradients, one per parameter per gradient sync",
             )
         )
     if adapters:
