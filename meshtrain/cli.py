@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
         "directory) and verify each against its checksums: intact, damaged (which file, why), "
         "incomplete (a save that did not finish) or unverified (saved without checksums).",
     )
-    checkpoints.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
+    _add_run_dir(checkpoints)
     checkpoints.add_argument("--quick", action="store_true",
                              help="check sizes and the state file only, not every file's content")  # fmt: skip
     checkpoints.set_defaults(run=checkpoints_command)
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints directory) to OUT as a transformers model directory: config.json and "
         "safetensors shards with their index, streamed one shard at a time in this process.",
     )
-    export.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
+    _add_run_dir(export)
     export.add_argument("--format", default="hf", metavar="FORMAT",
                         help="what to write: hf (a transformers directory; the default)")  # fmt: skip
     export.add_argument("--out", required=True, metavar="OUT",
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating-point weights (default: as trained)")  # fmt: skip
     export.set_defaults(run=export_command)
     return parser
+
+
+def _add_run_dir(command: argparse.ArgumentParser) -> None:
+    """The RUN_DIR argument of the commands that read a run's checkpoints."""
+    command.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
 
 
 def _add_recipe(command: argparse.ArgumentParser, *, overrides: bool = True) -> None:
