@@ -205,7 +205,7 @@ def launch_command(args: argparse.Namespace) -> int:
     )  # fmt: skip
     from meshtrain.recipes import load_recipe
     from meshtrain.recipes.preflight import check_plan, lock_run
-    from meshtrain.train.lock import TOKEN_VARIABLE
+    from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_plan(recipe, nproc * args.nnodes)
@@ -298,7 +298,7 @@ def _stop_now(number: int, frame: object) -> None:
 
 def _ending(recipe: Recipe, result: RunResult) -> str:
     """Rank 0's last line: how far the run got and where the next one resumes."""
-    from meshtrain.train.checkpoint_files import checkpoint_step
+    from meshtrain.train.checkpoint.files import checkpoint_step
 
     name, checkpoint = recipe.name, result.checkpoint
     if result.stopped_by:
@@ -332,7 +332,7 @@ def _ending(recipe: Recipe, result: RunResult) -> str:
 
 def checkpoints_command(args: argparse.Namespace) -> int:
     """``meshtrain checkpoints``: every checkpoint of a run with its status, step and size."""
-    from meshtrain.train.integrity import inspect_directory
+    from meshtrain.train.checkpoint.integrity import inspect_directory
 
     root = Path(args.run_dir)
     directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root

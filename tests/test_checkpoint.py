@@ -29,13 +29,13 @@ from meshtrain.train.checkpoint import (
     load_checkpoint,
     load_safetensors,
 )
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     _ALLOWED_GLOBALS,
     METADATA_FILE,
     STATE_FILE,
     read_checkpoint_metadata,
 )
-from meshtrain.train.checkpoint_state import initialise_optimizer_state
+from meshtrain.train.checkpoint.state import initialise_optimizer_state
 
 
 class TwoLayers(nn.Module):

@@ -19,8 +19,8 @@ from meshtrain.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from meshtrain.train.checkpoint_files import METADATA_FILE, STATE_FILE
-from meshtrain.train.integrity import inspect_checkpoint, seal_state
+from meshtrain.train.checkpoint.files import METADATA_FILE, STATE_FILE
+from meshtrain.train.checkpoint.integrity import inspect_checkpoint, seal_state
 
 
 def _save(directory: Path, *steps: int, keep_last: int = 0) -> Checkpointer:

@@ -22,10 +22,9 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-import meshtrain.train.data as data_module
+import meshtrain.train.data.loader as data_module
 from meshtrain.errors import MeshtrainError
 from meshtrain.train.batch import Batch, DataPosition
-from meshtrain.train.corpus import DataError, corpus_text, stdlib_documents
 from meshtrain.train.data import (
     TOKENS_BIN,
     TOKENS_JSON,
@@ -36,7 +35,8 @@ from meshtrain.train.data import (
     prepare_corpus,
     prepare_tokens,
 )
-from meshtrain.train.tokenizer import (
+from meshtrain.train.data.corpus import DataError, corpus_text, stdlib_documents
+from meshtrain.train.data.tokenizer import (
     ByteTokenizer,
     Tokenizer,
     TokenizerError,

@@ -22,8 +22,8 @@ from meshtrain import CheckpointError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.run import train
 from meshtrain.testing.runner import get_pool
+from meshtrain.train.checkpoint.integrity import inspect_directory
 from meshtrain.train.data import prepare_corpus
-from meshtrain.train.integrity import inspect_directory
 from meshtrain.train.metrics import WANDB_RUN_ID_FILE, read_jsonl
 
 pytestmark = [pytest.mark.slow, pytest.mark.spmd]

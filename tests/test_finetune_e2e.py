@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshtrain.train.hf_export import CheckpointTensors
+from meshtrain.train.hf.export import CheckpointTensors
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]

@@ -31,9 +31,9 @@ from meshtrain.models.llama_hf import (
 )
 from meshtrain.recipes.pretrained import export_run, load_pretrained
 from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer
-from meshtrain.train.hf_export import export_hf
-from meshtrain.train.hf_files import read_config
-from meshtrain.train.hf_load import load_hf
+from meshtrain.train.hf.export import export_hf
+from meshtrain.train.hf.files import read_config
+from meshtrain.train.hf.load import load_hf
 
 transformers = pytest.importorskip("transformers")
 

@@ -29,8 +29,8 @@ from meshtrain.models.llama_hf import hf_config_from_llama, llama_config_from_hf
 from meshtrain.recipes.pretrained import load_pretrained
 from meshtrain.testing.runner import get_pool
 from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer, latest_checkpoint
-from meshtrain.train.hf_export import export_hf
-from meshtrain.train.hf_files import read_config
+from meshtrain.train.hf.export import export_hf
+from meshtrain.train.hf.files import read_config
 
 pytestmark = pytest.mark.spmd
 
@@ -111,7 +111,7 @@ def load_into_planned(
     """On every rank: build the model (meshtrain's Llama or the transformers model, other random
     weights), plan FSDP × TP (``llama-pp``: a 2-stage pipeline × FSDP), apply, load the directory
     through a slice counter, run the tokens, save a checkpoint."""
-    import meshtrain.train.hf_load as hf_load
+    import meshtrain.train.hf.load as hf_load
 
     axes, options = MESH, {}
     if kind.startswith("llama"):
@@ -237,7 +237,7 @@ def test_a_recipe_starts_from_a_transformers_directory_exports_one_and_resumes_w
     from meshtrain.cli import main
     from meshtrain.recipes import load_recipe
     from meshtrain.train.data import DistributedBatches, SyntheticTokens
-    from meshtrain.train.hf_export import CheckpointTensors
+    from meshtrain.train.hf.export import CheckpointTensors
     from meshtrain.train.loss import summed_cross_entropy
 
     torch.manual_seed(0)

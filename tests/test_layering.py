@@ -170,3 +170,32 @@ def test_runtime_calls_stay_in_their_layer(call: str) -> None:
     assert makers <= RUNTIME_CALLS[call], (
         f"{call} is called in {sorted(makers - RUNTIME_CALLS[call])}"
     )
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("hf_load", "meshtrain.train.hf.load"),
+        ("checkpoint_files", "meshtrain.train.checkpoint.files"),
+    ],
+)
+def test_moved_train_modules_still_import_with_a_warning(old: str, new: str) -> None:
+    import importlib
+    import sys
+
+    sys.modules.pop(f"meshtrain.train.{old}", None)
+    with pytest.warns(DeprecationWarning, match=f"moved to {new}"):
+        module = importlib.import_module(f"meshtrain.train.{old}")
+    assert module is importlib.import_module(new)
+
+
+def test_public_train_sub_packages_keep_their_names() -> None:
+    from meshtrain.train.checkpoint import CheckpointConfig, find_resume_point
+    from meshtrain.train.data import DistributedBatches, prepare_corpus
+    from meshtrain.train.metrics import LoggingConfig, WandbSink, make_sinks
+
+    assert CheckpointConfig.__module__ == "meshtrain.train.checkpoint.dcp"
+    assert DistributedBatches.__module__ == "meshtrain.train.data.loader"
+    assert WandbSink.__module__ == "meshtrain.train.metrics.wandb_sink"
+    assert callable(find_resume_point) and callable(prepare_corpus) and callable(make_sinks)
+    assert LoggingConfig.__module__ == "meshtrain.train.metrics.config"

@@ -21,7 +21,7 @@ from meshtrain.cli import main
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.preflight import DEFAULTS, check_launch, check_plan
 from meshtrain.recipes.schema import DataSection, ParallelSection, TrainSection
-from meshtrain.train.lock import acquire_run_lock
+from meshtrain.train.checkpoint.lock import acquire_run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The launcher's refusal budget (the issue's), measured from process start to exit.

@@ -17,8 +17,8 @@ from meshtrain.recipes.run import train
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import summed_cross_entropy
-from meshtrain.train.checkpoint import load_safetensors
 from meshtrain.train.data import DistributedBatches, TokenWindows, prepare_corpus
+from meshtrain.train.hf.single_file import load_safetensors
 
 pytestmark = [pytest.mark.spmd, pytest.mark.slow]
 STEPS = 6

@@ -200,7 +200,7 @@ def lock_run(recipe: Recipe, *, token: str | None = None) -> Iterator[str]:
     lies elsewhere) for a job; yields the job's token, for its ranks."""
     import uuid
 
-    from meshtrain.train.lock import acquire_run_lock
+    from meshtrain.train.checkpoint.lock import acquire_run_lock
 
     token = token or uuid.uuid4().hex
     directories = [recipe.run_dir]

@@ -2,7 +2,7 @@
 ``meshtrain export RUN_DIR --format hf``.
 
 In: :func:`load_pretrained` loads a transformers directory or a safetensors file into a model,
-planned and applied or not, each rank reading its slices (:func:`meshtrain.train.hf_load.load_hf`).
+planned and applied or not, each rank reading its slices (:func:`meshtrain.train.hf.load.load_hf`).
 For meshtrain's Llama it picks the name and rotary mapping
 (:mod:`meshtrain.models.llama_hf`) when the checkpoint uses transformers' names, and checks that
 ``config.json`` describes the same model (what shapes cannot tell: ``rope_theta``,
@@ -11,7 +11,7 @@ calls once its model is applied: it loads ``init_from``, unless the run resumes 
 of its own (then ``init_from`` is not read at all).
 
 Out: :func:`export_run` writes the newest intact checkpoint of a run as a transformers
-directory (:func:`meshtrain.train.hf_export.export_hf`): for meshtrain's Llama a
+directory (:func:`meshtrain.train.hf.export.export_hf`): for meshtrain's Llama a
 ``LlamaForCausalLM`` config.json and transformers' names and layout; for ``[model] hf`` the
 original config.json (and tokenizer files) with the weights under their own names.
 
@@ -44,10 +44,10 @@ from meshtrain.models.llama_hf import (
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.schema import model_section
 from meshtrain.train.checkpoint import find_resume_point, list_checkpoints
-from meshtrain.train.checkpoint_files import canonical_fqn, read_state_file
-from meshtrain.train.hf_export import ExportReport, Rename, Transform, export_hf
-from meshtrain.train.hf_files import read_config, weight_files
-from meshtrain.train.hf_load import LoadReport, load_hf
+from meshtrain.train.checkpoint.files import canonical_fqn, read_state_file
+from meshtrain.train.hf.export import ExportReport, Rename, Transform, export_hf
+from meshtrain.train.hf.files import read_config, weight_files
+from meshtrain.train.hf.load import LoadReport, load_hf
 
 __all__ = ["EXPORT_FORMATS", "export_run", "initialise_from", "load_pretrained"]
 
@@ -126,7 +126,7 @@ def export_run(
 ) -> ExportReport:
     """Write the newest intact checkpoint of the run in ``run_dir`` (a run directory or its
     checkpoints directory) to ``out_dir`` as a transformers directory; ``transform`` is
-    :func:`~meshtrain.train.hf_export.export_hf`'s hook (e.g. a LoRA merge). Runs in one
+    :func:`~meshtrain.train.hf.export.export_hf`'s hook (e.g. a LoRA merge). Runs in one
     process, no process group."""
     if format not in EXPORT_FORMATS:
         raise CheckpointError(
@@ -170,7 +170,7 @@ def _lora_merge(recipe: Any) -> Transform | None:
 def merge_adapters(
     fqn: str, tensor: torch.Tensor, checkpoint: Mapping[str, torch.Tensor], *, alpha: float
 ) -> list[tuple[str, torch.Tensor]]:
-    """An export :data:`~meshtrain.train.hf_export.Transform`: a base weight with LoRA adapters
+    """An export :data:`~meshtrain.train.hf.export.Transform`: a base weight with LoRA adapters
     beside it comes out merged (``W + (alpha / r)·B·A``, :func:`~meshtrain.merge_lora`); the
     adapters themselves are dropped; every other tensor passes unchanged.
 
@@ -203,7 +203,7 @@ def _export_target(
         raise CheckpointError(
             f"{str(checkpoint)!r} does not record the recipe that trained it, so the model's "
             "architecture is unknown. Export it from Python: "
-            "meshtrain.train.hf_export.export_hf(checkpoint, out, config=...)."
+            "meshtrain.train.hf.export.export_hf(checkpoint, out, config=...)."
         )
     try:
         model = model_section(str(checkpoint), dict(table))
@@ -226,7 +226,7 @@ def _export_target(
         raise CheckpointError(
             f"the run's model is a factory ({model.factory!r}): meshtrain does not know its "
             "transformers architecture. Export it from Python with "
-            "meshtrain.train.hf_export.export_hf(checkpoint, out, config=..., rename=...)."
+            "meshtrain.train.hf.export.export_hf(checkpoint, out, config=..., rename=...)."
         )
     return hf_config_from_llama(model.config), partial(llama_to_hf, model.config), []
 

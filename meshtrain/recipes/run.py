@@ -2,7 +2,7 @@
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
 ``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
-the job; :mod:`~meshtrain.train.lock`), build the model on full tensors from the recipe's seed, plan
+the job; :mod:`~meshtrain.train.checkpoint.lock`), build the model on full tensors from the recipe's seed, plan
 it, check that every rank has the same plan (:mod:`~meshtrain.train.fingerprint`), apply it, load
 ``[checkpoint] init_from`` into it (each rank its slices; :mod:`~meshtrain.recipes.pretrained`),
 resume from the newest intact checkpoint when
@@ -50,7 +50,8 @@ from meshtrain.train.checkpoint import (
     list_checkpoints,
     load_checkpoint,
 )
-from meshtrain.train.checkpoint_files import checkpoint_name, checkpoint_step
+from meshtrain.train.checkpoint.files import checkpoint_name, checkpoint_step
+from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 from meshtrain.train.data import (
     DistributedBatches,
     SyntheticTokens,
@@ -60,7 +61,6 @@ from meshtrain.train.data import (
 )
 from meshtrain.train.fingerprint import check_same_plan
 from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
-from meshtrain.train.lock import TOKEN_VARIABLE
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import LoggingConfig, Sinks, make_sinks
 from meshtrain.train.schedule import WarmupCosine

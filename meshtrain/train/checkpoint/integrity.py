@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from meshtrain.errors import CheckpointError
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     STATE_FILE,
     TMP_MARKER,
     checkpoint_step,

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from meshtrain.errors import format_shape
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     FORMAT,
     FORMAT_VERSION,
     MODEL_PREFIX,

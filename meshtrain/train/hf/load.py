@@ -47,8 +47,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import CheckpointError, format_shape
 from meshtrain.lower.materialise import held
-from meshtrain.train.checkpoint_files import canonical_fqn, format_names
-from meshtrain.train.hf_files import WeightFiles, weight_files
+from meshtrain.train.checkpoint.files import canonical_fqn, format_names
+from meshtrain.train.hf.files import WeightFiles, weight_files
 
 __all__ = ["LoadReport", "Sources", "load_hf", "local_indices"]
 

@@ -10,7 +10,7 @@ pp may all change between save and load. Nothing is rebuilt from the checkpoint'
 Saves are atomic: ranks write into ``step_<8 digits>.tmp-<id>/``; only after every rank's writes
 and DCP's metadata are on disk does rank 0 add ``meshtrain.json`` and rename the directory to
 ``step_<8 digits>``. Loading reads DCP's pickled metadata with a restricted unpickler (see
-:mod:`meshtrain.train.checkpoint_files`); non-tensor state is JSON.
+:mod:`meshtrain.train.checkpoint.files`); non-tensor state is JSON.
 
 Example (on every rank)::
 
@@ -45,7 +45,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from meshtrain.errors import CheckpointError, describe_os_error
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     METADATA_FILE,
     MODEL_PREFIX,
     TMP_MARKER,
@@ -62,7 +62,14 @@ from meshtrain.train.checkpoint_files import (
     single_process_dcp,
     write_state_file,
 )
-from meshtrain.train.checkpoint_state import (
+from meshtrain.train.checkpoint.integrity import (
+    CheckpointStatus,
+    digest_files,
+    file_problems,
+    inspect_checkpoint,
+    seal_state,
+)
+from meshtrain.train.checkpoint.state import (
     PreparedOptimizer,
     canonical_params,
     prepare_optimizer,
@@ -71,25 +78,15 @@ from meshtrain.train.checkpoint_state import (
     target_problems,
     unexpected_message,
 )
-from meshtrain.train.integrity import (
-    CheckpointStatus,
-    digest_files,
-    file_problems,
-    inspect_checkpoint,
-    seal_state,
-)
-from meshtrain.train.safetensors_io import export_safetensors, load_safetensors
 
 __all__ = [
     "CheckpointConfig",
     "Checkpointer",
     "ResumePoint",
-    "export_safetensors",
     "find_resume_point",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
-    "load_safetensors",
     "verify_checkpoint",
 ]
 
@@ -453,7 +450,7 @@ def _check_same_listing(directory: Path, names: list[str]) -> None:
 
 
 def verify_checkpoint(path: str | Path) -> CheckpointStatus:
-    """:func:`~meshtrain.train.integrity.inspect_checkpoint` shared by the ranks: each reads a
+    """:func:`~meshtrain.train.checkpoint.integrity.inspect_checkpoint` shared by the ranks: each reads a
     share of the files, and every rank gets the same verdict. Call on every rank alike."""
     path = Path(path)
     rank, world = _rank(), _world_size()

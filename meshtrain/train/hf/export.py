@@ -46,13 +46,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from meshtrain.adapters.nf4 import dequantize, register_nf4
 from meshtrain.errors import CheckpointError, PlanError
 from meshtrain.plan.sizes import parse_bytes
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     MODEL_PREFIX,
     TMP_MARKER,
     RestrictedFileSystemReader,
     single_process_dcp,
 )
-from meshtrain.train.hf_files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
+from meshtrain.train.hf.files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE
 
 __all__ = ["CheckpointTensors", "ExportReport", "Rename", "Transform", "export_hf"]
 

@@ -27,14 +27,14 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.errors import CheckpointError
 from meshtrain.train.atomic import replaced_atomically
-from meshtrain.train.checkpoint_files import (
+from meshtrain.train.checkpoint.files import (
     MODEL_PREFIX,
     RestrictedFileSystemReader,
     checkpoint_step,
     read_state_file,
     single_process_dcp,
 )
-from meshtrain.train.hf_load import load_hf
+from meshtrain.train.hf.load import load_hf
 
 __all__ = ["SAFETENSORS_FORMAT", "export_safetensors", "load_safetensors"]
 
@@ -99,7 +99,7 @@ def export_safetensors(
 
 def load_safetensors(file: str | Path, model: nn.Module, *, strict: bool = True) -> None:
     """Copy a safetensors file's tensors into ``model``'s parameters of the same FQN, in place:
-    :func:`~meshtrain.train.hf_load.load_hf` on one file (a full model, or one already planned
+    :func:`~meshtrain.train.hf.load.load_hf` on one file (a full model, or one already planned
     and applied: each rank reads its slices). Values are cast to each parameter's dtype. With
     ``strict`` every parameter must be in the file and every tensor in the file must be a
     parameter; shapes must always match. Raises :class:`CheckpointError` naming the mismatched

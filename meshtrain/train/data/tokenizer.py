@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from meshtrain.train.corpus import DataError
+from meshtrain.train.data.corpus import DataError
 
 __all__ = [
     "ByteTokenizer",

@@ -44,8 +44,8 @@ import torch
 
 from meshtrain.train.atomic import replaced_atomically, write_text_atomically
 from meshtrain.train.batch import Batch, DataPosition
-from meshtrain.train.corpus import DataError, stdlib_documents, stdlib_source_description
-from meshtrain.train.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
+from meshtrain.train.data.corpus import DataError, stdlib_documents, stdlib_source_description
+from meshtrain.train.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "TOKENS_BIN",
@@ -268,7 +268,7 @@ def prepare_corpus(
 
     A token file already in ``out_dir`` is reused when it is intact (sha256 checked) and was built
     from the same corpus (Python version, stdlib path and ``limit_bytes``) with the same
-    tokenizer; anything else is rebuilt. See :mod:`meshtrain.train.corpus` for the corpus.
+    tokenizer; anything else is rebuilt. See :mod:`meshtrain.train.data.corpus` for the corpus.
 
     Example::
 
