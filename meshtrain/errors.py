@@ -92,6 +92,11 @@ class TrainingError(MeshtrainError):
     that disagree on their plan, a state that does not belong to the train step."""
 
 
+class ConfigError(MeshtrainError):
+    """A runtime configuration built with a value it cannot take (a ``LoggingConfig`` with an
+    unknown wandb mode, say); a recipe's values are checked earlier, as :class:`RecipeError`."""
+
+
 class GraphBreakWarning(UserWarning):
     """``torch.compile`` split a compiled region into several graphs (count and reasons given)."""
 

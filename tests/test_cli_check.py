@@ -69,7 +69,7 @@ def test_a_failed_comparison_exits_1_with_the_report(
     assert "does NOT train like one device" in capsys.readouterr().out
     (call,) = calls
     assert call["args"][1] == {"dp": 2, "tp": 2} and call["steps"] == 1
-    assert call["args"][2]["zero"] == 3 and call["batches"].batch_size == 8
+    assert call["args"][2]["options"].zero == 3 and call["batches"].batch_size == 8
 
 
 def test_the_parser_refuses_a_world_that_is_not_positive(

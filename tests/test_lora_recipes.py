@@ -67,8 +67,8 @@ def test_betas_eps_and_offload_reach_the_optimizer_and_plan() -> None:
         type(optimizer).__name__ == "AdamW" and type(optimizer).__mro__[1].__name__ == "_HostStates"
     )
     options = recipe.plan_options()
-    assert options["offload_optimizer"] is True and options["offload"] is False
-    assert recipe_from_toml(BASE + "[parallel]\noffload = true\n").plan_options()["offload"]
+    assert options.offload_optimizer is True and options.offload is False
+    assert recipe_from_toml(BASE + "[parallel]\noffload = true\n").plan_options().offload
 
 
 def test_frozen_parameters_get_no_optimizer_state() -> None:

@@ -55,7 +55,7 @@ def _error(text: str) -> str:
 
 def _plan(recipe: Recipe, world: int) -> mt.Plan:
     mesh = mt.make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
-    return mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), **recipe.plan_options())
+    return mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
 
 
 def test_the_shipped_recipes_are_the_four_llama_presets_and_their_fine_tuning() -> None:
@@ -104,19 +104,19 @@ def test_defaults_overrides_and_plan_options() -> None:
     )
     assert overridden.model.config.n_layers == 4
     options = recipe.plan_options()
-    assert options == {
-        "zero": 3, "precision": "fp32", "activation_checkpointing": "none", "compile": False,
-        "optimizer": "adamw", "global_batch": 8, "seq_len": 16, "microbatches": 1,
-        "grad_reduction": "sum", "offload": False, "offload_optimizer": False,
-    }  # fmt: skip
+    assert options == mt.PlanOptions(
+        zero=3, precision="fp32", activation_checkpointing="none", compile=False,
+        optimizer="adamw", global_batch=8, seq_len=16, microbatches=1, grad_reduction="sum",
+        offload=False, offload_optimizer=False,
+    )  # fmt: skip
     assert _plan(recipe, 4).mesh == mt.Mesh(("dp", "tp"), (2, 2))
 
 
 def test_a_pipeline_table_becomes_a_pipeline() -> None:
     recipe = load_recipe("llama3_70b")
     options = recipe.plan_options()
-    assert "microbatches" not in options
-    assert options["pipeline"] == mt.Pipeline(
+    assert options.microbatches == 1  # the pipeline's micro-batches are the plan's
+    assert options.pipeline == mt.Pipeline(
         axis="pp", schedule="Interleaved1F1B", microbatches=8, stages_per_rank=2
     )
 

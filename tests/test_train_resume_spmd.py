@@ -38,7 +38,7 @@ def run_recipe(overrides: list[str], stop_after: int | None) -> dict:
     recipe = load_recipe("debug", overrides)
     result = train(recipe, stop_after=stop_after)
     mesh = mt.make_mesh(recipe.mesh_axes(), world_size=_world(), abstract=True)
-    plan = mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), **recipe.plan_options())
+    plan = mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
     return {"losses": result.losses, "resumed_from": result.resumed_from,
             "tolerance": contract_for(plan).tolerance}  # fmt: skip
 

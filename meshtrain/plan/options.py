@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from meshtrain.errors import PlanError, did_you_mean
 from meshtrain.plan.sizes import parse_bytes
@@ -93,6 +93,9 @@ class Pipeline:
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
+#: 0 = DDP, 1 = optimizer states sharded, 2 = gradients too, 3 = parameters too.
+ZeroStage = Literal[0, 1, 2, 3]
+ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 CompileScope = Literal["auto", "block", "model"]
 GradReduction = Literal["mean", "sum"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -151,7 +154,7 @@ class PlanOptions:
             raise PlanError(
                 f"pipeline={self.pipeline!r} must be a meshtrain.Pipeline(...) or None."
             )
-        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+        if isinstance(self.zero, bool) or self.zero not in ZERO_STAGES:
             raise PlanError(
                 f"zero={self.zero!r} is out of range: use 0 (DDP), 1 (optimizer states sharded), "
                 "2 (gradients too) or 3 (parameters too)."

@@ -26,6 +26,7 @@ from torch import nn
 
 from meshtrain.errors import RecipeError
 from meshtrain.models.llama import LlamaConfig, default_rules
+from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import Pipeline
 from meshtrain.recipes.models import (
     AdaptedBuilder,
@@ -41,8 +42,10 @@ from meshtrain.recipes.schema import (
     LoggingSection,
     LoRASection,
     ModelSection,
+    OptimizerName,
     ParallelSection,
     TrainSection,
+    build_section,
     check_mesh,
     check_rules,
     check_sections,
@@ -55,6 +58,8 @@ from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-ex
 from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
+from meshtrain.train.checkpoint import CheckpointConfig
+from meshtrain.train.metrics import LoggingConfig
 from meshtrain.train.offload import offload_states
 
 ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
@@ -71,7 +76,7 @@ class OptimizerBuilder:
         (0.9, 0.95)
     """
 
-    name: str
+    name: OptimizerName
     lr: float
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.999)
@@ -97,7 +102,7 @@ class Recipe:
 
     Example:
         >>> recipe = recipe_from_toml('[model]\\npreset = "debug"\\n[mesh]\\ndp = -1\\n')
-        >>> recipe.parallel.tp, recipe.parallel.fsdp, recipe.plan_options()["zero"]
+        >>> recipe.parallel.tp, recipe.parallel.fsdp, recipe.plan_options().zero
         ('', ('dp',), 3)
     """
 
@@ -165,6 +170,7 @@ class Recipe:
         return LlamaBuilder(model.config, seed, device)
 
     def optimizer_fn(self) -> OptimizerBuilder:
+        """The optimizer ``[train]`` names, with its hyper-parameters (a picklable builder)."""
         train = self.train
         return OptimizerBuilder(train.optimizer, train.lr, train.weight_decay, train.betas,
                                 train.eps, self.parallel.offload_optimizer)  # fmt: skip
@@ -189,29 +195,43 @@ class Recipe:
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()
         return Rules(self.explicit_rules, logical=logical, fsdp=par.fsdp)
 
-    def plan_options(self) -> dict[str, Any]:
-        """Keyword arguments of ``mt.plan`` besides the rules (the pipeline included)."""
-        par, pipe = self.parallel, self.parallel.pipeline
-        options: dict[str, Any] = {
-            "zero": par.zero,
-            "precision": par.precision,
-            "activation_checkpointing": par.activation_checkpointing,
-            "compile": par.compile,
-            "optimizer": self.train.optimizer,
-            "offload": par.offload,
-            "offload_optimizer": par.offload_optimizer,
-            "global_batch": self.train.batch_size,
-            "seq_len": self.train.seq_len,
+    def plan_options(self) -> PlanOptions:
+        """The options of ``mt.plan`` besides the rules, the pipeline included:
+        ``mt.plan(model, mesh, recipe.rules(), recipe.plan_options())``."""
+        par, pipe, train = self.parallel, self.parallel.pipeline, self.train
+        pipeline = None
+        if pipe is not None:
+            pipeline = Pipeline(axis=pipe.axis, schedule=pipe.schedule,
+                                microbatches=pipe.microbatches, stages_per_rank=pipe.stages_per_rank)  # fmt: skip
+        return PlanOptions(
+            zero=par.zero,
+            precision=par.precision,
+            activation_checkpointing=par.activation_checkpointing,
+            compile=par.compile,
+            optimizer=train.optimizer,
+            offload=par.offload,
+            offload_optimizer=par.offload_optimizer,
+            global_batch=train.batch_size,
+            seq_len=train.seq_len,
             # the train step divides the loss by the global token count: gradients are summed
-            "grad_reduction": "sum",
-        }
-        if pipe is None:
-            options["microbatches"] = par.microbatches
-        else:
-            options["pipeline"] = Pipeline(axis=pipe.axis, schedule=pipe.schedule,
-                                           microbatches=pipe.microbatches,
-                                           stages_per_rank=pipe.stages_per_rank)  # fmt: skip
-        return options
+            grad_reduction="sum",
+            microbatches=par.microbatches if pipe is None else 1,
+            pipeline=pipeline,
+        )
+
+    def logging_config(self) -> LoggingConfig:
+        """``[logging]``'s sinks as the train layer takes them (the run directory aside)."""
+        log = self.logging
+        return LoggingConfig(console=log.console, jsonl=log.jsonl, wandb=log.wandb,
+                             wandb_project=log.wandb_project, wandb_entity=log.wandb_entity or None,
+                             log_every=log.log_every)  # fmt: skip
+
+    def checkpoint_config(self) -> CheckpointConfig:
+        """``[checkpoint]``'s saving as the train layer takes it (resuming and the files in and
+        out are the recipe's run's)."""
+        checkpoint = self.checkpoint
+        return CheckpointConfig(directory=self.checkpoint_dir, interval=checkpoint.interval,
+                                keep_last=checkpoint.keep_last, async_save=checkpoint.async_save)  # fmt: skip
 
 
 def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -234,9 +254,6 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
     data, source = parse_recipe(text, source, overrides)
     check_sections(source, data)
     mesh = check_mesh(source, data["mesh"])
-    checkpoint = check_table(source, "checkpoint", data.get("checkpoint", {}))
-    if "async" in checkpoint:
-        checkpoint["async_save"] = checkpoint.pop("async")
     model = model_section(source, data["model"])
     hf_config = read_hf_config(model.hf) if model.hf else {}  # before any rank starts
     if model.factory:
@@ -250,9 +267,13 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
         parallel=parallel_section(source, data.get("parallel", {}), dict(mesh)),
         train=train,
         explicit_rules=check_rules(source, data["rules"]) if "rules" in data else None,
-        data=DataSection(**check_table(source, "data", data.get("data", {}))),
-        checkpoint=CheckpointSection(**checkpoint),
-        logging=LoggingSection(**check_table(source, "logging", data.get("logging", {}))),
+        data=build_section(DataSection, check_table(source, "data", data.get("data", {}))),
+        checkpoint=build_section(
+            CheckpointSection, check_table(source, "checkpoint", data.get("checkpoint", {}))
+        ),
+        logging=build_section(
+            LoggingSection, check_table(source, "logging", data.get("logging", {}))
+        ),
         lora=lora_section(source, data["lora"]) if "lora" in data else None,
         raw=data,
     )
@@ -280,7 +301,7 @@ def _check_seq_len(
 
 def _train_section(source: str, values: dict[str, Any]) -> TrainSection:
     """``[train]`` with its schedule consistent: warmup within the run, ``min_lr`` ≤ ``lr``."""
-    train = TrainSection(**values)
+    train = build_section(TrainSection, values)
     if train.warmup_steps > train.steps:
         raise RecipeError(
             f"{source}: train.warmup_steps = {train.warmup_steps} is longer than train.steps = "

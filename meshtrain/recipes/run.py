@@ -43,7 +43,6 @@ from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.checkpoint import (
-    CheckpointConfig,
     Checkpointer,
     export_safetensors,
     find_resume_point,
@@ -62,7 +61,7 @@ from meshtrain.train.data import (
 from meshtrain.train.fingerprint import check_same_plan
 from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
-from meshtrain.train.metrics import LoggingConfig, Sinks, make_sinks
+from meshtrain.train.metrics import Sinks, make_sinks
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
@@ -119,17 +118,9 @@ def _train(
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
                             train_cfg.min_lr)  # fmt: skip
     step_fn = make_train_step(plan, summed_cross_entropy, optimizer, schedule,
-                              max_norm=train_cfg.max_norm,
-                              on_nonfinite=train_cfg.on_nonfinite)  # type: ignore[arg-type]  # fmt: skip
+                              max_norm=train_cfg.max_norm, on_nonfinite=train_cfg.on_nonfinite)  # fmt: skip
     state = TrainState.create(applied, optimizer)
-    checkpointer = Checkpointer(
-        CheckpointConfig(
-            directory=recipe.checkpoint_dir,
-            interval=recipe.checkpoint.interval,
-            keep_last=recipe.checkpoint.keep_last,
-            async_save=recipe.checkpoint.async_save,
-        )
-    )
+    checkpointer = Checkpointer(recipe.checkpoint_config())
     budget = SkipBudget(train_cfg.max_consecutive_skips, train_cfg.max_total_skips)
     state, guard, last_good, resume = _resume(recipe, state, optimizer, checkpointer, budget)
     stop.arm()  # from here on a stop waits for a step boundary and saves
@@ -137,7 +128,7 @@ def _train(
     loader = DistributedBatches(_dataset(recipe, model), recipe.train.batch_size, dp_rank, dp_size,
                                 seed=recipe.data.seed, shuffle=recipe.data.shuffle)  # fmt: skip
     sinks = make_sinks(
-        _logging_config(recipe), run_dir=recipe.run_dir, rank=dist.get_rank(),
+        recipe.logging_config(), run_dir=recipe.run_dir, rank=dist.get_rank(),
         total_steps=train_cfg.steps, run_name=recipe.name, start_step=state.step,
     )  # fmt: skip
     sinks.start(config=recipe.raw, plan_text=plan.explain(), plan_json=plan.to_json())
@@ -331,7 +322,7 @@ def start_model(
     meta = recipe.model.meta_init
     base = recipe.build_model(device="meta" if meta else device, seed=seed, adapters=False)
     model = recipe.adapt(base, seed=seed)
-    plan = make_plan(model, mesh, recipe.rules(), **recipe.plan_options())
+    plan = make_plan(model, mesh, recipe.rules(), recipe.plan_options())
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=seed)
@@ -363,13 +354,6 @@ def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
             "at least that size (--set model.vocab_size=...) or another tokenizer."
         )
     return TokenWindows(tokens, seq_len)
-
-
-def _logging_config(recipe: Recipe) -> LoggingConfig:
-    log = recipe.logging
-    return LoggingConfig(console=log.console, jsonl=log.jsonl, wandb=log.wandb,
-                         wandb_project=log.wandb_project, wandb_entity=log.wandb_entity or None,
-                         log_every=log.log_every)  # fmt: skip
 
 
 def _extra(state: TrainState, plan: Plan, fingerprint: str, recipe: Recipe) -> dict[str, Any]:

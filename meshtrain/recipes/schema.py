@@ -1,8 +1,10 @@
 """What a recipe file may contain, and the checks that turn a bad one into a clear RecipeError.
 
 Every message names the file, the ``section.key``, the value, what is allowed and how to fix it.
-The key tables in :data:`SECTIONS` and the section dataclasses are the whole schema: a new section
-is one more key table and dataclass here and one more field of :class:`meshtrain.recipes.Recipe`.
+The sections are declared once, as dataclasses in :mod:`meshtrain.recipes.sections`; the key
+tables here (:func:`key_table`, :data:`SECTIONS`), the "did you mean" lists and the key reference
+of ``docs/recipes.md`` (:func:`reference_table`) are derived from them. This module imports no
+torch until a recipe is checked (the vocabularies of the plan and train layers are read then).
 
 Example:
     >>> check_table("r.toml", "train", {"steps": "3"})
@@ -15,31 +17,77 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import json
 import math
 import re
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from meshtrain.errors import MeshtrainError, RecipeError, did_you_mean
-from meshtrain.models.llama import LlamaConfig
-from meshtrain.plan.pipeline import SCHEDULES
+from meshtrain.recipes.sections import (
+    SECTION_NAMES,
+    SECTION_TYPES,
+    TOP_SECTIONS,
+    CheckpointSection,
+    DataSection,
+    DataSource,
+    FreeForm,
+    LoggingSection,
+    LoRASection,
+    ModelSection,
+    OptimizerName,
+    ParallelSection,
+    PipelineSection,
+    TrainSection,
+)
 from meshtrain.recipes.source import find_recipe as find_recipe  # re-exported
-from meshtrain.spec.partition import P
 
-PRESETS = ("debug", "llama3_8b", "llama3_70b", "llama3_405b")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-DATA_SOURCES = ("corpus", "synthetic", "tokens")
+if TYPE_CHECKING:
+    from meshtrain.spec.partition import P
+
+__all__ = [
+    "DATA_SOURCES",
+    "OPTIMIZERS",
+    "SECTION_NAMES",
+    "TOP_SECTIONS",
+    "CheckpointSection",
+    "DataSection",
+    "Key",
+    "LoRASection",
+    "LoggingSection",
+    "ModelSection",
+    "ParallelSection",
+    "PipelineSection",
+    "TrainSection",
+    "build_section",
+    "check_table",
+    "key_table",
+    "parse_spec",
+    "reference_table",
+]
+
+OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
+DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
           list: "an array", dict: "a table"}  # fmt: skip
 _SPEC_FIX = "Write a spec like \"P('tp', None)\": entries None, 'axis' or ('axis1', 'axis2')."
+Section = TypeVar("Section")
 
 
 @dataclass(frozen=True)
 class Key:
-    """What one key accepts: Python types as tomllib reads them, an example, allowed values."""
+    """What one key accepts, derived from its field: Python types as tomllib reads them, an
+    example, allowed values, bounds, an array's item types and length; its doc and default.
+
+    Example:
+        >>> key_table("parallel")["zero"].describe()
+        'one of 0, 1, 2, 3'
+    """
 
     kinds: tuple[type, ...]
     example: Any
@@ -48,6 +96,9 @@ class Key:
     nonnegative: bool = False
     items: tuple[type, ...] = (str,)  # what an array's items are
     length: int | None = None  # an array's required length
+    doc: str = ""
+    default: Any = None
+    shown: str = ""  # the default as the docs show it, when not the value itself
 
     def describe(self) -> str:
         if self.choices:
@@ -62,229 +113,113 @@ class Key:
         return f"a positive {what.split()[-1]}" if self.positive else what
 
 
-def _positive(example: Any, *kinds: type) -> Key:
-    return Key(kinds or (int,), example, positive=True)
+@functools.cache
+def _type_names() -> dict[str, Any]:
+    """The names the sections' annotations use from lower layers (imported on first use)."""
+    from meshtrain.models.llama import LlamaConfig
+    from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.metrics.config import WandbMode
+    from meshtrain.train.step import OnNonFinite
+
+    return {"LlamaConfig": LlamaConfig, "Checkpointing": Checkpointing, "Precision": Precision,
+            "ZeroStage": ZeroStage, "WandbMode": WandbMode, "OnNonFinite": OnNonFinite}  # fmt: skip
 
 
-def _nonnegative(example: Any, *kinds: type) -> Key:
-    return Key(kinds or (int,), example, nonnegative=True)
+@functools.cache
+def key_table(section: str) -> dict[str, Key]:
+    """TOML key → :class:`Key` of a section (``"parallel.pipeline"`` for the nested table), in
+    field order; empty for the free-form ``mesh`` and ``rules``.
+
+    Example:
+        >>> list(key_table("parallel.pipeline"))
+        ['axis', 'schedule', 'microbatches', 'stages_per_rank']
+    """
+    section_type = SECTION_TYPES[section]
+    if isinstance(section_type, FreeForm):
+        return {}
+    hints = typing.get_type_hints(section_type, localns=_type_names())
+    keys: dict[str, Key] = {}
+    for field in dataclasses.fields(section_type):
+        expand = field.metadata.get("keys_from")
+        if expand is not None:
+            keys.update(_config_keys(expand()))
+        else:
+            keys[field.metadata["toml"] or field.name] = _derive(field, hints[field.name])
+    return keys
 
 
-_LLAMA_KEYS = {
-    f.name: _positive(2) if f.type == "int" else _positive(1.0, int, float)
-    for f in dataclasses.fields(LlamaConfig)
-}
-
-#: Section → key → what it accepts. ``mesh`` (axis = size) and ``rules`` (regex = spec string)
-#: have free-form keys and their own checks.
-SECTIONS: dict[str, dict[str, Key]] = {
-    "model": {
-        "name": Key((str,), "llama", ("llama",)),
-        "preset": Key((str,), "debug", PRESETS),
-        "factory": Key((str,), "my_models:tiny_cnn"),
-        "hf": Key((str,), "models/tiny-llama"),
-        "meta_init": Key((bool,), False),
-        **_LLAMA_KEYS,
-    },
-    "mesh": {},
-    "parallel": {
-        "zero": Key((int,), 3, (0, 1, 2, 3)),
-        "fsdp": Key((list,), ["dp"]),
-        "tp": Key((str,), "tp"),
-        "sequence_parallel": Key((bool,), True),
-        "activation_checkpointing": Key((str,), "selective", ("none", "full", "selective")),
-        "compile": Key((bool,), True),
-        "precision": Key((str,), "bf16", ("fp32", "bf16", "fp16")),
-        "microbatches": _positive(2),
-        "pipeline": Key((dict,), {}),
-        "offload": Key((bool,), True),
-        "offload_optimizer": Key((bool,), True),
-    },
-    "parallel.pipeline": {
-        "axis": Key((str,), "pp"),
-        "schedule": Key((str,), "1F1B", SCHEDULES),
-        "microbatches": _positive(8),
-        "stages_per_rank": _positive(2),
-    },
-    "rules": {},
-    "train": {
-        "batch_size": _positive(8),
-        "seq_len": _positive(16),
-        "optimizer": Key((str,), "adamw", OPTIMIZERS),
-        "lr": _positive(1e-3, int, float),
-        "min_lr": _nonnegative(1e-4, int, float),
-        "warmup_steps": _nonnegative(10),
-        "steps": _positive(3),
-        "weight_decay": _nonnegative(0.1, int, float),
-        "betas": Key((list,), [0.9, 0.95], items=(int, float), length=2),
-        "eps": _positive(1e-8, int, float),
-        "max_norm": _positive(1.0, int, float),
-        "seed": _nonnegative(0),
-        "on_nonfinite": Key((str,), "skip", ("skip", "stop")),
-        "max_consecutive_skips": _positive(10),
-        "max_total_skips": _nonnegative(100),
-    },
-    "lora": {
-        "rank": _positive(8),
-        "alpha": _positive(16, int, float),
-        "targets": Key((list,), [r"layers\.\d+\.attention\.w[qkvo]"], positive=True),
-        "quantize_base": Key((str,), "nf4", ("nf4",)),
-    },
-    "data": {
-        "source": Key((str,), "corpus", DATA_SOURCES),
-        "path": Key((str,), "data/tokens"),
-        "tokenizer": Key((str,), "byte"),
-        "corpus_bytes": _positive(4_000_000),
-        "samples": _positive(4096),
-        "shuffle": Key((bool,), True),
-        "seed": _nonnegative(0),
-    },
-    "checkpoint": {
-        "dir": Key((str,), "runs/debug/checkpoints"),
-        "interval": _nonnegative(100),
-        "keep_last": _nonnegative(3),
-        "async": Key((bool,), False),
-        "resume": Key((bool,), True),
-        "init_from": Key((str,), "model.safetensors"),
-        "export": Key((str,), "runs/debug/model.safetensors"),
-    },
-    "logging": {
-        "run_dir": Key((str,), "runs/debug"),
-        "console": Key((bool,), True),
-        "jsonl": Key((bool,), True),
-        "wandb": Key((str,), "offline", ("offline", "online", "disabled")),
-        "wandb_project": Key((str,), "meshtrain"),
-        "wandb_entity": Key((str,), "my-team"),
-        "log_every": _positive(10),
-    },
-}
-TOP_SECTIONS = tuple(name for name in SECTIONS if "." not in name)
+def _derive(field: dataclasses.Field[Any], hint: Any) -> Key:
+    """A field's :class:`Key`: ``Literal`` → choices; ``tuple`` → an array (fixed length unless
+    ``...``); a dataclass → a table; ``float`` also takes integers; ``X | None`` is ``X``."""
+    meta = field.metadata
+    hint = _without_none(hint)
+    choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+    items: tuple[type, ...] = (str,)
+    length = None
+    if typing.get_origin(hint) is Literal:
+        choices = tuple(choice for choice in typing.get_args(hint) if choice != "")  # "": unset
+        kinds: tuple[type, ...] = (type(choices[0]),)
+    elif typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        kinds, items = (list,), _kinds_of(args[0])
+        length = None if args[-1] is Ellipsis else len(args)
+    elif dataclasses.is_dataclass(hint):
+        kinds = (dict,)
+    else:
+        kinds = _kinds_of(hint)
+    return Key(kinds, meta["example"], tuple(choices), positive=meta["bound"] == "positive",
+               nonnegative=meta["bound"] == "nonnegative", items=items, length=length,
+               doc=meta["doc"], default=field.default, shown=meta["shown"])  # fmt: skip
 
 
-@dataclass(frozen=True)
-class ModelSection:
-    """``[model]``: meshtrain's Llama (``preset`` and config overrides), a ``factory``
-    (``"package.module:function"``) or a local Hugging Face directory (``hf``). ``config`` is the
-    Llama's (None for the others)."""
-
-    name: str
-    preset: str
-    config: LlamaConfig | None
-    factory: str = ""
-    hf: str = ""
-    meta_init: bool = True  # start on the meta device: each rank allocates only its shards
-
-    @property
-    def kind(self) -> str:
-        """'llama', 'factory' or 'hf'."""
-        return "factory" if self.factory else "hf" if self.hf else "llama"
+def _config_keys(config_type: type) -> dict[str, Key]:
+    """A model config's fields as ``[model]`` keys (each an override of the preset's)."""
+    hints = typing.get_type_hints(config_type)
+    return {
+        field.name: Key(
+            _kinds_of(_without_none(hints[field.name])),
+            2 if hints[field.name] is int else 1.0,
+            positive=True,
+            doc=f"the preset's `{config_type.__name__}.{field.name}`, overridden",
+            shown="the preset's",
+        )
+        for field in dataclasses.fields(config_type)
+    }
 
 
-@dataclass(frozen=True)
-class PipelineSection:
-    """``[parallel.pipeline]``: the arguments of :class:`~meshtrain.Pipeline`."""
-
-    axis: str = "pp"
-    schedule: str = "1F1B"
-    microbatches: int | None = None
-    stages_per_rank: int = 1
+def _without_none(hint: Any) -> Any:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        return args[0] if len(args) == 1 else hint
+    return hint
 
 
-@dataclass(frozen=True)
-class ParallelSection:
-    """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
-
-    zero: int = 3
-    fsdp: tuple[str, ...] = ("dp",)
-    tp: str = "tp"
-    sequence_parallel: bool = False
-    activation_checkpointing: str = "none"
-    compile: bool = False
-    precision: str = "fp32"
-    microbatches: int = 1
-    pipeline: PipelineSection | None = None
-    offload: bool = False
-    offload_optimizer: bool = False
+def _kinds_of(hint: Any) -> tuple[type, ...]:
+    return (int, float) if hint is float else (hint,)
 
 
-@dataclass(frozen=True)
-class TrainSection:
-    """``[train]``: global sequences per step, tokens per sequence, optimizer and its schedule
-    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed,
-    what a non-finite loss does (``skip`` its update or ``stop``) and how many skipped steps end
-    the run (``max_consecutive_skips`` in a row, ``max_total_skips`` in all; 0: no bound)."""
+def build_section(section_type: type[Section], values: Mapping[str, Any]) -> Section:
+    """The section's dataclass from checked values keyed by TOML name (``async`` →
+    ``async_save``).
 
-    batch_size: int = 8
-    seq_len: int = 16
-    optimizer: str = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    steps: int = 3
-    weight_decay: float = 0.1
-    max_norm: float = 1.0
-    seed: int = 0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    on_nonfinite: str = "skip"
-    max_consecutive_skips: int = 10
-    max_total_skips: int = 100
+    Example:
+        >>> build_section(CheckpointSection, {"async": True}).async_save
+        True
+    """
+    names = {field.metadata.get("toml") or field.name: field.name
+             for field in dataclasses.fields(section_type)}  # type: ignore[arg-type]  # fmt: skip
+    return section_type(**{names[key]: value for key, value in values.items()})
 
 
-@dataclass(frozen=True)
-class LoRASection:
-    """``[lora]``: adapters of ``rank`` with scale ``alpha / rank`` on the Linears whose FQNs
-    fully match one of ``targets`` (regexes), every other parameter frozen; ``quantize_base =
-    "nf4"`` stores the adapted base weights in 4-bit NF4 (QLoRA)."""
+def __getattr__(name: str) -> Any:
+    """``SECTIONS`` (section → key → :class:`Key`) and ``PRESETS``, derived on first use."""
+    if name == "SECTIONS":
+        return {section: key_table(section) for section in SECTION_NAMES}
+    if name == "PRESETS":
+        from meshtrain.models.llama import _PRESETS
 
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ()
-    quantize_base: str = ""
-
-
-@dataclass(frozen=True)
-class DataSection:
-    """``[data]``: ``corpus`` (the Python standard library's docstrings, tokenized locally into
-    ``path`` on first use), ``tokens`` (a prepared token directory at ``path``) or ``synthetic``
-    (``samples`` random sequences); the tokenizer; shuffling and its seed."""
-
-    source: str = "corpus"
-    path: str = "data/corpus"
-    tokenizer: str = "byte"
-    corpus_bytes: int | None = None
-    samples: int = 4096
-    shuffle: bool = True
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class CheckpointSection:
-    """``[checkpoint]``: where and how often to save (``interval`` 0: only at the end), how many
-    to keep (0: all), async saving, resuming from the latest one in ``dir``, a safetensors file
-    to start from and one to export the final model to."""
-
-    dir: str = ""
-    interval: int = 0
-    keep_last: int = 3
-    async_save: bool = False
-    resume: bool = True
-    init_from: str = ""
-    export: str = ""
-
-
-@dataclass(frozen=True)
-class LoggingSection:
-    """``[logging]``: the run directory (metrics.jsonl, plan files, wandb's offline run), the
-    console progress bar, the JSONL file, wandb's mode and project, and how often to log."""
-
-    run_dir: str = ""
-    console: bool = True
-    jsonl: bool = True
-    wandb: str = "offline"
-    wandb_project: str = "meshtrain"
-    wandb_entity: str = ""
-    log_every: int = 1
+        return _PRESETS
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_sections(source: str, data: Mapping[str, Any]) -> None:
@@ -306,9 +241,9 @@ def check_sections(source: str, data: Mapping[str, Any]) -> None:
 
 
 def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str, Any]:
-    """The section's values, each checked against :data:`SECTIONS` (numbers become floats where
-    a float is wanted)."""
-    keys = SECTIONS[section]
+    """The section's values, each checked against its :func:`key_table` (numbers become floats
+    where a float is wanted, arrays tuples)."""
+    keys = key_table(section)
     values: dict[str, Any] = {}
     for key, value in table.items():
         spec = keys.get(key)
@@ -339,8 +274,8 @@ def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str
             raise RecipeError(
                 f"{where} is out of range; {key} must be {spec.describe()}. {example}"
             )
-        if isinstance(value, list) and float in spec.items:
-            value = tuple(float(item) for item in value)
+        if isinstance(value, list):
+            value = tuple(float(item) if float in spec.items else item for item in value)
         values[key] = float(value) if float in spec.kinds else value
     return values
 
@@ -372,8 +307,7 @@ def lora_section(source: str, table: dict[str, Any]) -> LoRASection:
                 f"{source}: lora.targets = {toml_value(values['targets'])}: {pattern!r} is not a "
                 f"valid regex ({err}). Fix the pattern."
             ) from None
-    values["targets"] = tuple(values["targets"])
-    return LoRASection(**values)
+    return build_section(LoRASection, values)
 
 
 def check_mesh(source: str, table: Mapping[str, Any]) -> tuple[tuple[str, int], ...]:
@@ -418,9 +352,12 @@ def check_axis_jobs(source: str, jobs: list[tuple[str, str]], mesh: Mapping[str,
 def model_section(source: str, table: dict[str, Any]) -> ModelSection:
     """``[model]``: the preset with its overrides, built (and so checked) as a LlamaConfig; or a
     factory or a Hugging Face directory, which take no Llama keys."""
+    from meshtrain.models.llama import LlamaConfig
+
     values = check_table(source, "model", table)
-    factory, hf = values.pop("factory", ""), values.pop("hf", "")
-    meta_init = values.pop("meta_init", True)
+    default = ModelSection()
+    factory, hf = values.pop("factory", default.factory), values.pop("hf", default.hf)
+    meta_init = values.pop("meta_init", default.meta_init)
     if factory or hf:
         if (factory and hf) or values:
             given = ["factory"] * bool(factory) + ["hf"] * bool(hf) + sorted(values)
@@ -430,7 +367,7 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
                 '"DIR" — pick one.'
             )
         return ModelSection("factory" if factory else "hf", "", None, factory, hf, meta_init)
-    name, preset = values.pop("name", "llama"), values.pop("preset", "debug")
+    name, preset = values.pop("name", default.name), values.pop("preset", default.preset)
     try:
         config = LlamaConfig.preset(preset, **values)
     except MeshtrainError as err:
@@ -446,10 +383,13 @@ def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -
     values = check_table(source, "parallel", table)
     pipe = None
     if "pipeline" in values:
-        pipe = PipelineSection(**check_table(source, "parallel.pipeline", values.pop("pipeline")))
-    values.setdefault("tp", "tp" if "tp" in mesh else "")
-    values["fsdp"] = tuple(values.get("fsdp", ("dp",) if "dp" in mesh else ()))
-    par = ParallelSection(**values, pipeline=pipe)
+        pipe = build_section(
+            PipelineSection, check_table(source, "parallel.pipeline", values.pop("pipeline"))
+        )
+    default = ParallelSection()  # its axes where the mesh has them
+    values.setdefault("tp", default.tp if default.tp in mesh else "")
+    values.setdefault("fsdp", tuple(axis for axis in default.fsdp if axis in mesh))
+    par = dataclasses.replace(build_section(ParallelSection, values), pipeline=pipe)
     jobs = [(f"parallel.fsdp = {toml_value(list(par.fsdp))}", axis) for axis in par.fsdp]
     jobs += [(f"parallel.tp = {toml_value(par.tp)}", par.tp)] if par.tp else []
     if pipe is not None:
@@ -495,6 +435,8 @@ def parse_spec(text: str, *, where: str = "spec") -> P:
         >>> parse_spec("P(('dp', 'tp'), None)")
         P(('dp', 'tp'), None)
     """
+    from meshtrain.spec.partition import P
+
     shown = f"{where} = {toml_value(text)}"
     try:
         node = ast.parse(text.strip(), mode="eval").body
@@ -534,3 +476,28 @@ def toml_value(value: Any) -> str:
 
 def _kind(value: Any) -> str:
     return _KINDS.get(type(value), type(value).__name__)
+
+
+def reference_table() -> str:
+    """The key reference of ``docs/recipes.md``, as a Markdown table derived from the sections
+    (``tests/test_recipe_schema.py`` keeps the docs equal to it).
+
+    Example:
+        >>> print(reference_table().splitlines()[2])
+        | `[model]` | `name` | one of "llama" | `"llama"` | meshtrain's Llama |
+    """
+    lines = ["| section | key | type | default | meaning |", "|---|---|---|---|---|"]
+    for section, section_type in SECTION_TYPES.items():
+        if isinstance(section_type, FreeForm):
+            rows = [(section_type.key, section_type.value, section_type.default, section_type.doc)]
+        else:
+            rows = [
+                (f"`{key}`", spec.describe(), spec.shown or f"`{toml_value(spec.default)}`",
+                 spec.doc)
+                for key, spec in key_table(section).items()
+                if spec.kinds != (dict,)  # a nested table: its own rows
+            ]  # fmt: skip
+        for index, (key, kind, default, doc) in enumerate(rows):
+            name = f"`[{section}]`" if index == 0 else ""
+            lines.append(f"| {name} | {key} | {kind} | {default} | {doc} |")
+    return "\n".join(lines) + "\n"

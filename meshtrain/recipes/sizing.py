@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -84,21 +85,25 @@ def size_recipe(
     memory = parse_bytes(device_memory) if device_memory is not None else None
     model = recipe.build_model(device="meta")
     options = recipe.plan_options()
-    seq_len, global_batch = options.pop("seq_len"), options.pop("global_batch")
+    global_batch = recipe.train.batch_size
     if strategy == "auto":
         if memory is None:
             raise PlanError("strategy auto needs the memory per device: give --device-memory.")
-        for key in ("zero", "activation_checkpointing", "pipeline", "microbatches"):
-            options.pop(key, None)
-        request = PlanOptions().with_overrides(**options, global_batch=global_batch,
-                                               seq_len=seq_len)  # fmt: skip
+        chosen = PlanOptions()  # what the search chooses starts from the defaults
+        request = dataclasses.replace(
+            options, zero=chosen.zero, activation_checkpointing=chosen.activation_checkpointing,
+            checkpoint_every=chosen.checkpoint_every, pipeline=None,
+            microbatches=chosen.microbatches,
+        )  # fmt: skip
         choice = choose_plan(model, world, recipe.rules(), request,
                              search=AutoSearch(memory, node_size), device_type="cuda")  # fmt: skip
         plan, used, note = choice.plan, global_batch, ""
     elif strategy == "recipe":
         mesh = _mesh(recipe, world)
         used, note = _global_batch(recipe, mesh.shape, global_batch, options)
-        plan = make_plan(model, mesh, recipe.rules(), global_batch=used, seq_len=seq_len, **options)
+        plan = make_plan(
+            model, mesh, recipe.rules(), dataclasses.replace(options, global_batch=used)
+        )
     else:
         raise PlanError(f"strategy {strategy!r} is unknown: use 'recipe' or 'auto'.")
     report = footprint(plan, memory)
@@ -121,16 +126,16 @@ def _mesh(recipe: Recipe, world: int) -> Any:
 
 
 def _global_batch(
-    recipe: Recipe, sizes: dict[str, int], global_batch: int, options: dict[str, Any]
+    recipe: Recipe, sizes: dict[str, int], global_batch: int, options: PlanOptions
 ) -> tuple[int, str]:
     """The batch rule (module docstring): the recipe's, or the next multiple that splits."""
     data_ranks = math.prod(sizes.get(axis, 1) for axis in recipe.parallel.fsdp)
-    pipeline = options.get("pipeline")
+    pipeline = options.pipeline
     if pipeline is not None:
         axis_size = sizes.get(pipeline.axis, 1)
         micro = pipeline.microbatches or axis_size * pipeline.stages_per_rank
     else:
-        micro = options.get("microbatches", 1)
+        micro = options.microbatches
     per_step = data_ranks * micro
     if global_batch % per_step == 0:
         return global_batch, ""

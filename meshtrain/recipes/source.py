@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import RecipeError, did_you_mean
+from meshtrain.recipes.sections import SECTION_NAMES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -26,13 +27,6 @@ else:
     import tomli as tomllib
 
 __all__ = ["SECTION_NAMES", "apply_overrides", "find_recipe", "parse_recipe", "read_recipe"]
-
-#: Every section a recipe may have (``parallel.pipeline`` is a table inside ``[parallel]``); the
-#: keys of each are in :data:`meshtrain.recipes.schema.SECTIONS`.
-SECTION_NAMES = (
-    "model", "mesh", "parallel", "parallel.pipeline", "rules", "train", "data", "checkpoint",
-    "logging",
-)  # fmt: skip
 
 
 def find_recipe(path_or_name: str | Path) -> Path:
@@ -97,8 +91,10 @@ def apply_overrides(
     """``data`` with each ``section.key=value`` set. The value is read as a TOML value
     (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one is taken as a
     bare string (``data.source=synthetic``). The section is the longest known section name the
-    path starts with (``parallel.pipeline.schedule=GPipe``); keys are checked afterwards with the
-    rest of the recipe, so an unknown key is the usual RecipeError.
+    path starts with (``parallel.pipeline.schedule=GPipe``; the sections are
+    :data:`~meshtrain.recipes.sections.SECTION_NAMES`, derived from the sections' dataclasses);
+    keys are checked afterwards with the rest of the recipe, so an unknown key is the usual
+    RecipeError.
 
     Example:
         >>> apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "mesh.tp=4"])
@@ -112,9 +108,11 @@ def apply_overrides(
         )
         key = path[len(section) + 1 :] if section else ""
         if not sep or not section or not key:
+            named = path.partition(".")[0]
             raise RecipeError(
-                f"{source}: --set {override!r} is not section.key=value with a known section "
-                f"({', '.join(SECTION_NAMES)}). Write e.g. --set train.steps=100."
+                f"{source}: --set {override!r} is not section.key=value with a known section"
+                f"{did_you_mean(named, SECTION_NAMES, 'sections')}. Write e.g. --set "
+                "train.steps=100."
             )
         try:
             value = tomllib.loads(f"value = {text}")["value"]

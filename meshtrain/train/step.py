@@ -26,7 +26,7 @@ import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -51,7 +51,10 @@ from meshtrain.train.scaler import LossScaler
 from meshtrain.train.state import TrainState
 
 Schedule = Callable[[int], float]
+#: What a non-finite loss or gradient norm does: ``skip`` drops the step's update on every
+#: rank, ``stop`` raises a :class:`~meshtrain.TrainingError` on every rank.
 OnNonFinite = Literal["skip", "stop"]
+ON_NONFINITE: tuple[OnNonFinite, ...] = get_args(OnNonFinite)
 
 __all__ = ["TrainStep", "forward_backward", "make_train_step"]
 
@@ -74,7 +77,7 @@ def make_train_step(
     each step (``None`` keeps the optimizer's). ``max_norm=None`` measures the gradient norm
     without clipping. Plain PyTorch optimizers work as they are.
     """
-    if on_nonfinite not in ("skip", "stop"):
+    if on_nonfinite not in ON_NONFINITE:
         raise TrainingError(
             f"on_nonfinite={on_nonfinite!r} is not a policy: use 'skip' (drop the step's update "
             "on every rank) or 'stop' (raise on every rank)."

@@ -7,15 +7,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import ConfigError
 
-WANDB_MODES = ("offline", "online", "disabled")
+#: wandb's modes: ``offline`` writes the run locally, ``online`` streams it, ``disabled`` nothing.
+WandbMode = Literal["offline", "online", "disabled"]
+WANDB_MODES: tuple[WandbMode, ...] = get_args(WandbMode)
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Which sinks a run logs to; checked on construction.
+    """Which sinks a run logs to; checked on construction (a :class:`~meshtrain.errors.ConfigError`
+    when built from Python with a value it cannot take; a recipe's ``[logging]`` is checked
+    before, by the recipe's schema).
 
     ``wandb`` is ``"offline"`` by default: the run is written under ``run_dir/wandb`` with no
     network and no API key, and ``wandb sync`` uploads it later. ``"online"`` streams to the
@@ -26,12 +31,12 @@ class LoggingConfig:
         >>> LoggingConfig(wandb="on")
         Traceback (most recent call last):
         ...
-        meshtrain.errors.RecipeError: logging.wandb = 'on' is not a wandb mode; use one of 'offline', 'online', 'disabled'.
+        meshtrain.errors.ConfigError: LoggingConfig(wandb='on'): not a wandb mode; use one of 'offline', 'online', 'disabled'.
     """
 
     console: bool = True
     jsonl: bool = True
-    wandb: str = "offline"
+    wandb: WandbMode = "offline"
     wandb_project: str = "meshtrain"
     wandb_entity: str | None = None
     log_every: int = 1
@@ -39,20 +44,20 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         if self.wandb not in WANDB_MODES:
             choices = ", ".join(repr(mode) for mode in WANDB_MODES)
-            raise RecipeError(
-                f"logging.wandb = {self.wandb!r} is not a wandb mode; use one of {choices}."
+            raise ConfigError(
+                f"LoggingConfig(wandb={self.wandb!r}): not a wandb mode; use one of {choices}."
             )
         if isinstance(self.log_every, bool) or not isinstance(self.log_every, int):
-            raise RecipeError(
-                f"logging.log_every = {self.log_every!r} must be a positive integer "
-                "(log every N-th step), e.g. log_every = 10."
+            raise ConfigError(
+                f"LoggingConfig(log_every={self.log_every!r}): give a positive integer (log "
+                "every N-th step), e.g. log_every=10."
             )
         if self.log_every < 1:
-            raise RecipeError(
-                f"logging.log_every = {self.log_every} must be >= 1 (1 logs every step)."
+            raise ConfigError(
+                f"LoggingConfig(log_every={self.log_every}): give 1 or more (1 logs every step)."
             )
         if not self.wandb_project:
-            raise RecipeError(
-                "logging.wandb_project is empty; name the wandb project, e.g. "
-                'wandb_project = "meshtrain".'
+            raise ConfigError(
+                "LoggingConfig(wandb_project=''): name the wandb project, e.g. "
+                'wandb_project="meshtrain".'
             )

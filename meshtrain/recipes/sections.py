@@ -1,0 +1,483 @@
+"""The recipe's sections, each one frozen dataclass: every key a field with its type, default,
+one-line doc and example. This is the only place a recipe key is declared; the key tables, the
+section list, ``--set``, "did you mean" and ``docs/recipes.md``'s key reference are derived from
+it (:mod:`meshtrain.recipes.schema`). Adding a key is one field here.
+
+Closed choices are ``Literal`` types; where a lower layer owns the vocabulary (precision,
+checkpointing modes and ZeRO stages in :mod:`meshtrain.plan.options`, pipeline schedules,
+``on_nonfinite`` in :mod:`meshtrain.train.step`, wandb modes in
+:mod:`meshtrain.train.metrics.config`), the field reuses that one definition. Those are imported
+only for type checking and resolved when the schema first checks a recipe, so this module (and
+the launcher's first checks) imports no torch.
+
+Example:
+    >>> TrainSection().on_nonfinite, SECTION_NAMES[:4]
+    ('skip', ('model', 'mesh', 'parallel', 'parallel.pipeline'))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from meshtrain.models.llama import LlamaConfig
+    from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.metrics.config import WandbMode
+    from meshtrain.train.step import OnNonFinite
+
+__all__ = [
+    "RECIPE_SECTIONS",
+    "SECTION_NAMES",
+    "SECTION_TYPES",
+    "TOP_SECTIONS",
+    "CheckpointSection",
+    "DataSection",
+    "FreeForm",
+    "LoRASection",
+    "LoggingSection",
+    "ModelSection",
+    "ParallelSection",
+    "PipelineSection",
+    "TrainSection",
+    "about",
+    "lazy",
+]
+
+#: The optimizers a recipe builds (:class:`meshtrain.recipes.OptimizerBuilder`).
+OptimizerName = Literal["sgd", "adam", "adamw"]
+#: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
+DataSource = Literal["corpus", "synthetic", "tokens"]
+#: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).
+QuantizeBase = Literal["", "nf4"]
+Bound = Literal["positive", "nonnegative"]
+
+
+def lazy(module: str, name: str) -> Callable[[], Any]:
+    """``module.name``, imported when called (a vocabulary or class of a layer that loads torch).
+
+    Example:
+        >>> lazy("meshtrain.errors", "RecipeError")().__name__
+        'RecipeError'
+    """
+    return lambda: getattr(importlib.import_module(module), name)
+
+
+def about(
+    doc: str,
+    example: Any,
+    *,
+    bound: Bound | None = None,
+    choices: tuple[Any, ...] | Callable[[], tuple[Any, ...]] = (),
+    toml: str = "",
+    shown: str = "",
+    keys_from: Callable[[], type] | None = None,
+    subsection: type | None = None,
+) -> dict[str, Any]:
+    """A recipe key's metadata (``dataclasses.field(default=..., metadata=about(...))``): what the
+    schema needs besides the field's type and default — a one-line ``doc`` (Markdown), an ``example`` value as TOML writes it, a ``bound``
+    (``positive``: > 0, and an array non-empty; ``nonnegative``: ≥ 0), ``choices`` where the type
+    is ``str`` (a tuple, or a function returning a lower layer's tuple), the ``toml`` name when
+    it is not the field's, the default as the docs ``shown`` it, ``keys_from`` (a dataclass whose
+    fields are the keys instead of this one) and ``subsection`` (the dataclass of a table of its
+    own, ``[parallel.pipeline]``).
+
+    Example:
+        >>> dataclasses.fields(PipelineSection)[0].metadata["doc"]
+        'the mesh axis the stages are laid along'
+    """
+    return {"doc": doc, "example": example, "bound": bound, "choices": choices, "toml": toml,
+            "shown": shown, "keys_from": keys_from, "subsection": subsection}  # fmt: skip
+
+
+_LLAMA_CONFIG = lazy("meshtrain.models.llama", "LlamaConfig")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """``[model]``: meshtrain's Llama (``preset`` and config overrides), a ``factory``
+    (``"package.module:function"``) or a local Hugging Face directory (``hf``). ``config`` is the
+    Llama's (None for the others)."""
+
+    name: str = field(
+        default="llama", metadata=about("meshtrain's Llama", "llama", choices=("llama",))
+    )
+    preset: str = field(
+        default="debug",
+        metadata=about(
+            "`LlamaConfig.preset(name)`",
+            "debug",
+            choices=lazy("meshtrain.models.llama", "_PRESETS"),
+        ),
+    )
+    config: LlamaConfig | None = field(default=None, metadata=about("", 2, keys_from=_LLAMA_CONFIG))
+    factory: str = field(
+        default="",
+        metadata=about(
+            "instead of the Llama: a function returning an `nn.Module`, imported from the working "
+            "directory, called under the recipe's seed; needs `[rules]`",
+            "my_models:tiny_cnn",
+            shown="—",
+        ),
+    )
+    hf: str = field(
+        default="",
+        metadata=about(
+            "instead of the Llama: a local `transformers` model directory, built from its "
+            "`config.json` (the class `architectures` names; nothing downloaded); without `[rules]`, "
+            "`Rules.from_hf` ([bring your own model](bring-your-own-model.md))",
+            "models/tiny-llama",
+            shown="—",
+        ),
+    )
+    meta_init: bool = field(
+        default=True,
+        metadata=about(
+            "start on the meta device: each rank allocates and initialises only its own shards "
+            "(`mt.materialise`); `false` builds the full model on every rank first (for a factory "
+            "model whose tensors no `reset_parameters()` sets)",
+            False,
+        ),
+    )
+
+    @property
+    def kind(self) -> str:
+        """'llama', 'factory' or 'hf'."""
+        return "factory" if self.factory else "hf" if self.hf else "llama"
+
+
+@dataclass(frozen=True)
+class PipelineSection:
+    """``[parallel.pipeline]``: the arguments of :class:`~meshtrain.Pipeline`."""
+
+    axis: str = field(default="pp", metadata=about("the mesh axis the stages are laid along", "pp"))
+    schedule: str = field(
+        default="1F1B",
+        metadata=about(
+            "see [pipeline parallelism](pipeline.md)",
+            "1F1B",
+            choices=lazy("meshtrain.plan.options", "SCHEDULES"),
+        ),
+    )
+    microbatches: int | None = field(
+        default=None,
+        metadata=about("micro-batches per step", 8, bound="positive", shown="one per stage"),
+    )
+    stages_per_rank: int = field(
+        default=1, metadata=about("virtual stages per pipeline rank", 2, bound="positive")
+    )
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
+
+    zero: ZeroStage = field(
+        default=3, metadata=about("data-parallel stage (see [the planner](plan.md))", 3)
+    )
+    fsdp: tuple[str, ...] = field(
+        default=("dp",),
+        metadata=about(
+            "data axes FSDP shards over (two: HSDP)", ["dp"], shown='`["dp"]` if the mesh has `dp`'
+        ),
+    )
+    tp: str = field(
+        default="tp",
+        metadata=about(
+            'the tensor-parallel axis; `""` for none',
+            "tp",
+            shown='`"tp"` if the mesh has `tp`, else `""`',
+        ),
+    )
+    sequence_parallel: bool = field(
+        default=False, metadata=about('add the `("seq", tp)` activation rule', True)
+    )
+    activation_checkpointing: Checkpointing = field(
+        default="none", metadata=about("see [compute](compute.md)", "selective")
+    )
+    compile: bool = field(default=False, metadata=about("`torch.compile` each block", True))
+    precision: Precision = field(
+        default="fp32", metadata=about("compute dtype (master weights stay fp32)", "bf16")
+    )
+    microbatches: int = field(
+        default=1, metadata=about("gradient accumulation without a pipeline", 2, bound="positive")
+    )
+    pipeline: PipelineSection | None = field(
+        default=None, metadata=about("pipeline parallelism", {}, subsection=PipelineSection)
+    )
+    offload: bool = field(
+        default=False,
+        metadata=about(
+            "FSDP2's CPU offload: parameters, gradients and optimizer "
+            "states on the host (needs `zero` ≥ 1)",
+            True,
+        ),
+    )
+    offload_optimizer: bool = field(
+        default=False,
+        metadata=about(
+            "only the optimizer states on the host ([LoRA and "
+            "QLoRA](lora.md#optimizer-state-offload))",
+            True,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """``[train]``: global sequences per step, tokens per sequence, optimizer and its schedule
+    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed,
+    what a non-finite loss does (``skip`` its update or ``stop``) and how many skipped steps end
+    the run (``max_consecutive_skips`` in a row, ``max_total_skips`` in all; 0: no bound)."""
+
+    batch_size: int = field(
+        default=8,
+        metadata=about("sequences per optimizer step, over all data ranks", 8, bound="positive"),
+    )
+    seq_len: int = field(default=16, metadata=about("tokens per sequence", 16, bound="positive"))
+    optimizer: OptimizerName = field(
+        default="adamw", metadata=about("SGD with momentum 0.9, Adam or AdamW", "adamw")
+    )
+    lr: float = field(default=1e-3, metadata=about("peak learning rate", 1e-3, bound="positive"))
+    min_lr: float = field(
+        default=0.0,
+        metadata=about(
+            "the cosine's floor, reached at `steps` (≤ `lr`)", 1e-4, bound="nonnegative"
+        ),
+    )
+    warmup_steps: int = field(
+        default=0, metadata=about("linear warmup to `lr` (≤ `steps`)", 10, bound="nonnegative")
+    )
+    steps: int = field(default=3, metadata=about("optimizer steps", 3, bound="positive"))
+    weight_decay: float = field(
+        default=0.1, metadata=about("AdamW's decoupled weight decay", 0.1, bound="nonnegative")
+    )
+    max_norm: float = field(
+        default=1.0, metadata=about("clip gradients to this global norm", 1.0, bound="positive")
+    )
+    seed: int = field(
+        default=0, metadata=about("the model's initialisation", 0, bound="nonnegative")
+    )
+    betas: tuple[float, float] = field(
+        default=(0.9, 0.999),
+        metadata=about(
+            "Adam's and AdamW's (β1, β2); the 70B and 405B recipes use `[0.9, 0.95]`",
+            [0.9, 0.95],
+        ),
+    )
+    eps: float = field(default=1e-8, metadata=about("Adam's and AdamW's ε", 1e-8, bound="positive"))
+    on_nonfinite: OnNonFinite = field(
+        default="skip",
+        metadata=about(
+            "a non-finite loss or gradient norm drops the step's update, or stops every rank",
+            "skip",
+        ),
+    )
+    max_consecutive_skips: int = field(
+        default=10,
+        metadata=about(
+            "more skipped steps in a row end the run with a `TrainingError` ([reliability]"
+            "(reliability.md#a-non-finite-guard-that-cannot-finish-a-ruined-run))",
+            10,
+            bound="positive",
+        ),
+    )
+    max_total_skips: int = field(
+        default=100,
+        metadata=about(
+            "more skipped steps over the run (resumes included) end it; 0: no bound",
+            100,
+            bound="nonnegative",
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class LoRASection:
+    """``[lora]``: adapters of ``rank`` with scale ``alpha / rank`` on the Linears whose FQNs
+    fully match one of ``targets`` (regexes), every other parameter frozen; ``quantize_base =
+    "nf4"`` stores the adapted base weights in 4-bit NF4 (QLoRA)."""
+
+    rank: int = field(
+        default=8,
+        metadata=about("the adapters' rank r ([LoRA and QLoRA](lora.md))", 8, bound="positive"),
+    )
+    alpha: float = field(
+        default=16.0, metadata=about("the update is scaled by alpha / rank", 16, bound="positive")
+    )
+    targets: tuple[str, ...] = field(
+        default=(),
+        metadata=about(
+            "regexes: Linear modules whose FQNs a pattern fully matches get adapters; every other "
+            "parameter is frozen",
+            [r"layers\.\d+\.attention\.w[qkvo]"],
+            bound="positive",
+            shown="required",
+        ),
+    )
+    quantize_base: QuantizeBase = field(
+        default="",
+        metadata=about("the adapted base weights in 4-bit NF4 (QLoRA)", "nf4", shown="none"),
+    )
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """``[data]``: ``corpus`` (the Python standard library's docstrings, tokenized locally into
+    ``path`` on first use), ``tokens`` (a prepared token directory at ``path``) or ``synthetic``
+    (``samples`` random sequences); the tokenizer; shuffling and its seed."""
+
+    source: DataSource = field(
+        default="corpus", metadata=about("see [training](training.md#data)", "corpus")
+    )
+    path: str = field(
+        default="data/corpus",
+        metadata=about("the token directory (written once for `corpus`)", "data/tokens"),
+    )
+    tokenizer: str = field(
+        default="byte", metadata=about('`"byte"` or a `tokenizer.json` path', "byte")
+    )
+    corpus_bytes: int | None = field(
+        default=None,
+        metadata=about(
+            "how much of the corpus to tokenize", 4_000_000, bound="positive", shown="all"
+        ),
+    )
+    samples: int = field(
+        default=4096, metadata=about("sequences of `synthetic` data", 4096, bound="positive")
+    )
+    shuffle: bool = field(default=True, metadata=about("shuffle each epoch", True))
+    seed: int = field(default=0, metadata=about("the shuffle's seed", 0, bound="nonnegative"))
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """``[checkpoint]``: where and how often to save (``interval`` 0: only at the end), how many
+    to keep (0: all), async saving, resuming from the latest one in ``dir``, a safetensors file
+    to start from and one to export the final model to."""
+
+    dir: str = field(
+        default="",
+        metadata=about(
+            "where checkpoints go", "runs/debug/checkpoints", shown="`<run_dir>/checkpoints`"
+        ),
+    )
+    interval: int = field(
+        default=0,
+        metadata=about(
+            "save every N steps (and always at the last step)", 100, bound="nonnegative"
+        ),
+    )
+    keep_last: int = field(
+        default=3, metadata=about("complete checkpoints kept (0: all)", 3, bound="nonnegative")
+    )
+    async_save: bool = field(
+        default=False, metadata=about("save in the background", False, toml="async")
+    )
+    resume: bool = field(
+        default=True, metadata=about("continue from the latest complete checkpoint in `dir`", True)
+    )
+    init_from: str = field(
+        default="",
+        metadata=about(
+            "a transformers model directory or a `.safetensors` file to start from, each rank "
+            "reading its slices; ignored when the run resumes ([details]"
+            "(training.md#hugging-face-checkpoints-in-and-out))",
+            "model.safetensors",
+            shown="none",
+        ),
+    )
+    export: str = field(
+        default="",
+        metadata=about(
+            "a `.safetensors` path to write the final model to",
+            "runs/debug/model.safetensors",
+            shown="none",
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class LoggingSection:
+    """``[logging]``: the run directory (metrics.jsonl, plan files, wandb's offline run), the
+    console progress bar, the JSONL file, wandb's mode and project, and how often to log."""
+
+    run_dir: str = field(
+        default="",
+        metadata=about(
+            "metrics, plan files, wandb's run", "runs/debug", shown="`runs/<recipe name>`"
+        ),
+    )
+    console: bool = field(default=True, metadata=about("progress on stdout", True))
+    jsonl: bool = field(default=True, metadata=about("`metrics.jsonl` in the run directory", True))
+    wandb: WandbMode = field(
+        default="offline", metadata=about("offline needs no network or key", "offline")
+    )
+    wandb_project: str = field(
+        default="meshtrain", metadata=about("the wandb project", "meshtrain")
+    )
+    wandb_entity: str = field(
+        default="", metadata=about("the wandb entity (team)", "my-team", shown="none")
+    )
+    log_every: int = field(
+        default=1,
+        metadata=about("log every N steps (and the first and last)", 10, bound="positive"),
+    )
+
+
+@dataclass(frozen=True)
+class FreeForm:
+    """A section whose keys are the user's (mesh axes, rule regexes), checked by its own
+    function in :mod:`meshtrain.recipes.schema`; what its keys and values are, for the docs."""
+
+    key: str
+    value: str
+    default: str
+    doc: str
+
+
+#: Every top-level section, in the order messages and the docs list them: its dataclass, or
+#: what its free-form keys are.
+RECIPE_SECTIONS: dict[str, type | FreeForm] = {
+    "model": ModelSection,
+    "mesh": FreeForm(
+        "an axis name",
+        "integer ≥ 1, or -1",
+        "—",
+        "axes in order, as `mt.make_mesh` takes them; one may be -1",
+    ),
+    "parallel": ParallelSection,
+    "rules": FreeForm(
+        "a regex", "spec string", "the model's default rules", "explicit rules, in order (below)"
+    ),
+    "train": TrainSection,
+    "lora": LoRASection,
+    "data": DataSection,
+    "checkpoint": CheckpointSection,
+    "logging": LoggingSection,
+}
+
+
+def _subsections(name: str, section: type | FreeForm) -> list[tuple[str, type]]:
+    """``(name, dataclass)`` of a section's tables of their own (``parallel.pipeline``)."""
+    if isinstance(section, FreeForm):
+        return []
+    return [
+        (f"{name}.{field.name}", field.metadata["subsection"])
+        for field in dataclasses.fields(section)
+        if field.metadata.get("subsection") is not None
+    ]
+
+
+#: Section name → its dataclass, nested tables included (``parallel.pipeline``).
+SECTION_TYPES: dict[str, type | FreeForm] = {
+    qualified: section_type
+    for name, section in RECIPE_SECTIONS.items()
+    for qualified, section_type in [(name, section), *_subsections(name, section)]
+}
+#: Every section a recipe may have, nested tables after their parent.
+SECTION_NAMES: tuple[str, ...] = tuple(SECTION_TYPES)
+TOP_SECTIONS: tuple[str, ...] = tuple(RECIPE_SECTIONS)
