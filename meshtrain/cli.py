@@ -14,17 +14,18 @@ command to resume) — :data:`meshtrain.launch.EXIT_CODES`.
 damaged, incomplete), step and size; exit status 0 when one is intact to resume from, 1 when none
 is, 2 when there is no such directory.
 
-``meshtrain plan RECIPE --world N [--device-memory 80GiB] [--strategy auto] [--json]`` plans a
-recipe on N abstract ranks (:func:`meshtrain.recipes.sizing.size_recipe`) and prints one rank's memory
-and communication; exit status 3 when it does not fit the device memory.
+``meshtrain plan RECIPE --world N [--device-memory 80GiB] [--strategy auto] [--json] [--set ...]``
+plans a recipe on N abstract ranks (:func:`meshtrain.recipes.sizing.size_recipe`) and prints one
+rank's memory and communication; exit status 3 when it does not fit the device memory. Every
+command that takes a RECIPE takes ``--set section.key=value`` for any section (``lora`` too).
 
 ``meshtrain export RUN_DIR --format hf --out OUT [--max-shard-size 5GB] [--dtype bfloat16]``
 writes the newest intact checkpoint of a run as a Hugging Face ``transformers`` directory
 (:func:`meshtrain.recipes.pretrained.export_run`); exit status 2 when there is nothing to export,
 the format is unknown or OUT is not empty.
 
-``meshtrain check RECIPE [--world N] [--steps S]`` shrinks a recipe to ``N`` CPU ranks
-(:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testing.assert_equivalent`
+``meshtrain check RECIPE [--world N] [--steps S] [--set ...]`` shrinks a recipe to ``N`` CPU
+ranks (:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testing.assert_equivalent`
 that its plan trains like one device. Exit status: 0 when it does, 1 when it does not
 (``EquivalenceError``), 2 for any other meshtrain error (a bad recipe, an impossible plan).
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Shrink RECIPE to N CPU ranks (same mesh axes, a small model of the same "
         "structure) and compare its plan with single-device training, step by step.",
     )
-    _add_recipe(check, overrides=False)
+    _add_recipe(check)
     check.add_argument("--world", type=_positive, default=4, metavar="N",
                        help="number of CPU (gloo) ranks (default: 4)")  # fmt: skip
     check.add_argument("--steps", type=_positive, default=None, metavar="S",
@@ -150,13 +151,13 @@ def _add_run_dir(command: argparse.ArgumentParser) -> None:
     command.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
 
 
-def _add_recipe(command: argparse.ArgumentParser, *, overrides: bool = True) -> None:
-    """The RECIPE argument every command takes, and ``--set`` where the recipe can be changed."""
+def _add_recipe(command: argparse.ArgumentParser) -> None:
+    """The RECIPE argument every command takes, and ``--set`` to change any of its values."""
     command.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
-    if overrides:
-        command.add_argument("--set", dest="overrides", action="append", default=[],
-                             metavar="SECTION.KEY=VALUE",
-                             help="override a recipe value, e.g. --set train.steps=100 (repeatable)")  # fmt: skip
+    command.add_argument("--set", dest="overrides", action="append", default=[],
+                         metavar="SECTION.KEY=VALUE",
+                         help="override a recipe value, e.g. --set train.steps=100 or "
+                         "--set lora.rank=8 (repeatable)")  # fmt: skip
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -387,7 +388,7 @@ def check_command(args: argparse.Namespace) -> int:
     from meshtrain.recipes.models import vocab_size
     from meshtrain.testing.harness import TokenBatches, assert_equivalent
 
-    recipe = load_recipe(args.recipe)
+    recipe = load_recipe(args.recipe, args.overrides)
     small = shrink(recipe, args.world)
     print(describe_shrink(recipe, small), flush=True)
     vocab = vocab_size(small.build_model("meta"))
@@ -400,7 +401,7 @@ def check_command(args: argparse.Namespace) -> int:
     report = assert_equivalent(
         small.model_fn(),
         small.mesh_axes(),
-        {**small.plan_options(), "rules": small.rules()},
+        {"options": small.plan_options(), "rules": small.rules()},
         batches=TokenBatches(vocab, small.train.batch_size, small.train.seq_len),
         steps=args.steps or small.train.steps,
         optimizer=small.optimizer_fn(),

@@ -191,7 +191,7 @@ def check_plan(recipe: Recipe, world: int) -> None:
     from meshtrain.spec.mesh import make_mesh
 
     mesh = make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
-    plan(recipe.build_model(device="meta"), mesh, recipe.rules(), **recipe.plan_options())
+    plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
 
 
 @contextlib.contextmanager
