@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshtrain.errors import ConfigError, MeshtrainError, RecipeError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.models import llama_flops_per_token
 from meshtrain.models.llama import LlamaConfig, build_llama
 from meshtrain.train.metrics import (
@@ -451,7 +451,7 @@ def test_online_wandb_without_credentials_fails_on_every_rank_before_training(
     monkeypatch.setenv("NETRC", str(netrc_path))
     config = LoggingConfig(wandb="online", wandb_project="llama")
     for rank in (0, 1):
-        with pytest.raises(RecipeError) as raised:
+        with pytest.raises(ConfigError) as raised:
             make_sinks(config, run_dir=tmp_path / "run", rank=rank, total_steps=3, run_name="x")
         message = str(raised.value)
         assert "logging.wandb = 'online'" in message and "'llama'" in message
@@ -466,7 +466,7 @@ def test_online_wandb_without_credentials_fails_on_every_rank_before_training(
     check_wandb_credentials(config)
     monkeypatch.delenv("WANDB_API_KEY")
     monkeypatch.setenv("WANDB_BASE_URL", "https://wandb.example.com")
-    with pytest.raises(RecipeError, match=r"'wandb\.example\.com'"):
+    with pytest.raises(ConfigError, match=r"'wandb\.example\.com'"):
         check_wandb_credentials(config)
 
 

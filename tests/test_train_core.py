@@ -13,7 +13,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import meshtrain as mt
-from meshtrain import RecipeError, TrainingError
+from meshtrain import TrainingError
+from meshtrain.errors import ConfigError
 from meshtrain.train import make_train_step, summed_cross_entropy
 from meshtrain.train.batch import DataPosition
 from meshtrain.train.schedule import WarmupCosine, linear_scaling
@@ -53,11 +54,11 @@ def test_schedule_rises_through_warmup_then_never_rises(schedule: WarmupCosine) 
 
 
 def test_schedule_and_scaling_refuse_impossible_settings() -> None:
-    with pytest.raises(RecipeError, match=r"warmup_steps=20 exceeds total_steps=10"):
+    with pytest.raises(ConfigError, match=r"warmup_steps=20 exceeds total_steps=10"):
         WarmupCosine(1e-3, warmup_steps=20, total_steps=10)
-    with pytest.raises(RecipeError, match=r"min_lr=0.1 must be in \[0, peak_lr=0.001\]"):
+    with pytest.raises(ConfigError, match=r"min_lr=0.1 must be in \[0, peak_lr=0.001\]"):
         WarmupCosine(1e-3, total_steps=10, min_lr=0.1)
-    with pytest.raises(RecipeError, match="base_batch=0"):
+    with pytest.raises(ConfigError, match="base_batch=0"):
         linear_scaling(1e-3, base_batch=0, global_batch=8)
     assert linear_scaling(1e-3, 256, 512) == 2e-3
 

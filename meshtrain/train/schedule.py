@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class WarmupCosine:
                 f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}"
             )
         if problems:
-            raise RecipeError(
+            raise ConfigError(
                 "WarmupCosine: " + "; ".join(problems) + ". Fix the schedule's settings "
                 "(in a recipe: train.lr, train.min_lr, train.warmup_steps, train.steps)."
             )
@@ -73,7 +73,7 @@ def linear_scaling(base_lr: float, base_batch: int, global_batch: int) -> float:
         0.0012
     """
     if base_lr <= 0 or base_batch < 1 or global_batch < 1:
-        raise RecipeError(
+        raise ConfigError(
             f"linear_scaling(base_lr={base_lr}, base_batch={base_batch}, "
             f"global_batch={global_batch}) needs a positive rate and batch sizes ≥ 1."
         )

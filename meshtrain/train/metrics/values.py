@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from meshtrain.errors import MeshtrainError, RecipeError, describe_os_error
+from meshtrain.errors import ConfigError, MeshtrainError, describe_os_error
 
 
 def _parse_plan_json(plan_json: str) -> Any:
@@ -29,11 +29,11 @@ def _parse_plan_json(plan_json: str) -> Any:
 @contextlib.contextmanager
 def _writing(path: Path) -> Iterator[None]:
     """OS errors while writing the run directory (permissions, a read-only filesystem, a full
-    disk) become a :class:`RecipeError` naming the path and ``logging.run_dir``."""
+    disk) become a :class:`~meshtrain.errors.ConfigError` naming the path and ``logging.run_dir``."""
     try:
         yield
     except OSError as err:
-        raise RecipeError(
+        raise ConfigError(
             f"cannot write {str(path)!r}: {describe_os_error(err)} (logging.run_dir sets the run "
             "directory)."
         ) from None

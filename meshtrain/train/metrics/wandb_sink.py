@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from meshtrain.errors import MeshtrainError, RecipeError
+from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.train.atomic import write_text_atomically
 from meshtrain.train.metrics.config import LoggingConfig
 from meshtrain.train.metrics.values import (
@@ -52,7 +52,7 @@ class WandbSink:
         self, config: LoggingConfig, *, run_dir: Path | str, run_name: str, resume: bool = False
     ) -> None:
         if config.wandb == "disabled":
-            raise RecipeError(
+            raise ConfigError(
                 "WandbSink was built with logging.wandb = 'disabled'; build no WandbSink for a "
                 "disabled run (make_sinks leaves it out)."
             )
@@ -68,7 +68,7 @@ class WandbSink:
         import wandb
 
         if "plan" in config:
-            raise RecipeError(
+            raise ConfigError(
                 "the run config already has a 'plan' key, where WandbSink puts the parsed plan "
                 "JSON; rename that key in the config passed to Sinks.start."
             )
@@ -141,7 +141,7 @@ class WandbSink:
 
 
 def check_wandb_credentials(config: LoggingConfig) -> None:
-    """Raise :class:`RecipeError` when wandb ``"online"`` has no credentials to log in with.
+    """Raise :class:`~meshtrain.errors.ConfigError` when wandb ``"online"`` has no credentials to log in with.
 
     Looks, without importing wandb or touching the network, where wandb looks: the
     ``WANDB_API_KEY`` and ``WANDB_IDENTITY_TOKEN_FILE`` variables, then a netrc entry (what
@@ -158,7 +158,7 @@ def check_wandb_credentials(config: LoggingConfig) -> None:
     host = urlsplit(_wandb_base_url()).netloc
     if host and _netrc_has_password(host):
         return
-    raise RecipeError(
+    raise ConfigError(
         f"logging.wandb = 'online' for project {config.wandb_project!r}, but no wandb "
         f"credentials were found (no WANDB_API_KEY and no netrc entry for {host!r}). Set "
         "WANDB_API_KEY, run `wandb login` on every node, or set logging.wandb = 'offline' and "
