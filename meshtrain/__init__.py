@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import (
     CheckpointError,
+    ConfigError,
     DataError,
     EquivalenceError,
     GraphBreakWarning,
@@ -111,6 +112,7 @@ sys.modules[__name__].__class__ = _Facade
 
 __all__ = [
     "CheckpointError",
+    "ConfigError",
     "DataError",
     "EquivalenceError",
     "GraphBreakWarning",
