@@ -14,6 +14,12 @@ shard by shard with the whole tensor's mean (:func:`quantize` with ``scaler_mean
 base is an NF4 tensor with meta storage (:func:`meta_nf4`), so the plan, ``fully_shard`` and
 ``to_empty`` see its true layout before any weight exists.
 
+Planning needs no torchao: the planner sizes an NF4 weight from its element count
+(:func:`nf4_bytes`) and the module's ``quantized`` mark. Without torchao a base on the meta device
+is a dense bf16 meta tensor marked "nf4", planned byte for byte as the NF4 tensor would be;
+applying such a plan to train refuses (:func:`require_nf4`), naming the ``qlora`` extra. torchao
+is imported in one place (:func:`torchao_nf4`), with its load-time log lines silenced.
+
 Example:
     >>> nf4_bytes(4096 * 4096) / (4096 * 4096)
     0.5157471895217896
@@ -21,7 +27,12 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import logging
 import math
+from collections.abc import Iterator
+from types import ModuleType
 from typing import Any, NoReturn
 
 import torch
@@ -64,7 +75,8 @@ def quantize_weight(module: nn.Linear, fqn: str = "") -> None:
             shape=tuple(weight.shape),
         )
     if weight.device.type == "meta":
-        stored = meta_nf4(tuple(weight.shape))
+        planned = torchao_nf4() is None  # planning only: sized by the mark, not the tensor
+        stored = _planned_nf4(weight.shape) if planned else meta_nf4(tuple(weight.shape))
     else:
         stored = quantize(weight.detach().to(DTYPE))
     module.weight = nn.Parameter(stored, requires_grad=False)
@@ -171,29 +183,70 @@ def register_nf4() -> None:
     _torchao()
 
 
-def _to_nf4() -> Any:
+def require_nf4(model: nn.Module) -> None:
+    """Refuse (:class:`PlanError`) to run ``model`` when a weight marked for NF4 storage is not an
+    NF4 tensor: it was built on the meta device for planning without torchao, and training it
+    would silently keep the base in bf16.
+
+    Example:
+        >>> require_nf4(nn.Linear(2, 2))  # nothing marked for NF4
+    """
+    for fqn, module in model.named_modules():
+        weight = module._parameters.get("weight") if getattr(module, "quantized", "") else None
+        if weight is not None and not is_nf4(weight) and torchao_nf4() is None:
+            _missing(f"training the QLoRA base '{fqn}.weight' (quantize_base='nf4')")
+
+
+@functools.cache
+def torchao_nf4() -> ModuleType | None:
+    """torchao's NF4 module, or ``None`` when torchao cannot be imported: the one place meshtrain
+    imports torchao, with its load-time log lines (compiled extensions this machine cannot load,
+    pytree registration notices) silenced; warnings of meshtrain's own are untouched."""
     try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        with _quiet_loggers("torchao", "torch.utils._pytree"):
+            from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
+        return None
+    return nf4_tensor
+
+
+@contextlib.contextmanager
+def _quiet_loggers(*names: str) -> Iterator[None]:
+    """Only errors from the loggers ``names`` while the block runs."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def _planned_nf4(shape: torch.Size) -> torch.Tensor:
+    """The stand-in for an NF4 base when torchao is absent: dense bf16 on the meta device (the
+    NF4 tensor's dtype and shape), counted as NF4 by the planner through the module's mark."""
+    return torch.empty(shape, dtype=DTYPE, device="meta")
+
+
+def _to_nf4() -> Any:
+    module = torchao_nf4()
+    if module is None:
         _missing()
-    return to_nf4
+    return module.to_nf4
 
 
 def _torchao() -> tuple[Any, Any]:
     """torchao's NF4 tensor class and its constructor's metadata record."""
-    try:
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import (
-            NF4Tensor,
-            SubclassTensorArgs,
-        )
-    except ImportError:
+    module = torchao_nf4()
+    if module is None:
         _missing()
-    return NF4Tensor, SubclassTensorArgs
+    return module.NF4Tensor, module.SubclassTensorArgs
 
 
-def _missing() -> NoReturn:
+def _missing(subject: str = "quantize_base='nf4'") -> NoReturn:
     raise PlanError(
-        "quantize_base='nf4' needs torchao's NF4 tensor, and torchao is not installed. "
-        "Install it with `pip install meshtrain[qlora]` (torchao 0.18), or train LoRA "
-        "without quantize_base."
+        f"{subject} needs torchao's NF4 tensor, and torchao is not installed. Install it with "
+        "`pip install meshtrain[qlora]` (torchao 0.18), or train LoRA without quantize_base."
     ) from None

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from meshtrain.adapters.nf4 import require_nf4
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh
@@ -29,6 +30,7 @@ def apply(plan: Plan, model: nn.Module) -> nn.Module | PipelinedModel:
     bound to the running ranks here (:func:`~meshtrain.lower.groups.device_mesh`).
     """
     _check_model(plan, model)
+    require_nf4(model)  # a QLoRA base planned without torchao cannot train
     if plan.mesh.is_abstract:
         raise PlanError(
             f"cannot apply a plan on the abstract mesh {plan.mesh}: describe the mesh with "

@@ -28,6 +28,7 @@ from meshtrain.adapters import lora
 from meshtrain.errors import RecipeError
 from meshtrain.lower.materialise import materialise
 from meshtrain.models.llama import LlamaConfig, build_llama, llama_flops_per_token
+from meshtrain.recipes.model_check import check_model_type
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class HFBuilder:
 
     def __call__(self) -> nn.Module:
         transformers = _transformers(self.directory)
+        check_model_type(self.directory, f"[model] hf = {self.directory!r}")
         config = transformers.AutoConfig.from_pretrained(self.directory, local_files_only=True)
         config.use_cache = False
         names = getattr(config, "architectures", None) or []

@@ -5,10 +5,11 @@ In: :func:`load_pretrained` loads a transformers directory or a safetensors file
 planned and applied or not, each rank reading its slices (:func:`meshtrain.train.hf.load.load_hf`).
 For meshtrain's Llama it picks the name and rotary mapping
 (:mod:`meshtrain.models.llama_hf`) when the checkpoint uses transformers' names, and checks that
-``config.json`` describes the same model (what shapes cannot tell: ``rope_theta``,
-``rms_norm_eps``); any other model loads by its own names. :func:`initialise_from` is what a run
-calls once its model is applied: it loads ``init_from``, unless the run resumes from a checkpoint
-of its own (then ``init_from`` is not read at all).
+``config.json`` describes a Llama, and the same one (also what shapes cannot tell: ``rope_theta``,
+``rms_norm_eps``; :func:`~meshtrain.recipes.model_check.check_llama_config`); any other model
+loads by its own names. :func:`initialise_from` is what a run calls once its model is applied: it
+loads ``init_from``, unless the run resumes from a checkpoint of its own (then ``init_from`` is
+not read at all).
 
 Out: :func:`export_run` writes the newest intact checkpoint of a run as a transformers
 directory (:func:`meshtrain.train.hf.export.export_hf`): for meshtrain's Llama a
@@ -35,12 +36,8 @@ from meshtrain.adapters import LoRALinear, merge_lora
 from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.models.llama import LlamaConfig
-from meshtrain.models.llama_hf import (
-    hf_config_from_llama,
-    hf_sources,
-    llama_config_from_hf,
-    llama_to_hf,
-)
+from meshtrain.models.llama_hf import hf_config_from_llama, hf_sources, llama_to_hf
+from meshtrain.recipes.model_check import check_llama_config
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.schema import model_section
 from meshtrain.train.checkpoint import find_resume_point, list_checkpoints
@@ -60,9 +57,6 @@ COPIED_FILES = (
     "special_tokens_map.json",
     "tokenizer.model",
 )
-_COMPARED = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
-             "rope_theta")  # fmt: skip
-_RECIPE_KEYS = {"ffn_dim": "multiple_of / ffn_dim_multiplier"}
 
 
 def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> LoadReport:
@@ -85,7 +79,7 @@ def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> Load
         return load_hf(path, modules, exclude=adapters)  # meshtrain's own names
     hf_config = read_config(path) if Path(path).is_dir() else None
     if hf_config is not None:
-        _check_same_llama(config, hf_config, Path(path) / "config.json")
+        check_llama_config(config, hf_config, Path(path) / "config.json")
         tied = bool(hf_config.get("tie_word_embeddings", False))
     else:
         tied = "lm_head.weight" not in weights.files
@@ -229,21 +223,3 @@ def _export_target(
             "meshtrain.train.hf.export.export_hf(checkpoint, out, config=..., rename=...)."
         )
     return hf_config_from_llama(model.config), partial(llama_to_hf, model.config), []
-
-
-def _check_same_llama(config: LlamaConfig, hf_config: dict[str, Any], source: Path) -> None:
-    """The recipe's Llama and the checkpoint's config.json must describe the same model."""
-    theirs = llama_config_from_hf(hf_config, str(source))
-    differ = [
-        f"{name} = {getattr(config, name)!r} here but {getattr(theirs, name)!r} there"
-        for name in _COMPARED
-        if getattr(config, name) != getattr(theirs, name)
-    ]
-    if differ:
-        keys = ", ".join(_RECIPE_KEYS.get(name, name) for name in _COMPARED
-                         if getattr(config, name) != getattr(theirs, name))  # fmt: skip
-        raise CheckpointError(
-            f"the model differs from the one {str(source)!r} describes: {'; '.join(differ)}. "
-            f"Set [model] {keys} to match, or use [model] hf = {str(source.parent)!r} to train "
-            "the transformers model itself."
-        )
