@@ -26,6 +26,7 @@ from meshtrain.testing.runner import (
     SPMDTaskError,
     SPMDTimeoutError,
     get_pool,
+    shared_pool_stats,
 )
 
 pytestmark = pytest.mark.spmd
@@ -132,6 +133,7 @@ def test_pool_is_reused_across_tasks() -> None:
     assert pool.stats.tasks_run == before.tasks_run + 20
     assert mean_s < 1.0  # a process launch per task costs seconds
     assert get_pool(2) is pool
+    assert shared_pool_stats()[2] == pool.stats  # what tests/conftest.py reports at the end
 
 
 @settings(max_examples=25, deadline=None)

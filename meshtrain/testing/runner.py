@@ -52,6 +52,7 @@ __all__ = [
     "SPMDTimeoutError",
     "close_pools",
     "get_pool",
+    "shared_pool_stats",
 ]
 
 T = TypeVar("T")
@@ -591,6 +592,19 @@ def get_pool(world_size: int) -> SPMDPool:
     if pool is None or pool.closed:
         pool = _SHARED_POOLS[world_size] = SPMDPool(world_size)
     return pool
+
+
+def shared_pool_stats() -> dict[int, SPMDPoolStats]:
+    """The counters of every open pool :func:`get_pool` handed out, by world size.
+
+    A pool with more than one start was killed and respawned (a task failed or timed out).
+
+    Example::
+
+        get_pool(2).run(rank_sum)
+        assert shared_pool_stats()[2].tasks_run >= 1
+    """
+    return {size: pool.stats for size, pool in sorted(_SHARED_POOLS.items()) if not pool.closed}
 
 
 def close_pools() -> None:
