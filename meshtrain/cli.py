@@ -29,6 +29,8 @@ ranks (:func:`meshtrain.recipes.shrink`) and proves with :func:`meshtrain.testin
 that its plan trains like one device. Exit status: 0 when it does, 1 when it does not
 (``EquivalenceError``), 2 for any other meshtrain error (a bad recipe, an impossible plan).
 
+``meshtrain --version`` prints ``meshtrain <version>`` (the installed package's) and exits 0.
+
 Example:
     >>> build_parser().parse_args(["check", "debug", "--world", "2"]).world
     2
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="meshtrain", description="JAX-style sharding specs compiled to PyTorch plans."
     )
+    parser.add_argument("--version", action="version", version=f"meshtrain {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     check = commands.add_parser(
         "check",
@@ -144,6 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cast floating-point weights (default: as trained)")  # fmt: skip
     export.set_defaults(run=export_command)
     return parser
+
+
+def _version() -> str:
+    """meshtrain's version, from the installed package's metadata (the source's when not
+    installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("meshtrain")
+    except PackageNotFoundError:
+        from meshtrain import __version__
+
+        return __version__
 
 
 def _add_run_dir(command: argparse.ArgumentParser) -> None:

@@ -43,9 +43,12 @@ def _train(*args: str, torchao: bool = True) -> tuple[int, str]:
     """``meshtrain train ARGS``: the exit status and everything printed."""
     process = subprocess.run(
         [sys.executable, "-c", RUNNER, "torchao" if torchao else "no-torchao", "train", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
     return process.returncode, process.stdout + process.stderr
 
 
@@ -72,13 +75,19 @@ def _debug(tmp_path: Path, *sets: str) -> list[str]:
 @pytest.mark.parametrize(
     ("config", "kind", "tensor"),
     [
-        (lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256),
-         "gpt2", "transformer.wte.weight"),
-        (lambda: transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256),
-         "mamba", "backbone.embeddings.weight"),
+        (
+            lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256),
+            "gpt2",
+            "transformer.wte.weight",
+        ),
+        (
+            lambda: transformers.MambaConfig(hidden_size=64, num_hidden_layers=2, vocab_size=256),
+            "mamba",
+            "backbone.embeddings.weight",
+        ),
     ],
     ids=["gpt2", "mamba"],
-)  # fmt: skip
+)
 def test_init_from_another_architecture_is_refused(
     tmp_path: Path, config: object, kind: str, tensor: str
 ) -> None:
@@ -110,9 +119,14 @@ def test_an_unknown_model_type_in_model_hf_is_refused(tmp_path: Path) -> None:
 
 def test_a_checkpoint_of_another_config_is_refused_naming_each_key(tmp_path: Path) -> None:
     config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-6,
-    )  # fmt: skip
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        rms_norm_eps=1e-6,
+    )
     start = _save(tmp_path / "llama", config, "model.embed_tokens.weight")
     output = _refused(
         *_train(*_debug(tmp_path, f"checkpoint.init_from={start}")), "CheckpointError"
@@ -138,8 +152,13 @@ def test_a_qlora_recipe_without_torchao_is_refused_naming_the_extra(tmp_path: Pa
 
 
 def test_a_model_hf_and_its_init_from_must_agree(tmp_path: Path) -> None:
-    small = dict(intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=256,
-                 architectures=["LlamaForCausalLM"])  # fmt: skip
+    small = dict(
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=256,
+        architectures=["LlamaForCausalLM"],
+    )
     ours = _save(tmp_path / "ours", transformers.LlamaConfig(hidden_size=32, **small), "x")
     theirs = _save(tmp_path / "theirs", transformers.LlamaConfig(hidden_size=64, **small), "x")
     recipe = tmp_path / "hf.toml"

@@ -33,10 +33,13 @@ sys.exit(main(["plan", "llama3_70b_qlora", "--world", "2", "--device-memory", "8
 
 def _run(code: str, *, torchao: bool) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", RUNNER, "torchao" if torchao else "no-torchao", code], cwd=ROOT,
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", RUNNER, "torchao" if torchao else "no-torchao", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+    )
 
 
 def _sizes(report: str) -> dict[str, Any]:

@@ -46,19 +46,46 @@ __all__ = [
 
 #: The Llama config values a checkpoint's config.json must agree with (shapes cannot tell
 #: ``norm_eps`` or ``rope_theta``).
-LLAMA_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "ffn_dim", "norm_eps",
-              "rope_theta")  # fmt: skip
+LLAMA_KEYS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "ffn_dim",
+    "norm_eps",
+    "rope_theta",
+)
 #: The keys a transformers config.json needs to describe a Llama.
-_LLAMA_HF_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                  "vocab_size")  # fmt: skip
+_LLAMA_HF_KEYS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "vocab_size",
+)
 #: transformers config keys that fix a model's weights or numerics, compared between a
 #: ``[model] hf`` directory and the ``init_from`` it starts from (where both have them).
 HF_KEYS = (
-    "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim", "rms_norm_eps",
-    "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "n_embd", "n_layer", "n_head",
-    "n_inner", "d_model", "tie_word_embeddings",
-)  # fmt: skip
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "layer_norm_epsilon",
+    "rope_theta",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_inner",
+    "d_model",
+    "tie_word_embeddings",
+)
 
 
 def check_architecture(model: Any, start: str, source: str) -> None:
