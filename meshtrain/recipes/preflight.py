@@ -5,10 +5,12 @@ fraction of a second with one line and exit status 2, instead of failing inside 
 torch: every number is finite, the mesh fits the ranks being started (``--nproc`` × ``--nnodes``),
 the global batch splits over the data-parallel ranks and micro-batches, and the data and files
 the run reads exist (or can be made). A value of the wrong type is left to the schema, which
-runs next (in :func:`meshtrain.recipes.load_recipe`). Then :func:`check_plan` plans the recipe on
-the launch's world with abstract ranks on the meta device — whatever ``mt.plan`` refuses (heads
-that do not split over tensor parallelism, a pipeline that does not fit) is refused here too —
-and :func:`lock_run` takes the run directory's lock for the job.
+runs next (in :func:`meshtrain.recipes.load_recipe`). Then :func:`check_plan` checks the model
+against the files it starts from (:mod:`~meshtrain.recipes.model_check`: an ``init_from`` of
+another architecture or config, an unknown ``model_type``, QLoRA without torchao) and plans the
+recipe on the launch's world with abstract ranks on the meta device — whatever ``mt.plan``
+refuses (heads that do not split over tensor parallelism, a pipeline that does not fit) is
+refused here too — and :func:`lock_run` takes the run directory's lock for the job.
 
 Example:
     >>> check_launch({"mesh": {"dp": -1, "tp": 2}, "train": {"batch_size": 8}}, "r.toml",
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import RecipeError
+from meshtrain.recipes.model_check import check_architecture
 from meshtrain.recipes.sections import DataSection, ParallelSection, TrainSection
 
 if TYPE_CHECKING:
@@ -136,6 +139,7 @@ def _check_files(data: Mapping[str, Any], source: str) -> None:
     start = checkpoint.get("init_from") if isinstance(checkpoint, Mapping) else None
     if isinstance(start, str) and start:
         _check_init_from(start, source)
+        check_architecture(data.get("model"), start, source)  # another model's config.json
     table = data.get("data", {})
     table = table if isinstance(table, Mapping) else {}
     kind = table.get("source", DEFAULTS["data.source"])
@@ -186,10 +190,15 @@ def _check_init_from(start: str, source: str) -> None:
 
 
 def check_plan(recipe: Recipe, world: int) -> None:
-    """Plan ``recipe`` on ``world`` abstract ranks with the model on the meta device: whatever
-    the planner refuses is refused before any rank starts (no memory, no process group)."""
+    """Check the recipe's model against the files it starts from
+    (:func:`~meshtrain.recipes.model_check.check_model`), then plan ``recipe`` on ``world``
+    abstract ranks with the model on the meta device: whatever the planner refuses is refused
+    before any rank starts (no memory, no process group)."""
     from meshtrain.plan.api import plan
+    from meshtrain.recipes.model_check import check_model
     from meshtrain.spec.mesh import make_mesh
+
+    check_model(recipe)
 
     mesh = make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
     plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
