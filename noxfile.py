@@ -1,6 +1,7 @@
 """Developer sessions: ``nox -s tests`` (the first tier), ``lint``, ``typecheck``, ``docs``,
 ``tests_extended`` (the second tier), ``tests_long``, ``bench`` (benchmarks; not part of the
-default run).
+default run). CI (``.ci/run``) runs ``tests`` (the README's test command), ``tests_extended``,
+``lint``, ``typecheck`` and ``docs``, one after another.
 
 Each session builds its own virtual environment. On machines without a GPU, torch is pinned
 through ``constraints/cpu.txt`` so pip does not fetch the newest (CUDA) build; set
@@ -23,7 +24,7 @@ PIN = ["-c", _CONSTRAINTS] if _CONSTRAINTS else []
 @nox.session
 def tests(session: nox.Session) -> None:
     """The first tier (every test not marked ``extended``; derandomised Hypothesis profile: the
-    same examples every run). What CI runs on every change."""
+    same examples every run). The README's test command; CI runs it first on every change."""
     session.install(*PIN, "-e", ".[test]")
     session.run("pytest", "-m", "not extended", *session.posargs)
 
@@ -31,7 +32,8 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def tests_extended(session: nox.Session) -> None:
     """The second tier only (tests marked ``extended``): the rest of the schedule × composition
-    grid, multi-node launches, PyTorch-limit regressions. Run beside ``tests`` (a parallel job)."""
+    grid, compiled pipelines, multi-node launches, PyTorch-limit regressions, the QLoRA launches.
+    CI runs it on every change, after ``tests``."""
     session.install(*PIN, "-e", ".[test]")
     session.run("pytest", "-m", "extended", *session.posargs)
 
