@@ -19,7 +19,6 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import meshtrain as mt
@@ -63,7 +62,7 @@ def train(steps: int = 5, batch: int = 8, seq: int = 32) -> list[tuple[float, fl
         ref_optimizer.step()
         ref_optimizer.zero_grad()
 
-        mean = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        mean = mt.full_tensor(loss.detach())
         dist.all_reduce(mean)
         losses.append((float(mean) / dist.get_world_size(), float(ref_loss.detach())))
     return losses

@@ -21,7 +21,6 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
 from meshtrain.lower import device_mesh
@@ -71,7 +70,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
 
-        global_loss = loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+        global_loss = mt.full_tensor(loss.detach())
         dist.all_reduce(global_loss, group=device_mesh(mesh).get_group("dp"))
         global_loss /= dp  # every data-parallel rank's mean over as many tokens: the global mean
         if reference is not None and ref_optimizer is not None:

@@ -6,9 +6,8 @@ import functools
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from meshtrain import Mesh, P, Rules, make_mesh
+from meshtrain import Mesh, P, Rules, full_tensor, make_mesh
 
 
 class TiedMLP(nn.Module):
@@ -161,9 +160,8 @@ def attention_rowwise_only_rules(data_axes: tuple[str, ...]) -> Rules:
     )
 
 
-def full(tensor: torch.Tensor) -> torch.Tensor:
-    """The global value of a DTensor (a plain tensor is already global)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+#: The global value of a DTensor (a plain tensor is already global).
+full = full_tensor
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

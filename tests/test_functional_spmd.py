@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import mesh_for
+from helpers import full, mesh_for
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 
 import meshtrain as mt
 from meshtrain import P, Rules, SpecError
@@ -92,9 +92,9 @@ def same_code_trains_like_one_device(sequence_parallel: bool) -> dict[str, float
     ref_grads = {fqn: p.grad for fqn, p in reference.named_parameters()}
     worst = 0.0
     for fqn, param in model.named_parameters():
-        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        grad = full(param.grad)
         worst = max(worst, float((grad - ref_grads[fqn]).abs().max()))
-    full_loss = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+    full_loss = full(loss).detach()
     return {"loss": abs(full_loss.item() - ref_loss.detach().item()), "grads": worst}
 
 

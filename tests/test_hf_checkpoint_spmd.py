@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import mesh_for
+from helpers import full, mesh_for
 from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
@@ -63,7 +63,7 @@ def _tokens() -> torch.Tensor:
 
 def _logits(output: Any) -> torch.Tensor:
     logits = output if isinstance(output, torch.Tensor) else output.logits
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits
+    return full(logits)
 
 
 class _CountingSlices:

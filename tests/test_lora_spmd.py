@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from torch.distributed.tensor import DTensor
+from helpers import full
 
 import meshtrain as mt
 from meshtrain.models import default_rules
@@ -56,10 +56,6 @@ def test_lora_trains_like_one_device(name: str) -> None:
 # ------------------------------------------------------- a plain PyTorch loop, and collectives
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def plain_lora_loop(steps: int) -> dict[str, float]:
     """On every rank: the Hugging Face Llama with adapters under FSDP × TP, trained the way one
     writes a DDP loop (each rank's mean loss on its slice, backward, SGD over the trainable
@@ -69,7 +65,7 @@ def plain_lora_loop(steps: int) -> dict[str, float]:
     reference = copy.deepcopy(model)
     plan = mt.plan(model, mt.make_mesh(TP), zoo.hf_rules(zoo.llama()))
     applied = mt.apply(plan, model)
-    frozen = {fqn: _full(p.detach()).clone() for fqn, p in applied.named_parameters()
+    frozen = {fqn: full(p.detach()).clone() for fqn, p in applied.named_parameters()
               if not p.requires_grad}  # fmt: skip
     trainable = [p for p in applied.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
@@ -89,7 +85,7 @@ def plain_lora_loop(steps: int) -> dict[str, float]:
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        global_loss = _full(loss.detach()).clone()
+        global_loss = full(loss.detach()).clone()
         torch.distributed.all_reduce(global_loss)
         global_loss /= torch.distributed.get_world_size()
         ref_value = float(ref_loss.detach())
@@ -98,10 +94,10 @@ def plain_lora_loop(steps: int) -> dict[str, float]:
     ref_params = dict(reference.named_parameters())
     for fqn, param in applied.named_parameters():
         ref = ref_params[fqn].detach()
-        error = float((_full(param.detach()) - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+        error = float((full(param.detach()) - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
         worst["param"] = max(worst["param"], error)
         if fqn in frozen:
-            changed = float((_full(param.detach()) - frozen[fqn]).abs().max())
+            changed = float((full(param.detach()) - frozen[fqn]).abs().max())
             worst["frozen changed"] = max(worst["frozen changed"], changed)
     worst["tolerance"] = contract_for(plan).tolerance
     return worst

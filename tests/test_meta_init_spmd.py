@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import mesh_for
+from helpers import full, mesh_for
 from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
@@ -36,7 +36,7 @@ def meta_init_matches(axes: tuple[tuple[str, int], ...], zero: int, sp: bool) ->
     tokens = torch.randint(0, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(3))
     with mt.loss_parallel(plan):
         logits = model(tokens)
-        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        logits = full(logits)
     if not torch.allclose(logits, reference(tokens), rtol=1e-5, atol=1e-6):
         differ.append("<logits>")
     for name in ("rope_cos", "rope_sin"):

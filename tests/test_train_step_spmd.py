@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import mesh_for
+from helpers import full, mesh_for
 
 import meshtrain as mt
 from meshtrain.models import default_rules
@@ -77,10 +77,7 @@ def train_and_compare(
         batch = Batch(inputs[mine], targets[mine], DataPosition(0, step + 1))
         state, step_metrics = train_step(state, batch)
         metrics.append(step_metrics)
-    full = {
-        fqn: (p.full_tensor() if isinstance(p, torch.distributed.tensor.DTensor) else p).detach()
-        for fqn, p in state.params.items()
-    }
+    params = {fqn: full(p).detach() for fqn, p in state.params.items()}
     ref_params = dict(reference.named_parameters())
     expected = _reference_steps(reference, steps, max_norm)
     return {
@@ -88,7 +85,9 @@ def train_and_compare(
         "expected": expected,
         "step": state.step,
         "position": state.data,
-        "max_param_diff": max(float((full[f] - ref_params[f].detach()).abs().max()) for f in full),
+        "max_param_diff": max(
+            float((params[f] - ref_params[f].detach()).abs().max()) for f in params
+        ),
         "contract": contract_for(plan),
     }
 

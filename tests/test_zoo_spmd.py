@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from torch.distributed.tensor import DTensor
+from helpers import full
 
 import meshtrain as mt
 from meshtrain.testing import assert_equivalent
@@ -79,10 +79,6 @@ def _logits(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.logits
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def ddp_style_loop(
     factory: Callable[[], Any], axes: dict[str, int], options: dict[str, Any], steps: int
 ) -> dict[str, float]:
@@ -113,7 +109,7 @@ def ddp_style_loop(
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-        global_loss = _full(loss.detach()).clone()
+        global_loss = full(loss.detach()).clone()
         torch.distributed.all_reduce(global_loss)  # every rank's mean, summed over all ranks
         global_loss /= torch.distributed.get_world_size()
         worst["loss"] = max(
@@ -131,7 +127,7 @@ def ddp_style_loop(
         ref = ref_params[fqn].detach()
         own = float(ref.abs().max())
         scale = own if own >= tolerance * largest else largest
-        error = float((_full(param.detach()) - ref).abs().max()) / max(scale, 1e-30)
+        error = float((full(param.detach()) - ref).abs().max()) / max(scale, 1e-30)
         worst["param"] = max(worst["param"], error)
     ref_buffers = dict(reference.named_buffers())
     for fqn, buffer in applied.named_buffers():

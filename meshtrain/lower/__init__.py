@@ -17,6 +17,7 @@ from meshtrain.lower.compute import CompileReport, compile_loss, compile_report
 from meshtrain.lower.data_parallel import micro_batch
 from meshtrain.lower.distribute import distribute
 from meshtrain.lower.functional import constrain, shard_map
+from meshtrain.lower.gather import full_tensor
 from meshtrain.lower.groups import device_mesh, group_over, plan_device
 from meshtrain.lower.materialise import initialise, materialise
 from meshtrain.lower.pipeline import PipelinedModel
@@ -32,6 +33,7 @@ __all__ = [
     "constrain",
     "device_mesh",
     "distribute",
+    "full_tensor",
     "group_over",
     "initialise",
     "loss_parallel",

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtrain.errors import EquivalenceError, PlanError
-from meshtrain.lower import apply, compile_loss, device_mesh, one_device_reference
+from meshtrain.lower import apply, compile_loss, device_mesh, full_tensor, one_device_reference
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
@@ -382,10 +382,6 @@ def _run_rank(config: _Config) -> _RankResult:
         return _Run(config).train()
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The reference's storage: a one-rank DTensor's local tensor is the whole tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -465,7 +461,7 @@ class _Run:
         loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
-        return float(_full(loss.detach())), bool(finite)
+        return float(full_tensor(loss.detach())), bool(finite)
 
     def _plan_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
         per_rank = inputs.shape[0] // self.data_ranks
@@ -532,12 +528,16 @@ class _Run:
                     self._record(step, "grad", fqn, math.inf, math.inf, math.inf,
                                  note="gradient present on one side only")  # fmt: skip
                 continue
-            self._compare_tensor(step, "grad", fqn, _full(param.grad), _full(reference), floor)
+            self._compare_tensor(
+                step, "grad", fqn, full_tensor(param.grad), full_tensor(reference), floor
+            )
 
     def _gradient_scale(self) -> float:
         """The largest gradient element of the one-device model this step."""
         grads = [p.grad for p in self.ref_named.values() if p.grad is not None]
-        return max((float(_full(g).detach().abs().max()) for g in grads if g.numel()), default=0.0)
+        return max(
+            (float(full_tensor(g).detach().abs().max()) for g in grads if g.numel()), default=0.0
+        )
 
     def _clip_and_capture(
         self, step: int
@@ -551,13 +551,13 @@ class _Run:
         self._compare_scalar(step, "grad norm", float(norm), float(ref_norm))
         self.result.clipped_steps += int(float(ref_norm) > max_norm)
         grads = {
-            fqn: _full(p.grad).detach().clone()
+            fqn: full_tensor(p.grad).detach().clone()
             for fqn, p in self.ref_named.items()
             if p.grad is not None
         }
         states = {
             fqn: {
-                key: _full(value).detach().clone()
+                key: full_tensor(value).detach().clone()
                 for key, value in self.ref_optimizer.state.get(p, {}).items()
                 if isinstance(value, torch.Tensor) and key in STATE_KEYS[self.rule.kind]
             }
@@ -582,19 +582,21 @@ class _Run:
             grad = ref_grads[fqn]
             # The clipped gradient carries the gradient's and the norm's relative error.
             delta = 2 * self.contract.tolerance * self._scale(float(grad.abs().max()), floor)
-            new_ref = _full(ref_param.detach())
+            new_ref = full_tensor(ref_param.detach())
             bound = None if bitwise else param_bound(
                 self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref
             )  # fmt: skip
-            self._compare_elementwise(step, "param", fqn, _full(param.detach()), new_ref, bound)
+            self._compare_elementwise(
+                step, "param", fqn, full_tensor(param.detach()), new_ref, bound
+            )
             state, ref_state = self.optimizer.state[param], self.ref_optimizer.state[ref_param]
             for key in STATE_KEYS[self.rule.kind]:
                 value, reference = state.get(key), ref_state.get(key)
                 if not isinstance(reference, torch.Tensor) or not isinstance(value, torch.Tensor):
                     continue
-                reference = _full(reference)
+                reference = full_tensor(reference)
                 bound = None if bitwise else state_bound(self.rule, key, grad, delta, reference)
-                self._compare_elementwise(step, key, fqn, _full(value), reference, bound)
+                self._compare_elementwise(step, key, fqn, full_tensor(value), reference, bound)
 
     def _step_count(self, ref_param: torch.Tensor) -> int:
         value = self.ref_optimizer.state[ref_param].get("step", 1)
@@ -622,9 +624,9 @@ class _Run:
         keys = STATE_KEYS[self.rule.kind] if self.rule.kind != "none" else ()
         mine = {
             fqn: (
-                _full(param.detach()).clone(),
+                full_tensor(param.detach()).clone(),
                 {
-                    key: _full(value).clone()
+                    key: full_tensor(value).clone()
                     for key, value in self.optimizer.state.get(param, {}).items()
                     if key in keys and isinstance(value, torch.Tensor)
                 },

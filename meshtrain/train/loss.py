@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 
+from meshtrain.lower.gather import full_tensor
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.layers import main_output
@@ -82,8 +82,7 @@ def global_token_count(plan: Plan, local_counts: Sequence[torch.Tensor | int]) -
 
 def plain_loss(loss: torch.Tensor) -> torch.Tensor:
     """A detached fp32 loss as a plain tensor (a loss-parallel loss is a replicated DTensor)."""
-    detached = loss.detach()
-    return (detached.full_tensor() if isinstance(detached, DTensor) else detached).float()
+    return full_tensor(loss.detach()).float()
 
 
 def loss_axes(plan: Plan) -> tuple[str, ...]:
