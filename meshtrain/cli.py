@@ -150,16 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _version() -> str:
-    """meshtrain's version, from the installed package's metadata (the source's when not
-    installed)."""
+    """meshtrain's version, from the installed package's metadata."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version("meshtrain")
-    except PackageNotFoundError:
-        from meshtrain import __version__
-
-        return __version__
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def _add_run_dir(command: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from meshtrain import CheckpointError
-from meshtrain.recipes import load_recipe
+from meshtrain.recipes import Recipe, load_recipe
 from meshtrain.recipes.model_check import check_model
 
 transformers = pytest.importorskip("transformers")
@@ -64,6 +64,11 @@ def _save(directory: Path, config: object, tensor_name: str) -> Path:
     config.save_pretrained(directory)  # type: ignore[attr-defined]
     save_file({tensor_name: torch.zeros(4, 4)}, str(directory / "model.safetensors"))
     return directory
+
+
+def _check(recipe: Recipe) -> None:
+    """The launcher's model check of ``recipe``, in this process."""
+    check_model(recipe.source, recipe.model, init_from=recipe.checkpoint.init_from)
 
 
 def _debug(tmp_path: Path, *sets: str) -> list[str]:
@@ -166,6 +171,6 @@ def test_a_model_hf_and_its_init_from_must_agree(tmp_path: Path) -> None:
     recipe.write_text(f'{head}init_from = "{theirs}"\n')
     differ = r"hidden_size = 32 here but 64 there; head_dim = 8 here but 16 there\. Point "
     with pytest.raises(CheckpointError, match=differ):
-        check_model(load_recipe(str(recipe)))
+        _check(load_recipe(str(recipe)))
     recipe.write_text(f'{head}init_from = "{ours}"\n')
-    check_model(load_recipe(str(recipe)))  # the directory itself
+    _check(load_recipe(str(recipe)))  # the directory itself

@@ -33,7 +33,7 @@ from meshtrain.errors import CheckpointError, RecipeError
 
 if TYPE_CHECKING:
     from meshtrain.models.llama import LlamaConfig
-    from meshtrain.recipes.recipe import Recipe
+    from meshtrain.recipes.sections import ModelSection
 
 __all__ = [
     "HF_KEYS",
@@ -104,22 +104,24 @@ def check_architecture(model: Any, start: str, source: str) -> None:
         _check_is_llama(config, Path(start) / "config.json", f"{source}: checkpoint.init_from: ")
 
 
-def check_model(recipe: Recipe) -> None:
-    """Refuse (:class:`RecipeError`, :class:`CheckpointError`) a recipe whose model cannot be
-    built or started as written; see the module docstring. Reads no weights."""
-    model = recipe.model
+def check_model(
+    source: str, model: ModelSection, *, init_from: str = "", quantize_base: str = ""
+) -> None:
+    """Refuse (:class:`RecipeError`, :class:`CheckpointError`) the model of the recipe ``source``
+    (its ``[model]`` section, ``[checkpoint] init_from`` and ``[lora] quantize_base``) when it
+    cannot be built or started as written; see the module docstring. Reads no weights."""
     if model.kind == "hf":
-        check_model_type(model.hf, f"{recipe.source}: [model] hf = {model.hf!r}")
-    if recipe.checkpoint.init_from:  # checked on a resume too, as the launcher checks the file
-        _check_init_from(recipe, recipe.checkpoint.init_from)
-    if recipe.lora is not None and recipe.lora.quantize_base:
+        check_model_type(model.hf, f"{source}: [model] hf = {model.hf!r}")
+    if init_from:  # checked on a resume too, as the launcher checks the file
+        _check_init_from(source, model, init_from)
+    if quantize_base:
         from meshtrain.adapters.nf4 import torchao_nf4
 
         if torchao_nf4() is None:
             raise RecipeError(
-                f"{recipe.source}: [lora] quantize_base = {recipe.lora.quantize_base!r} trains an "
-                "NF4 base with torchao, which is not installed: `pip install meshtrain[qlora]`, "
-                "or remove quantize_base (`meshtrain plan` sizes the recipe without torchao)."
+                f"{source}: [lora] quantize_base = {quantize_base!r} trains an NF4 base with "
+                "torchao, which is not installed: `pip install meshtrain[qlora]`, or remove "
+                "quantize_base (`meshtrain plan` sizes the recipe without torchao)."
             )
 
 
@@ -203,7 +205,7 @@ def _sets(name: str, theirs: LlamaConfig) -> list[tuple[str, Any]]:
     return [(name, getattr(theirs, name))]
 
 
-def _check_init_from(recipe: Recipe, start: str) -> None:
+def _check_init_from(recipe: str, model: ModelSection, start: str) -> None:
     """``init_from``'s config.json (a directory's; a lone .safetensors file has none) describes
     the recipe's model."""
     from meshtrain.train.hf.files import read_config
@@ -211,8 +213,7 @@ def _check_init_from(recipe: Recipe, start: str) -> None:
     hf = read_config(start) if Path(start).is_dir() else None
     if hf is None:
         return
-    source, prefix = Path(start) / "config.json", f"{recipe.source}: checkpoint.init_from: "
-    model = recipe.model
+    source, prefix = Path(start) / "config.json", f"{recipe}: checkpoint.init_from: "
     if model.config is not None and not _meshtrain_names(start):
         check_llama_config(model.config, hf, source, prefix)
     elif model.kind == "hf":

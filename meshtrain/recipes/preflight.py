@@ -198,7 +198,10 @@ def check_plan(recipe: Recipe, world: int) -> None:
     from meshtrain.recipes.model_check import check_model
     from meshtrain.spec.mesh import make_mesh
 
-    check_model(recipe)
+    base = recipe.lora.quantize_base if recipe.lora is not None else ""
+    check_model(
+        recipe.source, recipe.model, init_from=recipe.checkpoint.init_from, quantize_base=base
+    )
 
     mesh = make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
     plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
