@@ -146,3 +146,18 @@ def test_check_takes_set_for_lora(monkeypatch: pytest.MonkeyPatch) -> None:
     ((model_fn, _, plan_arguments),) = calls
     assert model_fn.rank == 8 and isinstance(plan_arguments["options"], PlanOptions)
     assert main(["check", "debug_lora", "--world", "2", "--set", "lora.rank=0"]) == 2
+
+
+def test_a_train_layer_error_is_one_line_and_exit_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from meshtrain.recipes import sizing
+    from meshtrain.train.metrics import LoggingConfig
+
+    def refused(*args: Any, **kwargs: Any) -> None:
+        LoggingConfig(log_every=0)
+
+    monkeypatch.setattr(sizing, "size_recipe", refused)
+    assert main(["plan", "debug", "--world", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err == "ConfigError: LoggingConfig(log_every=0): give 1 or more (1 logs every step).\n"

@@ -355,26 +355,27 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
     from meshtrain.models.llama import LlamaConfig
 
     values = check_table(source, "model", table)
-    default = ModelSection()
-    factory, hf = values.pop("factory", default.factory), values.pop("hf", default.hf)
-    meta_init = values.pop("meta_init", default.meta_init)
-    if factory or hf:
-        if (factory and hf) or values:
-            given = ["factory"] * bool(factory) + ["hf"] * bool(hf) + sorted(values)
+    own = {field.name for field in dataclasses.fields(ModelSection)}
+    section = build_section(ModelSection, {k: v for k, v in values.items() if k in own})
+    overrides = {key: value for key, value in values.items() if key not in own}
+    if section.factory or section.hf:
+        others = sorted(set(values) - {"factory", "hf", "meta_init"})
+        if (section.factory and section.hf) or others:
+            given = [key for key in ("factory", "hf") if values.get(key)] + others
             raise RecipeError(
                 f"{source}: [model] gives {given}: a recipe's model is one of a Llama preset "
                 '(preset + its config keys), factory = "package.module:function", or hf = '
                 '"DIR" — pick one.'
             )
-        return ModelSection("factory" if factory else "hf", "", None, factory, hf, meta_init)
-    name, preset = values.pop("name", default.name), values.pop("preset", default.preset)
+        return dataclasses.replace(section, name=section.kind, preset="")
     try:
-        config = LlamaConfig.preset(preset, **values)
+        config = LlamaConfig.preset(section.preset, **overrides)
     except MeshtrainError as err:
         raise RecipeError(
-            f"{source}: [model] preset {toml_value(preset)} with overrides {values}: {err.message}"
+            f"{source}: [model] preset {toml_value(section.preset)} with overrides {overrides}: "
+            f"{err.message}"
         ) from None
-    return ModelSection(name, preset, config, meta_init=meta_init)
+    return dataclasses.replace(section, config=config)
 
 
 def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
