@@ -161,3 +161,9 @@ def test_a_train_layer_error_is_one_line_and_exit_2(
     assert main(["plan", "debug", "--world", "2"]) == 2
     err = capsys.readouterr().err
     assert err == "ConfigError: LoggingConfig(log_every=0): give 1 or more (1 logs every step).\n"
+
+
+def test_set_keeps_the_text_for_a_string_key() -> None:
+    recipe = load_recipe("debug", ["logging.wandb_entity=1234", "data.path=2024", "train.steps=50"])
+    assert recipe.logging.wandb_entity == "1234" and recipe.data.path == "2024"
+    assert recipe.train.steps == 50  # an integer key still reads a number

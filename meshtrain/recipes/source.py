@@ -13,13 +13,14 @@ Example:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import RecipeError, did_you_mean
-from meshtrain.recipes.sections import SECTION_NAMES
+from meshtrain.recipes.sections import SECTION_NAMES, SECTION_TYPES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -89,8 +90,9 @@ def apply_overrides(
     data: dict[str, Any], overrides: Sequence[str], source: str = "<string>"
 ) -> dict[str, Any]:
     """``data`` with each ``section.key=value`` set. The value is read as a TOML value
-    (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one is taken as a
-    bare string (``data.source=synthetic``). The section is the longest known section name the
+    (``3``, ``1e-4``, ``true``, ``["dp"]``, ``"text"``); anything that is not one, and anything
+    given to a key its section's dataclass types ``str``, is taken as a bare string
+    (``data.source=synthetic``, ``logging.wandb_entity=1234``). The section is the longest known section name the
     path starts with (``parallel.pipeline.schedule=GPipe``; the sections are
     :data:`~meshtrain.recipes.sections.SECTION_NAMES`, derived from the sections' dataclasses);
     keys are checked afterwards with the rest of the recipe, so an unknown key is the usual
@@ -99,6 +101,8 @@ def apply_overrides(
     Example:
         >>> apply_overrides({"train": {"lr": 1.0}}, ["train.lr=3e-4", "mesh.tp=4"])
         {'train': {'lr': 0.0003}, 'mesh': {'tp': 4}}
+        >>> apply_overrides({}, ["data.path=2024", "data.samples=16"])
+        {'data': {'path': '2024', 'samples': 16}}
     """
     result = copy.deepcopy(data)
     for override in overrides:
@@ -114,10 +118,7 @@ def apply_overrides(
                 f"{did_you_mean(named, SECTION_NAMES, 'sections')}. Write e.g. --set "
                 "train.steps=100."
             )
-        try:
-            value = tomllib.loads(f"value = {text}")["value"]
-        except tomllib.TOMLDecodeError:
-            value = text
+        value = _override_value(section, key, text)
         table = result
         for part in section.split("."):
             table = table.setdefault(part, {})
@@ -125,3 +126,17 @@ def apply_overrides(
                 raise RecipeError(f"{source}: --set {override!r}: [{section}] is not a table.")
         table[key] = value
     return result
+
+
+def _override_value(section: str, key: str, text: str) -> Any:
+    """``--set``'s value: TOML, else the bare text; a ``str`` key keeps the text as given."""
+    try:
+        value = tomllib.loads(f"value = {text}")["value"]
+    except tomllib.TOMLDecodeError:
+        return text
+    section_type = SECTION_TYPES[section]
+    if isinstance(value, str) or not dataclasses.is_dataclass(section_type):
+        return value
+    types = {field.metadata.get("toml") or field.name: field.type
+             for field in dataclasses.fields(section_type)}  # fmt: skip
+    return text if types.get(key) in ("str", str) else value
