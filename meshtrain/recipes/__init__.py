@@ -24,15 +24,16 @@ if TYPE_CHECKING:
         recipe_from_toml,
         shrink,
     )
-    from meshtrain.recipes.schema import (
+    from meshtrain.recipes.schema import parse_spec
+    from meshtrain.recipes.sections import (
         CheckpointSection,
         DataSection,
         LoggingSection,
+        LoRASection,
         ModelSection,
         ParallelSection,
         PipelineSection,
         TrainSection,
-        parse_spec,
     )
 
 #: Where each public name lives; imported on first use, so reading a recipe's file
@@ -46,10 +47,11 @@ _LAZY = {
     ),
     **dict.fromkeys(("FactoryBuilder", "HFBuilder", "LlamaBuilder"), "meshtrain.recipes.models"),
     **dict.fromkeys(
-        ("CheckpointSection", "DataSection", "LoggingSection", "ModelSection", "ParallelSection",
-         "PipelineSection", "TrainSection", "parse_spec"),
-        "meshtrain.recipes.schema",
+        ("CheckpointSection", "DataSection", "LoggingSection", "LoRASection", "ModelSection",
+         "ParallelSection", "PipelineSection", "TrainSection"),
+        "meshtrain.recipes.sections",
     ),
+    "parse_spec": "meshtrain.recipes.schema",
 }  # fmt: skip
 
 
@@ -71,6 +73,7 @@ __all__ = [
     "FactoryBuilder",
     "HFBuilder",
     "LlamaBuilder",
+    "LoRASection",
     "LoggingSection",
     "ModelSection",
     "OptimizerBuilder",
