@@ -7,7 +7,9 @@ every rank.
 know; an ``[checkpoint] init_from`` of another architecture than the recipe's model, or of the
 same architecture with another config (each differing key named with both values and the
 ``--set`` that fixes it); and a QLoRA recipe (``[lora] quantize_base``) launched without torchao.
-:func:`check_llama_config` is the Llama half, also used when weights are loaded
+:func:`check_architecture` and :func:`check_torchao` read the recipe as parsed and import no
+torch, so the launcher runs them with its first, torch-free checks. :func:`check_llama_config` is
+the Llama half, also used when weights are loaded
 (:func:`~meshtrain.recipes.pretrained.load_pretrained`).
 
 Example:
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.util
 import json
 import struct
 from collections.abc import Mapping
@@ -42,6 +45,7 @@ __all__ = [
     "check_llama_config",
     "check_model",
     "check_model_type",
+    "check_torchao",
 ]
 
 #: The Llama config values a checkpoint's config.json must agree with (shapes cannot tell
@@ -118,11 +122,35 @@ def check_model(
         from meshtrain.adapters.nf4 import torchao_nf4
 
         if torchao_nf4() is None:
-            raise RecipeError(
-                f"{source}: [lora] quantize_base = {quantize_base!r} trains an NF4 base with "
-                "torchao, which is not installed: `pip install meshtrain[qlora]`, or remove "
-                "quantize_base (`meshtrain plan` sizes the recipe without torchao)."
-            )
+            raise _no_torchao(source, quantize_base)
+
+
+def check_torchao(lora: Any, source: str) -> None:
+    """Before torch is imported (:func:`~meshtrain.recipes.preflight.check_launch`): a QLoRA
+    recipe (``[lora] quantize_base``; ``lora`` is the table as parsed) needs torchao installed.
+
+    Example:
+        >>> check_torchao({"rank": 8}, "r.toml")  # no quantized base: nothing needed
+    """
+    base = lora.get("quantize_base") if isinstance(lora, Mapping) else None
+    if base and not _installed("torchao"):
+        raise _no_torchao(source, base)
+
+
+def _no_torchao(source: str, base: object) -> RecipeError:
+    return RecipeError(
+        f"{source}: [lora] quantize_base = {base!r} trains an NF4 base with torchao, which is "
+        "not installed: `pip install meshtrain[qlora]`, or remove quantize_base (`meshtrain "
+        "plan` sizes the recipe without torchao)."
+    )
+
+
+def _installed(package: str) -> bool:
+    """Whether ``package`` can be found, without importing it."""
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):  # a None entry in sys.modules: made unimportable
+        return False
 
 
 def check_model_type(directory: str, where: str) -> None:

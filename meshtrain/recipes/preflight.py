@@ -3,8 +3,9 @@ fraction of a second with one line and exit status 2, instead of failing inside 
 
 :func:`check_launch` reads the recipe as parsed (:mod:`meshtrain.recipes.source`) and imports no
 torch: every number is finite, the mesh fits the ranks being started (``--nproc`` × ``--nnodes``),
-the global batch splits over the data-parallel ranks and micro-batches, and the data and files
-the run reads exist (or can be made). A value of the wrong type is left to the schema, which
+the global batch splits over the data-parallel ranks and micro-batches, the data and files
+the run reads exist (or can be made), an ``init_from`` directory holds the recipe's architecture
+and a QLoRA recipe finds torchao. A value of the wrong type is left to the schema, which
 runs next (in :func:`meshtrain.recipes.load_recipe`). Then :func:`check_plan` checks the model
 against the files it starts from (:mod:`~meshtrain.recipes.model_check`: an ``init_from`` of
 another architecture or config, an unknown ``model_type``, QLoRA without torchao) and plans the
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from meshtrain.errors import RecipeError
-from meshtrain.recipes.model_check import check_architecture
+from meshtrain.recipes.model_check import check_architecture, check_torchao
 from meshtrain.recipes.sections import DataSection, ParallelSection, TrainSection
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def check_launch(data: Mapping[str, Any], source: str, *, nproc: int, nnodes: in
     if sizes is not None:
         _check_batch(data, source, sizes)
     _check_files(data, source)
+    check_torchao(data.get("lora"), source)  # QLoRA trains with torchao
 
 
 def _check_finite(data: Mapping[str, Any], source: str, where: str = "") -> None:
