@@ -47,6 +47,8 @@ from meshtrain.recipes.sections import (
 from meshtrain.recipes.source import find_recipe as find_recipe  # re-exported
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from meshtrain.spec.partition import P
 
 __all__ = [
@@ -76,7 +78,7 @@ _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
           list: "an array", dict: "a table"}  # fmt: skip
 _SPEC_FIX = "Write a spec like \"P('tp', None)\": entries None, 'axis' or ('axis1', 'axis2')."
-Section = TypeVar("Section")
+Section = TypeVar("Section", bound="DataclassInstance")
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ def build_section(section_type: type[Section], values: Mapping[str, Any]) -> Sec
         True
     """
     names = {field.metadata.get("toml") or field.name: field.name
-             for field in dataclasses.fields(section_type)}  # type: ignore[arg-type]  # fmt: skip
+             for field in dataclasses.fields(section_type)}  # fmt: skip
     return section_type(**{names[key]: value for key, value in values.items()})
 
 
