@@ -100,10 +100,16 @@ def meta_nf4(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> tor
     strides = tuple(math.prod(shape[dim + 1 :]) for dim in range(len(shape)))
     args = tensor_args(torch.Size(shape), strides, 0, dtype, torch.device("meta"), False)
     return nf4_class(
-        args, BLOCK_SIZE, blocks, SCALER_BLOCK_SIZE, empty((blocks,), torch.int8),
-        empty((blocks // SCALER_BLOCK_SIZE,), dtype), empty((), dtype),
-        empty((numel // 2,), torch.uint8), empty((16,), dtype),
-    )  # fmt: skip
+        args,
+        BLOCK_SIZE,
+        blocks,
+        SCALER_BLOCK_SIZE,
+        empty((blocks,), torch.int8),
+        empty((blocks // SCALER_BLOCK_SIZE,), dtype),
+        empty((), dtype),
+        empty((numel // 2,), torch.uint8),
+        empty((16,), dtype),
+    )
 
 
 def scale_sums(dense: torch.Tensor) -> torch.Tensor:

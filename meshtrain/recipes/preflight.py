@@ -180,11 +180,12 @@ def _check_init_from(start: str, source: str) -> None:
             "model.safetensors or model.safetensors.index.json: copy the weights there "
             "(save_pretrained writes them), or point at the directory that has them."
         )
-    what = (
-        "does not exist" if not path.exists()
-        else "is a directory without config.json" if path.is_dir()
-        else "is not a .safetensors file"
-    )  # fmt: skip
+    if not path.exists():
+        what = "does not exist"
+    elif path.is_dir():
+        what = "is a directory without config.json"
+    else:
+        what = "is not a .safetensors file"
     raise RecipeError(
         f"{source}: checkpoint.init_from = {start!r} {what}: give a transformers model directory "
         "(config.json and model*.safetensors) or a .safetensors file the run starts from."

@@ -147,9 +147,16 @@ def export_run(
     recipe = state.get("extra", {}).get("recipe")
     config, rename, copied = _export_target(recipe, point.checkpoint)
     transform = transform or _lora_merge(recipe)
-    return export_hf(point.checkpoint, out_dir, config=config, rename=rename,
-                     transform=transform, max_shard_size=max_shard_size, dtype=dtype,
-                     copy_files=copied)  # fmt: skip
+    return export_hf(
+        point.checkpoint,
+        out_dir,
+        config=config,
+        rename=rename,
+        transform=transform,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        copy_files=copied,
+    )
 
 
 def _lora_merge(recipe: Any) -> Transform | None:
@@ -183,8 +190,11 @@ def merge_adapters(
     base = f"{prefix}." if prefix else ""
     if name != "weight" or f"{base}lora_A" not in checkpoint:
         return [(fqn, tensor)]
-    state = {fqn: tensor, f"{base}lora_A": checkpoint[f"{base}lora_A"],
-             f"{base}lora_B": checkpoint[f"{base}lora_B"]}  # fmt: skip
+    state = {
+        fqn: tensor,
+        f"{base}lora_A": checkpoint[f"{base}lora_A"],
+        f"{base}lora_B": checkpoint[f"{base}lora_B"],
+    }
     return list(merge_lora(state, alpha=alpha).items())
 
 
