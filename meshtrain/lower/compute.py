@@ -39,7 +39,7 @@ from torch.utils.checkpoint import (
 
 from meshtrain.errors import GraphBreakWarning
 from meshtrain.plan.activations import SAVED_OPS
-from meshtrain.plan.ir import Plan
+from meshtrain.plan.ir import Plan, TPStyle
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,9 @@ def compile_model(plan: Plan, model: nn.Module) -> None:
 def compile_loss(plan: Plan, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``loss_fn`` compiled with the plan's backend when the plan compiles (eager otherwise, and
     under loss parallelism, whose vocab-sharded cross-entropy runs through DTensor's op table)."""
-    if plan.compile_scope is None or any(s.style == "loss_parallel_head" for s in plan.styles):
+    if plan.compile_scope is None or any(
+        s.style == TPStyle.LOSS_PARALLEL_HEAD for s in plan.styles
+    ):
         return loss_fn
     options = plan.options
     return torch.compile(

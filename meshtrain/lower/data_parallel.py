@@ -43,16 +43,12 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
         param_dtype=getattr(torch, options.param_dtype),
         reduce_dtype=getattr(torch, options.reduce_dtype),
     )
-    offload: OffloadPolicy = (
-        CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        if options.offload
-        else OffloadPolicy()
-    )
     modules = dict(model.named_modules())
     wrapped: list[FSDPModule] = []
     for unit in plan.units:
         module = modules[unit.fqn]
-        if options.zero == 0:
+        decisions = unit.decisions
+        if decisions.wrapper == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
             replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
@@ -60,10 +56,9 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
             fully_shard(
                 module,
                 mesh=dp_mesh,
-                # The root's parameters are needed again first thing in backward: keep them.
-                reshard_after_forward=options.zero == 3 and unit.fqn != "",
+                reshard_after_forward=decisions.reshard_after_forward,
                 mp_policy=mp_policy,
-                offload_policy=offload,
+                offload_policy=_offload_policy(decisions.offload),
             )
         wrapped.append(module)
     if options.grad_reduction == "sum":  # plain sums on the wire (gloo has no PREMUL_SUM)
@@ -72,6 +67,11 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
     # "mean" is FSDP2's and replicate's own default. (torch 2.13's replicate divides twice when
     # given a divide factor other than 1 with forced sums, so the mean is left to them.)
+
+
+def _offload_policy(offload: bool) -> OffloadPolicy:
+    """FSDP2's CPU offload (pinned host memory where CUDA is present), or none."""
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
 
 
 def data_parallel_size(plan: Plan) -> int:
@@ -86,9 +86,10 @@ def data_parallel_size(plan: Plan) -> int:
 def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     """Gradient-sync policy for one micro-batch of a step.
 
-    zero 0 and 1 reduce gradients once per step (on the last micro-batch) and keep parameters
-    gathered between micro-batches; zero 2 and 3 reduce every micro-batch so gradients stay
-    sharded. Wrap each micro-batch's forward and backward in this context.
+    Each unit does what its decisions say (:func:`~meshtrain.plan.decisions.fsdp_decisions`):
+    zero 0 and 1 reduce gradients once per step (on the last micro-batch), zero 1 keeps
+    parameters gathered between micro-batches; zero 2 and 3 reduce every micro-batch so
+    gradients stay sharded. Wrap each micro-batch's forward and backward in this context.
     """
     if plan.pipeline is not None:
         raise PlanError(
@@ -99,10 +100,12 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     sync = getattr(model, "_meshtrain_partial_grads", None)
     if isinstance(sync, PartialGradSync):
         sync.enabled = last
-    if plan.data_axes and plan.options.zero <= 1:
+    # every unit shares these decisions (only reshard-after-forward differs between units)
+    decisions = plan.units[-1].decisions if plan.data_axes and plan.units else None
+    if decisions is not None and not decisions.sync_every_microbatch:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_requires_gradient_sync(last, recurse=False)
-                if plan.options.zero == 1:
+                if decisions.gathered_across_microbatches:
                     module.set_reshard_after_backward(last, recurse=False)
     yield

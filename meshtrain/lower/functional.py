@@ -33,7 +33,7 @@ from torch.distributed.tensor.experimental import local_map
 
 from meshtrain.errors import SpecError, format_shape
 from meshtrain.lower.groups import device_mesh
-from meshtrain.plan.ir import Plan
+from meshtrain.plan.ir import Plan, TPStyle
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P, entry_axes
@@ -76,7 +76,7 @@ def track(plan: Plan, model: nn.Module) -> None:
         # graph: compiled plans skip the inside-a-pair check below (constrain still works).
         return
     for style in plan.styles:
-        if style.style == "prepare_input" and style.fqn:
+        if style.style == TPStyle.PREPARE_INPUT and style.fqn:
             _scope(modules[style.fqn], _Active(plan, tp_mesh, tp_device_mesh, style.fqn))
 
 
@@ -164,80 +164,99 @@ def shard_map(fn: F, *, in_specs: Any, out_specs: Any) -> F:
         leaves, treedef = optree.tree_flatten(args, none_is_leaf=True)  # type: ignore[arg-type]
         specs = _broadcast(in_specs, args, "in_specs")
         if active is None or active.tp_mesh is None:
-            for leaf, spec in zip(leaves, specs):
-                if isinstance(leaf, torch.Tensor) and spec is not None:
-                    _check_rank(spec, leaf)
-            if active is None and any(isinstance(leaf, DTensor) for leaf in leaves):
-                raise SpecError(
-                    "shard_map got DTensor arguments outside a running plan; call it from the "
-                    "forward of a model the plan was applied to."
-                )
+            _check_unplanned(active, leaves, specs)
             return fn(*args)
-        mesh, bound = active.tp_mesh, active.tp_device_mesh
-        in_placements: list[tuple[Placement, ...] | None] = []
-        dtensors: list[Any] = []
-        for index, (leaf, spec) in enumerate(zip(leaves, specs)):
-            if not isinstance(leaf, torch.Tensor):
-                in_placements.append(None)
-                dtensors.append(leaf)
-                continue
-            tp_spec = _tp_spec(active, _need_spec(spec, index), leaf)
-            wanted = _activation_placements(tp_spec)
-            if not isinstance(leaf, DTensor):
-                if active.region is not None:
-                    raise SpecError(
-                        f"shard_map input {index} is a plain {format_shape(tuple(leaf.shape))} "
-                        f"tensor inside '{active.region}', whose activations are rank-local "
-                        "tensor-parallel shards the plan does not track, so in_specs "
-                        f"{tp_spec!r} cannot be checked. Pass a DTensor, or call shard_map on "
-                        "the module's input.",
-                        spec=tp_spec,
-                        shape=tuple(leaf.shape),
-                        mesh=mesh,
-                    )
-                leaf = DTensor.from_local(leaf, bound, (active.stream,), run_check=False)
-            if leaf.placements != wanted:
-                raise SpecError(
-                    f"shard_map input {index} (global shape {format_shape(tuple(leaf.shape))}) is "
-                    f"laid out as {leaf.placements} but in_specs says {tp_spec!r} ({wanted}) on "
-                    f"mesh {mesh}; shard_map does not redistribute. Call mt.constrain(x, spec) "
-                    "before it, or fix in_specs.",
-                    spec=tp_spec,
-                    shape=tuple(leaf.shape),
-                    mesh=mesh,
-                )
-            validate_spec(tp_spec, tuple(leaf.shape), mesh)
-            in_placements.append(wanted)
-            dtensors.append(leaf)
-        outs = out_specs if isinstance(out_specs, tuple) else (out_specs,)
-        out_placements = tuple(
-            None if spec is None else _activation_placements(_tp_spec(active, spec, None))
-            for spec in outs
-        )
+        inputs = [_local_input(active, index, leaf, spec)
+                  for index, (leaf, spec) in enumerate(zip(leaves, specs))]  # fmt: skip
 
         def flat_fn(*flat: Any) -> Any:
             return fn(*optree.tree_unflatten(treedef, list(flat)))
 
         mapped = local_map(
             flat_fn,
-            out_placements=out_placements,
-            in_placements=tuple(in_placements),
-            device_mesh=bound,
+            out_placements=_out_placements(active, out_specs),
+            in_placements=tuple(placements for _, placements in inputs),
+            device_mesh=active.tp_device_mesh,
         )
-        result = mapped(*dtensors)
+        result = mapped(*(value for value, _ in inputs))
         if any(isinstance(leaf, DTensor) for leaf in leaves):
             return result
-        # Plain tensors in, between blocks: outputs in the plan's layout there come back plain.
-        return optree.tree_map(
-            lambda out: (
-                out.to_local()
-                if isinstance(out, DTensor) and out.placements == (active.stream,)
-                else out
-            ),
-            result,
-        )
+        return _plain_between_blocks(active, result)
 
     return wrapped  # type: ignore[return-value]
+
+
+def _check_unplanned(active: _Active | None, leaves: list[Any], specs: list[P | None]) -> None:
+    """``shard_map`` without a tensor-parallel plan running: specs must fit the tensors' ranks,
+    and DTensors only come from a running plan."""
+    for leaf, spec in zip(leaves, specs):
+        if isinstance(leaf, torch.Tensor) and spec is not None:
+            _check_rank(spec, leaf)
+    if active is None and any(isinstance(leaf, DTensor) for leaf in leaves):
+        raise SpecError(
+            "shard_map got DTensor arguments outside a running plan; call it from the "
+            "forward of a model the plan was applied to."
+        )
+
+
+def _local_input(
+    active: _Active, index: int, leaf: Any, spec: P | None
+) -> tuple[Any, tuple[Placement, ...] | None]:
+    """One flattened argument as ``local_map`` takes it, with its placements (None for a
+    non-tensor): a DTensor already laid out as its spec says, or a plain tensor between blocks
+    taken in the plan's layout there. A mismatch is a SpecError, never a redistribution."""
+    if not isinstance(leaf, torch.Tensor):
+        return leaf, None
+    mesh = active.tp_mesh
+    assert mesh is not None  # shard_map calls this only under a tensor-parallel plan
+    tp_spec = _tp_spec(active, _need_spec(spec, index), leaf)
+    wanted = _activation_placements(tp_spec)
+    if not isinstance(leaf, DTensor):
+        if active.region is not None:
+            raise SpecError(
+                f"shard_map input {index} is a plain {format_shape(tuple(leaf.shape))} "
+                f"tensor inside '{active.region}', whose activations are rank-local "
+                "tensor-parallel shards the plan does not track, so in_specs "
+                f"{tp_spec!r} cannot be checked. Pass a DTensor, or call shard_map on "
+                "the module's input.",
+                spec=tp_spec,
+                shape=tuple(leaf.shape),
+                mesh=mesh,
+            )
+        leaf = DTensor.from_local(leaf, active.tp_device_mesh, (active.stream,), run_check=False)
+    if leaf.placements != wanted:
+        raise SpecError(
+            f"shard_map input {index} (global shape {format_shape(tuple(leaf.shape))}) is "
+            f"laid out as {leaf.placements} but in_specs says {tp_spec!r} ({wanted}) on "
+            f"mesh {mesh}; shard_map does not redistribute. Call mt.constrain(x, spec) "
+            "before it, or fix in_specs.",
+            spec=tp_spec,
+            shape=tuple(leaf.shape),
+            mesh=mesh,
+        )
+    validate_spec(tp_spec, tuple(leaf.shape), mesh)
+    return leaf, wanted
+
+
+def _out_placements(active: _Active, out_specs: Any) -> tuple[tuple[Placement, ...] | None, ...]:
+    """``local_map``'s output placements: one per output spec (None for a non-tensor)."""
+    outs = out_specs if isinstance(out_specs, tuple) else (out_specs,)
+    return tuple(
+        None if spec is None else _activation_placements(_tp_spec(active, spec, None))
+        for spec in outs
+    )
+
+
+def _plain_between_blocks(active: _Active, result: Any) -> Any:
+    """Plain tensors in, between blocks: outputs in the plan's layout there come back plain."""
+    return optree.tree_map(
+        lambda out: (
+            out.to_local()
+            if isinstance(out, DTensor) and out.placements == (active.stream,)
+            else out
+        ),
+        result,
+    )
 
 
 def _activation_placements(tp_spec: P) -> tuple[Placement, ...]:

@@ -41,7 +41,7 @@ from torch.distributed.pipelining.schedules import (
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh, plan_device
 from meshtrain.lower.tensor_parallel import PartialGradSync, loss_parallel
-from meshtrain.plan.ir import Plan, StagePlan
+from meshtrain.plan.ir import Plan, StagePlan, TPStyle
 from meshtrain.plan.layers import main_output
 from meshtrain.plan.styles import activation_argument
 
@@ -269,7 +269,9 @@ class _NextBlock(_Stub):
 def _split_ways(plan: Plan) -> int:
     """The tensor-parallel size when the sequence is split at the first block's input (a
     non-first stage then rebuilds the global shape before its blocks), else 1."""
-    if plan.tp_axis is None or not any(s.style == "sequence_split_input" for s in plan.styles):
+    if plan.tp_axis is None or not any(
+        s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in plan.styles
+    ):
         return 1
     return plan.mesh.size(plan.tp_axis)
 

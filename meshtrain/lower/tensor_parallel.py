@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,7 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan.ir import Plan
+from meshtrain.plan.ir import ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
 
 
@@ -57,10 +58,10 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
     modules = dict(model.named_modules())
     _sync_partial_grads(plan, modules)
     for style in plan.styles:
-        if style.style == "loss_parallel_head":
+        if style.style == TPStyle.LOSS_PARALLEL_HEAD:
             modules[style.fqn].register_forward_hook(_gather_logits_outside_loss_parallel)
     for style in plan.styles:
-        if style.style == "rowwise":
+        if style.style == TPStyle.ROWWISE:
             check = functools.partial(_check_pair_input, style.fqn, tp_mesh.size())
             modules[style.fqn].register_forward_pre_hook(check, prepend=True)
     if plan.sequence_parallel:
@@ -157,7 +158,7 @@ def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
     for style in plan.styles:
         module = modules[style.fqn]
         prefix = f"{style.fqn}." if style.fqn else ""
-        if style.style == "sequence_parallel" and plan.sequence_parallel:
+        if style.style == TPStyle.SEQUENCE_PARALLEL and plan.sequence_parallel:
             fqns += [prefix + name for name, p in module.named_parameters() if p.requires_grad]
         elif style.module_type == "LoRALinear":
             fqns += [prefix + name for name, p in module.named_parameters()
@@ -199,56 +200,46 @@ class PartialGradSync:
 
 
 def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
-    """PyTorch's parallel style per module FQN; activations between blocks are sequence shards
-    (``Shard(1)``) under sequence parallelism, otherwise replicated."""
+    """PyTorch's parallel style per module FQN, each from its entry of :data:`LOWERINGS`."""
     stream: Placement = Shard(1) if plan.sequence_parallel else Replicate()
-    split_at_block = any(s.style == "sequence_split_input" for s in plan.styles)
-    styles: dict[str, ParallelStyle] = {}
-    for style in plan.styles:
-        transposed = style.module_type == "Conv1D"
-        adapted = style.module_type == "LoRALinear"
-        colwise: type[ColwiseParallel] = (
-            _TransposedColwise if transposed else _AdapterColwise if adapted else ColwiseParallel
-        )
-        rowwise: type[RowwiseParallel] = (
-            _TransposedRowwise if transposed else _AdapterRowwise if adapted else RowwiseParallel
-        )
-        if style.style == "colwise":
-            styles[style.fqn] = colwise()
-        elif style.style == "rowwise":
-            styles[style.fqn] = rowwise(output_layouts=stream)
-        elif style.style == "rowwise_replicated_input":
-            styles[style.fqn] = rowwise(input_layouts=Replicate())
-        elif style.style == "colwise_gathered":
-            styles[style.fqn] = colwise(input_layouts=stream, output_layouts=Replicate())
-        elif style.style == "loss_parallel_head":
-            styles[style.fqn] = colwise(
-                input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
-            )
-        elif style.style == "vocab_parallel_embedding":
-            out = Replicate() if split_at_block else stream
-            styles[style.fqn] = RowwiseParallel(input_layouts=Replicate(), output_layouts=out)
-        elif style.style == "sequence_split_input":
-            styles[style.fqn] = _PrepareActivation(
-                style.fqn, style.argument, Replicate(), Shard(1), local=True
-            )
-        elif style.style == "embedding_dim_parallel":
-            styles[style.fqn] = ColwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            )
-        elif style.style == "prepare_input":
-            styles[style.fqn] = _PrepareActivation(style.fqn, style.argument, stream, Replicate())
-        elif style.style == "sequence_parallel":
-            styles[style.fqn] = SequenceParallel(sequence_dim=1, use_local_output=True)
-        elif style.style == "sequence_split":
-            styles[style.fqn] = PrepareModuleOutput(
-                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
-            )
-        else:
-            raise PlanError(
-                f"module '{style.fqn}' has style {style.style!r}, which this version cannot lower."
-            )
-    return styles
+    split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in plan.styles)
+    return {
+        style.fqn: LOWERINGS[style.style](style, _context(style, stream, split_at_block))
+        for style in plan.styles
+    }
+
+
+@dataclass(frozen=True)
+class StyleContext:
+    """What a style's lowering reads besides the style: the layout of activations between
+    blocks (sequence shards ``Shard(1)`` under sequence parallelism, otherwise replicated),
+    whether the sequence is split at the first block rather than at the embeddings, and the
+    column- and row-wise classes for the module's kind (a transposed ``Conv1D``, a LoRA Linear
+    or a plain Linear)."""
+
+    stream: Placement
+    split_at_block: bool
+    colwise: type[ColwiseParallel]
+    rowwise: type[RowwiseParallel]
+
+
+def _context(style: ModuleStyle, stream: Placement, split_at_block: bool) -> StyleContext:
+    transposed = style.module_type == "Conv1D"
+    adapted = style.module_type == "LoRALinear"
+    return StyleContext(
+        stream=stream,
+        split_at_block=split_at_block,
+        colwise=_TransposedColwise
+        if transposed
+        else _AdapterColwise
+        if adapted
+        else ColwiseParallel,
+        rowwise=_TransposedRowwise
+        if transposed
+        else _AdapterRowwise
+        if adapted
+        else RowwiseParallel,
+    )
 
 
 class _TransposedColwise(ColwiseParallel):
@@ -421,7 +412,7 @@ def loss_parallel(plan: Plan) -> Iterator[None]:
         with loss_parallel(plan):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
     """
-    if not any(style.style == "loss_parallel_head" for style in plan.styles):
+    if not any(style.style == TPStyle.LOSS_PARALLEL_HEAD for style in plan.styles):
         yield
         return
     previous, _LossParallel.active = _LossParallel.active, True
@@ -436,3 +427,34 @@ def _gather_logits_outside_loss_parallel(module: nn.Module, args: Any, output: A
     if _LossParallel.active or not isinstance(output, DTensor):
         return output
     return output.full_tensor()
+
+
+#: How each tensor-parallel style lowers: PyTorch's parallel style for one module (its cost is
+#: ``meshtrain.plan.tp_cost.TP_COSTS``; a test checks both cover every :class:`TPStyle`).
+LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]] = {
+    TPStyle.COLWISE: lambda s, c: c.colwise(),
+    TPStyle.ROWWISE: lambda s, c: c.rowwise(output_layouts=c.stream),
+    TPStyle.ROWWISE_REPLICATED_INPUT: lambda s, c: c.rowwise(input_layouts=Replicate()),
+    TPStyle.COLWISE_GATHERED: lambda s, c: c.colwise(
+        input_layouts=c.stream, output_layouts=Replicate()
+    ),
+    TPStyle.LOSS_PARALLEL_HEAD: lambda s, c: c.colwise(
+        input_layouts=c.stream, output_layouts=Shard(-1), use_local_output=False
+    ),
+    TPStyle.VOCAB_PARALLEL_EMBEDDING: lambda s, c: RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate() if c.split_at_block else c.stream
+    ),
+    TPStyle.EMBEDDING_DIM_PARALLEL: lambda s, c: ColwiseParallel(
+        input_layouts=Replicate(), output_layouts=Replicate()
+    ),
+    TPStyle.PREPARE_INPUT: lambda s, c: _PrepareActivation(
+        s.fqn, s.argument, c.stream, Replicate()
+    ),
+    TPStyle.SEQUENCE_PARALLEL: lambda s, c: SequenceParallel(sequence_dim=1, use_local_output=True),
+    TPStyle.SEQUENCE_SPLIT: lambda s, c: PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+    ),
+    TPStyle.SEQUENCE_SPLIT_INPUT: lambda s, c: _PrepareActivation(
+        s.fqn, s.argument, Replicate(), Shard(1), local=True
+    ),
+}

@@ -5,6 +5,7 @@ Nothing here touches ``torch.distributed`` or imports lowering: the plan is data
 """
 
 from meshtrain.plan.api import plan
+from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
 from meshtrain.plan.ir import (
     Collective,
     FSDPUnit,
@@ -14,6 +15,7 @@ from meshtrain.plan.ir import (
     PipelinePlan,
     Plan,
     StagePlan,
+    TPStyle,
 )
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import SCHEDULES, Pipeline
@@ -21,6 +23,7 @@ from meshtrain.plan.pipeline import SCHEDULES, Pipeline
 __all__ = [
     "SCHEDULES",
     "Collective",
+    "FSDPDecisions",
     "FSDPUnit",
     "Memory",
     "ModuleStyle",
@@ -30,5 +33,7 @@ __all__ = [
     "Plan",
     "PlanOptions",
     "StagePlan",
+    "TPStyle",
+    "fsdp_decisions",
     "plan",
 ]

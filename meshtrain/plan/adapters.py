@@ -68,16 +68,17 @@ def resolve_with_adapters(rules: Rules, model: nn.Module, mesh: Mesh) -> Resolut
     return type(resolved)(mesh, tuple(params))
 
 
-def check_nf4_shards(layouts: Sequence[ParamLayout], ways: int, zero: int) -> None:
-    """NF4 base weights under data parallelism: FSDP2 must shard them (``zero`` ≥ 1; its
-    replicate path cannot gather torchao's NF4 tensor), evenly along dim 0, each shard a whole
-    number of NF4 scale groups (torchao splits its codes, scales and factors with the shard).
+def check_nf4_shards(layouts: Sequence[ParamLayout], ways: int, sharded: bool) -> None:
+    """NF4 base weights under data parallelism: FSDP2 must shard them (``sharded``: the ZeRO
+    stage shards parameters, :func:`~meshtrain.plan.decisions.fsdp_decisions`; its replicate path
+    cannot gather torchao's NF4 tensor), evenly along dim 0, each shard a whole number of NF4
+    scale groups (torchao splits its codes, scales and factors with the shard).
     ``ways``: the data-parallel ranks FSDP would shard a parameter over (1: none)."""
     group = BLOCK_SIZE * SCALER_BLOCK_SIZE
     for layout in layouts:
         if layout.storage != "nf4" or ways == 1:
             continue
-        if zero == 0:
+        if not sharded:
             raise PlanError(
                 f"parameter '{layout.fqn}' is an NF4 (QLoRA) base weight and the plan replicates "
                 "it over the data-parallel ranks (zero=0), which FSDP2's replicate cannot do for "

@@ -51,6 +51,7 @@ from meshtrain.adapters.nf4 import nf4_bytes
 from meshtrain.errors import MeshtrainError, PlanError
 from meshtrain.plan.adapters import storage
 from meshtrain.plan.build import build_plan
+from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.footprint import footprint
 from meshtrain.plan.infer import infer_units
 from meshtrain.plan.ir import Plan
@@ -284,7 +285,7 @@ def _at_rest_floor(rest_bytes: int, c: Candidate, options: PlanOptions) -> int:
     ways (and dp ways under ZeRO ≥ 1); 0 under offload."""
     if options.offload:
         return 0
-    ways = c.tp * c.pp * (c.dp if c.zero >= 1 else 1)
+    ways = c.tp * c.pp * (c.dp if fsdp_decisions(c.zero).shard_params else 1)
     return rest_bytes // ways
 
 

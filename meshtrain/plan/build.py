@@ -30,7 +30,8 @@ from meshtrain.plan.adapters import (
     storage,
     trainable,
 )
-from meshtrain.plan.cost import estimate_collectives, estimate_memory, estimate_tp_collectives
+from meshtrain.plan.cost import estimate_collectives, estimate_memory
+from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -43,10 +44,12 @@ from meshtrain.plan.infer import (
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import (
     Collective,
+    FSDPUnit,
     Memory,
     ModuleStyle,
     PipelinePlan,
     Plan,
+    TPStyle,
 )
 from meshtrain.plan.layers import tied_groups
 from meshtrain.plan.options import PlanOptions
@@ -55,6 +58,7 @@ from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import block_fqns, resolve_compile_scope
 from meshtrain.plan.sequence import place_sequence_split
 from meshtrain.plan.styles import infer_styles
+from meshtrain.plan.tp_cost import estimate_tp_collectives
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -124,15 +128,16 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
-    check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), options.zero)
+    sharded = fsdp_decisions(options.zero).shard_params
+    check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:
         check_sequence_length(options.seq_len, tp_axis, mesh)
-    notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and options.zero >= 1 else []
+    notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
     if not active:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
-    all_units = infer_units(model, options.fsdp_units)
+    all_units = _decided(infer_units(model, options.fsdp_units), options)
     blocks = block_fqns(all_units)
     if sequence_parallel and tp_axis is not None:
         styles = place_sequence_split(model, styles, blocks, tp_size=mesh.size(tp_axis),
@@ -177,7 +182,7 @@ def cost_flat(
     collectives += estimate_tp_collectives(
         layout.styles, layout.params, layout.tp_axis, options,
         sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),
-        tied=layout.tied,
+        tied=layout.tied, units=layout.units,
     )  # fmt: skip
     return memory, collectives, layout.notes, estimates
 
@@ -195,7 +200,7 @@ def cost_pipelined(
     seq_shards = mesh.size(tp_axis) if layout.sequence_parallel and tp_axis is not None else 1
     pipeline_plan = plan_pipeline(
         model, mesh, pipeline, options, seq_shards=seq_shards,
-        resharded=bool(layout.data_axes) and options.zero == 3,
+        resharded=bool(layout.data_axes) and any(u.decisions.reshard_after_forward for u in layout.units),
         param_bytes={p.fqn: p.bytes_at_rest for p in layout.params},
         activations=layout.profile, checkpointed=options.checkpointed_blocks(layout.blocks),
         trainable={p.fqn: p.trainable for p in layout.params},
@@ -207,6 +212,14 @@ def cost_pipelined(
     )
     return (pipeline_plan, costs.memory, costs.collectives, (*layout.notes, note),
             costs.estimates)  # fmt: skip
+
+
+def _decided(units: tuple[FSDPUnit, ...], options: PlanOptions) -> tuple[FSDPUnit, ...]:
+    """The units with what the ZeRO stage decides for each (:func:`fsdp_decisions`)."""
+    return tuple(
+        replace(u, decisions=fsdp_decisions(options.zero, root=not u.fqn, offload=options.offload))
+        for u in units
+    )
 
 
 def _batch_norms(model: nn.Module, options: PlanOptions) -> tuple[str, ...]:
@@ -264,7 +277,9 @@ def _cast_axes(
 
 #: styles whose modules compute on tensor-parallel shards (parents of column-/row-wise pairs,
 #: column-wise layers and a loss-parallel head)
-_TP_REGION_STYLES = frozenset({"prepare_input", "colwise", "loss_parallel_head", "rowwise"})
+_TP_REGION_STYLES = frozenset(
+    {TPStyle.PREPARE_INPUT, TPStyle.COLWISE, TPStyle.LOSS_PARALLEL_HEAD, TPStyle.ROWWISE}
+)
 
 
 def _activation_profile(

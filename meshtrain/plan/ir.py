@@ -13,13 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from meshtrain.adapters.nf4 import nf4_bytes
-from meshtrain.errors import format_shape
+from meshtrain.errors import PlanError, format_shape
+from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P
@@ -66,28 +68,79 @@ class ParamLayout:
         return nf4_bytes(numel) if self.storage == "nf4" else numel * self.element_bytes
 
 
+class TPStyle(str, enum.Enum):
+    """The tensor-parallel styles a module can lower to: a closed set. Each has one cost function
+    (``meshtrain.plan.tp_cost.TP_COSTS``) and one lowering (``meshtrain.lower.tensor_parallel``);
+    its value is the name the plan's JSON and ``explain()`` print.
+
+    Example:
+        >>> TPStyle("colwise") is TPStyle.COLWISE, f"{TPStyle.COLWISE}", TPStyle.COLWISE == "colwise"
+        (True, 'colwise', True)
+    """
+
+    COLWISE = "colwise"  # a Linear's output features sharded, its output kept sharded for a pair
+    ROWWISE = "rowwise"  # a Linear's input features sharded, partial sums reduced
+    ROWWISE_REPLICATED_INPUT = "rowwise_replicated_input"  # row-wise, its input sliced locally
+    COLWISE_GATHERED = "colwise_gathered"  # column-wise, its output all-gathered
+    LOSS_PARALLEL_HEAD = "loss_parallel_head"  # the head, logits kept vocab-sharded
+    VOCAB_PARALLEL_EMBEDDING = "vocab_parallel_embedding"  # an embedding sharded on the vocab
+    EMBEDDING_DIM_PARALLEL = "embedding_dim_parallel"  # an embedding sharded on its width
+    PREPARE_INPUT = "prepare_input"  # a pair parent: its input marked once for its children
+    SEQUENCE_PARALLEL = "sequence_parallel"  # a norm on sequence shards
+    SEQUENCE_SPLIT = "sequence_split"  # a replicated embedding's output sliced to sequence shards
+    SEQUENCE_SPLIT_INPUT = "sequence_split_input"  # the first block's input sliced to shards
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
 @dataclass(frozen=True)
 class ModuleStyle:
     """The tensor-parallel style a module lowers to, read off its parameters' specs.
 
-    ``argument`` names the forward parameter a pair parent takes its activation in (it may come
-    positionally or by that keyword); empty when the activation is always the first positional.
+    ``style`` is a :class:`TPStyle` (its string value is accepted and converted; any other is a
+    :class:`~meshtrain.PlanError`). ``argument`` names the forward parameter a pair parent takes
+    its activation in (it may come positionally or by that keyword); empty when the activation
+    is always the first positional.
     """
 
     fqn: str
     module_type: str
-    style: str
+    style: TPStyle
     axis: str
     note: str = ""
     argument: str = ""
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.style, TPStyle):
+            try:
+                object.__setattr__(self, "style", TPStyle(self.style))
+            except ValueError:
+                raise PlanError(
+                    f"module '{self.fqn}' has tensor-parallel style {self.style!r}, which is not "
+                    f"one of {[s.value for s in TPStyle]}. Plan the model again with this "
+                    "meshtrain.",
+                    fqn=self.fqn,
+                ) from None
+
 
 @dataclass(frozen=True)
 class FSDPUnit:
-    """A module wrapped by ``fully_shard`` and the parameters it owns (not those of inner units)."""
+    """A module wrapped by ``fully_shard`` (or ``replicate``), the parameters it owns (not those
+    of inner units) and what the ZeRO stage decided for it
+    (:func:`~meshtrain.plan.decisions.fsdp_decisions`; a unit built without them gets zero=3's,
+    the default stage's)."""
 
     fqn: str
     params: tuple[str, ...]
+    decisions: FSDPDecisions = None  # type: ignore[assignment]  # filled in below
+
+    def __post_init__(self) -> None:
+        if self.decisions is None:
+            object.__setattr__(self, "decisions", fsdp_decisions(3, root=not self.fqn))
 
 
 @dataclass(frozen=True)
@@ -320,6 +373,7 @@ class Plan:
         lines += [f"  {u.fqn or '<root>'}: {len(u.params)} parameters" for u in self.units] or [
             "  none"
         ]
+        lines += _decision_lines(self.units)
         m = self.memory
         lines += ["", *self._compute_lines()]
         lines += [
@@ -399,9 +453,10 @@ class Plan:
         binds it to the running ranks when their number matches)."""
         data = json.loads(text)
         mesh_axes = dict(data["mesh"]["axes"])  # [name, size] pairs: JSON keeps their order
+        options = PlanOptions.from_json(data["options"])
         return cls(
             mesh=Mesh(tuple(mesh_axes), tuple(mesh_axes.values()), data["mesh"]["device_type"]),
-            options=PlanOptions.from_json(data["options"]),
+            options=options,
             data_axes=tuple(data["data_axes"]),
             tp_axis=data["tp_axis"],
             params=tuple(
@@ -419,7 +474,7 @@ class Plan:
                 for p in data["params"]
             ),
             styles=tuple(ModuleStyle(**s) for s in data["styles"]),
-            units=tuple(FSDPUnit(u["fqn"], tuple(u["params"])) for u in data["units"]),
+            units=tuple(_unit_from_data(u, options) for u in data["units"]),
             collectives=tuple(Collective(**c) for c in data["collectives"]),
             memory=Memory(**data["memory"]),
             sequence_parallel=data["sequence_parallel"],
@@ -438,6 +493,32 @@ class Plan:
             tied=tuple(tuple(group) for group in data.get("tied", ())),
             batch_norms=tuple(data.get("batch_norms", ())),
         )
+
+
+def _unit_from_data(data: dict[str, Any], options: PlanOptions) -> FSDPUnit:
+    """A unit from the plan's JSON; a plan written before units carried their decisions gets
+    them from its options, as it was lowered then."""
+    fqn = data["fqn"]
+    decisions = (
+        FSDPDecisions.from_json(data["decisions"])
+        if "decisions" in data
+        else fsdp_decisions(options.zero, root=not fqn, offload=options.offload)
+    )
+    return FSDPUnit(fqn, tuple(data["params"]), decisions)
+
+
+def _decision_lines(units: tuple[FSDPUnit, ...]) -> list[str]:
+    """What the ZeRO stage decided, one line per distinct decision and the units it holds for."""
+    groups: dict[FSDPDecisions, list[str]] = {}
+    for unit in units:
+        groups.setdefault(unit.decisions, []).append(unit.fqn or "<root>")
+    lines = []
+    for decisions, names in groups.items():
+        which = "every unit" if len(names) == len(units) else (
+            ", ".join(names) if len(names) <= 3 else f"{len(names)} units ({names[0]}, …)"
+        )  # fmt: skip
+        lines.append(f"  decided for {which}: {decisions.describe()}")
+    return lines
 
 
 def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
@@ -491,7 +572,10 @@ def _to_data(plan: Plan) -> dict[str, Any]:
             for p in plan.params
         ],
         "styles": [vars(s) for s in plan.styles],
-        "units": [{"fqn": u.fqn, "params": list(u.params)} for u in plan.units],
+        "units": [
+            {"fqn": u.fqn, "params": list(u.params), "decisions": u.decisions.to_json()}
+            for u in plan.units
+        ],
         "collectives": [vars(c) for c in plan.collectives],
         "memory": vars(plan.memory),
         "pipeline": None if plan.pipeline is None else _pipeline_data(plan.pipeline),

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from meshtrain.errors import PlanError, did_you_mean
+from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.sizes import parse_bytes
 
 #: name → (stage → rank style, splits backward into input and weight gradients)
@@ -202,11 +203,7 @@ class PlanOptions:
                 f"compile backend={self.compile_backend!r} must name a torch.compile backend "
                 "('inductor', 'aot_eager', ...)."
             )
-        if self.offload and self.zero == 0:
-            raise PlanError(
-                "offload=True needs sharded data parallelism (zero ≥ 1): FSDP2's CPU offload keeps "
-                "each rank's shard on the host. Use zero=3 with offload."
-            )
+        fsdp_decisions(self.zero, offload=self.offload)  # offload needs a stage that shards
 
     def checkpointed_blocks(self, blocks: Sequence[str]) -> tuple[str, ...]:
         """The blocks whose activations are recomputed: all, or the k-th, 2k-th, … of them.

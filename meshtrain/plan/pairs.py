@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.ir import ModuleStyle
+from meshtrain.plan.ir import ModuleStyle, TPStyle
 from meshtrain.plan.layers import is_linear_like, linear_widths
 
 
@@ -53,13 +53,13 @@ def find_pairs(
     raw: dict[str, ModuleStyle], modules: dict[str, nn.Module]
 ) -> tuple[tuple[Pair, ...], tuple[str, ...]]:
     """The pairs, and the column-wise modules in none (in module order)."""
-    rowwise = [f for f, s in raw.items() if s.style == "rowwise"]
+    rowwise = [f for f, s in raw.items() if s.style == TPStyle.ROWWISE]
     rowwise_parents = {_parent(f) for f in rowwise}
     scopes: dict[str, list[str]] = {}
     for fqn, style in raw.items():
-        if style.style == "colwise":
+        if style.style == TPStyle.COLWISE:
             scopes.setdefault(_pair_scope(fqn, rowwise_parents, modules, raw), []).append(fqn)
-    colwise_parents = {_parent(f) for f, s in raw.items() if s.style == "colwise"}
+    colwise_parents = {_parent(f) for f, s in raw.items() if s.style == TPStyle.COLWISE}
     pairs, unpaired = [], []
     for scope, colwise in scopes.items():
         direct = [r for r in rowwise if _parent(r) == scope]
@@ -108,7 +108,9 @@ def is_projection_group(
         for name, module in modules[fqn].named_modules(prefix=fqn)
         if any(True for _ in module.parameters(recurse=False))
     ]
-    return bool(holders) and all(name in raw and raw[name].style == "colwise" for name in holders)
+    return bool(holders) and all(
+        name in raw and raw[name].style == TPStyle.COLWISE for name in holders
+    )
 
 
 def untouched_consumers(

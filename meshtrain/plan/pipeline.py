@@ -44,7 +44,7 @@ from meshtrain.errors import PlanError
 from meshtrain.plan.activations import ActivationProfile
 from meshtrain.plan.ir import PipelinePlan, StagePlan
 from meshtrain.plan.options import SCHEDULE_KINDS, SCHEDULES, Pipeline, PlanOptions
-from meshtrain.plan.stages import split_stages, units_of
+from meshtrain.plan.stages import Stage, split_stages, units_of
 from meshtrain.spec.mesh import Mesh
 
 __all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "frozen_crossings",
@@ -89,7 +89,50 @@ def plan_pipeline(
     is sent back across the stage boundaries before the first stage that trains
     (:func:`frozen_crossings`).
     """
-    axis = pipeline.axis
+    _check_schedule(pipeline, options, resharded=resharded)
+    check_pipeline_axis(mesh, pipeline)
+    pp_size = _pipeline_size(mesh, pipeline)
+    n_stages = pp_size * pipeline.stages_per_rank
+    micro = options.microbatches
+    order = schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank)
+    tasks = _tasks(order, n_stages)
+    stages = split_stages(model, n_stages, split=pipeline.split)
+    units = units_of(model, pipeline.split)
+    params_of = _stage_params(model, stages)
+    ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
+    width = _hidden_width(model)
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    boundary = tokens // seq_shards * width * getattr(torch, options.param_dtype).itemsize
+    stage_plans = _stage_plans(
+        stages, ranks, params_of, _peak_in_flight(tasks, n_stages), resharded_gathers(order),
+        options, param_bytes=param_bytes or {}, activations=activations,
+        checkpointed=checkpointed, block_bytes=34 * boundary // 2,
+    )  # fmt: skip
+    _check_frozen_start(pipeline.schedule, [params_of[s] for s in range(n_stages)], trainable or {})
+    crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
+    frozen = frozen_crossings(ranks, [params_of[s] for s in range(n_stages)], trainable or {})
+    sends = micro * (2 * crossings - frozen)  # activations forward, gradients back where computed
+    return PipelinePlan(
+        axis=pipeline.axis,
+        schedule=pipeline.schedule,
+        microbatches=micro,
+        stages_per_rank=pipeline.stages_per_rank,
+        split=pipeline.split,
+        stages=stage_plans,
+        bubble_fraction=_bubble_fraction(tasks),
+        p2p_count=sends,
+        p2p_bytes=sends * boundary,
+        activation_width=width,
+        frozen_crossings=frozen,
+        container=units.container,
+        before=units.before,
+        after=units.after,
+    )
+
+
+def _check_schedule(pipeline: Pipeline, options: PlanOptions, *, resharded: bool) -> None:
+    """What torch 2.13 cannot run under a schedule that splits backward in two passes:
+    parameters resharded after forward, and selective activation checkpointing."""
     if resharded and pipeline.splits_backward:
         raise PlanError(
             f"zero=3 with schedule {pipeline.schedule!r}: the schedule splits backward into "
@@ -107,7 +150,11 @@ def plan_pipeline(
             "backward an extra time'). Use activation_checkpointing='full' or 'none', or a "
             "schedule without split backward (GPipe, 1F1B, Interleaved1F1B, LoopedBFS)."
         )
-    check_pipeline_axis(mesh, pipeline)
+
+
+def _pipeline_size(mesh: Mesh, pipeline: Pipeline) -> int:
+    """The pipeline axis's size, at least 2."""
+    axis = pipeline.axis
     pp_size = mesh.size(axis)
     if pp_size < 2:
         raise PlanError(
@@ -117,29 +164,31 @@ def plan_pipeline(
             "pipeline=.",
             mesh=mesh,
         )
-    n_stages = pp_size * pipeline.stages_per_rank
-    micro = options.microbatches
-    order = schedule_order(pipeline.schedule, pp_size, micro, pipeline.stages_per_rank)
-    tasks = _tasks(order, n_stages)
-    gathers = resharded_gathers(order)
-    stages = split_stages(model, n_stages, split=pipeline.split)
-    units = units_of(model, pipeline.split)
-    params_of = _stage_params(model, stages)
-    ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
-    in_flight = _peak_in_flight(tasks, n_stages)
-    width = _hidden_width(model)
-    tokens = (options.batch_size or 0) * (options.seq_len or 0)
-    act_bytes = getattr(torch, options.param_dtype).itemsize
-    boundary = tokens // seq_shards * width * act_bytes
-    block_bytes = 34 * boundary // 2  # Korthikanti et al.: 34·s·b·h bytes at 2-byte activations
-    bytes_of = param_bytes or {}
-    stage_plans = tuple(
+    return pp_size
+
+
+def _stage_plans(
+    stages: Sequence[Stage],
+    ranks: Sequence[int],
+    params_of: Mapping[int, tuple[str, ...]],
+    in_flight: Sequence[int],
+    gathers: Mapping[int, tuple[int, int]],
+    options: PlanOptions,
+    *,
+    param_bytes: Mapping[str, int],
+    activations: ActivationProfile | None,
+    checkpointed: Sequence[str],
+    block_bytes: int,
+) -> tuple[StagePlan, ...]:
+    """Each stage's rank, modules, parameters and their bytes, the micro-batches it holds at
+    once and their activations (traced, or ``block_bytes`` per block and micro-batch)."""
+    return tuple(
         StagePlan(
             index=stage.index,
             rank=ranks[stage.index],
             modules=stage.modules,
             params=params_of[stage.index],
-            param_bytes=sum(bytes_of.get(fqn, 0) for fqn in params_of[stage.index]),
+            param_bytes=sum(param_bytes.get(fqn, 0) for fqn in params_of[stage.index]),
             in_flight=in_flight[stage.index],
             zero3_gathers=gathers.get(stage.index, (1, 1)),
             activation_bytes=(
@@ -154,26 +203,6 @@ def plan_pipeline(
             ),
         )
         for stage in stages
-    )
-    _check_frozen_start(pipeline.schedule, [params_of[s] for s in range(n_stages)], trainable or {})
-    crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
-    frozen = frozen_crossings(ranks, [params_of[s] for s in range(n_stages)], trainable or {})
-    sends = micro * (2 * crossings - frozen)  # activations forward, gradients back where computed
-    return PipelinePlan(
-        axis=axis,
-        schedule=pipeline.schedule,
-        microbatches=micro,
-        stages_per_rank=pipeline.stages_per_rank,
-        split=pipeline.split,
-        stages=stage_plans,
-        bubble_fraction=_bubble_fraction(tasks),
-        p2p_count=sends,
-        p2p_bytes=sends * boundary,
-        activation_width=width,
-        frozen_crossings=frozen,
-        container=units.container,
-        before=units.before,
-        after=units.after,
     )
 
 

@@ -17,15 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshtrain.plan.cost import (
-    estimate_collectives,
-    estimate_memory,
-    estimate_tp_collectives,
-    pipeline_step_scalars,
-)
+from meshtrain.plan.cost import estimate_collectives, estimate_memory, pipeline_step_scalars
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, PipelinePlan, StagePlan
 from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.tp_cost import estimate_tp_collectives
 from meshtrain.spec.mesh import Mesh
 
 
@@ -117,7 +113,7 @@ def _rank_collectives(
     tensor_parallel = estimate_tp_collectives(
         local_styles, inferred.params, inferred.tp_axis, options,
         sequence_parallel=inferred.sequence_parallel, data_parallel=bool(inferred.data_axes),
-        pipelined=True, tied=inferred.tied,
+        pipelined=True, tied=inferred.tied, units=inferred.units,
     )  # fmt: skip
     return (send, *_merged(data_parallel), *tensor_parallel)
 
@@ -134,13 +130,16 @@ def _merged(collectives: Sequence[Collective]) -> tuple[Collective, ...]:
 
 
 def _stage_units(stages: Sequence[StagePlan], units: tuple[FSDPUnit, ...]) -> tuple[FSDPUnit, ...]:
-    """The FSDP units of one pipeline rank: its stages' blocks, then one root per stage."""
+    """The FSDP units of one pipeline rank: its stages' blocks, then one root per stage (with
+    the model's root unit's decisions)."""
     if not units:
         return ()
+    root = units[-1].decisions
     result: list[FSDPUnit] = []
     for stage in stages:
         blocks = [u for u in units if u.fqn and u.fqn in stage.modules]
         owned = {fqn for unit in blocks for fqn in unit.params}
         result += blocks
-        result.append(FSDPUnit("", tuple(fqn for fqn in stage.params if fqn not in owned)))
+        kept = tuple(fqn for fqn in stage.params if fqn not in owned)
+        result.append(FSDPUnit("", kept, root))
     return tuple(result)

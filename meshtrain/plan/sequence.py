@@ -32,7 +32,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan.ir import ModuleStyle
+from meshtrain.plan.ir import ModuleStyle, TPStyle
 from meshtrain.plan.styles import activation_argument
 
 
@@ -148,15 +148,15 @@ def place_sequence_split(
     split = ModuleStyle(
         point,
         type(module).__name__,
-        "sequence_split_input",
+        TPStyle.SEQUENCE_SPLIT_INPUT,
         axis,
         "input sliced into sequence shards here, not at the embeddings: the model derives "
         "positions, rotary tables or masks from the embedded sequence, so those see it whole",
         activation_argument(module),
     )
-    kept = tuple(s for s in styles if s.style != "sequence_split")
+    kept = tuple(s for s in styles if s.style != TPStyle.SEQUENCE_SPLIT)
     return (*kept, split)
 
 
 #: styles whose output becomes sequence shards when the split is at the embeddings
-_SPLIT_EMBEDDINGS = ("vocab_parallel_embedding", "sequence_split")
+_SPLIT_EMBEDDINGS = (TPStyle.VOCAB_PARALLEL_EMBEDDING, TPStyle.SEQUENCE_SPLIT)

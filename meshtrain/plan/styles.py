@@ -25,7 +25,7 @@ from dataclasses import replace
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.ir import ModuleStyle
+from meshtrain.plan.ir import ModuleStyle, TPStyle
 from meshtrain.plan.layers import is_linear_like, is_transposed_linear, linear_widths, tied_groups
 from meshtrain.plan.pairs import Pair, find_pairs, untouched_consumers
 from meshtrain.spec.partition import P
@@ -94,9 +94,9 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
         col, row = row, col
     if is_linear_like(module):
         if weight.padded(2) == col and (bias is None or bias.padded(1) == P(axis)):
-            return ModuleStyle(fqn, kind, "colwise", axis)
+            return ModuleStyle(fqn, kind, TPStyle.COLWISE, axis)
         if weight.padded(2) == row and (bias is None or bias.padded(1) == P(None)):
-            return ModuleStyle(fqn, kind, "rowwise", axis)
+            return ModuleStyle(fqn, kind, TPStyle.ROWWISE, axis)
         raise PlanError(
             f"{kind} '{fqn}' has weight {weight!r} and bias {bias!r} on axis '{axis}': tensor "
             f"parallelism lowers {col!r} (column-wise, bias P('{axis}')) or {row!r} (row-wise, "
@@ -107,10 +107,10 @@ def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> Modu
         )
     if isinstance(module, nn.Embedding):
         if weight.padded(2) == col:
-            return ModuleStyle(fqn, kind, "vocab_parallel_embedding", axis)
+            return ModuleStyle(fqn, kind, TPStyle.VOCAB_PARALLEL_EMBEDDING, axis)
         if weight.padded(2) == row:
             return ModuleStyle(
-                fqn, kind, "embedding_dim_parallel", axis, "output all-gathered to replicated"
+                fqn, kind, TPStyle.EMBEDDING_DIM_PARALLEL, axis, "output all-gathered to replicated"
             )
     sharded = {name: spec for name, spec in own.items() if axis in spec.axes}
     name, spec = next(iter(sharded.items()))
@@ -160,19 +160,19 @@ def _resolve_pairs(
         if fqn == head and loss_parallel:
             style = replace(
                 style,
-                style="loss_parallel_head",
+                style=TPStyle.LOSS_PARALLEL_HEAD,
                 note="logits stay vocab-sharded under mt.loss_parallel(plan), gathered outside it",
             )
         elif fqn in unpaired:
             style = replace(
                 style,
-                style="colwise_gathered",
+                style=TPStyle.COLWISE_GATHERED,
                 note="no row-wise consumer: output all-gathered (extra collective)",
             )
-        elif style.style == "rowwise" and fqn not in paired_rowwise:
+        elif style.style == TPStyle.ROWWISE and fqn not in paired_rowwise:
             style = replace(
                 style,
-                style="rowwise_replicated_input",
+                style=TPStyle.ROWWISE_REPLICATED_INPUT,
                 note="no column-wise producer: replicated input sliced locally",
             )
         if sequence_parallel:
@@ -211,7 +211,7 @@ def _prepare_styles(
         )
         module = modules[pair.prepare]
         styles.append(
-            ModuleStyle(pair.prepare, type(module).__name__, "prepare_input", axis, note,
+            ModuleStyle(pair.prepare, type(module).__name__, TPStyle.PREPARE_INPUT, axis, note,
                         activation_argument(module))
         )  # fmt: skip
     return styles
@@ -240,16 +240,16 @@ def activation_argument(module: nn.Module) -> str:
 
 def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:
     """The style's behaviour on sequence-sharded activations, or a PlanError if it has none."""
-    if style.style == "rowwise":
+    if style.style == TPStyle.ROWWISE:
         return replace(style, note="output reduce-scattered to sequence shards")
-    if style.style == "vocab_parallel_embedding":
+    if style.style == TPStyle.VOCAB_PARALLEL_EMBEDDING:
         return replace(style, note="output reduce-scattered to sequence shards")
     if is_head:
         return replace(style, note=f"{style.note}; input all-gathered from sequence shards")
-    if style.style == "colwise":
+    if style.style == TPStyle.COLWISE:
         return style
     raise PlanError(
-        f"module '{style.fqn}' ({style.module_type}) lowers to {style.style!r}, which has no "
+        f"module '{style.fqn}' ({style.module_type}) lowers to '{style.style}', which has no "
         "sequence-parallel form: sequence parallelism needs every tensor-parallel Linear paired "
         "(column-wise then row-wise under one parent), embeddings sharded on vocab or replicated, "
         "and at most one unpaired column-wise Linear, the output head. Change the rule for "
@@ -263,7 +263,7 @@ def _add_sequence_styles(
 ) -> list[ModuleStyle]:
     """Norms on sequence shards; a replicated input embedding sliced into them."""
     styled = {style.fqn for style in styles}
-    pair_parents = {s.fqn for s in styles if s.style == "prepare_input"}
+    pair_parents = {s.fqn for s in styles if s.style == TPStyle.PREPARE_INPUT}
     embeddings = [f for f, m in modules.items() if isinstance(m, nn.Embedding)]
     if not embeddings:
         raise PlanError(
@@ -271,7 +271,7 @@ def _add_sequence_styles(
             f"where activations become sequence shards); {type(modules['']).__name__} has none. "
             "Drop the ('seq', ...) activation rule."
         )
-    if not any(s.style in ("loss_parallel_head", "colwise_gathered") for s in styles):
+    if not any(s.style in (TPStyle.LOSS_PARALLEL_HEAD, TPStyle.COLWISE_GATHERED) for s in styles):
         raise PlanError(
             "sequence parallelism needs a column-wise output head (its weight sharded on dim 0, "
             "e.g. P('" + axis + "') on the vocab) to gather the sequence shards before the loss; "
@@ -286,7 +286,7 @@ def _add_sequence_styles(
                 ModuleStyle(
                     fqn,
                     "Embedding",
-                    "sequence_split",
+                    TPStyle.SEQUENCE_SPLIT,
                     axis,
                     "replicated output sliced into sequence shards (no collective)",
                 )
@@ -304,7 +304,7 @@ def _add_sequence_styles(
             ModuleStyle(
                 fqn,
                 type(module).__name__,
-                "sequence_parallel",
+                TPStyle.SEQUENCE_PARALLEL,
                 axis,
                 "runs on sequence shards; weight replicated, its partial gradients summed",
             )
@@ -362,9 +362,9 @@ def _check_heads(styles: list[ModuleStyle], modules: dict[str, nn.Module], ways:
         widths = linear_widths(modules[style.fqn])
         if not isinstance(head_dim, int) or widths is None:
             continue
-        if style.style in ("colwise", "colwise_gathered", "loss_parallel_head"):
+        if style.style in (TPStyle.COLWISE, TPStyle.COLWISE_GATHERED, TPStyle.LOSS_PARALLEL_HEAD):
             width = widths[1]
-        elif style.style in ("rowwise", "rowwise_replicated_input"):
+        elif style.style in (TPStyle.ROWWISE, TPStyle.ROWWISE_REPLICATED_INPUT):
             width = widths[0]
         else:
             continue
