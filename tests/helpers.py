@@ -189,11 +189,13 @@ class ResidualMLPClassifier(nn.Module):
         self.stem = nn.Linear(features, hidden)
         self.blocks = nn.ModuleList(
             nn.Sequential(
-                nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(),
+                nn.LayerNorm(hidden),
+                nn.Linear(hidden, 4 * hidden),
+                nn.GELU(),
                 nn.Linear(4 * hidden, hidden),
             )
             for _ in range(depth)
-        )  # fmt: skip
+        )
         self.head = nn.Linear(hidden, classes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:

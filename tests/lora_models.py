@@ -39,8 +39,9 @@ def hf_llama_lora() -> nn.Module:
 def qlora_llama() -> nn.Module:
     """A Llama of dim 256 (NF4 quantizes blocks of 64 × 256 elements, and FSDP's dim-0 shards of
     its 256×256 attention weights keep whole blocks) with NF4 bases under the adapters."""
-    config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256,
-                         multiple_of=32, max_seq_len=64)  # fmt: skip
+    config = LlamaConfig(
+        dim=256, n_layers=2, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=32, max_seq_len=64
+    )
     model = build_llama(config)
     targets = [r"layers\.\d+\.attention\.w[qo]"]
     return _perturb(lora(model, rank=4, alpha=8, targets=targets, quantize_base="nf4"))

@@ -76,11 +76,23 @@ def test_auto_fits_what_it_claims_and_nothing_cheaper_fits(
 
 def test_the_textbook_ladder() -> None:
     def chosen(memory: int) -> tuple[int, int, int, int, str]:
-        plan = mt.plan(MODEL, mt.make_mesh(dp=8, world_size=8, abstract=True), RULES,
-                       strategy="auto", device_memory=memory, global_batch=16, seq_len=32)  # fmt: skip
+        plan = mt.plan(
+            MODEL,
+            mt.make_mesh(dp=8, world_size=8, abstract=True),
+            RULES,
+            strategy="auto",
+            device_memory=memory,
+            global_batch=16,
+            seq_len=32,
+        )
         mesh = plan.mesh.shape
-        return (mesh["pp"], mesh["dp"], mesh["tp"], plan.options.zero,
-                plan.options.activation_checkpointing)  # fmt: skip
+        return (
+            mesh["pp"],
+            mesh["dp"],
+            mesh["tp"],
+            plan.options.zero,
+            plan.options.activation_checkpointing,
+        )
 
     assert chosen(100_000_000) == (1, 8, 1, 0, "none")  # fits one device: DDP
     tight = chosen(4_000_000)
@@ -95,8 +107,17 @@ def test_zero1_against_ddp_on_the_wire(precision: Precision) -> None:
     # collectives, so DDP is cheaper. bf16 compute with fp32 reduction: ZeRO-1 gathers bf16
     # parameters (6 bytes/parameter on the wire against DDP's 8) — the documented deviation.
     seven_b = build_llama(
-        LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                    multiple_of=256, ffn_dim_multiplier=None), device="meta")  # fmt: skip
+        LlamaConfig(
+            dim=4096,
+            n_layers=32,
+            n_heads=32,
+            n_kv_heads=32,
+            vocab_size=32000,
+            multiple_of=256,
+            ffn_dim_multiplier=None,
+        ),
+        device="meta",
+    )
     mesh = mt.make_mesh(pp=1, dp=8, tp=1, world_size=8, abstract=True)
     cost = {
         zero: step_cost(
@@ -110,8 +131,16 @@ def test_zero1_against_ddp_on_the_wire(precision: Precision) -> None:
 def test_auto_refuses_what_it_chooses_and_needs_the_memory() -> None:
     mesh = mt.make_mesh(dp=8, world_size=8, abstract=True)
     with pytest.raises(PlanError, match=r"chooses microbatches=4 itself"):
-        mt.plan(MODEL, mesh, RULES, strategy="auto", device_memory=10**9, global_batch=16,
-                seq_len=32, microbatches=4)  # fmt: skip
+        mt.plan(
+            MODEL,
+            mesh,
+            RULES,
+            strategy="auto",
+            device_memory=10**9,
+            global_batch=16,
+            seq_len=32,
+            microbatches=4,
+        )
     with pytest.raises(PlanError, match=r"needs device_memory"):
         mt.plan(MODEL, mesh, RULES, strategy="auto", global_batch=16, seq_len=32)
 
@@ -119,21 +148,31 @@ def test_auto_refuses_what_it_chooses_and_needs_the_memory() -> None:
 def test_impossible_requests_name_what_would_work() -> None:
     mesh = mt.make_mesh(dp=4, world_size=4, abstract=True)
     with pytest.raises(PlanError) as error:
-        mt.plan(MODEL, mesh, RULES, strategy="auto", device_memory=600_000, global_batch=16,
-                seq_len=32)  # fmt: skip
+        mt.plan(
+            MODEL, mesh, RULES, strategy="auto", device_memory=600_000, global_batch=16, seq_len=32
+        )
     message = error.value.message
     assert "does not fit 4 devices" in message and "Use devices of at least" in message
     assert "or at least 64 devices of this memory" in message
     with pytest.raises(PlanError, match=r"no candidate mesh can be planned.*does not split"):
-        mt.plan(MODEL, mt.make_mesh(dp=3, world_size=3, abstract=True), RULES, strategy="auto",
-                device_memory=10**9, global_batch=16, seq_len=32)  # fmt: skip
+        mt.plan(
+            MODEL,
+            mt.make_mesh(dp=3, world_size=3, abstract=True),
+            RULES,
+            strategy="auto",
+            device_memory=10**9,
+            global_batch=16,
+            seq_len=32,
+        )
 
 
 def test_cli_plan_strategy_auto(capsys: pytest.CaptureFixture[str]) -> None:
     from meshtrain.cli import main
 
-    assert main(["plan", "debug", "--world", "8", "--strategy", "auto",
-                 "--device-memory", "1GiB"]) == 0  # fmt: skip
+    assert (
+        main(["plan", "debug", "--world", "8", "--strategy", "auto", "--device-memory", "1GiB"])
+        == 0
+    )
     out = capsys.readouterr().out
     assert "strategy auto on 8 devices" in out and "fits in 1.00 GiB" in out
     assert main(["plan", "debug", "--world", "8", "--strategy", "auto"]) == 2

@@ -248,13 +248,21 @@ def test_missing_unexpected_and_reshaped_parameters_are_named(tmp_path: Path) ->
     model, _ = _trained()
     path = Checkpointer(CheckpointConfig(tmp_path)).save(1, _params(model), None, {})
     wider = TwoLayers(hidden=16)
-    with pytest.raises(CheckpointError, match=r"'model\.first\.weight' has global shape 8×4 in the checkpoint but 16×4"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"'model\.first\.weight' has global shape 8×4 in the checkpoint but 16×4",
+    ):
         load_checkpoint(path, _params(wider), None)
     extra_param = {**_params(TwoLayers()), "third.weight": torch.zeros(2)}
-    with pytest.raises(CheckpointError, match=r"parameters missing from the checkpoint: 'model\.third\.weight'"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=r"parameters missing from the checkpoint: 'model\.third\.weight'"
+    ):
         load_checkpoint(path, extra_param, None)
     first_only = {"first.weight": torch.zeros(8, 4), "first.bias": torch.zeros(8)}
-    with pytest.raises(CheckpointError, match=r"no rank's model has: 'model\.second\.bias', 'model\.second\.weight'"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"no rank's model has: 'model\.second\.bias', 'model\.second\.weight'",
+    ):
         load_checkpoint(path, first_only, None)
     optimizer = torch.optim.AdamW(TwoLayers().parameters())
     with pytest.raises(CheckpointError, match="saved without an optimizer: pass optimizer=None"):
@@ -339,7 +347,9 @@ def test_a_malicious_metadata_pickle_is_refused_and_not_run(tmp_path: Path) -> N
     with pytest.raises(CheckpointError, match=r"(?s)is damaged.*\.metadata: .*bytes, expected"):
         load_checkpoint(path, _params(TwoLayers()), None)  # its checksum no longer matches
     # Checksums find damage, not a forger who rewrites meshtrain.json too: the unpickler holds.
-    with pytest.raises(CheckpointError, match=r"asks to unpickle '(posix|os)\.system'.*trust_pickle=True"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=r"asks to unpickle '(posix|os)\.system'.*trust_pickle=True"
+    ):
         load_checkpoint(path, _params(TwoLayers()), None, verify=False)
     with pytest.raises(CheckpointError, match="trust_pickle=True"):
         export_safetensors(path, tmp_path / "model.safetensors")

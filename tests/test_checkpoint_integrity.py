@@ -66,9 +66,13 @@ def test_flipped_bytes_in_a_tensor_file_are_found_before_anything_loads(tmp_path
     _flip(payload, start=payload.stat().st_size // 2)
     status = inspect_checkpoint(path)
     assert status.status == "damaged"
-    assert status.problems == (f"{payload.name}: its content does not match its sha256 (the file is corrupted)",)  # fmt: skip
+    assert status.problems == (
+        f"{payload.name}: its content does not match its sha256 (the file is corrupted)",
+    )
     target = {"w": torch.zeros(64), "b": torch.zeros(3)}
-    with pytest.raises(CheckpointError, match=rf"(?s)is damaged, so nothing was loaded.*{payload.name}"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=rf"(?s)is damaged, so nothing was loaded.*{payload.name}"
+    ):
         load_checkpoint(path, target, None)
     assert torch.equal(target["w"], torch.zeros(64)), "nothing may be loaded from it"
 

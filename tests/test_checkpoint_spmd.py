@@ -348,8 +348,9 @@ def test_a_mismatch_on_one_stage_raises_the_same_error_on_every_rank(tmp_path: P
     both ranks raise the same error (and neither waits in a collective for the other)."""
     model = build_llama(LlamaConfig.preset("debug", n_layers=2), seed=0)
     Checkpointer(CheckpointConfig(tmp_path)).save(5, dict(model.named_parameters()), None, {})
-    messages = get_pool(2).run(load_into_deeper_pipeline, str(tmp_path / "step_00000005"),
-                               _timeout_s=60)  # fmt: skip
+    messages = get_pool(2).run(
+        load_into_deeper_pipeline, str(tmp_path / "step_00000005"), _timeout_s=60
+    )
     assert messages[0] == messages[1] != "loaded"
     assert "parameters missing from the checkpoint" in messages[0]
     assert "'model.layers.2.attention.wq.weight'" in messages[0]

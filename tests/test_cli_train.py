@@ -39,17 +39,30 @@ def test_wrong_type_exits_2_naming_key_and_allowed_values(
 
 def test_multi_node_flags_reach_torchrun() -> None:
     args = build_parser().parse_args(
-        ["train", "debug", "--nproc", "2", "--nnodes", "2", "--node-rank", "1",
-         "--rdzv-endpoint", "10.0.0.1:29500", "--set", "train.steps=5"]
-    )  # fmt: skip
+        [
+            "train",
+            "debug",
+            "--nproc",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "10.0.0.1:29500",
+            "--set",
+            "train.steps=5",
+        ]
+    )
     assert (args.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint) == (
         2,
         2,
         1,
         "10.0.0.1:29500",
     )
-    command = torchrun_command(["train", "debug"], nproc=2, nnodes=2, node_rank=1,
-                               rdzv_endpoint="10.0.0.1:29500")  # fmt: skip
+    command = torchrun_command(
+        ["train", "debug"], nproc=2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500"
+    )
     assert command[1:3] == ["-m", "torch.distributed.run"]
     assert "--nnodes=2" in command and "--node-rank=1" in command
     assert command[-4:] == ["-m", "meshtrain", "train", "debug"]

@@ -36,8 +36,16 @@ def measure(
         "grouped": grouped_rules(data),
         "grouped-sp": grouped_rules(data, sequence_parallel=True),
     }[rules_kind]
-    plan = mt.plan(model, mesh, rules, zero=zero, microbatches=micro, loss_parallel=loss_parallel,
-                   batch_size=2, seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=zero,
+        microbatches=micro,
+        loss_parallel=loss_parallel,
+        batch_size=2,
+        seq_len=8,
+    )
     mt.apply(plan, model)
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -55,8 +63,10 @@ def measure(
     with counter:
         step()
     predicted, predicted_bytes = _predicted(plan)
-    return {"counts": (dict(counter.counts), predicted),
-            "bytes": (dict(counter.bytes), predicted_bytes)}  # fmt: skip
+    return {
+        "counts": (dict(counter.counts), predicted),
+        "bytes": (dict(counter.bytes), predicted_bytes),
+    }
 
 
 def _predicted(plan: mt.Plan) -> tuple[dict, dict]:
@@ -114,8 +124,15 @@ def measure_pipelined(zero: int, tp: bool) -> tuple[tuple[dict, dict], tuple[dic
     rules = (
         Rules(logical=default_rules().logical, fsdp="dp") if tp else Rules({r".*": P()}, fsdp="dp")
     )
-    plan = mt.plan(model, mesh, rules, zero=zero, pipeline=mt.Pipeline(microbatches=4),
-                   global_batch=8, seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=zero,
+        pipeline=mt.Pipeline(microbatches=4),
+        global_batch=8,
+        seq_len=8,
+    )
     pipelined = mt.apply(plan, model)
     tokens = torch.randint(
         0, 256, (4, 9), generator=torch.Generator().manual_seed(0)

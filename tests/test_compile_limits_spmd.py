@@ -99,8 +99,13 @@ def _forced_split_backward(axes: tuple[tuple[str, int], ...]) -> None:
     """One step of a zero-bubble pipeline whose stages are compiled past the planner."""
     model = build_llama(LlamaConfig.preset("debug", n_layers=4), seed=0)
     pipeline = mt.Pipeline(schedule="ZBVZeroBubble", microbatches=2, stages_per_rank=2)
-    plan = mt.plan(model, mesh_for(axes), Rules(logical=default_rules().logical, fsdp="dp"),
-                   zero=2, pipeline=pipeline)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh_for(axes),
+        Rules(logical=default_rules().logical, fsdp="dp"),
+        zero=2,
+        pipeline=pipeline,
+    )
     options = dataclasses.replace(plan.options, compile=True, compile_backend="aot_eager")
     plan = dataclasses.replace(plan, options=options, compile_scope="model")
     tokens = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))

@@ -34,11 +34,16 @@ CORPUS_BYTES = 300_000
 
 def _overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
     return [
-        f"train.steps={STEPS}", "train.warmup_steps=2", "train.seq_len=16",
-        f"data.path={corpus}", f"data.corpus_bytes={CORPUS_BYTES}",
-        f"logging.run_dir={run_dir}", "logging.log_every=1", "checkpoint.interval=100",
+        f"train.steps={STEPS}",
+        "train.warmup_steps=2",
+        "train.seq_len=16",
+        f"data.path={corpus}",
+        f"data.corpus_bytes={CORPUS_BYTES}",
+        f"logging.run_dir={run_dir}",
+        "logging.log_every=1",
+        "checkpoint.interval=100",
         *extra,
-    ]  # fmt: skip
+    ]
 
 
 def uninterrupted_losses(overrides: list[str]) -> dict[int, float]:
@@ -74,8 +79,9 @@ def train_two_steps(overrides: list[str]) -> str:
 def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(
     tmp_path: Path, corpus: Path
 ) -> None:
-    overrides = _overrides(tmp_path / "run", corpus, "logging.wandb=disabled",
-                           "logging.console=false")  # fmt: skip
+    overrides = _overrides(
+        tmp_path / "run", corpus, "logging.wandb=disabled", "logging.console=false"
+    )
     assert get_pool(2).run(train_two_steps, overrides) == ["trained"] * 2
     (payload, *_) = sorted((tmp_path / "run" / "checkpoints" / "step_00000002").glob("*.distcp"))
     payload.write_bytes(payload.read_bytes()[:-8])
@@ -93,16 +99,24 @@ class Job:
         self.token = uuid.uuid4().hex
         env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
         env.update(
-            PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1", MESHTRAIN_TEST_JOB=self.token,
-            WANDB_DIR=str(tmp_path / "wandb-home"), WANDB_BASE_URL="http://127.0.0.1:9",
-            WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"), NETRC=str(tmp_path / "no-netrc"),
+            PYTHONPATH=os.pathsep.join(sys.path),
+            OMP_NUM_THREADS="1",
+            MESHTRAIN_TEST_JOB=self.token,
+            WANDB_DIR=str(tmp_path / "wandb-home"),
+            WANDB_BASE_URL="http://127.0.0.1:9",
+            WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"),
+            NETRC=str(tmp_path / "no-netrc"),
             WANDB_CACHE_DIR=str(tmp_path / "wandb-cache"),
-        )  # fmt: skip
+        )
         self.process = subprocess.Popen(
             [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "2", *args],
-            cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.lines: list[str] = []
 
     def wait_for(self, pattern: str) -> re.Match[str]:
@@ -239,8 +253,14 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     once; ``--max-restarts`` does not retry it; no checkpoint holds a skipped step, and the last
     good checkpoint survives ``keep_last = 1``."""
     run_dir = tmp_path / "run"
-    good = _overrides(run_dir, corpus, "train.steps=40", "checkpoint.interval=2",
-                      "checkpoint.keep_last=1", "logging.wandb=disabled")  # fmt: skip
+    good = _overrides(
+        run_dir,
+        corpus,
+        "train.steps=40",
+        "checkpoint.interval=2",
+        "checkpoint.keep_last=1",
+        "logging.wandb=disabled",
+    )
     first = Job(tmp_path, _sets(good))
     first.wait_for(r"^step 4/40 ")
     os.kill(first.process.pid, signal.SIGINT)

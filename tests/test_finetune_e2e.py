@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _meshtrain(args: list[str], tmp_path: Path) -> str:
     env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
     env.update(WANDB_DIR=str(tmp_path), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "meshtrain", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return done.stdout
 
@@ -36,9 +42,25 @@ def test_pretrain_export_finetune_with_lora_and_export_merged(tmp_path: Path) ->
     transformers = pytest.importorskip("transformers")
     data = _sets(**{"data.source": "synthetic", "data.samples": 256})
     pre, base, tuned = tmp_path / "pre", tmp_path / "debug-hf", tmp_path / "tuned"
-    _meshtrain(["train", "debug", "--nproc", "2", *data,
-                *_sets(**{"train.steps": 4, "train.warmup_steps": 1, "logging.run_dir": pre,
-                          "checkpoint.interval": 0, "logging.wandb": "disabled"})], tmp_path)  # fmt: skip
+    _meshtrain(
+        [
+            "train",
+            "debug",
+            "--nproc",
+            "2",
+            *data,
+            *_sets(
+                **{
+                    "train.steps": 4,
+                    "train.warmup_steps": 1,
+                    "logging.run_dir": pre,
+                    "checkpoint.interval": 0,
+                    "logging.wandb": "disabled",
+                }
+            ),
+        ],
+        tmp_path,
+    )
     _meshtrain(["export", str(pre), "--format", "hf", "--out", str(base)], tmp_path)
     pretrained = transformers.AutoModelForCausalLM.from_pretrained(base)
     tokens = torch.randint(
@@ -48,10 +70,25 @@ def test_pretrain_export_finetune_with_lora_and_export_merged(tmp_path: Path) ->
     assert torch.isfinite(before).all()
 
     run = tmp_path / "lora"
-    out = _meshtrain(["train", "debug_lora", "--nproc", "2", *data,
-                      *_sets(**{"checkpoint.init_from": base, "logging.run_dir": run,
-                                "train.steps": 6, "checkpoint.interval": 0,
-                                "logging.wandb": "disabled"})], tmp_path)  # fmt: skip
+    out = _meshtrain(
+        [
+            "train",
+            "debug_lora",
+            "--nproc",
+            "2",
+            *data,
+            *_sets(
+                **{
+                    "checkpoint.init_from": base,
+                    "logging.run_dir": run,
+                    "train.steps": 6,
+                    "checkpoint.interval": 0,
+                    "logging.wandb": "disabled",
+                }
+            ),
+        ],
+        tmp_path,
+    )
     assert "trained to step 6" in out
     _meshtrain(["export", str(run), "--format", "hf", "--out", str(tuned)], tmp_path)
     merged = transformers.AutoModelForCausalLM.from_pretrained(tuned)
@@ -139,20 +176,36 @@ def test_qlora_resumes_bit_for_bit_and_exports_the_merged_nf4_base(tmp_path: Pat
     from meshtrain.recipes.recipe import recipe_from_toml
 
     base = recipe_from_toml(QLORA_RECIPE).build_model(device="cpu", seed=3, adapters=False)
-    initial = {name: tensor.contiguous() for name, tensor in base.state_dict().items()
-               if not name.endswith(("rope_cos", "rope_sin"))}  # fmt: skip
+    initial = {
+        name: tensor.contiguous()
+        for name, tensor in base.state_dict().items()
+        if not name.endswith(("rope_cos", "rope_sin"))
+    }
     save_file(initial, str(tmp_path / "base.safetensors"))
     recipe = tmp_path / "qlora.toml"
-    recipe.write_text(QLORA_RECIPE.replace(
-        "[checkpoint]\n", f'[checkpoint]\ninit_from = "{tmp_path / "base.safetensors"}"\n'))  # fmt: skip
+    recipe.write_text(
+        QLORA_RECIPE.replace(
+            "[checkpoint]\n", f'[checkpoint]\ninit_from = "{tmp_path / "base.safetensors"}"\n'
+        )
+    )
     stopped, whole = tmp_path / "stopped", tmp_path / "whole"
-    _meshtrain(["train", str(recipe), "--nproc", "2",
-                *_sets(**{"logging.run_dir": stopped, "train.steps": 4})], tmp_path)  # fmt: skip
-    out = _meshtrain(["train", str(recipe), "--nproc", "2",
-                      *_sets(**{"logging.run_dir": stopped})], tmp_path)  # fmt: skip
+    _meshtrain(
+        [
+            "train",
+            str(recipe),
+            "--nproc",
+            "2",
+            *_sets(**{"logging.run_dir": stopped, "train.steps": 4}),
+        ],
+        tmp_path,
+    )
+    out = _meshtrain(
+        ["train", str(recipe), "--nproc", "2", *_sets(**{"logging.run_dir": stopped})], tmp_path
+    )
     assert "resumed from step 4" in out
-    _meshtrain(["train", str(recipe), "--nproc", "2", *_sets(**{"logging.run_dir": whole})],
-               tmp_path)  # fmt: skip
+    _meshtrain(
+        ["train", str(recipe), "--nproc", "2", *_sets(**{"logging.run_dir": whole})], tmp_path
+    )
     assert _losses(stopped) == _losses(whole) and len(_losses(whole)) == 6
 
     exported = tmp_path / "tuned"

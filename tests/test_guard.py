@@ -81,8 +81,10 @@ def test_the_counts_survive_a_resume_through_checkpoint_json() -> None:
     assert SkipRecord.from_json(None) == SkipRecord()
 
 
-@pytest.mark.parametrize(("field", "value"), [("max_consecutive", 0), ("max_total", -1),
-                                              ("max_consecutive", 2.5), ("max_total", True)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("max_consecutive", 0), ("max_total", -1), ("max_consecutive", 2.5), ("max_total", True)],
+)
 def test_a_budget_must_be_whole_numbers(field: str, value: object) -> None:
     with pytest.raises(TrainingError, match=f"SkipBudget.{field}"):
         SkipBudget(**{field: value})  # type: ignore[arg-type]

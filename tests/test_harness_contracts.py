@@ -73,8 +73,9 @@ def test_levels_of_a_reordering() -> None:
     assert [Reordering("x", ways).levels for ways in (2, 3, 4, 8, 9)] == [2, 3, 3, 4, 5]
 
 
-def _step(optimizer_cls: type, kwargs: dict, param: torch.Tensor, grad: torch.Tensor,
-          state: dict | None) -> tuple[torch.Tensor, dict]:  # fmt: skip
+def _step(
+    optimizer_cls: type, kwargs: dict, param: torch.Tensor, grad: torch.Tensor, state: dict | None
+) -> tuple[torch.Tensor, dict]:
     """One optimizer step from ``param`` and ``state`` (None: the first step)."""
     p = torch.nn.Parameter(param.clone())
     optimizer = optimizer_cls([p], **kwargs)

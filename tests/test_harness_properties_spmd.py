@@ -34,8 +34,9 @@ def _check(case: PlanCase, **kwargs: object) -> bool:
     """True when the plan was built and trained within its contract; False when refused."""
     (model_fn, mesh, options), harness_kwargs = case.harness_args()
     try:
-        report = assert_equivalent(model_fn, mesh, options, steps=2, optimizer="adamw",
-                                   **harness_kwargs, **kwargs)  # type: ignore[arg-type]  # fmt: skip
+        report = assert_equivalent(
+            model_fn, mesh, options, steps=2, optimizer="adamw", **harness_kwargs, **kwargs
+        )  # type: ignore[arg-type]
     except PLANNING_ERRORS:
         return False
     assert report.passed

@@ -113,6 +113,8 @@ def test_a_bad_plan_fails_in_this_process_before_any_rank_starts() -> None:
         assert_equivalent(DebugLlama(2), {"dp": 2}, Rules({r".*": P("nope")}, fsdp="dp"))
     with pytest.raises(mt.PlanError, match="does not split into 2 data-parallel ranks"):
         assert_equivalent(
-            DebugLlama(2), {"dp": 2, "tp": 1}, default_rules(),
+            DebugLlama(2),
+            {"dp": 2, "tp": 1},
+            default_rules(),
             batches=[(torch.zeros(3, 8, dtype=torch.long),) * 2],
-        )  # fmt: skip
+        )

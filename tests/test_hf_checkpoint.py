@@ -37,14 +37,27 @@ from meshtrain.train.hf.load import load_hf
 
 transformers = pytest.importorskip("transformers")
 
-HF_SHAPES = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+HF_SHAPES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+}
 
 
 def _hf_model(**overrides: Any) -> Any:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(**{**HF_SHAPES, "rope_theta": 5000.0, "initializer_range":
-                                         0.1, "use_cache": False, **overrides})  # fmt: skip
+    config = transformers.LlamaConfig(
+        **{
+            **HF_SHAPES,
+            "rope_theta": 5000.0,
+            "initializer_range": 0.1,
+            "use_cache": False,
+            **overrides,
+        }
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -76,7 +89,7 @@ def test_rotary_rows_turn_halves_into_adjacent_pairs() -> None:
     assert rotary_rows(2, 4).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
     weight = torch.randn(8, 3)
     config = LlamaConfig(dim=8, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=4)
-    (_, back), = llama_to_hf(config, "layers.0.attention.wq.weight", weight[rotary_rows(2, 4)])  # fmt: skip
+    ((_, back),) = llama_to_hf(config, "layers.0.attention.wq.weight", weight[rotary_rows(2, 4)])
     assert torch.equal(back, weight)
 
 
@@ -198,8 +211,11 @@ def test_strict_false_skips_missing_and_extra_names_but_never_a_wrong_shape(
 
 def test_a_model_on_the_meta_device_is_refused(hf_dir: Path) -> None:
     model = build_llama(llama_config_from_hf(read_config(hf_dir) or {}), device="meta")
-    with pytest.raises(CheckpointError, match="'tok_embeddings.weight' is on the meta device: "
-                       r"materialise the model first"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match="'tok_embeddings.weight' is on the meta device: "
+        r"materialise the model first",
+    ):
         load_pretrained(hf_dir, model)
 
 
@@ -217,22 +233,34 @@ def test_paths_that_hold_no_checkpoint_are_refused(hf_dir: Path, tmp_path: Path)
         load_hf(tmp_path / "weights.bin", model)
     partial_copy = tmp_path / "partial"
     partial_copy.mkdir()
-    for file in [hf_dir / "config.json", hf_dir / "model.safetensors.index.json",
-                 *sorted(hf_dir.glob("model-*.safetensors"))[1:]]:  # fmt: skip
+    for file in [
+        hf_dir / "config.json",
+        hf_dir / "model.safetensors.index.json",
+        *sorted(hf_dir.glob("model-*.safetensors"))[1:],
+    ]:
         (partial_copy / file.name).write_bytes(file.read_bytes())
-    with pytest.raises(CheckpointError, match=r"lists 'model-00001-of-00005.safetensors', which is "
-                       r"not in .*: the download or copy is incomplete"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"lists 'model-00001-of-00005.safetensors', which is "
+        r"not in .*: the download or copy is incomplete",
+    ):
         load_hf(partial_copy, model)
 
 
 def test_a_llama_that_differs_from_config_json_is_refused(hf_dir: Path) -> None:
     config = llama_config_from_hf(read_config(hf_dir) or {})
     other = build_llama(LlamaConfig(**{**config.__dict__, "rope_theta": 10000.0}))
-    with pytest.raises(CheckpointError, match=r"rope_theta = 10000.0 here but 5000.0 there.*"
-                       r"Set \[model\] rope_theta to match"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"rope_theta = 10000.0 here but 5000.0 there.*"
+        r"Set \[model\] rope_theta to match",
+    ):
         load_pretrained(hf_dir, other)
-    with pytest.raises(CheckpointError, match=r"cannot compute this model the same way \(rope "
-                       r"type differ"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot compute this model the same way \(rope "
+        r"type differ",
+    ):
         llama_config_from_hf({**HF_SHAPES, "rope_parameters": {"rope_type": "llama3"}})
 
 
@@ -251,8 +279,13 @@ def test_export_streams_shards_that_from_pretrained_loads(hf_dir: Path, tmp_path
     load_pretrained(hf_dir, model)
     config = model.config
     checkpoint = _save_checkpoint(model, tmp_path / "ckpt")
-    report = export_hf(checkpoint, tmp_path / "out", config=hf_config_from_llama(config),
-                       rename=partial(llama_to_hf, config), max_shard_size="50KB")  # fmt: skip
+    report = export_hf(
+        checkpoint,
+        tmp_path / "out",
+        config=hf_config_from_llama(config),
+        rename=partial(llama_to_hf, config),
+        max_shard_size="50KB",
+    )
     files = sorted((tmp_path / "out").glob("model-*.safetensors"))
     assert len(files) == len(report.files) > 1
     largest_tensor = 256 * 64 * 4  # the embedding: 64 KiB, more than a shard
@@ -272,9 +305,14 @@ def test_the_transform_hook_sees_every_tensor_and_can_read_its_companions(
     """A LoRA-style merge through the hook: W + B·A into wq, the adapters dropped."""
     model = _llama_for(hf_dir)
     lora_a, lora_b = torch.randn(4, 64), torch.randn(64, 4)
-    checkpoint = _save_checkpoint(model, tmp_path / "ckpt", **{
-        "layers.0.attention.wq.lora_A.weight": lora_a, "layers.0.attention.wq.lora_B.weight": lora_b
-    })  # fmt: skip
+    checkpoint = _save_checkpoint(
+        model,
+        tmp_path / "ckpt",
+        **{
+            "layers.0.attention.wq.lora_A.weight": lora_a,
+            "layers.0.attention.wq.lora_B.weight": lora_b,
+        },
+    )
     seen = []
 
     def merge(fqn: str, tensor: torch.Tensor, checkpoint: Any) -> list[tuple[str, torch.Tensor]]:
@@ -287,13 +325,19 @@ def test_the_transform_hook_sees_every_tensor_and_can_read_its_companions(
         return [(fqn, tensor)]
 
     config = model.config
-    export_hf(checkpoint, tmp_path / "out", config=hf_config_from_llama(config), transform=merge,
-              rename=partial(llama_to_hf, config), dtype=torch.bfloat16)  # fmt: skip
+    export_hf(
+        checkpoint,
+        tmp_path / "out",
+        config=hf_config_from_llama(config),
+        transform=merge,
+        rename=partial(llama_to_hf, config),
+        dtype=torch.bfloat16,
+    )
     assert len(seen) == 23
     written = load_file(tmp_path / "out" / "model.safetensors")
     assert len(written) == 21 and all(t.dtype == torch.bfloat16 for t in written.values())
     merged = model.layers["0"].attention.wq.weight.detach() + lora_b @ lora_a
-    (_, expected), = llama_to_hf(config, "layers.0.attention.wq.weight", merged)  # fmt: skip
+    ((_, expected),) = llama_to_hf(config, "layers.0.attention.wq.weight", merged)
     assert torch.equal(written["model.layers.0.self_attn.q_proj.weight"], expected.bfloat16())
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
 
@@ -341,8 +385,12 @@ def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
     report = export_run(tmp_path / "run", tmp_path / "out", dtype=torch.bfloat16)
     assert report.files == ("model.safetensors",) and report.tensors == 21
     names = sorted(path.name for path in (tmp_path / "out").iterdir())
-    assert names == ["config.json", "generation_config.json", "model.safetensors",
-                     "tokenizer_config.json"]  # fmt: skip
+    assert names == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer_config.json",
+    ]
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config == {**json.loads((hf_dir / "config.json").read_text()), "dtype": "bfloat16"}
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -368,8 +416,9 @@ def test_damaged_indexes_headers_and_configs_are_refused(hf_dir: Path, tmp_path:
     first, second = sorted(set(weight_map.values()))[:2]
     moved = next(name for name, file in weight_map.items() if file == first)
     index.write_text(json.dumps({"weight_map": {**weight_map, moved: second}}))
-    with pytest.raises(CheckpointError, match=f"places '{moved}' in '{second}', which does not "
-                       "hold it"):  # fmt: skip
+    with pytest.raises(
+        CheckpointError, match=f"places '{moved}' in '{second}', which does not hold it"
+    ):
         load_hf(copy, model)
     index.write_text("{not json")
     with pytest.raises(CheckpointError, match=r"cannot read .*index\.json.*weight_map"):

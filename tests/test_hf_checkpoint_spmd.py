@@ -41,10 +41,18 @@ MESH = (("dp", 2), ("tp", 2))
 def _hf_model(tied: bool) -> Any:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=250, rope_theta=5000.0, initializer_range=0.1,
-        tie_word_embeddings=tied, max_position_embeddings=64, use_cache=False,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=250,
+        rope_theta=5000.0,
+        initializer_range=0.1,
+        tie_word_embeddings=tied,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config).eval()
 
 
@@ -96,8 +104,9 @@ class _CountingSlices:
 
                     def __getitem__(self, key: Any) -> torch.Tensor:
                         block = stored[key]
-                        counter.read.append((name, tuple(block.shape),
-                                             block.numel() * block.element_size()))  # fmt: skip
+                        counter.read.append(
+                            (name, tuple(block.shape), block.numel() * block.element_size())
+                        )
                         return block
 
                 return Slice()
@@ -180,8 +189,13 @@ def test_round_trip_through_a_planned_model_gives_the_original_logits(
     out = tmp_path / "exported"
     if kind.startswith("llama"):
         config = llama_config_from_hf(read_config(hf_dir) or {})
-        export_hf(checkpoint, out, config=hf_config_from_llama(config), max_shard_size="60KB",
-                  rename=lambda fqn, tensor: llama_to_hf(config, fqn, tensor))  # fmt: skip
+        export_hf(
+            checkpoint,
+            out,
+            config=hf_config_from_llama(config),
+            max_shard_size="60KB",
+            rename=lambda fqn, tensor: llama_to_hf(config, fqn, tensor),
+        )
     else:
         export_hf(checkpoint, out, config=read_config(hf_dir) or {}, max_shard_size="60KB")
     assert (out / "model.safetensors.index.json").is_file()
@@ -213,8 +227,10 @@ def test_a_directory_that_does_not_fit_is_refused_alike_on_every_rank(
     save_file(tensors, str(holder), metadata={"format": "pt"})
     messages = get_pool(4).run(load_with_problems, str(broken))
     assert len(set(messages)) == 1
-    assert "1 tensor(s) the model needs are not in the checkpoint (model.safetensors.index.json): " \
-           "'model.norm.weight'" in messages[0]  # fmt: skip
+    assert (
+        "1 tensor(s) the model needs are not in the checkpoint (model.safetensors.index.json): "
+        "'model.norm.weight'" in messages[0]
+    )
     assert (
         "1 tensor(s) in the checkpoint that the model lacks: 'model.final_norm.weight'"
         in messages[0]
@@ -241,19 +257,35 @@ def test_a_recipe_starts_from_a_transformers_directory_exports_one_and_resumes_w
     from meshtrain.train.loss import summed_cross_entropy
 
     torch.manual_seed(0)
-    pretrained = transformers.LlamaForCausalLM(transformers.LlamaConfig(  # the debug preset's shapes
-        hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=64, initializer_range=0.1, use_cache=False,
-    )).eval()  # fmt: skip
+    pretrained = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(  # the debug preset's shapes
+            hidden_size=64,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            max_position_embeddings=64,
+            initializer_range=0.1,
+            use_cache=False,
+        )
+    ).eval()
     pretrained.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
     run = tmp_path / "run"
     overrides = [
-        "train.steps=2", "train.seq_len=16", "train.warmup_steps=0", "data.source=synthetic",
-        "data.samples=64", f"logging.run_dir={run}", "logging.console=false",
-        "logging.wandb=disabled", "checkpoint.interval=0",
+        "train.steps=2",
+        "train.seq_len=16",
+        "train.warmup_steps=0",
+        "data.source=synthetic",
+        "data.samples=64",
+        f"logging.run_dir={run}",
+        "logging.console=false",
+        "logging.wandb=disabled",
+        "checkpoint.interval=0",
         f"checkpoint.init_from={tmp_path / 'hf'}",
-    ]  # fmt: skip
+    ]
     first = get_pool(4).run(run_recipe, overrides)[0]
 
     # step 1's loss is the pretrained model's on the first global batch: every weight came from

@@ -54,9 +54,12 @@ def test_the_processes_of_one_job_share_its_lock(tmp_path: Path) -> None:
 def test_a_killed_holder_leaves_no_lock_behind(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD, str(tmp_path)], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+        [sys.executable, "-c", HOLD, str(tmp_path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
         with pytest.raises(CheckpointError, match=f"pid {holder.pid} on host"):
@@ -79,8 +82,14 @@ def _without_flock(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _plant(directory: Path, *, pid: int, host: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    holder = {"host": host, "pid": pid, "token": "old", "started": time.time() - 60,
-              "command": "meshtrain train debug", "pid_start": None}  # fmt: skip
+    holder = {
+        "host": host,
+        "pid": pid,
+        "token": "old",
+        "started": time.time() - 60,
+        "command": "meshtrain train debug",
+        "pid_start": None,
+    }
     (directory / LOCK_FILE).write_text(json.dumps(holder))
 
 

@@ -116,8 +116,14 @@ def test_merge_refuses_an_adapter_without_its_pair() -> None:
     with pytest.raises(mt.CheckpointError, match=r"adapter 'm\.lora_A' has no \['m\.lora_B'\]"):
         merge_lora({"m.weight": torch.zeros(2, 2), "m.lora_A": torch.zeros(1, 2)}, alpha=1)
     with pytest.raises(mt.CheckpointError, match=r"Pass full tensors"):
-        merge_lora({"m.weight": torch.zeros(4, 2), "m.lora_A": torch.zeros(1, 2),
-                    "m.lora_B": torch.zeros(2, 1)}, alpha=1)  # fmt: skip
+        merge_lora(
+            {
+                "m.weight": torch.zeros(4, 2),
+                "m.lora_A": torch.zeros(1, 2),
+                "m.lora_B": torch.zeros(2, 1),
+            },
+            alpha=1,
+        )
 
 
 # ------------------------------------------------------------------------ planning
@@ -249,8 +255,9 @@ def test_qlora_needs_11_times_less_memory_than_full_fine_tuning_for_llama3_8b() 
     shared = {"zero": 3, "seq_len": 2048, "batch_size": 1, "activation_checkpointing": "full"}
     config = LlamaConfig.preset("llama3_8b")
     full = mt.plan(build_llama(config, device="meta"), mesh, default_rules(tp=None), **shared)
-    adapted = lora(build_llama(config, device="meta"), rank=16, alpha=32, targets=TARGETS,
-                   quantize_base="nf4")  # fmt: skip
+    adapted = lora(
+        build_llama(config, device="meta"), rank=16, alpha=32, targets=TARGETS, quantize_base="nf4"
+    )
     qlora = mt.plan(adapted, mesh, default_rules(tp=None), precision="bf16", **shared)
     gib = 2**30
     assert round(full.memory.total / gib, 1) == 121.4 and round(qlora.memory.total / gib, 1) == 11.0
@@ -268,11 +275,21 @@ def test_qlora_needs_4_to_5_times_less_memory_where_activations_count() -> None:
     config = LlamaConfig.preset("llama3_8b")
     gib = 2**30
     for checkpointing, full_gib, qlora_gib in (("selective", 139.4, 33.4), ("none", 153.0, 36.8)):
-        shared = {"zero": 3, "seq_len": 2048, "batch_size": 2, "precision": "bf16",
-                  "activation_checkpointing": checkpointing}  # fmt: skip
+        shared = {
+            "zero": 3,
+            "seq_len": 2048,
+            "batch_size": 2,
+            "precision": "bf16",
+            "activation_checkpointing": checkpointing,
+        }
         full = mt.plan(build_llama(config, device="meta"), mesh, default_rules(tp=None), **shared)
-        adapted = lora(build_llama(config, device="meta"), rank=16, alpha=32, targets=TARGETS,
-                       quantize_base="nf4")  # fmt: skip
+        adapted = lora(
+            build_llama(config, device="meta"),
+            rank=16,
+            alpha=32,
+            targets=TARGETS,
+            quantize_base="nf4",
+        )
         qlora = mt.plan(adapted, mesh, default_rules(tp=None), **shared)
         assert round(full.memory.total / gib, 1) == full_gib
         assert round(qlora.memory.total / gib, 1) == qlora_gib

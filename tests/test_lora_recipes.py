@@ -25,8 +25,10 @@ def test_lora_section_builds_adapters_and_freezes_the_rest() -> None:
     base = recipe.build_model(adapters=False)
     assert all(p.requires_grad for p in base.parameters())
     again = recipe.adapt(base)
-    assert torch.equal(again.get_parameter("layers.0.attention.wq.lora_A"),
-                       model.get_parameter("layers.0.attention.wq.lora_A"))  # fmt: skip
+    assert torch.equal(
+        again.get_parameter("layers.0.attention.wq.lora_A"),
+        model.get_parameter("layers.0.attention.wq.lora_A"),
+    )
 
 
 @pytest.mark.parametrize(

@@ -65,8 +65,11 @@ def plain_lora_loop(steps: int) -> dict[str, float]:
     reference = copy.deepcopy(model)
     plan = mt.plan(model, mt.make_mesh(TP), zoo.hf_rules(zoo.llama()))
     applied = mt.apply(plan, model)
-    frozen = {fqn: full(p.detach()).clone() for fqn, p in applied.named_parameters()
-              if not p.requires_grad}  # fmt: skip
+    frozen = {
+        fqn: full(p.detach()).clone()
+        for fqn, p in applied.named_parameters()
+        if not p.requires_grad
+    }
     trainable = [p for p in applied.parameters() if p.requires_grad]
     optimizer = torch.optim.SGD(trainable, lr=0.1, momentum=0.9)
     ref_trainable = [p for p in reference.parameters() if p.requires_grad]
@@ -190,8 +193,15 @@ def pipelined_lora_collectives(name: str) -> dict:
     mesh = mt.make_mesh(axes)
     model = lora(build_llama(LlamaConfig.debug(), seed=0), rank=4, alpha=8, targets=targets)
     rules = default_rules(fsdp=()) if "tp" in axes else default_rules(tp=None)
-    plan = mt.plan(model, mesh, rules, zero=2, pipeline=mt.Pipeline(microbatches=4),
-                   global_batch=4 * axes.get("dp", 1), seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=2,
+        pipeline=mt.Pipeline(microbatches=4),
+        global_batch=4 * axes.get("dp", 1),
+        seq_len=8,
+    )
     pipelined = mt.apply(plan, model)
     tokens = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(0))
     batch = Batch(tokens[:, :-1], tokens[:, 1:])
@@ -212,9 +222,10 @@ def pipelined_lora_collectives(name: str) -> dict:
         "busiest": mesh.coordinates(torch.distributed.get_rank())["pp"] == busiest,
         "predicted": {k: n for k, (n, _) in totals.items()},
         "predicted bytes": {k: b for k, (_, b) in totals.items()},
-        "no grad": [fqn for fqn, p in pipelined.named_parameters()
-                    if p.requires_grad and p.grad is None],
-    }  # fmt: skip
+        "no grad": [
+            fqn for fqn, p in pipelined.named_parameters() if p.requires_grad and p.grad is None
+        ],
+    }
 
 
 @pytest.mark.parametrize("name", list(PIPELINED_CASES))

@@ -14,8 +14,9 @@ from meshtrain.lower import initialise
 
 
 def _cnn() -> nn.Module:
-    return nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(8 * 6 * 6, 4))  # fmt: skip
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 6 * 6, 4)
+    )
 
 
 @pytest.mark.parametrize(

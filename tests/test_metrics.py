@@ -424,8 +424,9 @@ def test_a_resumed_run_continues_its_wandb_run_and_a_fresh_start_begins_a_new_on
     config = LoggingConfig(console=False, jsonl=False, wandb="offline", wandb_project="tests")
     ids = []
     for start_step in (0, 3, 0):
-        with make_sinks(config, run_dir=run_dir, rank=0, total_steps=6, run_name="debug",
-                        start_step=start_step) as sinks:  # fmt: skip
+        with make_sinks(
+            config, run_dir=run_dir, rank=0, total_steps=6, run_name="debug", start_step=start_step
+        ) as sinks:
             sinks.start(config={}, plan_text=PLAN_TEXT, plan_json=PLAN_JSON)
             sinks.log(start_step + 1, STEP_METRICS[0])
             (wandb_sink,) = [sink for sink in sinks.sinks if isinstance(sink, WandbSink)]

@@ -63,9 +63,18 @@ def test_weights_smaller_than_an_nf4_block_group_are_refused() -> None:
 def test_a_size_one_tensor_parallel_axis_is_allowed_under_nf4() -> None:
     from meshtrain.models import LlamaConfig, build_llama, default_rules
 
-    model = lora(build_llama(LlamaConfig(dim=256, n_layers=1, n_heads=4, n_kv_heads=4,
-                                         vocab_size=256, multiple_of=32), device="meta"),
-                 rank=4, alpha=8, targets=[r"layers\.0\.attention\.wq"], quantize_base="nf4")  # fmt: skip
+    model = lora(
+        build_llama(
+            LlamaConfig(
+                dim=256, n_layers=1, n_heads=4, n_kv_heads=4, vocab_size=256, multiple_of=32
+            ),
+            device="meta",
+        ),
+        rank=4,
+        alpha=8,
+        targets=[r"layers\.0\.attention\.wq"],
+        quantize_base="nf4",
+    )
     plan = mt.plan(model, mt.make_mesh(dp=2, tp=1, world_size=2, abstract=True), default_rules())
     layout = {p.fqn: p for p in plan.params}["layers.0.attention.wq.weight"]
     assert layout.storage == "nf4" and layout.bytes_at_rest == nf4_bytes(128 * 256)

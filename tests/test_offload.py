@@ -13,11 +13,14 @@ import meshtrain as mt
 from meshtrain.train.offload import offload_states
 
 
-@pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1),
-    lambda ps: torch.optim.Adam(ps, lr=1e-2),
-    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1),
+        lambda ps: torch.optim.Adam(ps, lr=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    ],
+)
 def test_offloaded_steps_equal_the_optimizer_bitwise(make) -> None:  # type: ignore[no-untyped-def]
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]

@@ -22,13 +22,23 @@ def debug_llama():  # type: ignore[no-untyped-def]
 
 
 def test_optimizer_state_offload_trains_like_one_device() -> None:
-    report = assert_equivalent(debug_llama, {"dp": 2}, {"rules": default_rules(tp=None), "zero": 3,
-                               "offload_optimizer": True}, steps=2, optimizer=ADAMW_095)  # fmt: skip
+    report = assert_equivalent(
+        debug_llama,
+        {"dp": 2},
+        {"rules": default_rules(tp=None), "zero": 3, "offload_optimizer": True},
+        steps=2,
+        optimizer=ADAMW_095,
+    )
     assert report.passed
     assert {"param", "grad"} <= {c.quantity for c in report.comparisons}
 
 
 def test_optimizer_state_offload_with_lora_under_fsdp_and_tp() -> None:
-    report = assert_equivalent(lora_models.llama_lora, {"dp": 2, "tp": 2}, {"rules": default_rules(),
-                               "zero": 3, "offload_optimizer": True}, steps=2, optimizer=ADAMW_095)  # fmt: skip
+    report = assert_equivalent(
+        lora_models.llama_lora,
+        {"dp": 2, "tp": 2},
+        {"rules": default_rules(), "zero": 3, "offload_optimizer": True},
+        steps=2,
+        optimizer=ADAMW_095,
+    )
     assert report.passed

@@ -129,8 +129,11 @@ def clipping_by_local_norm() -> Iterator[None]:
         yield
 
 
-PIPELINE = {"rules": default_rules(), "zero": 2,
-            "pipeline": mt.Pipeline(schedule="GPipe", microbatches=2)}  # fmt: skip
+PIPELINE = {
+    "rules": default_rules(),
+    "zero": 2,
+    "pipeline": mt.Pipeline(schedule="GPipe", microbatches=2),
+}
 FAULTS = {
     # name: (fault, mesh, plan options, extra harness kwargs, and the quantity and tensor that
     # must be reported far outside the bound at step 1 ("" where every gradient is wrong)
@@ -178,8 +181,12 @@ def test_planted_fault_is_caught_with_a_readable_report(name: str) -> None:
         for c in report.failures
     ), report.format()
     text = str(caught.value)
-    for part in ("does NOT train like one device", "first divergence: step 1", "plan JSON: {",
-                 "replay: assert_equivalent(DebugLlama(n_layers=4)"):  # fmt: skip
+    for part in (
+        "does NOT train like one device",
+        "first divergence: step 1",
+        "plan JSON: {",
+        "replay: assert_equivalent(DebugLlama(n_layers=4)",
+    ):
         assert part in text, text
 
 

@@ -29,8 +29,11 @@ REFUSAL_BUDGET_S = 3.0
 
 
 def _recipe(**sections: dict[str, Any]) -> dict[str, Any]:
-    base: dict[str, Any] = {"mesh": {"dp": -1, "tp": 2}, "train": {"batch_size": 8},
-                            "data": {"source": "synthetic"}}  # fmt: skip
+    base: dict[str, Any] = {
+        "mesh": {"dp": -1, "tp": 2},
+        "train": {"batch_size": 8},
+        "data": {"source": "synthetic"},
+    }
     for name, table in sections.items():
         base[name] = table if name == "mesh" else {**base.get(name, {}), **table}
     return base
@@ -92,12 +95,18 @@ def test_init_from_must_be_a_safetensors_file_or_a_transformers_directory(tmp_pa
     (tmp_path / "model.bin").write_bytes(b"x")
     with pytest.raises(RecipeError, match=r"init_from = .*model\.bin' is not a \.safetensors file"):
         check_launch(start(tmp_path / "model.bin"), "r.toml", nproc=2)
-    with pytest.raises(RecipeError, match=r"init_from = .* is a directory without config\.json: "
-                       r"give a transformers model directory"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"init_from = .* is a directory without config\.json: "
+        r"give a transformers model directory",
+    ):
         check_launch(start(tmp_path), "r.toml", nproc=2)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(RecipeError, match=r"has a config\.json but no model\.safetensors or "
-                       r"model\.safetensors\.index\.json"):  # fmt: skip
+    with pytest.raises(
+        RecipeError,
+        match=r"has a config\.json but no model\.safetensors or "
+        r"model\.safetensors\.index\.json",
+    ):
         check_launch(start(tmp_path), "r.toml", nproc=2)
     (tmp_path / "model.safetensors.index.json").write_text("{}")
     check_launch(start(tmp_path), "r.toml", nproc=2)
@@ -106,8 +115,12 @@ def test_init_from_must_be_a_safetensors_file_or_a_transformers_directory(tmp_pa
 
 
 def test_values_of_the_wrong_type_are_left_to_the_schema() -> None:
-    for recipe in (_recipe(mesh={"dp": "two"}), _recipe(train={"batch_size": "8"}),
-                   _recipe(parallel={"fsdp": "dp"}), {"mesh": [1, 2]}):  # fmt: skip
+    for recipe in (
+        _recipe(mesh={"dp": "two"}),
+        _recipe(train={"batch_size": "8"}),
+        _recipe(parallel={"fsdp": "dp"}),
+        {"mesh": [1, 2]},
+    ):
         check_launch(recipe, "r.toml", nproc=2)
 
 
@@ -139,9 +152,13 @@ def test_the_fast_checks_agree_with_the_planner(overrides: tuple[str, ...], worl
 def _launch(*args: str, cwd: Path = ROOT) -> tuple[int, str, float]:
     started = time.perf_counter()
     process = subprocess.run(
-        [sys.executable, "-m", "meshtrain", "train", *args], cwd=cwd, capture_output=True,
-        text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )  # fmt: skip
+        [sys.executable, "-m", "meshtrain", "train", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     return process.returncode, process.stdout + process.stderr, time.perf_counter() - started
 
 
@@ -181,11 +198,17 @@ def test_what_needs_the_model_is_refused_before_any_rank_starts(
 ) -> None:
     assert main(["train", "debug", "--nproc", "2", "--set", "train.seq_len=100"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "train.seq_len = 100 is longer than the model's max_seq_len = 64" in err  # fmt: skip
+    assert (
+        err.count("\n") == 1
+        and "train.seq_len = 100 is longer than the model's max_seq_len = 64" in err
+    )
     heads = ["--set", "model.n_heads=2", "--set", "model.n_kv_heads=2", "--set", "mesh.tp=4"]
     assert main(["train", "debug", "--nproc", "4", *heads]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("PlanError: ") and "do not split evenly over tensor-parallel axis 'tp' of size 4" in err  # fmt: skip
+    assert (
+        err.startswith("PlanError: ")
+        and "do not split evenly over tensor-parallel axis 'tp' of size 4" in err
+    )
     assert main(["train", "recipes"]) == 2
     assert "recipe 'recipes' is a directory, not a recipe file" in capsys.readouterr().err
 
@@ -199,7 +222,20 @@ def test_a_busy_or_unwritable_run_directory_is_refused_before_any_rank_starts(
     err = capsys.readouterr().err
     assert err.startswith("CheckpointError: run directory ") and "in use by another run" in err
     unwritable = "/sys/meshtrain-test-run" if os.geteuid() == 0 else "/proc/meshtrain-test-run"
-    assert main(["train", "debug", "--nproc", "2", "--set", "data.source=synthetic",
-                 "--set", f"logging.run_dir={unwritable}"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                "debug",
+                "--nproc",
+                "2",
+                "--set",
+                "data.source=synthetic",
+                "--set",
+                f"logging.run_dir={unwritable}",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot lock the run directory '{unwritable}'" in err

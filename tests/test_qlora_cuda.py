@@ -36,8 +36,10 @@ def check_nf4_linear(device: torch.device) -> None:
     x = torch.randn(16, 512, device=device)
     out = layer(x)
     dense = layer.weight.get_original_weight().float()
-    A, B = (layer.lora_A.detach().clone().requires_grad_(True),
-            layer.lora_B.detach().clone().requires_grad_(True))  # fmt: skip
+    A, B = (
+        layer.lora_A.detach().clone().requires_grad_(True),
+        layer.lora_B.detach().clone().requires_grad_(True),
+    )
     reference = x @ dense.T + layer.scale * (x @ A.T) @ B.T
     bound = 3 * BF16_U * (x.abs() @ dense.abs().T) + 1e-5 * reference.abs() + 1e-6
     assert ((out.float() - reference).abs() <= bound).all()
@@ -51,11 +53,18 @@ def check_nf4_linear(device: torch.device) -> None:
 
 
 def qlora_llama(device: torch.device) -> nn.Module:
-    config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
-                         multiple_of=64, max_seq_len=64)  # fmt: skip
+    config = LlamaConfig(
+        dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=64, max_seq_len=64
+    )
     model = build_llama(config, seed=0).to(device)
-    return lora(model, rank=8, alpha=16, targets=TARGETS, quantize_base="nf4",
-                generator=torch.Generator().manual_seed(1))  # fmt: skip
+    return lora(
+        model,
+        rank=8,
+        alpha=16,
+        targets=TARGETS,
+        quantize_base="nf4",
+        generator=torch.Generator().manual_seed(1),
+    )
 
 
 def train(model: nn.Module, plan: mt.Plan | None, tokens: torch.Tensor, steps: int) -> list[float]:
@@ -104,16 +113,24 @@ def check_meta_start(device: torch.device) -> None:
 
     mt.init_distributed()
     mesh = mt.make_mesh(dp=1, device_type=device.type)
-    config = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
-                         multiple_of=256, max_seq_len=64)  # fmt: skip
+    config = LlamaConfig(
+        dim=256,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=512,
+        multiple_of=256,
+        max_seq_len=64,
+    )
     ordinary = lora(build_llama(config), rank=8, alpha=16, targets=TARGETS)
     initialise(ordinary, seed=0)
     ordinary = ordinary.to(device)
     for fqn, module in ordinary.named_modules():
         if hasattr(module, "lora_A"):
             quantize_weight(module, fqn)
-    meta = lora(build_llama(config, device="meta"), rank=8, alpha=16, targets=TARGETS,
-                quantize_base="nf4")  # fmt: skip
+    meta = lora(
+        build_llama(config, device="meta"), rank=8, alpha=16, targets=TARGETS, quantize_base="nf4"
+    )
     plans = []
     for model in (ordinary, meta):
         plan = mt.plan(model, mesh, default_rules(tp=None), zero=3)

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.spmd
 
 NF4_PARTS = ("quantized_scalers", "quantization_factor", "quantized_data", "scaler_mean", "nf4")
 FSDP = mt.Rules({r".*": mt.P()}, fsdp="dp")
-CONFIG = LlamaConfig(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512,
-                     multiple_of=256, max_seq_len=64)  # fmt: skip
+CONFIG = LlamaConfig(
+    dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=256, max_seq_len=64
+)
 
 
 def llama(device: str) -> nn.Module:
@@ -40,9 +41,14 @@ def llama(device: str) -> nn.Module:
 def hf_llama(device: str) -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
-        hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=512, max_position_embeddings=64,
-    )  # fmt: skip
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=64,
+    )
     with torch.device(device):
         return transformers.LlamaForCausalLM(config)
 
@@ -85,8 +91,11 @@ def differences(a: nn.Module, b: nn.Module) -> list[str]:
         if is_nf4(mine) != is_nf4(theirs):
             different.append(f"{fqn} (storage)")
         elif is_nf4(mine):
-            different += [f"{fqn}.{part}" for part in NF4_PARTS
-                          if not torch.equal(getattr(mine, part), getattr(theirs, part))]  # fmt: skip
+            different += [
+                f"{fqn}.{part}"
+                for part in NF4_PARTS
+                if not torch.equal(getattr(mine, part), getattr(theirs, part))
+            ]
         elif not torch.equal(mine, theirs):
             different.append(fqn)
     return different
@@ -136,9 +145,14 @@ def loaded_like_cpu() -> tuple[list[str], int, int]:
     initialise(source, seed=7)
     if dist.get_rank() == 0:
         directory.mkdir(exist_ok=True)
-        save_file({k: v.contiguous() for k, v in source.state_dict().items()
-                   if not k.endswith(("rope_cos", "rope_sin"))},
-                  str(directory / "model.safetensors"))  # fmt: skip
+        save_file(
+            {
+                k: v.contiguous()
+                for k, v in source.state_dict().items()
+                if not k.endswith(("rope_cos", "rope_sin"))
+            },
+            str(directory / "model.safetensors"),
+        )
     dist.barrier()
     ordinary = lora(llama("cpu"), rank=4, alpha=8, targets=lora_models.LLAMA_TARGETS)
     load_pretrained(directory, ordinary)

@@ -112,7 +112,10 @@ def test_set_with_an_unknown_section_or_key_suggests_the_known_ones() -> None:
 def test_plan_takes_set_for_lora(capsys: pytest.CaptureFixture[str]) -> None:
     trainable = {}
     for rank in ("4", "8"):
-        assert main(["plan", "debug_lora", "--world", "4", "--json", "--set", f"lora.rank={rank}"]) == 0  # fmt: skip
+        assert (
+            main(["plan", "debug_lora", "--world", "4", "--json", "--set", f"lora.rank={rank}"])
+            == 0
+        )
         trainable[rank] = json.loads(capsys.readouterr().out)["memory"]["optimizer_states"]
     assert trainable["8"] == 2 * trainable["4"] > 0  # the adapters' Adam states double
 
@@ -127,8 +130,16 @@ def test_train_takes_set_for_lora_and_passes_it_to_every_rank(
         return 0
 
     monkeypatch.setattr(launch_module, "run_agent", run_agent)
-    sets = ["--set", "lora.rank=8", "--set", 'checkpoint.init_from=""',
-            "--set", "data.source=synthetic", "--set", f"logging.run_dir={tmp_path}"]  # fmt: skip
+    sets = [
+        "--set",
+        "lora.rank=8",
+        "--set",
+        'checkpoint.init_from=""',
+        "--set",
+        "data.source=synthetic",
+        "--set",
+        f"logging.run_dir={tmp_path}",
+    ]
     assert main(["train", "debug_lora", "--nproc", "4", *sets]) == 0
     (arguments,) = started
     assert arguments[-len(sets) :] == sets

@@ -105,10 +105,18 @@ def test_defaults_overrides_and_plan_options() -> None:
     assert overridden.model.config.n_layers == 4
     options = recipe.plan_options()
     assert options == mt.PlanOptions(
-        zero=3, precision="fp32", activation_checkpointing="none", compile=False,
-        optimizer="adamw", global_batch=8, seq_len=16, microbatches=1, grad_reduction="sum",
-        offload=False, offload_optimizer=False,
-    )  # fmt: skip
+        zero=3,
+        precision="fp32",
+        activation_checkpointing="none",
+        compile=False,
+        optimizer="adamw",
+        global_batch=8,
+        seq_len=16,
+        microbatches=1,
+        grad_reduction="sum",
+        offload=False,
+        offload_optimizer=False,
+    )
     assert _plan(recipe, 4).mesh == mt.Mesh(("dp", "tp"), (2, 2))
 
 
@@ -319,8 +327,18 @@ def _variants(draw: st.DrawFn) -> tuple[Recipe, int]:
     mesh = draw(st.permutations(recipe.mesh))
     pipe = recipe.parallel.pipeline
     if pipe is not None:
-        schedule = draw(st.sampled_from(["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS",
-                                         "InterleavedZeroBubble", "ZBVZeroBubble"]))  # fmt: skip
+        schedule = draw(
+            st.sampled_from(
+                [
+                    "GPipe",
+                    "1F1B",
+                    "Interleaved1F1B",
+                    "LoopedBFS",
+                    "InterleavedZeroBubble",
+                    "ZBVZeroBubble",
+                ]
+            )
+        )
         single = schedule in ("GPipe", "1F1B")
         pipe = dataclasses.replace(
             pipe,

@@ -20,8 +20,16 @@ from meshtrain.recipes import load_recipe
 from meshtrain.recipes.sizing import size_recipe
 
 # Llama 2 7B's shapes (6.74e9 parameters): every dim divides by 8, so FSDP pads nothing.
-LLAMA_7B = LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                       multiple_of=256, ffn_dim_multiplier=None, max_seq_len=4096)  # fmt: skip
+LLAMA_7B = LlamaConfig(
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=32,
+    vocab_size=32000,
+    multiple_of=256,
+    ffn_dim_multiplier=None,
+    max_seq_len=4096,
+)
 
 
 def test_textbook_figures() -> None:
@@ -43,8 +51,13 @@ def test_planner_against_the_textbook_mixed_precision_adam(zero: int) -> None:
     # prefetched block (+ root) under ZeRO-3.
     model = build_llama(LLAMA_7B, device="meta")
     phi = LLAMA_7B.num_params()
-    plan = mt.plan(model, mt.make_mesh(dp=8, tp=1, world_size=8, abstract=True),
-                   default_rules(), zero=zero, precision="bf16")  # fmt: skip
+    plan = mt.plan(
+        model,
+        mt.make_mesh(dp=8, tp=1, world_size=8, abstract=True),
+        default_rules(),
+        zero=zero,
+        precision="bf16",
+    )
     m = plan.memory
     held = m.params + m.grads + m.optimizer_states
     assert held == (16 * phi if zero == 0 else 16 * phi // 8)
@@ -81,8 +94,12 @@ def test_seventy_b_in_bf16_without_sharding(optimizer: str, per_param: int) -> N
     # With one state (SGD momentum) that is the often-quoted ~420 GB; AdamW keeps two (8Φ).
     config = LlamaConfig.llama3_70b()
     model = build_llama(config, device="meta").to(torch.bfloat16)
-    plan = mt.plan(model, mt.make_mesh(dp=1, tp=1, world_size=1, abstract=True),
-                   default_rules(), optimizer=optimizer)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mt.make_mesh(dp=1, tp=1, world_size=1, abstract=True),
+        default_rules(),
+        optimizer=optimizer,
+    )
     m = plan.memory
     assert m.params + m.grads + m.optimizer_states == per_param * config.num_params()
     if optimizer == "sgd":
@@ -90,8 +107,11 @@ def test_seventy_b_in_bf16_without_sharding(optimizer: str, per_param: int) -> N
 
 
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]),
-       payload=st.integers(0, 10**12), n=st.integers(1, 16384))  # fmt: skip
+@given(
+    kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter"]),
+    payload=st.integers(0, 10**12),
+    n=st.integers(1, 16384),
+)
 def test_ring_formulas(kind: str, payload: int, n: int) -> None:
     sent = ring_bytes(kind, payload, n)
     factor = 2 if kind == "all_reduce" else 1
@@ -118,8 +138,9 @@ def test_footprint_sums_traffic_per_axis_with_ring_bytes() -> None:
         same = [c for c in plan.collectives if (c.axis, c.kind) == (traffic.axis, traffic.kind)]
         assert traffic.count == sum(c.count for c in same)
         assert traffic.payload_bytes == sum(c.bytes for c in same)
-        assert traffic.sent_bytes == ring_bytes(traffic.kind, traffic.payload_bytes,
-                                                plan.mesh.size(traffic.axis))  # fmt: skip
+        assert traffic.sent_bytes == ring_bytes(
+            traffic.kind, traffic.payload_bytes, plan.mesh.size(traffic.axis)
+        )
     assert report.sent_bytes() == sum(t.sent_bytes for t in report.traffic) > 0
     assert set(report.activations_by_mode) == {"none", "full", "selective"}
     assert report.total_with(report.checkpointing) == report.memory.total
@@ -154,16 +175,22 @@ def test_batch_rule_rounds_up_and_says_so() -> None:
 
 
 def test_cli_plan_json_and_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "llama3_405b", "--world", "16384", "--device-memory", "80GiB",
-                 "--json"]) == 0  # fmt: skip
+    assert (
+        main(["plan", "llama3_405b", "--world", "16384", "--device-memory", "80GiB", "--json"]) == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] is True and data["mesh"] == {"pp": 8, "dp": 256, "tp": 8}
     assert data["memory"]["total"] <= 80 * 2**30 < data["memory"]["total"] * 4
     assert 0 < data["bubble_fraction"] < 0.25
     assert main(["plan", "debug", "--world", "8"]) == 0
     table = capsys.readouterr().out
-    for line in ("memory per rank", "optimizer states", "by checkpointing mode",
-                 "communication per step", "all_gather"):  # fmt: skip
+    for line in (
+        "memory per rank",
+        "optimizer states",
+        "by checkpointing mode",
+        "communication per step",
+        "all_gather",
+    ):
         assert line in table
 
 

@@ -42,10 +42,15 @@ vocab_size = 32000
 def _hf_directory(tmp_path: Path) -> Path:
     transformers = pytest.importorskip("transformers")
     config = transformers.Qwen2Config(
-        hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-        num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False,
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        vocab_size=32000,
+        tie_word_embeddings=False,
         architectures=["Qwen2ForCausalLM"],
-    )  # fmt: skip
+    )
     directory = tmp_path / "qwen2"
     config.save_pretrained(directory)
     return directory
@@ -71,11 +76,22 @@ def _run(tmp_path: Path, model_section: str, extra: str = "") -> list[dict[str, 
     # glibc keeps freed blocks below its (self-raising) mmap threshold in the heap, where they
     # stay resident; a fixed threshold returns every large block, so the resident peak counts
     # live tensors only.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "MALLOC_MMAP_THRESHOLD_": "65536"}  # fmt: skip
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node=2", str(ROOT / "tests/ranks/startup_peak.py"), str(recipe),
-               str(out)]  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "MALLOC_MMAP_THRESHOLD_": "65536",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(ROOT / "tests/ranks/startup_peak.py"),
+        str(recipe),
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
@@ -121,8 +137,11 @@ def test_qlora_from_a_checkpoint_starts_within_its_share(tmp_path: Path) -> None
     from meshtrain.recipes.recipe import recipe_from_toml
 
     model = recipe_from_toml(LLAMA + "[mesh]\ndp = 1\n").build_model(device="cpu", seed=3)
-    weights = {name: tensor.to(torch.bfloat16).contiguous() for name, tensor in
-               model.state_dict().items() if not name.endswith(("rope_cos", "rope_sin"))}  # fmt: skip
+    weights = {
+        name: tensor.to(torch.bfloat16).contiguous()
+        for name, tensor in model.state_dict().items()
+        if not name.endswith(("rope_cos", "rope_sin"))
+    }
     save_file(weights, str(tmp_path / "base.safetensors"))
     del model, weights
     extra = f'{QLORA}\n[checkpoint]\ninit_from = "{tmp_path / "base.safetensors"}"\n'

@@ -76,8 +76,9 @@ def test_train_state_is_a_pytree_of_its_tensors() -> None:
     assert rebuilt.model is model and rebuilt.optimizer is optimizer and rebuilt.step == 7
     doubled = optree.tree_map(
         lambda x: x * 2 if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
-        state, namespace=NAMESPACE,
-    )  # fmt: skip
+        state,
+        namespace=NAMESPACE,
+    )
     assert torch.equal(doubled.params["weight"], 2 * model.weight)
     assert doubled.opt_state["weight"]["exp_avg"].shape == (2, 3)
     assert doubled.data == DataPosition(1, 3)

@@ -36,17 +36,27 @@ def _environment(tmp_path: Path) -> dict[str, str]:
 def _train(args: list[str], tmp_path: Path, **popen: object) -> subprocess.Popen[str]:
     command = [sys.executable, "-m", "meshtrain", "train", *args]
     return subprocess.Popen(
-        command, cwd=ROOT, env=_environment(tmp_path), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen,  # type: ignore[arg-type]
-    )  # fmt: skip
+        command,
+        cwd=ROOT,
+        env=_environment(tmp_path),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **popen,  # type: ignore[arg-type]
+    )
 
 
 def _sets(run_dir: Path, corpus: Path, steps: int, *extra: str) -> list[str]:
     values = [
-        f"train.steps={steps}", "train.warmup_steps=2", f"logging.run_dir={run_dir}",
-        f"data.path={corpus}", "data.corpus_bytes=1000000", "checkpoint.interval=0",
-        "logging.log_every=5", *extra,
-    ]  # fmt: skip
+        f"train.steps={steps}",
+        "train.warmup_steps=2",
+        f"logging.run_dir={run_dir}",
+        f"data.path={corpus}",
+        "data.corpus_bytes=1000000",
+        "checkpoint.interval=0",
+        "logging.log_every=5",
+        *extra,
+    ]
     return [item for value in values for item in ("--set", value)]
 
 
@@ -86,13 +96,22 @@ def _two_nodes(
     run_dir = tmp_path / "run"
     launchers = [
         _train(
-            ["debug", "--nproc", "2", "--nnodes", "2", "--node-rank", str(node),
-             "--rdzv-endpoint", f"127.0.0.1:{port}",
-             *_sets(run_dir, corpus, 4, *(node1_extra if node == 1 else ()))],
+            [
+                "debug",
+                "--nproc",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                *_sets(run_dir, corpus, 4, *(node1_extra if node == 1 else ())),
+            ],
             tmp_path,
         )
         for node in (0, 1)
-    ]  # fmt: skip
+    ]
     results = []
     for launcher in launchers:
         output, _ = launcher.communicate(timeout=300)

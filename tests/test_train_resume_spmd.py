@@ -26,10 +26,18 @@ STEPS = 6
 
 def _overrides(root: Path, run: str, corpus: Path, *extra: str) -> list[str]:
     return [
-        f"train.steps={STEPS}", "train.warmup_steps=2", "train.optimizer=sgd", "train.lr=0.05",
-        "train.seq_len=16", f"data.path={corpus}", f"logging.run_dir={root / run}",
-        "logging.console=false", "logging.wandb=disabled", "checkpoint.interval=0", *extra,
-    ]  # fmt: skip
+        f"train.steps={STEPS}",
+        "train.warmup_steps=2",
+        "train.optimizer=sgd",
+        "train.lr=0.05",
+        "train.seq_len=16",
+        f"data.path={corpus}",
+        f"logging.run_dir={root / run}",
+        "logging.console=false",
+        "logging.wandb=disabled",
+        "checkpoint.interval=0",
+        *extra,
+    ]
 
 
 def run_recipe(overrides: list[str], stop_after: int | None) -> dict:
@@ -39,8 +47,11 @@ def run_recipe(overrides: list[str], stop_after: int | None) -> dict:
     result = train(recipe, stop_after=stop_after)
     mesh = mt.make_mesh(recipe.mesh_axes(), world_size=_world(), abstract=True)
     plan = mt.plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
-    return {"losses": result.losses, "resumed_from": result.resumed_from,
-            "tolerance": contract_for(plan).tolerance}  # fmt: skip
+    return {
+        "losses": result.losses,
+        "resumed_from": result.resumed_from,
+        "tolerance": contract_for(plan).tolerance,
+    }
 
 
 def _world() -> int:
@@ -70,9 +81,11 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path,
     ids=["same-mesh", "dp2tp2-to-dp1tp2", "dp2tp2-to-dp4", "dp2tp2-to-pp2dp2"],
 )
 def test_resumed_run_continues_the_uninterrupted_losses(
-    uninterrupted: tuple[Path, Path, dict[int, float]], world: int, extra: tuple[str, ...],
+    uninterrupted: tuple[Path, Path, dict[int, float]],
+    world: int,
+    extra: tuple[str, ...],
     same_mesh: bool,
-) -> None:  # fmt: skip
+) -> None:
     root, corpus, straight = uninterrupted
     run = f"resumed-{world}-{'-'.join(extra) or 'same'}"
     first = get_pool(4).run(run_recipe, _overrides(root, run, corpus), 3)[0]
@@ -112,8 +125,13 @@ def test_exported_safetensors_start_a_new_run(
     recipe = load_recipe("debug", start)
     model = recipe.build_model(seed=123)  # a different init: every weight must come from the file
     load_safetensors(exported, model)
-    loader = DistributedBatches(TokenWindows(corpus, recipe.train.seq_len), recipe.train.batch_size,
-                                0, 1, seed=recipe.data.seed)  # fmt: skip
+    loader = DistributedBatches(
+        TokenWindows(corpus, recipe.train.seq_len),
+        recipe.train.batch_size,
+        0,
+        1,
+        seed=recipe.data.seed,
+    )
     batch = next(iter(loader.batches()))
     with torch.no_grad():
         expected = (

@@ -89,10 +89,15 @@ def test_gpt2_conv1d_and_its_tied_head() -> None:
 
 
 def test_gpt2_fused_qkv_is_refused_with_the_fix() -> None:
-    rules = Rules({
-        r".*\.attn\.c_attn\.weight": P(None, "tp"), r".*\.attn\.c_attn\.bias": P("tp"),
-        r".*\.attn\.c_proj\.weight": P("tp", None), r".*": P(),
-    }, fsdp="dp")  # fmt: skip
+    rules = Rules(
+        {
+            r".*\.attn\.c_attn\.weight": P(None, "tp"),
+            r".*\.attn\.c_attn\.bias": P("tp"),
+            r".*\.attn\.c_proj\.weight": P("tp", None),
+            r".*": P(),
+        },
+        fsdp="dp",
+    )
     with pytest.raises(
         PlanError,
         match=r"'transformer\.h\.0\.attn\.c_attn' \(Conv1D\) outputs 96 features.*packs several projections",
@@ -104,8 +109,10 @@ def test_gpt2_fused_qkv_is_refused_with_the_fix() -> None:
 def test_conv1d_specs_describe_its_true_layout() -> None:
     """A Linear's column-wise spec on a Conv1D (weight [in, out]) is row-wise there: with a
     sharded bias it fits neither, and the error says why."""
-    rules = Rules({r".*\.mlp\.c_fc\.weight": P("tp", None), r".*\.mlp\.c_fc\.bias": P("tp"),
-                   r".*": P()}, fsdp="dp")  # fmt: skip
+    rules = Rules(
+        {r".*\.mlp\.c_fc\.weight": P("tp", None), r".*\.mlp\.c_fc\.bias": P("tp"), r".*": P()},
+        fsdp="dp",
+    )
     with pytest.raises(
         PlanError,
         match=r"Conv1D 'transformer\.h\.0\.mlp\.c_fc' has weight P\('tp', None\).*stored \[in, out\]",
@@ -158,12 +165,20 @@ def test_pipelines_find_nested_blocks(factory: object, first: tuple, last: tuple
 
 
 def test_explicit_split_points_choose_the_container() -> None:
-    plan = mt.plan(zoo.llama(), _mesh(pp=2, dp=2), zoo.REPLICATED,
-                   pipeline=mt.Pipeline(microbatches=2, split=("model.layers.1",)))  # fmt: skip
+    plan = mt.plan(
+        zoo.llama(),
+        _mesh(pp=2, dp=2),
+        zoo.REPLICATED,
+        pipeline=mt.Pipeline(microbatches=2, split=("model.layers.1",)),
+    )
     assert plan.pipeline is not None and plan.pipeline.stages[1].modules[0] == "model.layers.1"
     with pytest.raises(PlanError, match=r"split points must be blocks of one ModuleList"):
-        mt.plan(zoo.llama(), _mesh(pp=2, dp=2), zoo.REPLICATED,
-                pipeline=mt.Pipeline(microbatches=2, split=("lm_head",)))  # fmt: skip
+        mt.plan(
+            zoo.llama(),
+            _mesh(pp=2, dp=2),
+            zoo.REPLICATED,
+            pipeline=mt.Pipeline(microbatches=2, split=("lm_head",)),
+        )
 
 
 def test_tied_weights_across_stages_are_refused_with_both_names() -> None:
@@ -209,8 +224,15 @@ def test_a_plain_module_tree_with_keyword_activations_pairs() -> None:
         def forward(self, x: object) -> object:
             return self.blocks[0](hidden=x)
 
-    rules = Rules({r".*up\.weight": P("tp", None), r".*up\.bias": P("tp"),
-                   r".*down\.weight": P(None, "tp"), r".*": P()}, fsdp="dp")  # fmt: skip
+    rules = Rules(
+        {
+            r".*up\.weight": P("tp", None),
+            r".*up\.bias": P("tp"),
+            r".*down\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp="dp",
+    )
     plan = mt.plan(Net(), _mesh(dp=1, tp=2), rules)
     prepare = next(s for s in plan.styles if s.style == "prepare_input")
     assert (prepare.fqn, prepare.argument) == ("blocks.0", "hidden")

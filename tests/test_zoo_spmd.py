@@ -65,8 +65,9 @@ def test_third_party_model_trains_like_one_device(name: str) -> None:
 
 def test_dropout_is_named_as_the_likely_cause() -> None:
     with pytest.raises(mt.EquivalenceError) as failure:
-        assert_equivalent(zoo.gpt2_with_dropout, DP4, zoo.REPLICATED, batches=zoo.token_batches,
-                          steps=1)  # fmt: skip
+        assert_equivalent(
+            zoo.gpt2_with_dropout, DP4, zoo.REPLICATED, batches=zoo.token_batches, steps=1
+        )
     text = str(failure.value)
     assert "likely cause: the model is not deterministic — dropout with p > 0" in text
     assert "transformer.drop" in text

@@ -33,25 +33,52 @@ VOCAB = 128
 
 
 def llama() -> LlamaForCausalLM:
-    return LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-    ))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+    )
 
 
 def qwen2() -> Qwen2ForCausalLM:
-    return Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
-    ))  # fmt: skip
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+    )
 
 
 def _gpt2(tied: bool, dropout: float = 0.0) -> GPT2LMHeadModel:
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-        resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, tie_word_embeddings=tied,
-        bos_token_id=0, eos_token_id=0,
-    ))  # fmt: skip
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            use_cache=False,
+            resid_pdrop=dropout,
+            embd_pdrop=dropout,
+            attn_pdrop=dropout,
+            tie_word_embeddings=tied,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def gpt2() -> GPT2LMHeadModel:
@@ -70,11 +97,19 @@ def gpt2_untied() -> GPT2LMHeadModel:
 
 
 def _bert(tied: bool) -> BertForMaskedLM:
-    return BertForMaskedLM(BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, tie_word_embeddings=tied,
-    ))  # fmt: skip
+    return BertForMaskedLM(
+        BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            tie_word_embeddings=tied,
+        )
+    )
 
 
 def bert() -> BertForMaskedLM:
@@ -88,11 +123,20 @@ def bert_untied() -> BertForMaskedLM:
 
 
 def vit() -> ViTForImageClassification:
-    return ViTForImageClassification(ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    ))  # fmt: skip
+    return ViTForImageClassification(
+        ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=64,
+            num_labels=10,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )
+    )
 
 
 class ConvBlock(nn.Module):
@@ -135,42 +179,58 @@ def hf_rules(model: nn.Module, *, sequence_parallel: bool = False) -> Rules:
     return Rules.from_hf(model, fsdp="dp", sequence_parallel=sequence_parallel)
 
 
-GPT2_RULES = Rules({  # Conv1D weights are [in, out]: column-wise shards dim 1; c_attn is fused
-    r"transformer\.wte\.weight": P("tp", None),
-    r"transformer\.h\.\d+\.mlp\.c_fc\.weight": P(None, "tp"),
-    r"transformer\.h\.\d+\.mlp\.c_fc\.bias": P("tp"),
-    r"transformer\.h\.\d+\.mlp\.c_proj\.weight": P("tp", None),
-    r".*": P(),
-}, fsdp="dp")  # fmt: skip
+GPT2_RULES = Rules(
+    {  # Conv1D weights are [in, out]: column-wise shards dim 1; c_attn is fused
+        r"transformer\.wte\.weight": P("tp", None),
+        r"transformer\.h\.\d+\.mlp\.c_fc\.weight": P(None, "tp"),
+        r"transformer\.h\.\d+\.mlp\.c_fc\.bias": P("tp"),
+        r"transformer\.h\.\d+\.mlp\.c_proj\.weight": P("tp", None),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
-BERT_RULES = Rules({
-    r"bert\.embeddings\.word_embeddings\.weight": P("tp", None),
-    r".*\.attention\.self\.(query|key|value)\.weight": P("tp", None),
-    r".*\.attention\.self\.(query|key|value)\.bias": P("tp"),
-    r".*\.attention\.output\.dense\.weight": P(None, "tp"),
-    r".*\.intermediate\.dense\.weight": P("tp", None),
-    r".*\.intermediate\.dense\.bias": P("tp"),
-    r".*\.layer\.\d+\.output\.dense\.weight": P(None, "tp"),
-    r"cls\.predictions\.bias": P("tp"),
-    r".*": P(),
-}, fsdp="dp")  # fmt: skip
+BERT_RULES = Rules(
+    {
+        r"bert\.embeddings\.word_embeddings\.weight": P("tp", None),
+        r".*\.attention\.self\.(query|key|value)\.weight": P("tp", None),
+        r".*\.attention\.self\.(query|key|value)\.bias": P("tp"),
+        r".*\.attention\.output\.dense\.weight": P(None, "tp"),
+        r".*\.intermediate\.dense\.weight": P("tp", None),
+        r".*\.intermediate\.dense\.bias": P("tp"),
+        r".*\.layer\.\d+\.output\.dense\.weight": P(None, "tp"),
+        r"cls\.predictions\.bias": P("tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
-BERT_UNTIED_RULES = Rules({  # the decoder has its own weight and bias; cls.predictions.bias is unused
-    **{pattern: spec for pattern, spec in BERT_RULES.patterns if "cls" not in pattern and pattern != ".*"},
-    r"cls\.predictions\.decoder\.weight": P("tp", None),
-    r"cls\.predictions\.decoder\.bias": P("tp"),
-    r".*": P(),
-}, fsdp="dp")  # fmt: skip
+BERT_UNTIED_RULES = Rules(
+    {  # the decoder has its own weight and bias; cls.predictions.bias is unused
+        **{
+            pattern: spec
+            for pattern, spec in BERT_RULES.patterns
+            if "cls" not in pattern and pattern != ".*"
+        },
+        r"cls\.predictions\.decoder\.weight": P("tp", None),
+        r"cls\.predictions\.decoder\.bias": P("tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
-VIT_RULES = Rules({
-    r".*\.attention\.(q|k|v)_proj\.weight": P("tp", None),
-    r".*\.attention\.(q|k|v)_proj\.bias": P("tp"),
-    r".*\.attention\.o_proj\.weight": P(None, "tp"),
-    r".*\.mlp\.fc1\.weight": P("tp", None),
-    r".*\.mlp\.fc1\.bias": P("tp"),
-    r".*\.mlp\.fc2\.weight": P(None, "tp"),
-    r".*": P(),
-}, fsdp="dp")  # fmt: skip
+VIT_RULES = Rules(
+    {
+        r".*\.attention\.(q|k|v)_proj\.weight": P("tp", None),
+        r".*\.attention\.(q|k|v)_proj\.bias": P("tp"),
+        r".*\.attention\.o_proj\.weight": P(None, "tp"),
+        r".*\.mlp\.fc1\.weight": P("tp", None),
+        r".*\.mlp\.fc1\.bias": P("tp"),
+        r".*\.mlp\.fc2\.weight": P(None, "tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
 REPLICATED = Rules({r".*": P()}, fsdp="dp")
 

@@ -80,9 +80,17 @@ def main(recipe_file: str, out: str) -> None:
     local = sum(local_bytes(p) for p in applied.parameters())
     finite = all(bool(torch.isfinite(dequantize(p.to_local())).all()) for p in applied.parameters())
     nf4 = sum(is_nf4(p.to_local()) for p in applied.parameters())
-    report = {"rank": dist.get_rank(), "grown": grown, "grown_anonymous": grown_anonymous,
-              "at_rest": plan.memory.params, "local": local, "largest": largest, "full": full,
-              "finite": finite, "nf4": nf4}  # fmt: skip
+    report = {
+        "rank": dist.get_rank(),
+        "grown": grown,
+        "grown_anonymous": grown_anonymous,
+        "at_rest": plan.memory.params,
+        "local": local,
+        "largest": largest,
+        "full": full,
+        "finite": finite,
+        "nf4": nf4,
+    }
     Path(out, f"rank{dist.get_rank()}.json").write_text(json.dumps(report))
     dist.destroy_process_group()
 
