@@ -5,6 +5,32 @@
 A new style adds a member to ``TPStyle``, its cost function here and its lowering in
 ``meshtrain/lower/tensor_parallel.py``; a test checks that both tables cover every style.
 
+Per micro-batch, without sequence parallelism: forward, one all-reduce per row-wise module
+and vocab-parallel embedding (partial sums) and one all-gather per gathered output; backward,
+one all-reduce per pair parent (its column-wise children share one replicated input) and per
+unpaired column-wise module, one all-gather per row-wise module whose input was sliced locally.
+With sequence parallelism the all-reduces become reduce-scatters to sequence shards, each pair
+parent and the head all-gather their input in forward (reduce-scatter in backward), and the
+replicated parameters of sequence-parallel modules (norm weights and biases) have partial
+gradients, all-reduced one parameter at a time once per gradient sync. The
+loss-parallel cross-entropy adds none. Payload: the full activation each collective handles,
+``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
+``batch_size`` and ``seq_len``). Measured against real steps in the tests.
+
+Frozen parameters (a LoRA base) change backward only. Autograd computes an activation's
+gradient only when a trainable parameter is upstream of it, so an input gradient's collective
+is issued only past the first trainable parameter (in the order the model registers its
+parameters: the forward order of the models meshtrain plans; a later pipeline stage receives
+an input that requires a gradient only then too), a sequence-parallel row-wise module's
+output gradient only when its output requires one, and a frozen norm weight has no partial
+gradient to reduce. A tensor-parallel LoRA Linear's replicated adapter (``lora_A`` of a
+column-wise one, ``lora_B`` of a row-wise one; see :mod:`meshtrain.plan.adapters`) contracts
+the sharded dim in its gradient, a partial sum: one all-reduce of its local gradient per
+gradient sync, like the norms'. Both are in the compute dtype, or in the reduce dtype where
+FSDP2 accumulated several micro-batches before the sync. The low-rank path adds no other
+collective: a row-wise module's low-rank partial sums are reduced with the base's output, a
+column-wise one's input gradient with the base's.
+
 Example:
     >>> sorted(TP_COSTS) == sorted(TPStyle)
     True
@@ -194,36 +220,13 @@ def estimate_tp_collectives(
 ) -> tuple[Collective, ...]:
     """Tensor-parallel collectives per optimizer step, with payloads when the batch is known.
 
-    Per micro-batch, without sequence parallelism: forward, one all-reduce per row-wise module
-    and vocab-parallel embedding (partial sums) and one all-gather per gathered output; backward,
-    one all-reduce per pair parent (its column-wise children share one replicated input) and per
-    unpaired column-wise module, one all-gather per row-wise module whose input was sliced locally.
-    With sequence parallelism the all-reduces become reduce-scatters to sequence shards, each pair
-    parent and the head all-gather their input in forward (reduce-scatter in backward), and the
-    replicated parameters of sequence-parallel modules (norm weights and biases) have partial
-    gradients, all-reduced one parameter at a time once per gradient sync. The
-    loss-parallel cross-entropy adds none. Payload: the full activation each collective handles,
-    ``batch_size × seq_len × width`` elements in the compute dtype (0 when the plan was not given
-    ``batch_size`` and ``seq_len``). Measured against real steps in the tests. ``pipelined``:
-    the norm weights' partial gradients are reduced once per step (the schedule holds them).
+    Each style's collectives are its entry of :data:`TP_COSTS` (what they are: the module
+    docstring). ``pipelined``: the norm weights' and adapters' partial gradients are reduced once
+    per step (the schedule holds them).
     ``tied``: groups of names sharing one parameter (aliases take the first name's layout).
     ``units``: the FSDP units, whose decisions say when gradients sync (``data_parallel``: they
     shard over a data axis larger than 1). Each style's collectives are its entry of
     :data:`TP_COSTS`.
-
-    Frozen parameters (a LoRA base) change backward only. Autograd computes an activation's
-    gradient only when a trainable parameter is upstream of it, so an input gradient's collective
-    is issued only past the first trainable parameter (in the order the model registers its
-    parameters: the forward order of the models meshtrain plans; a later pipeline stage receives
-    an input that requires a gradient only then too), a sequence-parallel row-wise module's
-    output gradient only when its output requires one, and a frozen norm weight has no partial
-    gradient to reduce. A tensor-parallel LoRA Linear's replicated adapter (``lora_A`` of a
-    column-wise one, ``lora_B`` of a row-wise one; see :mod:`meshtrain.plan.adapters`) contracts
-    the sharded dim in its gradient, a partial sum: one all-reduce of its local gradient per
-    gradient sync, like the norms'. Both are in the compute dtype, or in the reduce dtype where
-    FSDP2 accumulated several micro-batches before the sync. The low-rank path adds no other
-    collective: a row-wise module's low-rank partial sums are reduced with the base's output, a
-    column-wise one's input gradient with the base's.
 
     Example (tensor parallel of 2 ways, adapters of rank 4 on a [64, 32] column-wise Linear and a
     [32, 64] row-wise one under a pair parent; only the adapters train):
