@@ -90,7 +90,7 @@ def test_a_plan_json_with_unknown_decisions_or_styles_fails_clearly() -> None:
 def test_styles_are_a_closed_type_that_reads_and_prints_as_before() -> None:
     style = ModuleStyle("up", "Linear", "colwise", "tp")  # type: ignore[arg-type]
     assert style.style is TPStyle.COLWISE and style.style == "colwise"
-    assert f"{style.style}" == str(style.style) == "colwise"
+    assert f"{style.style}" == str(style.style) == "colwise" and repr(style.style) == "'colwise'"
     assert json.dumps({"style": style.style}) == '{"style": "colwise"}'
     assert FSDPUnit("layers.0", ()).decisions == fsdp_decisions(3)  # the default stage's
 

@@ -34,40 +34,12 @@ def infer_axes(
     """
     mesh = resolution.mesh
     data = tuple(data_axes)
-    if pipeline_axis is not None and pipeline_axis in data:
-        raise PlanError(
-            f"axis '{pipeline_axis}' is the pipeline axis and a data axis (fsdp={data!r}) on mesh "
-            f"{mesh}; stages along it hold different layers, so it cannot also split the batch. "
-            "Use separate axes, e.g. mt.make_mesh(pp=2, dp=-1).",
-            mesh=mesh,
-        )
-    if len(data) > 2:
-        raise PlanError(
-            f"fsdp={data!r} names {len(data)} data axes on mesh {mesh}; give one (FSDP) or two "
-            "(HSDP: replicate axis, then shard axis).",
-            mesh=mesh,
-        )
+    _check_data_axes(data, pipeline_axis, mesh)
     used: dict[str, str] = {}
     for param in resolution.params:
         for axis in param.spec.axes:
             used.setdefault(axis, param.fqn)
-    if pipeline_axis in used:
-        raise PlanError(
-            f"parameter '{used[pipeline_axis]}' is sharded over the pipeline axis "
-            f"'{pipeline_axis}' on mesh {mesh}; pipeline ranks hold different stages, not shards "
-            "of one parameter. Shard over another axis.",
-            fqn=used[pipeline_axis],
-            mesh=mesh,
-        )
-    for axis in data:
-        if axis in used:
-            raise PlanError(
-                f"axis '{axis}' is a data axis (fsdp={data!r}) but parameter '{used[axis]}' is "
-                f"sharded over it on mesh {mesh}; a data axis splits the batch and cannot also be "
-                "a tensor-parallel axis. Use another axis in the spec, or drop it from fsdp.",
-                fqn=used[axis],
-                mesh=mesh,
-            )
+    _check_sharded_axes(used, data, pipeline_axis, mesh)
     tp_axes = sorted({axis for axis in used if mesh.size(axis) > 1}, key=mesh.axis_names.index)
     if len(tp_axes) > 1:
         raise PlanError(
@@ -90,6 +62,47 @@ def infer_axes(
             mesh=mesh,
         )
     return data, (tp_axes[0] if tp_axes else None)
+
+
+def _check_data_axes(data: tuple[str, ...], pipeline_axis: str | None, mesh: Mesh) -> None:
+    """One or two data axes, none of them the pipeline axis."""
+    if pipeline_axis is not None and pipeline_axis in data:
+        raise PlanError(
+            f"axis '{pipeline_axis}' is the pipeline axis and a data axis (fsdp={data!r}) on mesh "
+            f"{mesh}; stages along it hold different layers, so it cannot also split the batch. "
+            "Use separate axes, e.g. mt.make_mesh(pp=2, dp=-1).",
+            mesh=mesh,
+        )
+    if len(data) > 2:
+        raise PlanError(
+            f"fsdp={data!r} names {len(data)} data axes on mesh {mesh}; give one (FSDP) or two "
+            "(HSDP: replicate axis, then shard axis).",
+            mesh=mesh,
+        )
+
+
+def _check_sharded_axes(
+    used: dict[str, str], data: tuple[str, ...], pipeline_axis: str | None, mesh: Mesh
+) -> None:
+    """No parameter sharded over the pipeline axis or a data axis (``used``: axis → the first
+    parameter sharded over it)."""
+    if pipeline_axis in used:
+        raise PlanError(
+            f"parameter '{used[pipeline_axis]}' is sharded over the pipeline axis "
+            f"'{pipeline_axis}' on mesh {mesh}; pipeline ranks hold different stages, not shards "
+            "of one parameter. Shard over another axis.",
+            fqn=used[pipeline_axis],
+            mesh=mesh,
+        )
+    for axis in data:
+        if axis in used:
+            raise PlanError(
+                f"axis '{axis}' is a data axis (fsdp={data!r}) but parameter '{used[axis]}' is "
+                f"sharded over it on mesh {mesh}; a data axis splits the batch and cannot also be "
+                "a tensor-parallel axis. Use another axis in the spec, or drop it from fsdp.",
+                fqn=used[axis],
+                mesh=mesh,
+            )
 
 
 def infer_sequence_parallel(

@@ -71,11 +71,13 @@ class ParamLayout:
 class TPStyle(str, enum.Enum):
     """The tensor-parallel styles a module can lower to: a closed set. Each has one cost function
     (``meshtrain.plan.tp_cost.TP_COSTS``) and one lowering (``meshtrain.lower.tensor_parallel``);
-    its value is the name the plan's JSON and ``explain()`` print.
+    its value is the name the plan's JSON, ``explain()`` and its ``repr`` print.
 
     Example:
         >>> TPStyle("colwise") is TPStyle.COLWISE, f"{TPStyle.COLWISE}", TPStyle.COLWISE == "colwise"
         (True, 'colwise', True)
+        >>> TPStyle.COLWISE
+        'colwise'
     """
 
     COLWISE = "colwise"  # a Linear's output features sharded, its output kept sharded for a pair
@@ -95,6 +97,9 @@ class TPStyle(str, enum.Enum):
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
+
+    def __repr__(self) -> str:  # prints as the string it replaces (in a ModuleStyle, a dict)
+        return repr(self.value)
 
 
 @dataclass(frozen=True)
@@ -349,21 +354,7 @@ class Plan:
             "",
             "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
         ]
-        width = max((len(p.fqn) for p in self.params), default=0)
-        for p in self.params:
-            lines.append(
-                f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
-                f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
-                f"{p.bytes_at_rest:>10,}{'' if p.trainable else '  frozen'}"
-                f"{'  ' + p.storage if p.storage else ''}"
-            )
-        frozen = [p for p in self.params if not p.trainable]
-        if frozen:
-            trainable = sum(math.prod(p.shape) for p in self.params if p.trainable)
-            total = sum(math.prod(p.shape) for p in self.params)
-            lines += ["", f"trainable parameters: {trainable:,} of {total:,} "
-                      f"({trainable / max(total, 1):.3%}); {len(frozen)} frozen tensors get no "
-                      "gradient, optimizer state or gradient collective"]  # fmt: skip
+        lines += _param_lines(self.params)
         lines += ["", "tensor-parallel styles:"]
         lines += [
             f"  {s.fqn}: {s.style} over '{s.axis}' ({s.module_type}){' — ' + s.note if s.note else ''}"
@@ -493,6 +484,27 @@ class Plan:
             tied=tuple(tuple(group) for group in data.get("tied", ())),
             batch_norms=tuple(data.get("batch_norms", ())),
         )
+
+
+def _param_lines(params: tuple[ParamLayout, ...]) -> list[str]:
+    """The parameters section of ``Plan.explain()``, with the trainable share when some are
+    frozen."""
+    width = max((len(p.fqn) for p in params), default=0)
+    lines = [
+        f"  {p.fqn:<{width}}  {format_shape(p.shape):>12}  {p.spec!r:<22} "
+        f"{format_shape(p.local_shape):>12}  {format_shape(p.shard_shape):>12}  "
+        f"{p.bytes_at_rest:>10,}{'' if p.trainable else '  frozen'}"
+        f"{'  ' + p.storage if p.storage else ''}"
+        for p in params
+    ]
+    frozen = [p for p in params if not p.trainable]
+    if frozen:
+        trainable = sum(math.prod(p.shape) for p in params if p.trainable)
+        total = sum(math.prod(p.shape) for p in params)
+        lines += ["", f"trainable parameters: {trainable:,} of {total:,} "
+                  f"({trainable / max(total, 1):.3%}); {len(frozen)} frozen tensors get no "
+                  "gradient, optimizer state or gradient collective"]  # fmt: skip
+    return lines
 
 
 def _unit_from_data(data: dict[str, Any], options: PlanOptions) -> FSDPUnit:

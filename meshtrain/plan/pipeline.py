@@ -80,7 +80,8 @@ def plan_pipeline(
 
     ``options.microbatches`` must already be the pipeline's; ``seq_shards`` is how many ways the
     activations crossing stages are split along the sequence (the tensor-parallel size under
-    sequence parallelism). ``resharded``: FSDP reshards parameters after forward (zero=3).
+    sequence parallelism). ``resharded``: FSDP reshards parameters after forward (the units'
+    decision under zero=3, :func:`~meshtrain.plan.decisions.fsdp_decisions`).
     ``param_bytes``: each parameter's bytes per rank at rest (0 for those not given).
     ``activations``: the traced activation profile (stage activations are then its blocks' peak
     under ``options.activation_checkpointing`` for ``checkpointed``; without it, 34·s·b·h bytes
@@ -101,17 +102,16 @@ def plan_pipeline(
     params_of = _stage_params(model, stages)
     ranks = stage_ranks(pipeline.schedule, pp_size, pipeline.stages_per_rank)
     width = _hidden_width(model)
-    tokens = (options.batch_size or 0) * (options.seq_len or 0)
-    boundary = tokens // seq_shards * width * getattr(torch, options.param_dtype).itemsize
+    boundary = _boundary_bytes(options, width, seq_shards)
     stage_plans = _stage_plans(
         stages, ranks, params_of, _peak_in_flight(tasks, n_stages), resharded_gathers(order),
         options, param_bytes=param_bytes or {}, activations=activations,
         checkpointed=checkpointed, block_bytes=34 * boundary // 2,
     )  # fmt: skip
-    _check_frozen_start(pipeline.schedule, [params_of[s] for s in range(n_stages)], trainable or {})
-    crossings = sum(ranks[s] != ranks[s + 1] for s in range(n_stages - 1))
-    frozen = frozen_crossings(ranks, [params_of[s] for s in range(n_stages)], trainable or {})
-    sends = micro * (2 * crossings - frozen)  # activations forward, gradients back where computed
+    stage_params = [params_of[s] for s in range(n_stages)]
+    _check_frozen_start(pipeline.schedule, stage_params, trainable or {})
+    frozen = frozen_crossings(ranks, stage_params, trainable or {})
+    sends = micro * _sends_per_microbatch(ranks, frozen)
     return PipelinePlan(
         axis=pipeline.axis,
         schedule=pipeline.schedule,
@@ -128,6 +128,20 @@ def plan_pipeline(
         before=units.before,
         after=units.after,
     )
+
+
+def _boundary_bytes(options: PlanOptions, width: int, seq_shards: int) -> int:
+    """Bytes of one micro-batch's activation crossing a stage boundary (0 without a batch
+    shape): its tokens, split ``seq_shards`` ways along the sequence, ``width`` wide."""
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    return tokens // seq_shards * width * getattr(torch, options.param_dtype).itemsize
+
+
+def _sends_per_microbatch(ranks: Sequence[int], frozen: int) -> int:
+    """Point-to-point sends of one micro-batch: its activations across every boundary between
+    ranks, their gradients back across those past the ``frozen`` first ones."""
+    crossings = sum(ranks[s] != ranks[s + 1] for s in range(len(ranks) - 1))
+    return 2 * crossings - frozen
 
 
 def _check_schedule(pipeline: Pipeline, options: PlanOptions, *, resharded: bool) -> None:
