@@ -5,19 +5,16 @@ The plan records the result on each :class:`~meshtrain.plan.ir.FSDPUnit`; the co
 ``replicate``, reshard-after-forward, gradient sync per micro-batch, CPU offload) read it from
 there instead of comparing ``zero`` again.
 
-======  ==========  =======================  =================  ==============  ===============
-zero    wrapper     params, grads, optimizer  reshard after      gradient sync   params gathered
-                    states sharded at rest    forward (non-root)                 across micro-batches
-======  ==========  =======================  =================  ==============  ===============
-0       replicate   no                        no                 all-reduce,     —
-                                                                 last micro-batch
-1       fully_shard yes                       no                 reduce-scatter, yes (resharded
-                                                                 last micro-batch after the last)
-2       fully_shard yes                       no                 reduce-scatter, no
-                                                                 every micro-batch
-3       fully_shard yes                       yes                reduce-scatter, no
-                                                                 every micro-batch
-======  ==========  =======================  =================  ==============  ===============
+====  ===========  ======================  ==============  ======================  ===============
+zero  wrapper      params, grads, states   reshard after   gradient sync           params kept
+                   sharded at rest         forward         (on which micro-batch)  gathered across
+                                           (non-root)                              micro-batches
+====  ===========  ======================  ==============  ======================  ===============
+0     replicate    no                      no              all-reduce, last        —
+1     fully_shard  yes                     no              reduce-scatter, last    yes
+2     fully_shard  yes                     no              reduce-scatter, every   no
+3     fully_shard  yes                     yes             reduce-scatter, every   no
+====  ===========  ======================  ==============  ======================  ===============
 
 The root unit keeps its parameters gathered after forward (backward needs them first). Inside a
 pipeline schedule the schedule itself syncs gradients (and reshards after backward) on a stage's
