@@ -178,3 +178,17 @@ def test_set_keeps_the_text_for_a_string_key() -> None:
     recipe = load_recipe("debug", ["logging.wandb_entity=1234", "data.path=2024", "train.steps=50"])
     assert recipe.logging.wandb_entity == "1234" and recipe.data.path == "2024"
     assert recipe.train.steps == 50  # an integer key still reads a number
+
+
+def test_plan_options_unpacked_with_stars_still_plans_with_a_deprecation_warning() -> None:
+    import meshtrain as mt
+    from meshtrain.models import LlamaConfig, build_llama
+    from meshtrain.recipes import load_recipe
+
+    recipe = load_recipe("debug")
+    model = build_llama(LlamaConfig.debug(), device="meta")
+    mesh = mt.make_mesh(dp=2, tp=2, world_size=4)
+    expected = mt.plan(model, mesh, recipe.rules(), recipe.plan_options())
+    with pytest.warns(DeprecationWarning, match="pass it whole"):
+        unpacked = mt.plan(model, mesh, recipe.rules(), **recipe.plan_options())
+    assert unpacked.to_json() == expected.to_json()

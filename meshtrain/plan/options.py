@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
@@ -232,6 +233,24 @@ class PlanOptions:
     def optimizer_states(self) -> int:
         """fp32 optimizer tensors kept per parameter element (Adam: 2, SGD with momentum: 1)."""
         return _OPTIMIZER_STATES[self.optimizer]
+
+    def keys(self) -> list[str]:
+        """Deprecated: ``mt.plan(model, mesh, rules, **options)`` from the time
+        ``Recipe.plan_options()`` returned a dict. Pass the options whole instead:
+        ``mt.plan(model, mesh, rules, options)``."""
+        warnings.warn(
+            "unpacking PlanOptions with ** is deprecated; pass it whole: "
+            "mt.plan(model, mesh, rules, recipe.plan_options()).",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return [field.name for field in dataclasses.fields(self)]
+
+    def __getitem__(self, name: str) -> Any:
+        """The field ``name`` (what ``**options`` reads after :meth:`keys`)."""
+        if name not in {field.name for field in dataclasses.fields(self)}:
+            raise KeyError(name)
+        return getattr(self, name)
 
     def with_overrides(self, **overrides: Any) -> PlanOptions:
         """These options with ``mt.plan``'s keyword arguments applied: any field by name, with
