@@ -92,6 +92,11 @@ class TrainingError(MeshtrainError):
     that disagree on their plan, a state that does not belong to the train step."""
 
 
+class ReplicaDriftError(TrainingError):
+    """Copies of a replicated parameter or optimizer state that are no longer bitwise identical
+    (``[train] verify_every``; :func:`meshtrain.train.replicas.verify_replicas`)."""
+
+
 class ConfigError(MeshtrainError):
     """A runtime configuration built with a value it cannot take (a ``LoggingConfig`` with an
     unknown wandb mode, say); a recipe's values are checked earlier, as :class:`RecipeError`."""

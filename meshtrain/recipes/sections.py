@@ -293,6 +293,16 @@ class TrainSection:
             bound="nonnegative",
         ),
     )
+    verify_every: int = field(
+        default=0,
+        metadata=about(
+            "every N steps, check that replicated parameters and optimizer states are bitwise "
+            "identical on their replicas (a `ReplicaDriftError` names the first that is not); "
+            "0: never",
+            100,
+            bound="nonnegative",
+        ),
+    )
 
 
 @dataclass(frozen=True)
