@@ -88,7 +88,41 @@ def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(
     messages = get_pool(2).run(train_two_steps, overrides)
     assert messages[0] == messages[1]
     assert messages[0].startswith("no intact checkpoint to resume from in ")
-    assert "step_00000002 is damaged" in messages[0] and "checkpoint.resume = false" in messages[0]
+    assert "  - step_00000002: damaged (__" in messages[0]
+    assert "--set checkpoint.resume=false" in messages[0]
+
+
+def test_checkpoints_missing_a_file_and_a_changed_recipe_are_refused_not_trained_over(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """Issue 33's measured silent losses, on real ranks: every checkpoint's ``.metadata``
+    removed used to start over from step 1; a batch of 16 where 8 was saved, or another data
+    seed, used to resume as if nothing changed. Each is now refused on every rank alike, naming
+    the folder or the key and both values; ``--allow-change`` (checkpoint.allow_change) resumes
+    on purpose, and a safe change (steps) passes with a line."""
+    run_dir = tmp_path / "run"
+    overrides = _overrides(run_dir, corpus, "logging.wandb=disabled", "logging.console=false")
+    assert get_pool(2).run(train_two_steps, overrides) == ["trained"] * 2
+    checkpoints = run_dir / "checkpoints"
+    for changed in (["train.batch_size=16"], ["data.seed=7"]):
+        message, again = get_pool(2).run(train_two_steps, [*overrides, *changed])
+        assert message == again and message.startswith("the recipe differs from the one")
+        key, value = changed[0].split("=")
+        assert f"  - {key}: " in message and f" → {value}" in message
+        assert f"--allow-change {key}" in message
+    allowed = [*overrides, "train.batch_size=16", "checkpoint.allow_change=['train.batch_size']"]
+    assert get_pool(2).run(train_two_steps, allowed) == ["trained"] * 2
+    assert sorted(path.name for path in checkpoints.iterdir()) == [
+        "step_00000002",
+        "step_00000004",
+    ]
+    for folder in checkpoints.iterdir():
+        (folder / ".metadata").unlink()
+    messages = get_pool(2).run(train_two_steps, overrides)
+    assert messages[0] == messages[1]
+    assert "holds 2 checkpoint folders that a fresh start would overwrite" in messages[0]
+    assert "  - step_00000004: damaged (.metadata: missing)" in messages[0]
+    assert not (checkpoints / "step_00000002" / ".metadata").exists()  # nothing overwritten
 
 
 class Job:

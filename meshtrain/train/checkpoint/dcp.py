@@ -391,6 +391,7 @@ class ResumePoint:
 
     checkpoint: Path | None
     passed_over: tuple[CheckpointStatus, ...]
+    blocking: tuple[CheckpointStatus, ...] = ()
 
     def describe_passed_over(self) -> list[str]:
         """One line per checkpoint passed over: its directory, its status and why."""
@@ -398,6 +399,25 @@ class ResumePoint:
             f"passed over {status.path}: {status.status} ({'; '.join(status.problems)})"
             for status in self.passed_over
         ]
+
+    def refuse_start_over(self, directory: Path) -> None:
+        """Raise a :class:`CheckpointError` when nothing can be resumed but checkpoint folders
+        exist (``blocking``: every ``step_N`` folder, whole or not): starting from step 1 would
+        bury and then overwrite them. Folders of saves that never finished (``*.tmp-*``) do not
+        block: they never were a checkpoint."""
+        if self.checkpoint is not None or not self.blocking:
+            return
+        shown = "\n".join(
+            f"  - {status.path.name}: {status.status} ({'; '.join(status.problems)})"
+            for status in self.blocking
+        )
+        raise CheckpointError(
+            f"no intact checkpoint to resume from in {str(directory)!r}, but it holds "
+            f"{len(self.blocking)} checkpoint folder{'s' if len(self.blocking) != 1 else ''} "
+            f"that a fresh start would overwrite:\n{shown}\nRepair or move them away "
+            "(`meshtrain checkpoints DIR` shows each), or start afresh on purpose with "
+            "--set checkpoint.resume=false."
+        )
 
 
 def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePoint:
@@ -415,15 +435,43 @@ def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePo
     complete = list_checkpoints(directory)
     _check_same_listing(directory, [path.name for path in complete])
     newest = checkpoint_step(complete[-1]) if complete else -1
-    unfinished = [inspect_checkpoint(path, content=False)
-                  for path in sorted(directory.glob(f"step_*{TMP_MARKER}*"), reverse=True)]  # fmt: skip
-    passed = [status for status in unfinished if (status.step or -1) > newest]
+    others = sorted(
+        (_inspect_quietly(path) for path in _step_folders(directory) if path not in complete),
+        key=lambda status: (status.step or -1, status.path.name),
+        reverse=True,
+    )
+    passed = [status for status in others if (status.step or -1) > newest]
+    blocking = [status for status in others if TMP_MARKER not in status.path.name]
     for path in reversed(complete):
         status = verify_checkpoint(path) if verify else inspect_checkpoint(path, content=False)
         if status.loadable:
             return ResumePoint(path, tuple(passed))
         passed.append(status)
-    return ResumePoint(None, tuple(passed))
+        blocking.append(status)
+    return ResumePoint(None, tuple(passed), tuple(blocking))
+
+
+def _step_folders(directory: Path) -> list[Path]:
+    """Every ``step_*`` entry of ``directory``, finished or not (none when it is missing)."""
+    try:
+        return [path for path in directory.iterdir() if path.name.startswith("step_")]
+    except FileNotFoundError:
+        return []
+    except OSError as err:
+        raise CheckpointError(
+            f"cannot list the checkpoint directory {str(directory)!r}: {describe_os_error(err)}"
+        ) from err
+
+
+def _inspect_quietly(path: Path) -> CheckpointStatus:
+    """:func:`inspect_checkpoint` without reading tensor files; a folder that cannot be read
+    (permissions, not a directory) is ``damaged`` with the reason."""
+    try:
+        if not path.is_dir():
+            return CheckpointStatus(path, None, "damaged", ("not a directory",), 0)
+        return inspect_checkpoint(path, content=False)
+    except OSError as err:
+        return CheckpointStatus(path, None, "damaged", (describe_os_error(err),), 0)
 
 
 def _refuse_damaged(status: CheckpointStatus) -> None:

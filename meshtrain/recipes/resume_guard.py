@@ -1,0 +1,65 @@
+"""A resume continues its own run: the checkpoint's recipe and run id against this run's.
+
+:func:`check_recipe_unchanged` reads the recipe a checkpoint was saved with and compares it with
+the resuming one (:mod:`~meshtrain.recipes.resume_check`); :func:`run_id` is the id every
+checkpoint of a run records (drawn once, at the fresh start, and carried by each resume).
+
+Example (on every rank, before any tensor is loaded)::
+
+    for line in check_recipe_unchanged(recipe, point.checkpoint):
+        print(line)
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import torch.distributed as dist
+
+from meshtrain.errors import CheckpointError
+from meshtrain.recipes.recipe import Recipe
+from meshtrain.recipes.resume_check import check_resume
+from meshtrain.train.checkpoint.files import read_state_file
+
+__all__ = ["check_recipe_unchanged", "run_id"]
+
+
+def run_id(resume: Path | None) -> str:
+    """The run's id: the resumed checkpoint's, else a new one drawn on rank 0 (every rank gets
+    the same)."""
+    if resume is not None:
+        run = read_state_file(resume).get("extra", {}).get("run") or {}
+        if run.get("id"):
+            return str(run["id"])
+    drawn = [uuid.uuid4().hex[:12] if not dist.is_initialized() or dist.get_rank() == 0 else ""]
+    if dist.is_initialized():
+        dist.broadcast_object_list(drawn, src=0)
+    return str(drawn[0])
+
+
+def check_recipe_unchanged(recipe: Recipe, checkpoint: Path) -> list[str]:
+    """Compare ``recipe`` with the one ``checkpoint`` was saved with; return a line for each
+    safe or allowed change, raise a :class:`CheckpointError` naming the keys and both values for
+    a change of what training means, or when the checkpoint belongs to another recipe's run. The
+    same on every rank (the same file, the same recipe)."""
+    extra = read_state_file(checkpoint).get("extra", {})
+    saved = extra.get("recipe")
+    if not isinstance(saved, dict):
+        return [
+            f"warning: {checkpoint} holds no recipe to compare with (saved by an older meshtrain)"
+        ]
+    data_step = int((extra.get("data") or {}).get("step", 0))
+    allowed = recipe.checkpoint.allow_change
+    verdict = check_resume(saved, recipe.raw, allowed=allowed, data_step=data_step)
+    run = extra.get("run") or {}
+    if run.get("recipe") not in (None, recipe.name) and "recipe" not in allowed:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} belongs to run {run.get('id')} of recipe "
+            f"{run.get('recipe')!r}, not to recipe {recipe.name!r}: another run may not resume "
+            "it. Give this run its own directory (logging.run_dir), or pass --allow-change "
+            "recipe to continue that run under this recipe."
+        )
+    verdict.raise_if_refused(str(checkpoint))
+    name = f" of run {run['id']}" if run.get("id") else ""
+    return [line.replace("resuming", f"resuming{name}", 1) for line in verdict.lines]
