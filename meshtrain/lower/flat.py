@@ -1,5 +1,6 @@
 """Parallelising one model (or one pipeline stage) in the fixed order torchtitan uses: tensor
-parallel → global-batch BatchNorm → activation checkpointing → per-block compile → data parallel
+parallel → global-batch BatchNorm → the remaining parameters replicated over tensor parallel →
+activation checkpointing → per-block compile → data parallel
 (FSDP2) → whole-model compile, then the scope ``mt.constrain`` reads.
 
 Example (inside :func:`~meshtrain.lower.apply`)::
@@ -16,6 +17,7 @@ from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile
 from meshtrain.lower.data_parallel import apply_data_parallel
 from meshtrain.lower.functional import track
 from meshtrain.lower.groups import device_mesh
+from meshtrain.lower.replicated import replicate_whole_parameters
 from meshtrain.lower.tensor_parallel import apply_tensor_parallel
 from meshtrain.plan.ir import Plan
 
@@ -26,6 +28,8 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
     sync_batch_norms(plan, model)
+    if plan.tp_axis is not None:  # every parameter on one mesh (a user's own loop runs)
+        replicate_whole_parameters(model, device_mesh(plan.mesh)[plan.tp_axis])
     apply_checkpointing(plan, model)
     compile_blocks(plan, model)
     if plan.data_axes or plan.cast_axes:

@@ -1,0 +1,183 @@
+"""A user's own PyTorch loop, unchanged, on every flat plan (real gloo ranks, first tier): the loop
+one writes for DDP — forward, loss on the rank's slice of the batch, backward,
+``torch.nn.utils.clip_grad_norm_``, ``torch.nn.utils.get_total_norm``, a ``torch.optim``
+optimizer, a ``torch.optim.lr_scheduler`` — against the same loop run the ordinary way in one
+process on the whole batch, on a Hugging Face Llama and on a plain ``nn.Module``; the same under
+``torch.autocast``; and DCP's ``get_state_dict``/``set_state_dict`` round trip.
+
+Tensor-parallel plans used to leave the parameters they do not shard as plain tensors (FSDP2 then
+puts them on the data-parallel mesh only), and PyTorch's clipping failed with ``All operands in
+aten.stack.default must have the same mesh``; every parameter now lives on one mesh
+(:mod:`meshtrain.lower.replicated`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import lora_models
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import zoo
+from helpers import ResidualMLPClassifier, classifier_batches, full
+from torch import nn
+
+import meshtrain as mt
+from meshtrain import P, Rules
+from meshtrain.train.loss import data_parallel_rank
+
+pytestmark = pytest.mark.spmd
+
+STEPS = 2
+MAX_NORM = 0.05  # below every case's gradient norm: clipping scales every step
+TIGHT = 1e-6  # fp32: the order of summation differs (reductions over ranks), nothing else
+BF16 = 4 * 2.0**-8  # autocast: bf16 matmuls rounded differently on a slice of the batch
+
+
+def classifier_rules(fsdp: str | tuple[str, ...] = "dp") -> Rules:
+    """Megatron pairs in each residual block of :class:`ResidualMLPClassifier` (the first Linear
+    column-wise, the second row-wise); the stem, norms and head replicated."""
+    return Rules(
+        {
+            r"blocks\.\d+\.1\.(weight|bias)": P("tp"),
+            r"blocks\.\d+\.3\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp=fsdp,
+    )
+
+
+def hf_tp_rules(sequence_parallel: bool = False) -> Rules:
+    return zoo.hf_rules(zoo.llama(), sequence_parallel=sequence_parallel)
+
+
+# name: (model, mesh axes, rules, plan options)
+CASES: dict[str, tuple[str, dict[str, int], Any, dict[str, Any]]] = {
+    "ddp": ("mlp", {"dp": 2}, lambda: zoo.REPLICATED, {"zero": 0}),
+    "zero1": ("mlp", {"dp": 2}, lambda: zoo.REPLICATED, {"zero": 1}),
+    "zero2": ("llama", {"dp": 2}, lambda: zoo.REPLICATED, {"zero": 2}),
+    "zero3": ("llama", {"dp": 2}, lambda: zoo.REPLICATED, {"zero": 3}),
+    "tp": ("llama", {"tp": 2}, lambda: zoo.without_data_axes(hf_tp_rules()), {}),
+    "tp-sp": ("llama", {"tp": 2}, lambda: zoo.without_data_axes(hf_tp_rules(True)), {}),
+    "mlp-tp": ("mlp", {"tp": 2}, lambda: classifier_rules(fsdp=()), {}),
+    "hsdp": ("llama", {"rep": 2, "dp": 2}, lambda: Rules({r".*": P()}, fsdp=("rep", "dp")), {}),
+    "ddp-tp": ("mlp", {"dp": 2, "tp": 2}, lambda: classifier_rules(), {"zero": 0}),
+    "fsdp-tp": ("llama", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(), {"zero": 3}),
+    "fsdp-tp-sp": ("llama", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(True), {"zero": 3}),
+    "lora-fsdp-tp": ("lora", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(), {"zero": 3}),
+}  # fmt: skip
+
+
+def _model(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return ResidualMLPClassifier()
+    return lora_models.hf_llama_lora() if kind == "lora" else zoo.llama()
+
+
+def _batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return classifier_batches(step) if kind == "mlp" else zoo.token_batches(step)
+
+
+def _loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    logits = output if isinstance(output, torch.Tensor) else output.logits  # an HF ModelOutput
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def _train(
+    model: nn.Module, kind: str, rows: slice | None, autocast: bool
+) -> tuple[list[list[float]], torch.optim.Optimizer]:
+    """The loop a user writes: returns per step (loss, norm, total norm, lr) and the optimizer."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    # SGD with momentum: an update proportional to the gradient (Adam's normalisation would turn
+    # an order-of-summation difference in a near-zero gradient into a whole step)
+    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    record = []
+    for step in range(STEPS):
+        inputs, targets = _batch(kind, step)
+        if rows is not None:
+            inputs, targets = inputs[rows], targets[rows]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = _loss(model(inputs), targets)
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        record.append([float(loss.detach()), float(full(norm)), float(full(total))])
+    return record, optimizer
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-30)
+
+
+def user_loop(name: str, autocast: bool = False) -> dict[str, float]:
+    """On every rank: the loop under the plan of :data:`CASES` ``name`` (each data-parallel rank
+    on its rows) against the loop in one process on the whole batch; the worst relative errors
+    of the loss (averaged over data-parallel ranks), the clipped norm, ``get_total_norm`` after
+    clipping, and the parameters after the last step."""
+    kind, axes, rules, options = CASES[name]
+    model = _model(kind)
+    reference = copy.deepcopy(model)
+    plan = mt.plan(model, mt.make_mesh(axes), rules(), **options)
+    applied = mt.apply(plan, model)
+    index, ranks = data_parallel_rank(plan)
+    per_rank = 8 // ranks
+    record, _ = _train(applied, kind, slice(index * per_rank, (index + 1) * per_rank), autocast)
+    ref_record, _ = _train(reference, kind, None, autocast)
+    worst = {"loss": 0.0, "norm": 0.0, "total": 0.0, "params": 0.0}
+    for (loss, norm, total), (ref_loss, ref_norm, ref_total) in zip(record, ref_record):
+        mean = torch.tensor(loss, dtype=torch.float64)
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        worst["loss"] = max(worst["loss"], _rel(float(mean), ref_loss))
+        worst["norm"] = max(worst["norm"], _rel(norm, ref_norm))
+        worst["total"] = max(worst["total"], _rel(total, ref_total))
+    ref_params = dict(reference.named_parameters())
+    for fqn, param in applied.named_parameters():
+        ref = ref_params[fqn].detach()
+        error = (full(param.detach()) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+        worst["params"] = max(worst["params"], float(error))
+    worst["clipped"] = float(min(r[1] for r in ref_record) > MAX_NORM)
+    worst["clipped to"] = max(r[2] for r in record)
+    return worst
+
+
+def user_loops(names: list[str], autocast: bool = False) -> dict[str, dict[str, float]]:
+    """:func:`user_loop` for several plans in one call to the ranks."""
+    return {name: user_loop(name, autocast) for name in names}
+
+
+def _worst(results: list[dict[str, dict[str, float]]], name: str) -> dict[str, float]:
+    return {key: max(r[name][key] for r in results) for key in results[0][name]}
+
+
+def _world(name: str) -> int:
+    return math.prod(CASES[name][1].values())
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_users_loop_trains_like_one_process(world: int) -> None:
+    """fp32: every step's loss, clipped norm and total norm, and the parameters after the last
+    step match the one-process loop to the order of summation; clipping acted on every step."""
+    from meshtrain.testing.runner import get_pool
+
+    names = [name for name in CASES if _world(name) == world]
+    results = get_pool(world).run(user_loops, names, _timeout_s=600.0)
+    for name in names:
+        worst = _worst(results, name)
+        assert worst["clipped"] == 1.0, (name, worst)
+        assert worst["clipped to"] <= MAX_NORM * (1 + TIGHT), (name, worst)
+        assert worst["loss"] <= TIGHT, (name, worst)
+        assert worst["norm"] <= TIGHT, (name, worst)
+        assert worst["total"] <= TIGHT, (name, worst)
+        assert worst["params"] <= TIGHT, (name, worst)
+        print(name, {key: f"{value:.2g}" for key, value in worst.items()})
