@@ -151,6 +151,17 @@ class _Reply:
     warnings: tuple[_RankWarning, ...]
 
 
+@dataclass(frozen=True)
+class _Progress:
+    """A starting rank's progress report (``phase`` one of :data:`_START_PHASES`)."""
+
+    phase: str
+
+
+#: What a starting rank has done, in order; each report restarts the start clock.
+_START_PHASES = ("spawned", "running", "torch imported", "joined")
+
+
 @dataclass
 class _Rank:
     process: multiprocessing.process.BaseProcess
@@ -182,6 +193,7 @@ def _worker_main(spec: _RankSpec, conn: mpc.Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     print(f"=== rank {spec.rank}/{spec.world_size} pid {os.getpid()} starting", flush=True)
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()
+    conn.send(_Progress("running"))
     os.environ.update(
         RANK=str(spec.rank),
         WORLD_SIZE=str(spec.world_size),
@@ -198,6 +210,7 @@ def _worker_main(spec: _RankSpec, conn: mpc.Connection) -> None:
 
             from meshtrain.launch import init_distributed
 
+            conn.send(_Progress("torch imported"))
             torch.set_num_threads(1)
             store = dist.FileStore(spec.store_path, spec.world_size)
             init_distributed(backend="gloo", store=store, rank=spec.rank,
@@ -427,7 +440,7 @@ class SPMDPool:
             process.start()
             child_end.close()
             self._res.ranks.append(_Rank(process, parent_end))
-        _, failures, pending = self._collect(self.start_timeout_s)
+        failures, pending = self._await_start()
         if self._closed:
             self._kill()
             raise SPMDError("the pool was closed while its ranks were starting")
@@ -435,10 +448,45 @@ class SPMDPool:
             logs = self._log_tails(sorted(set(failures) | set(pending)))
             self._kill()
             raise SPMDError(
-                f"could not start {self.world_size} gloo ranks: failed {failures}, not ready "
-                f"after {self.start_timeout_s:g} s: {list(pending)}.{logs}"
+                f"could not start {self.world_size} gloo ranks after "
+                f"{time.monotonic() - began:.0f} s: failed {failures}; "
+                f"{_start_stall(pending, self.start_timeout_s, port)}{logs}"
             )
         self._last_start_s = time.monotonic() - began
+
+    def _await_start(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Wait while the ranks make progress: every report (running, torch imported, joined)
+        restarts a clock of ``start_timeout_s``, so a slow but moving start on a loaded machine
+        succeeds and a stuck one fails after ``start_timeout_s`` of silence. Returns the failed
+        ranks' errors and the phase of each rank that did not join."""
+        ranks = list(self._res.ranks)
+        phase = dict.fromkeys(range(len(ranks)), "spawned")
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + self.start_timeout_s
+        while not failures and any(p != "joined" for p in phase.values()):
+            waiting: dict[Any, int] = {}
+            for rank, r in enumerate(ranks):
+                if phase[rank] != "joined":
+                    waiting[r.conn] = waiting[r.process.sentinel] = rank
+            remaining = deadline - time.monotonic()
+            ready = mpc.wait(list(waiting), timeout=remaining) if remaining > 0 else []
+            if not ready:
+                break
+            for rank in sorted({waiting[obj] for obj in ready}):
+                message = _receive(ranks[rank].conn)
+                if isinstance(message, _Progress):
+                    phase[rank] = message.phase
+                elif isinstance(message, _Reply) and message.ok:
+                    phase[rank] = "joined"
+                elif isinstance(message, _Reply):
+                    failures[rank] = message.error
+                else:
+                    ranks[rank].process.join(1.0)
+                    code = ranks[rank].process.exitcode
+                    failures[rank] = f"rank process died (exit code {code})"
+            deadline = time.monotonic() + self.start_timeout_s  # progress: the clock restarts
+        pending = {r: p for r, p in phase.items() if p != "joined" and r not in failures}
+        return failures, pending
 
     def _dispatch(
         self, payload: bytes, timeout: float
@@ -503,6 +551,40 @@ class SPMDPool:
             tail = "\n".join(text.splitlines()[-_LOG_TAIL_LINES:])
             parts.append(f"\n--- rank {rank} log ({self.log_path(rank)}), last lines:\n{tail}")
         return "".join(parts)
+
+
+def _receive(conn: mpc.Connection) -> object:
+    """The next message on ``conn`` if one is there (``None``: closed or nothing to read)."""
+    try:
+        return conn.recv() if conn.poll() else None
+    except (EOFError, OSError):
+        return None
+
+
+def _start_stall(pending: dict[int, str], idle_s: float, port: int) -> str:
+    """Which ranks stalled in which phase, and the likely cause.
+
+    Example:
+        >>> _start_stall({1: "torch imported"}, 120.0, 29500).split(":")[0]
+        'no progress for 120 s (rank 1 torch imported)'
+    """
+    if not pending:
+        return ""
+    where = ", ".join(f"rank {rank} {phase}" for rank, phase in sorted(pending.items()))
+    if any(phase in ("spawned", "running") for phase in pending.values()):
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        cause = (
+            f"still importing torch — the machine is overloaded (load average {load:.1f} on "
+            f"{os.cpu_count()} cores): run fewer tests at once, or give SPMDPool a longer "
+            "start_timeout_s"
+        )
+    else:
+        cause = (
+            "every rank imported torch but the gloo rendezvous did not complete — a rank cannot "
+            f"reach the FileStore or 127.0.0.1:{port} (a full temporary directory, a firewall, "
+            "or another process on the port)"
+        )
+    return f"no progress for {idle_s:g} s ({where}): {cause}."
 
 
 def _kill_ranks(ranks: list[_Rank]) -> None:
