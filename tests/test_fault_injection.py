@@ -6,8 +6,11 @@ the same recipe on the same 2-rank mesh (the SPMD pool's gloo ranks run the same
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain import CheckpointError
+from meshtrain import CheckpointError, DataError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.run import train
 from meshtrain.testing.runner import get_pool
@@ -123,6 +126,43 @@ def test_checkpoints_missing_a_file_and_a_changed_recipe_are_refused_not_trained
     assert "holds 2 checkpoint folders that a fresh start would overwrite" in messages[0]
     assert "  - step_00000004: damaged (.metadata: missing)" in messages[0]
     assert not (checkpoints / "step_00000002" / ".metadata").exists()  # nothing overwritten
+
+
+def train_until_a_data_error(overrides: list[str]) -> str:
+    """On every pool rank: train; the DataError's message (the test fails if none is raised)."""
+    try:
+        train(load_recipe("debug", overrides), stop_after=2)
+    except DataError as err:
+        return err.message
+    return "trained"
+
+
+@pytest.mark.parametrize("mesh", [["mesh.tp=2"], ["mesh.tp=1"]], ids=["tp2", "tp1"])
+def test_a_token_id_outside_the_vocabulary_stops_every_plan_naming_the_file(
+    tmp_path: Path, corpus: Path, mesh: list[str]
+) -> None:
+    """A token id of 60,000 in a 256-token vocabulary (the file resealed, so its checksum
+    passes): under tp 2 the vocabulary-parallel embedding used to mask it and train on, under
+    tp 1 it was an IndexError. Both ranks now raise the same DataError before the step."""
+    tokens = tmp_path / "tokens"
+    shutil.copytree(corpus, tokens)
+    data = bytearray((tokens / "tokens.bin").read_bytes())
+    data[0:2] = (60_000).to_bytes(2, "little")
+    (tokens / "tokens.bin").write_bytes(bytes(data))
+    meta = json.loads((tokens / "tokens.json").read_text())
+    meta["sha256"] = hashlib.sha256(data).hexdigest()
+    (tokens / "tokens.json").write_text(json.dumps(meta))
+    overrides = _overrides(
+        tmp_path / "run", tokens, "data.source=tokens", "data.shuffle=false",
+        "logging.wandb=disabled", "logging.console=false", *mesh,
+    )  # fmt: skip
+    messages = get_pool(2).run(train_until_a_data_error, overrides)
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith(f"{tokens / 'tokens.bin'}: token id 60000 at row 0, column 0")
+    assert "outside the model's 256-token vocabulary" in messages[0]
+    assert not (tmp_path / "run" / "checkpoints").exists() or not list(
+        (tmp_path / "run" / "checkpoints").iterdir()
+    )
 
 
 class Job:

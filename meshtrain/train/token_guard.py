@@ -1,0 +1,118 @@
+"""Every step's token ids inside the model's vocabulary, and the token file unchanged under a
+running job.
+
+A token id outside the vocabulary is silent under vocabulary-parallel embeddings (each shard
+masks the ids it does not hold, so an id past every shard embeds as zeros) and an ``IndexError``
+deep in a plain embedding: :meth:`TokenGuard.check` looks at each batch before the step, and
+all ranks agree on the verdict (one small all-reduce), so every rank raises the same
+:class:`~meshtrain.errors.DataError`, naming the file, the data position, the row and column
+and the id. :meth:`TokenGuard.check_file` stats the memory-mapped token file between steps: a
+file truncated or replaced under the job is named before the next read of a page past its new end
+(which would end the process with SIGBUS).
+
+Example:
+    >>> import torch
+    >>> from meshtrain.train.batch import Batch
+    >>> guard = TokenGuard(vocab=8, source="tokens.bin")
+    >>> guard.check(Batch(torch.tensor([[1, 2]]), torch.tensor([[2, -100]])))
+    >>> guard.check(Batch(torch.tensor([[1, 9]]), torch.tensor([[9, 3]])))
+    Traceback (most recent call last):
+    meshtrain.errors.DataError: tokens.bin: token id 9 at row 0, column 1 of the inputs of the batch before data position (epoch 0, step 0) is outside the model's 8-token vocabulary, so no embedding row holds it. Re-tokenise the data with the model's tokenizer, or give the model a larger vocabulary (model.vocab_size).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.errors import DataError
+from meshtrain.train.batch import Batch
+
+__all__ = ["TokenGuard"]
+
+_IGNORE_INDEX = -100
+
+
+class TokenGuard:
+    """Checks a run's batches against ``vocab`` and its token file (``bin_path`` of
+    ``expected_bytes``) against its size; ``source`` names where the tokens come from."""
+
+    def __init__(
+        self,
+        vocab: int,
+        source: str,
+        bin_path: Path | None = None,
+        expected_bytes: int = 0,
+    ) -> None:
+        self.vocab, self.source = vocab, source
+        self.bin_path, self.expected_bytes = bin_path, expected_bytes
+
+    @classmethod
+    def of(cls, dataset: Any, vocab: int) -> TokenGuard:
+        """The guard for a run's dataset (a :class:`~meshtrain.train.data.TokenWindows` names
+        its file; other datasets are checked by id only)."""
+        token_file = getattr(dataset, "token_file", None)
+        bin_path = getattr(token_file, "bin_path", None)
+        if bin_path is None:
+            return cls(vocab, type(dataset).__name__)
+        info = token_file.info
+        return cls(vocab, str(bin_path), Path(bin_path), info.num_tokens * info.itemsize)
+
+    def check(self, batch: Batch) -> None:
+        """Raise :class:`DataError` on every rank alike when any rank's batch holds an id
+        outside ``[0, vocab)`` (targets may hold the ignore index)."""
+        problem = self._problem(batch)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([0 if problem is None else 1])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag.item()):
+                found: list[Any] = [None] * dist.get_world_size()
+                dist.all_gather_object(found, problem)
+                rank, problem = next((r, p) for r, p in enumerate(found) if p is not None)
+                problem = f"{problem} (rank {rank}'s batch)"
+        if problem is not None:
+            raise DataError(problem)
+
+    def _problem(self, batch: Batch) -> str | None:
+        if self.vocab <= 0:  # no vocabulary to check against
+            return None
+        for name, ids in (("inputs", batch.inputs), ("targets", batch.targets)):
+            bad = (ids < 0) | (ids >= self.vocab)
+            if name == "targets":
+                bad &= ids != _IGNORE_INDEX
+            if bool(bad.any()):
+                row, column = (int(index) for index in bad.nonzero()[0][:2])
+                value = int(ids[row, column])
+                where = batch.position
+                return (
+                    f"{self.source}: token id {value} at row {row}, column {column} of the {name} "
+                    f"of the batch before data position (epoch {where.epoch}, step {where.step}) "
+                    f"is outside the model's {self.vocab}-token vocabulary, so no embedding row "
+                    "holds it. Re-tokenise the data with the model's tokenizer, or give the model "
+                    "a larger vocabulary (model.vocab_size)."
+                )
+        return None
+
+    def check_file(self) -> None:
+        """Raise :class:`DataError` when the token file no longer has the size it was opened
+        with (truncated, replaced or removed under the running job). Checked on every rank."""
+        if self.bin_path is None:
+            return
+        try:
+            size = os.stat(self.bin_path).st_size
+        except OSError as err:
+            raise DataError(
+                f"token file {str(self.bin_path)!r} disappeared while the job ran ({err}). Put it "
+                "back (or prepare it again) and run the same command to resume."
+            ) from err
+        if size != self.expected_bytes:
+            raise DataError(
+                f"token file {str(self.bin_path)!r} changed size while the job ran: "
+                f"{size:,} bytes, it was opened with {self.expected_bytes:,}. Something "
+                "truncated or rewrote it; restore it and run the same command to resume from "
+                "the last checkpoint."
+            )
