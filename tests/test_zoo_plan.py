@@ -55,7 +55,7 @@ def test_rules_from_hf_refuse_packed_styles_unless_overridden() -> None:
     }
     model._tp_plan = {}  # the config's plan alone, as older transformers versions carry it
     with pytest.raises(
-        RuleError, match=r"'model\.layers\.\*\.mlp\.up_proj' the style 'packed_colwise'"
+        RuleError, match=r"'model\.layers\.\*\.mlp\.up_proj' \(Linear\) the style 'packed_colwise'"
     ):
         Rules.from_hf(model, fsdp="dp")
     rules = Rules.from_hf(

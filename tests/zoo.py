@@ -1,6 +1,6 @@
 """Models meshtrain did not write, built tiny and random from local configs (nothing downloaded),
-with the rules a user would write for them from the docs: Hugging Face Llama, Qwen2, GPT-2, BERT
-and ViT, and a small CNN with BatchNorm. Factories live at module level so ranks can import them;
+with the rules a user would write for them from the docs: Hugging Face Llama, Qwen2, Qwen3, OLMo2,
+GPT-2, BERT and ViT, and a small CNN with BatchNorm. Factories live at module level so ranks can import them;
 dropout is off (a model with dropout is not deterministic, see the harness's hint).
 """
 
@@ -19,8 +19,12 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -58,6 +62,43 @@ def qwen2() -> Qwen2ForCausalLM:
             num_key_value_heads=2,
             max_position_embeddings=64,
             use_cache=False,
+        )
+    )
+
+
+def qwen3() -> Qwen3ForCausalLM:
+    """Per-head q/k norms between the column- and row-wise projections (their TP plan:
+    ``replicated_with_grad_allreduce``)."""
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+    )
+
+
+def olmo2() -> Olmo2ForCausalLM:
+    """q/k norms over all heads' features (their TP plan: ``colwise_gather_output`` on q/k/v,
+    ``rowwise_split_input`` on o)."""
+    return Olmo2ForCausalLM(
+        Olmo2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            use_cache=False,
+            eos_token_id=None,  # the default (50279) is outside the tiny vocabulary
+            pad_token_id=1,
         )
     )
 
@@ -175,7 +216,7 @@ def cnn() -> SmallCNN:
 
 
 def hf_rules(model: nn.Module, *, sequence_parallel: bool = False) -> Rules:
-    """The model's own plan (Llama, Qwen2)."""
+    """The model's own plan (Llama, Qwen2, Qwen3, OLMo2)."""
     return Rules.from_hf(model, fsdp="dp", sequence_parallel=sequence_parallel)
 
 

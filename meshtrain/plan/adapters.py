@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from torch import nn
@@ -65,7 +66,7 @@ def resolve_with_adapters(rules: Rules, model: nn.Module, mesh: Mesh) -> Resolut
         validate_spec(spec, tuple(param.shape), mesh, fqn=fqn, rule=source)
         params.append(ParamSpec(fqn, tuple(param.shape), spec, source))
     _check_quantized(model, by_fqn, mesh)
-    return type(resolved)(mesh, tuple(params))
+    return dataclasses.replace(resolved, params=tuple(params))
 
 
 def check_nf4_shards(layouts: Sequence[ParamLayout], ways: int, sharded: bool) -> None:

@@ -20,6 +20,8 @@ A sharded spec on any other module (a norm, a custom module) is an error that sa
 from __future__ import annotations
 
 import inspect
+import re
+from collections.abc import Sequence
 from dataclasses import replace
 
 from torch import nn
@@ -46,7 +48,10 @@ def infer_styles(
     a parameter a Linear or Embedding uses (BERT's ``cls.predictions.bias``) takes no style.
     Under ``sequence_parallel`` norms outside the tensor-parallel pairs run on sequence shards, the
     pairs' inputs are all-gathered from sequence shards and the row-wise outputs are
-    reduce-scattered back to them.
+    reduce-scattered back to them. A column-wise module whose FQN fully matches one of
+    ``resolution.gathered`` (``Rules.gathered``: Hugging Face's ``colwise_gather_output``) has
+    its output all-gathered and pairs with nothing, except the output head, whose logits the
+    loss reads whole either way.
     """
     if tp_axis is None:
         return ()
@@ -73,12 +78,32 @@ def infer_styles(
         if not any(tp_axis in spec.axes for spec in own.values()):
             continue
         raw[fqn] = _style_of(fqn, module, own, tp_axis)
+    raw = _mark_gathered(raw, modules, resolution.gathered)
     styles = _resolve_pairs(raw, modules, loss_parallel, sequence_parallel)
     _check_heads(styles, modules, resolution.mesh.size(tp_axis))
     if sequence_parallel:
         styles = _add_sequence_styles(styles, modules, tp_axis)
     order = {fqn: index for index, fqn in enumerate(modules)}
     return tuple(sorted(styles, key=lambda style: order[style.fqn]))
+
+
+def _mark_gathered(
+    raw: dict[str, ModuleStyle], modules: dict[str, nn.Module], gathered: Sequence[str]
+) -> dict[str, ModuleStyle]:
+    """Column-wise modules the rules ask gathered (not the output head) become
+    ``colwise_gathered`` before pairing, so their row-wise partner slices a replicated input."""
+    with_params = [f for f, m in modules.items() if any(True for _ in m.parameters(recurse=False))]
+    head = with_params[-1] if with_params else None
+    marked = dict(raw)
+    for fqn, style in raw.items():
+        if (
+            style.style == TPStyle.COLWISE
+            and fqn != head
+            and any(re.fullmatch(pattern, fqn) for pattern in gathered)
+        ):
+            note = "output all-gathered: the model's code needs the full features"
+            marked[fqn] = replace(style, style=TPStyle.COLWISE_GATHERED, note=note)
+    return marked
 
 
 def _is_layer(module: nn.Module) -> bool:

@@ -3,24 +3,13 @@
 ``transformers`` models declare how their modules split: ``config.base_model_tp_plan`` (module
 patterns under the base model, ``*`` for a layer index) and the top model's ``_tp_plan`` (the
 head and, in recent versions, everything with its prefix). Each entry names a module and a style;
-this module turns them into partition specs on the module's parameters:
-
-=========================================================  ========================================
-HF style                                                   specs (axis ``tp``)
-=========================================================  ========================================
-``colwise``, ``colwise_rep``, ``colwise_gather_output``,    weight ``P(tp, None)``, bias ``P(tp)``
-``local_colwise``
-``rowwise``, ``rowwise_rep``, ``local_rowwise``,            weight ``P(None, tp)``, bias ``P()``
-``rowwise_split_input``
-``embedding_rowwise``, ``rowwise`` on an ``nn.Embedding``   weight ``P(tp, None)`` (vocab-parallel)
-``replicated_with_grad_allreduce``, ``replicate``,          ``P()``
-``local``, ``sequence_parallel``, ``gather``
-=========================================================  ========================================
-
-Packed, expert and other styles are a :class:`RuleError` naming the module and what to write.
-Whether an output is gathered or kept sharded is the planner's to decide from the pairs, so
-``colwise_rep`` and ``colwise`` give the same specs. Reads only the dicts the model carries; it
-never imports ``transformers``.
+this module turns them into partition specs on the module's parameters, and tells the planner
+which column-wise outputs the model's own code needs whole (``gathered``). Every style
+``transformers`` declares has a row in :data:`HF_STYLES`: lowered as ``transformers`` lowers it,
+or refused with a :class:`RuleError` naming the style, the module and what to write instead
+(the table is printed in ``docs/bring-your-own-model.md``). A style not in the table (a newer
+``transformers``) is refused the same way. Reads only the dicts the model carries; it never
+imports ``transformers``.
 
 Example:
     >>> class Config:
@@ -41,23 +30,88 @@ Example:
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
 from meshtrain.errors import RuleError
 from meshtrain.spec.partition import P
 
-_COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "local_colwise"}
-_ROWWISE = {"rowwise", "rowwise_rep", "local_rowwise", "rowwise_split_input"}
-_VOCAB = {"embedding_rowwise"}
-_REPLICATED = {
-    "replicated_with_grad_allreduce",
-    "replicate",
-    "local",
-    "sequence_parallel",
-    "gather",
-}
+
+@dataclass(frozen=True)
+class HFStyle:
+    """How meshtrain takes one ``transformers`` TP style.
+
+    ``kind`` is ``colwise`` (weight ``P(tp, None)``, bias ``P(tp)``; paired with a row-wise
+    partner by the planner), ``gathered`` (the same specs, the output all-gathered to full
+    features: never paired), ``rowwise`` (weight ``P(None, tp)``, bias ``P()``), ``vocab``
+    (an embedding sharded on the vocabulary), ``embedding_dim`` (an embedding sharded on its
+    width, output gathered), ``replicated`` (every parameter ``P()``) or ``refused``.
+    ``lowering`` says what meshtrain does (a row of the docs' table); a refused style's
+    ``lowering`` says why and what to write instead.
+
+    Example:
+        >>> HF_STYLES["colwise_gather_output"].kind
+        'gathered'
+    """
+
+    kind: str
+    lowering: str
+
+
+_OVERRIDE = "replicate the module with `Rules.from_hf(model, overrides={pattern: P()})`"
+HF_STYLES: Mapping[str, HFStyle] = {
+    "colwise": HFStyle("colwise", "`colwise`, output kept sharded for its row-wise partner "
+                       "(`prepare_input` once per pair); unpaired: `colwise_gathered`"),
+    "colwise_rep": HFStyle("gathered", "`colwise_gathered`: output all-gathered to full "
+                           "features, its row-wise partner slices a replicated input"),
+    "colwise_gather_output": HFStyle("gathered", "`colwise_gathered`: output all-gathered to "
+                                     "full features (OLMo2's q/k/v before their full-width "
+                                     "norms); the partner is `rowwise_replicated_input`"),
+    "local_colwise": HFStyle("colwise", "as `colwise` (older transformers: the same math on "
+                             "local tensors)"),
+    "rowwise": HFStyle("rowwise", "`rowwise` (partial sums all-reduced); on an `nn.Embedding` "
+                       "(older plans) `vocab_parallel_embedding`"),
+    "rowwise_rep": HFStyle("rowwise", "`rowwise`, or `rowwise_replicated_input` when its "
+                           "column-wise producer is gathered"),
+    "rowwise_split_input": HFStyle("rowwise", "`rowwise_replicated_input`: the replicated input "
+                                   "sliced locally, partial sums all-reduced"),
+    "embedding_rowwise": HFStyle("vocab", "`vocab_parallel_embedding` (partial lookups "
+                                 "all-reduced)"),
+    "embedding_colwise": HFStyle("embedding_dim", "`embedding_dim_parallel` (output "
+                                 "all-gathered)"),
+    "replicated_with_grad_allreduce": HFStyle("replicated", "`P()`; the plan derives the "
+                                              "all-reduce of its partial gradient over `tp` "
+                                              "(Qwen3's per-head `q_norm`/`k_norm`)"),
+    "replicate": HFStyle("replicated", "`P()`"),
+    "local": HFStyle("replicated", "`P()` (older transformers)"),
+    "sequence_parallel": HFStyle("replicated", "`P()`; the norm runs on sequence shards when "
+                                 "`Rules.from_hf(..., sequence_parallel=True)`"),
+    "local_rowwise": HFStyle("refused", "refused: its partial output is left for a later "
+                             f"`gather` to reduce; {_OVERRIDE}"),
+    "gather": HFStyle("refused", "refused: it reduces partial outputs of `local_rowwise` "
+                      f"children; {_OVERRIDE}"),
+    "all_reduce": HFStyle("refused", "refused: it all-reduces a partial output of modules the "
+                          f"plan does not shard; {_OVERRIDE}"),
+    "packed_colwise": HFStyle("refused", "refused: a fused projection (`gate_up_proj`) needs "
+                              "each packed half sharded alike (or unfuse it into two Linears); "
+                              f"{_OVERRIDE}"),
+    "packed_rowwise": HFStyle("refused", "refused: the row-wise partner of a packed "
+                              f"projection; {_OVERRIDE}"),
+    "mla_kv_a_proj": HFStyle("refused", "refused: MLA's split projection (DeepSeek-V2) whose "
+                             f"rotary half bypasses `kv_b_proj`; {_OVERRIDE}"),
+    "local_params": HFStyle("refused", "refused: a bare parameter sharded by its own entry; "
+                            f"{_OVERRIDE}"),
+    "moe_tp_experts": HFStyle("refused", "refused: expert parallelism is not lowered yet (issue "
+                              f"34); {_OVERRIDE}"),
+    "moe_identity_expert": HFStyle("refused", "refused: part of `moe_tp_experts`; "
+                                   f"{_OVERRIDE}"),
+    "grouped_gemm": HFStyle("refused", "refused: expert parallelism is not lowered yet (issue "
+                            f"34); {_OVERRIDE}"),
+    "ep_dispatch_experts": HFStyle("refused", "refused: expert dispatch is not lowered yet "
+                                   f"(issue 34); {_OVERRIDE}"),
+}  # fmt: skip
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -80,6 +134,31 @@ def hf_patterns(
 ) -> list[tuple[str, P]]:
     """Regex rules (full-match on parameter FQNs) for the parameters the plan covers; a module
     whose parameters all match one of ``covered`` (the user's own rules) is left to them."""
+    params = {fqn for fqn, _ in model.named_parameters()}
+    patterns: list[tuple[str, P]] = []
+    for regex, style, matched, module in _entries(model, covered):
+        for name, spec in _specs(style, module, axis).items():
+            if any(f"{fqn}.{name}" in params for fqn in matched):
+                patterns.append((rf"{regex}\.{re.escape(name)}", spec))
+    return patterns
+
+
+def hf_gathered(model: nn.Module, covered: Sequence[re.Pattern[str]] = ()) -> list[str]:
+    """Regexes (full-match on module FQNs) of the column-wise modules whose output the plan
+    must all-gather (``colwise_gather_output``, ``colwise_rep``): the model's code after them
+    needs the full features, e.g. OLMo2's q/k norms over all heads."""
+    return [
+        regex
+        for regex, style, _, module in _entries(model, covered)
+        if HF_STYLES[style].kind == "gathered" and not isinstance(module, nn.Embedding)
+    ]
+
+
+def _entries(
+    model: nn.Module, covered: Sequence[re.Pattern[str]]
+) -> Iterator[tuple[str, str, list[str], nn.Module]]:
+    """Each plan entry the user did not cover: its module regex, style, matched module FQNs and
+    first module; a refused or unknown style, or an entry naming a parameter, is a RuleError."""
     plan = hf_tp_plan(model)
     if not plan:
         raise RuleError(
@@ -91,8 +170,7 @@ def hf_patterns(
             "r'.*': P() for the rest."
         )
     modules = dict(model.named_modules())
-    params = {fqn for fqn, _ in model.named_parameters()}
-    patterns: list[tuple[str, P]] = []
+    params = [fqn for fqn, _ in model.named_parameters()]
     for module_pattern, style in plan.items():
         regex = re.escape(module_pattern).replace(r"\*", r"\d+")
         matched = [fqn for fqn in modules if re.fullmatch(regex, fqn)]
@@ -101,30 +179,39 @@ def hf_patterns(
             for fqn in matched
             for name, _ in modules[fqn].named_parameters(recurse=False)
         ]
-        if not matched or all(any(c.fullmatch(n) for c in covered) for n in names):
+        if not matched:
+            names = [fqn for fqn in params if re.fullmatch(regex, fqn)]
+        if not names or all(any(c.fullmatch(n) for c in covered) for n in names):
             continue
-        specs = _specs(module_pattern, style, modules[matched[0]], axis)
-        for name, spec in specs.items():
-            if any(f"{fqn}.{name}" in params for fqn in matched):
-                patterns.append((rf"{regex}\.{re.escape(name)}", spec))
-    return patterns
+        if not matched:
+            _refuse(module_pattern, style, "a parameter, not a module", "its parameter")
+        known = HF_STYLES.get(style)
+        if known is None or known.kind == "refused":
+            why = known.lowering if known else "a style meshtrain does not know"
+            _refuse(module_pattern, style, type(modules[matched[0]]).__name__, why)
+        yield regex, style, matched, modules[matched[0]]
 
 
-def _specs(pattern: str, style: str, module: nn.Module, axis: str) -> Mapping[str, P]:
-    if style in _VOCAB or (style in _ROWWISE and isinstance(module, nn.Embedding)):
-        return {"weight": P(axis, None)}
-    if style in _COLWISE and isinstance(module, nn.Embedding):
-        return {"weight": P(None, axis)}
-    if style in _COLWISE:
-        return {"weight": P(axis, None), "bias": P(axis)}
-    if style in _ROWWISE:
-        return {"weight": P(None, axis), "bias": P()}
-    if style in _REPLICATED:
-        return {name: P() for name, _ in module.named_parameters(recurse=False)}
-    replicate = re.escape(pattern).replace(r"\*", r"\d+") + r"\..*"
+def _refuse(pattern: str, style: str, kind: str, why: str) -> None:
+    replicate = re.escape(pattern).replace(r"\*", r"\d+") + r"(\..*)?"
+    reason = why.removeprefix("refused: ").removesuffix(f"; {_OVERRIDE}")
     raise RuleError(
-        f"the model's tensor-parallel plan gives '{pattern}' the style {style!r}, which meshtrain "
-        "does not lower (packed, expert and custom styles). Cover its parameters yourself (P() "
-        f"replicates them): Rules.from_hf(model, overrides={{{replicate!r}: P()}}).",
+        f"the model's tensor-parallel plan gives '{pattern}' ({kind}) the style {style!r}, which "
+        f"meshtrain does not lower: {reason}. Cover its parameters yourself (P() replicates "
+        f"them): Rules.from_hf(model, overrides={{{replicate!r}: P()}}).",
         rule=pattern,
     )
+
+
+def _specs(style: str, module: nn.Module, axis: str) -> Mapping[str, P]:
+    kind = HF_STYLES[style].kind
+    embedding = isinstance(module, nn.Embedding)
+    if kind == "vocab" or (kind == "rowwise" and embedding):
+        return {"weight": P(axis, None)}
+    if kind == "embedding_dim" or (kind in ("colwise", "gathered") and embedding):
+        return {"weight": P(None, axis)}
+    if kind in ("colwise", "gathered"):
+        return {"weight": P(axis, None), "bias": P(axis)}
+    if kind == "rowwise":
+        return {"weight": P(None, axis), "bias": P()}
+    return {name: P() for name, _ in module.named_parameters(recurse=False)}

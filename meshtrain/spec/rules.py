@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshtrain.errors import RuleError, SpecError, did_you_mean, format_shape
-from meshtrain.spec.hf_plan import hf_patterns
+from meshtrain.spec.hf_plan import hf_gathered, hf_patterns
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import LogicalAxes, named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -67,6 +67,7 @@ class Resolution:
 
     mesh: Mesh
     params: tuple[ParamSpec, ...]
+    gathered: tuple[str, ...] = ()  # the rules' gathered column-wise modules (``Rules.gathered``)
 
     @property
     def specs(self) -> dict[str, P]:
@@ -134,6 +135,7 @@ class Rules:
         fsdp: str | Sequence[str] | None = None,
         allow_unmatched: bool = False,
         allow_unused: bool = False,
+        gathered: Sequence[str] = (),
     ) -> None:
         items = list(patterns.items()) if isinstance(patterns, Mapping) else list(patterns)
         self.patterns: tuple[tuple[str, P], ...] = _check_patterns(items)
@@ -142,6 +144,9 @@ class Rules:
         self.fsdp: tuple[str, ...] = (fsdp,) if isinstance(fsdp, str) else tuple(fsdp or ())
         self.allow_unmatched = allow_unmatched
         self.allow_unused = allow_unused
+        # module FQN regexes whose column-wise output is all-gathered, never paired (HF's
+        # colwise_gather_output): the model's code after them needs the full features
+        self.gathered: tuple[str, ...] = tuple(gathered)
 
     def __repr__(self) -> str:
         return (
@@ -169,9 +174,11 @@ class Rules:
             rules = mt.Rules.from_hf(model, fsdp="dp")   # LlamaForCausalLM, Qwen2ForCausalLM, ...
         """
         first = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
-        generated = hf_patterns(model, tp, covered=[re.compile(pattern) for pattern, _ in first])
+        covered = [re.compile(pattern) for pattern, _ in first]
+        generated = hf_patterns(model, tp, covered=covered)
         logical = [("seq", tp)] if sequence_parallel else []
-        return cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp)
+        return cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp,
+                   gathered=hf_gathered(model, covered=covered))  # fmt: skip
 
     def match(self, fqn: str) -> tuple[str, P] | None:
         """The first regex rule that fully matches ``fqn``, or ``None``."""
@@ -252,7 +259,7 @@ class Rules:
         unused = [pattern for pattern, _ in self.patterns if pattern not in used_patterns]
         if unused and not self.allow_unused:
             raise self._unused_error(unused, shapes, mesh)
-        return Resolution(mesh, tuple(params))
+        return Resolution(mesh, tuple(params), self.gathered)
 
     def _logical_param_spec(self, fqn: str, shape: tuple[int, ...], names: LogicalAxes) -> P:
         if len(names) != len(shape):
