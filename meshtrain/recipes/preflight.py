@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from meshtrain.recipes.recipe import Recipe
 
 __all__ = ["DEFAULTS", "check_launch", "check_plan", "lock_run"]
+#: ``[data] source`` values that read the user's files (as meshtrain.train.data.documents has them).
+_FILE_SOURCES = ("jsonl", "text", "parquet", "hf-dataset")
 
 #: The schema's defaults these checks need, read from its sections (which import no torch).
 DEFAULTS: dict[str, Any] = {
@@ -146,6 +148,11 @@ def _check_files(data: Mapping[str, Any], source: str) -> None:
     table = table if isinstance(table, Mapping) else {}
     kind = table.get("source", DEFAULTS["data.source"])
     path = table.get("path", DEFAULTS["data.path"])
+    if isinstance(path, str) and kind in _FILE_SOURCES and not Path(path).exists():
+        raise RecipeError(
+            f"{source}: data.path = {path!r} does not exist, and data.source = {kind!r} reads the "
+            "documents there. Point data.path at your file (or directory of files)."
+        )
     if not isinstance(path, str) or kind not in ("tokens", "corpus"):
         return
     prepared = (Path(path) / "tokens.json").is_file()

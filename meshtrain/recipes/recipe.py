@@ -54,6 +54,7 @@ from meshtrain.recipes.schema import (
     model_section,
     parallel_section,
 )
+from meshtrain.recipes.sections import EvalSection, ProfileSection
 from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-exported
 from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
@@ -116,6 +117,8 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     lora: LoRASection | None = None
+    eval: EvalSection = field(default_factory=EvalSection)
+    profile: ProfileSection = field(default_factory=ProfileSection)
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -275,6 +278,10 @@ def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[st
             LoggingSection, check_table(source, "logging", data.get("logging", {}))
         ),
         lora=lora_section(source, data["lora"]) if "lora" in data else None,
+        eval=build_section(EvalSection, check_table(source, "eval", data.get("eval", {}))),
+        profile=build_section(
+            ProfileSection, check_table(source, "profile", data.get("profile", {}))
+        ),
         raw=data,
     )
 

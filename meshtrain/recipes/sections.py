@@ -36,12 +36,14 @@ __all__ = [
     "TOP_SECTIONS",
     "CheckpointSection",
     "DataSection",
+    "EvalSection",
     "FreeForm",
     "LoRASection",
     "LoggingSection",
     "ModelSection",
     "ParallelSection",
     "PipelineSection",
+    "ProfileSection",
     "TrainSection",
     "about",
     "lazy",
@@ -50,7 +52,9 @@ __all__ = [
 #: The optimizers a recipe builds (:class:`meshtrain.recipes.OptimizerBuilder`).
 OptimizerName = Literal["sgd", "adam", "adamw"]
 #: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
-DataSource = Literal["corpus", "synthetic", "tokens"]
+DataSource = Literal["corpus", "synthetic", "tokens", "jsonl", "text", "parquet", "hf-dataset"]
+#: How a document file's records read: one text field, or a prompt and a response.
+DataFormat = Literal["text", "instruction"]
 #: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).
 QuantizeBase = Literal["", "nf4"]
 Bound = Literal["positive", "nonnegative"]
@@ -337,18 +341,55 @@ class LoRASection:
 @dataclass(frozen=True)
 class DataSection:
     """``[data]``: ``corpus`` (the Python standard library's docstrings, tokenized locally into
-    ``path`` on first use), ``tokens`` (a prepared token directory at ``path``) or ``synthetic``
-    (``samples`` random sequences); the tokenizer; shuffling and its seed."""
+    ``path`` on first use), ``tokens`` (a prepared token directory at ``path``), ``synthetic``
+    (``samples`` random sequences), or the user's files at ``path`` — ``jsonl``, ``text``,
+    ``parquet``, ``hf-dataset`` (tokenised once into ``<run_dir>/data``, packed with document
+    boundaries masked, see [your data](data.md)); the tokenizer; shuffling and its seed."""
 
     source: DataSource = field(
         default="corpus", metadata=about("see [training](training.md#data)", "corpus")
     )
     path: str = field(
         default="data/corpus",
-        metadata=about("the token directory (written once for `corpus`)", "data/tokens"),
+        metadata=about(
+            "the token directory (written once for `corpus`), or your file or directory",
+            "data/tokens",
+        ),
     )
     tokenizer: str = field(
-        default="byte", metadata=about('`"byte"` or a `tokenizer.json` path', "byte")
+        default="byte",
+        metadata=about(
+            '`"byte"`, a `tokenizer.json` path (or its directory), or `"model"` (the '
+            "`[model] hf` directory's)",
+            "byte",
+        ),
+    )
+    text_field: str = field(
+        default="text",
+        metadata=about("the record field (column) holding each document's text", "text"),
+    )
+    format: DataFormat = field(
+        default="text",
+        metadata=about(
+            "`instruction`: records hold a prompt and a response; the prompt is masked from the "
+            "loss",
+            "instruction",
+        ),
+    )
+    prompt_field: str = field(
+        default="prompt", metadata=about("the prompt's field (`instruction` format)", "prompt")
+    )
+    response_field: str = field(
+        default="response",
+        metadata=about("the response's field (`instruction` format)", "response"),
+    )
+    validation: float = field(
+        default=0.0,
+        metadata=about(
+            "the fraction of documents held out for `[eval]` (file sources)",
+            0.01,
+            bound="nonnegative",
+        ),
     )
     corpus_bytes: int | None = field(
         default=None,
@@ -389,6 +430,15 @@ class CheckpointSection:
     )
     resume: bool = field(
         default=True, metadata=about("continue from the latest complete checkpoint in `dir`", True)
+    )
+    allow_change: tuple[str, ...] = field(
+        default=(),
+        metadata=about(
+            "recipe keys (or sections) a resume may change although they change what training "
+            "means (`meshtrain train --allow-change KEY`; [details](reliability.md))",
+            ["train.batch_size"],
+            shown="`[]`",
+        ),
     )
     init_from: str = field(
         default="",
@@ -439,6 +489,36 @@ class LoggingSection:
 
 
 @dataclass(frozen=True)
+class EvalSection:
+    """``[eval]``: validation loss and perplexity every ``every`` steps (0: never) over
+    ``batches`` global batches of the held-out data (``data.validation``), on the run's plan;
+    logged to the console, JSONL and wandb as ``val_loss`` and ``val_perplexity``."""
+
+    every: int = field(
+        default=0,
+        metadata=about("evaluate every N steps and at the end (0: off)", 50, bound="nonnegative"),
+    )
+    batches: int = field(
+        default=8, metadata=about("global batches per evaluation", 8, bound="positive")
+    )
+
+
+@dataclass(frozen=True)
+class ProfileSection:
+    """``[profile]``: trace steps ``steps = [first, last]`` with ``torch.profiler`` (one trace per
+    rank in ``<run_dir>/profile``, for Perfetto or TensorBoard), a CUDA memory snapshot on GPUs
+    and a table of compute against each collective's time per step; off (and free) by
+    default. ``meshtrain train --profile`` traces steps 3 to 5."""
+
+    steps: tuple[int, ...] = field(
+        default=(), metadata=about("the first and last step traced", [3, 5], shown="none")
+    )
+    memory: bool = field(
+        default=True, metadata=about("a CUDA memory snapshot of the traced steps (GPUs)", True)
+    )
+
+
+@dataclass(frozen=True)
 class FreeForm:
     """A section whose keys are the user's (mesh axes, rule regexes), checked by its own
     function in :mod:`meshtrain.recipes.schema`; what its keys and values are, for the docs."""
@@ -468,6 +548,8 @@ RECIPE_SECTIONS: dict[str, type | FreeForm] = {
     "data": DataSection,
     "checkpoint": CheckpointSection,
     "logging": LoggingSection,
+    "eval": EvalSection,
+    "profile": ProfileSection,
 }
 
 

@@ -210,7 +210,7 @@ class TokenFile:
 
 def prepare_tokens(
     documents: Iterable[str],
-    tokenizer: Tokenizer,
+    tokenizer: str | os.PathLike[str] | Tokenizer,
     out_dir: str | os.PathLike[str],
     *,
     source: str = "documents given to prepare_tokens",
@@ -225,13 +225,18 @@ def prepare_tokens(
     valid pair, or no ``tokens.json`` at all, never a half file that looks valid. Several
     processes must not prepare the same directory at once: prepare on one rank, then barrier.
 
+    ``tokenizer`` is a :class:`Tokenizer` or what :func:`load_tokenizer` takes (``"byte"``, a
+    ``tokenizer.json`` path), as for :func:`prepare_corpus`.
+
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as out_dir:
-        ...     token_file = prepare_tokens(["ab", "c"], ByteTokenizer(), out_dir)
+        ...     token_file = prepare_tokens(["ab", "c"], "byte", out_dir)
         ...     token_file.tokens.tolist(), token_file.info.dtype
         ([97, 98, 0, 99, 0], 'uint16')
     """
+    if isinstance(tokenizer, str | os.PathLike):
+        tokenizer = load_tokenizer(tokenizer)
     directory = Path(out_dir)
     directory.mkdir(parents=True, exist_ok=True)
     dtype = np.dtype(np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.uint32)

@@ -156,6 +156,11 @@ class HuggingFaceTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=False))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """:meth:`encode` of many texts at once, on all cores (the ``tokenizers`` thread pool)."""
+        encodings = self._tokenizer.encode_batch(list(texts), add_special_tokens=False)
+        return [list(encoding.ids) for encoding in encodings]
+
     def __repr__(self) -> str:
         return f"HuggingFaceTokenizer('{self.path}', eos_token={self.eos_token!r})"
 

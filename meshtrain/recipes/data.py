@@ -1,0 +1,154 @@
+"""A recipe's ``[data]``: the datasets it trains and evaluates on, and the user's files tokenised
+once (with a progress bar) before ranks start.
+
+:func:`prepare_recipe_data` runs in the launcher (one process, before any rank): it reads the
+files ``[data] path`` names, tokenises them with the recipe's tokenizer and packs them into
+``<run_dir>/data`` (:mod:`meshtrain.train.data.packed`), or reuses what an earlier run wrote. A
+bad file is refused there, one line naming the file and line. :func:`recipe_datasets` opens the
+train and validation datasets on every rank (local rank 0 prepares first when a rank was
+started without the launcher, e.g. under ``torchrun`` directly).
+
+Example::
+
+    prepared = prepare_recipe_data(load_recipe("sft.toml"))   # in the launcher
+    train_data, validation = recipe_datasets(recipe, vocab=32000)   # on each rank
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import RecipeError
+from meshtrain.recipes.recipe import Recipe
+from meshtrain.train.data import SyntheticTokens, TokenFile, TokenWindows, prepare_corpus
+from meshtrain.train.data.documents import FILE_SOURCES, DocumentSource
+from meshtrain.train.data.packed import PackedWindows, PreparedData, prepare_documents
+from meshtrain.train.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = ["data_directory", "prepare_recipe_data", "recipe_datasets", "recipe_tokenizer"]
+
+
+def data_directory(recipe: Recipe) -> Path:
+    """Where a file source's packed tokens go: ``<run_dir>/data``."""
+    return recipe.run_dir / "data"
+
+
+def recipe_tokenizer(recipe: Recipe) -> Tokenizer:
+    """The recipe's tokenizer: ``"byte"``, a ``tokenizer.json`` (or its directory), or
+    ``"model"``: the ``[model] hf`` directory's."""
+    name = recipe.data.tokenizer
+    if name == "model":
+        if not recipe.model.hf:
+            raise RecipeError(
+                f"{recipe.source}: data.tokenizer = 'model' reads the tokenizer of the [model] hf "
+                "directory, and this recipe has none. Name a tokenizer.json, or 'byte'."
+            )
+        return load_tokenizer(recipe.model.hf)
+    return load_tokenizer(name)
+
+
+def document_source(recipe: Recipe) -> DocumentSource:
+    data = recipe.data
+    return DocumentSource(data.source, data.path, data.text_field, data.format,
+                          data.prompt_field, data.response_field)  # fmt: skip
+
+
+def prepare_recipe_data(
+    recipe: Recipe, *, say: Callable[[str], None] | None = None
+) -> PreparedData:
+    """Tokenise a file source into ``<run_dir>/data`` (or reuse it), showing a progress bar on a
+    terminal and one line when done; see the module docstring."""
+    say = say or _print
+    tokenizer = recipe_tokenizer(recipe)
+    started = time.perf_counter()
+    with _ProgressBar(f"tokenising {recipe.data.path}") as progress:
+        prepared = prepare_documents(
+            document_source(recipe), tokenizer, data_directory(recipe),
+            validation=recipe.data.validation, seed=recipe.data.seed, progress=progress,
+        )  # fmt: skip
+    train = TokenFile(prepared.train).info
+    held_out = TokenFile(prepared.validation).info if prepared.validation else None
+    what = "reused" if prepared.reused else f"tokenised in {time.perf_counter() - started:.1f} s"
+    split = f", {held_out.num_documents} held out for validation" if held_out else ""
+    say(
+        f"data: {train.num_documents} documents, {train.num_tokens:,} tokens "
+        f"({tokenizer.name}){split}; {what} → {prepared.train.parent}"
+    )
+    return prepared
+
+
+def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
+    """The train dataset and the validation dataset (``None`` when the recipe has none), on a
+    rank of an initialised process group."""
+    import torch.distributed as dist
+
+    data, seq_len = recipe.data, recipe.train.seq_len
+    if data.source == "synthetic":
+        seed = data.seed + 1_000_003  # held-out sequences: another stream of the same law
+        return (SyntheticTokens(vocab, seq_len, data.samples, data.seed),
+                SyntheticTokens(vocab, seq_len, max(1, data.samples // 16), seed))  # fmt: skip
+    local_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+    if data.source in FILE_SOURCES:
+        if local_first:
+            prepare_recipe_data(recipe, say=lambda line: None)  # reuses the launcher's work
+        dist.barrier()
+        out = data_directory(recipe)
+        validation = out / "validation" if data.validation > 0 else None
+        _check_vocab(recipe, out / "train", vocab)
+        return (PackedWindows(out / "train", seq_len),
+                PackedWindows(validation, seq_len) if validation else None)  # fmt: skip
+    path = Path(data.path)
+    if data.source == "corpus":
+        if local_first:
+            prepare_corpus(path, tokenizer=data.tokenizer, limit_bytes=data.corpus_bytes)
+        dist.barrier()
+    _check_vocab(recipe, path, vocab)
+    return TokenWindows(TokenFile(path), seq_len), None
+
+
+def _check_vocab(recipe: Recipe, path: Path, vocab: int) -> None:
+    tokens = TokenFile(path)
+    if tokens.vocab_size > vocab:
+        raise RecipeError(
+            f"{recipe.source}: the token file {str(path)!r} was made with a {tokens.vocab_size}-"
+            f"token vocabulary, but the model's is {vocab}. Use a model with a vocabulary of "
+            "at least that size (--set model.vocab_size=...) or another tokenizer."
+        )
+
+
+class _ProgressBar:
+    """A rich progress bar of documents and tokens, on a terminal only; a no-op elsewhere."""
+
+    def __init__(self, title: str) -> None:
+        self.title = title
+        self._bar: Any = None
+        self._task: Any = None
+
+    def __enter__(self) -> Callable[[int, int], None] | None:
+        if not sys.stdout.isatty():
+            return None
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
+                             TimeElapsedColumn(), transient=True)  # fmt: skip
+        self._bar.start()
+        self._task = self._bar.add_task(self.title)
+        return self._update
+
+    def _update(self, documents: int, tokens: int) -> None:
+        assert self._bar is not None and self._task is not None
+        self._bar.update(self._task, description=f"{self.title}: {documents:,} documents, "
+                         f"{tokens:,} tokens")  # fmt: skip
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)

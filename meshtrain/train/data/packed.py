@@ -1,0 +1,302 @@
+"""Documents tokenised once into packed token files with a loss mask, split into train and
+validation, and read back as windows that never learn across a document boundary.
+
+Why: real data arrives as documents of every length. Packing them end to end (each followed by
+the end-of-document id) wastes no compute on padding, but a window then holds the end of one
+document and the start of the next. The models meshtrain trains attend causally over the whole
+window, so the loss masks the boundary instead: the first token of every document is never a
+target (it would be predicted from another document), and in the instruction format neither is
+any prompt token (the model learns to answer, not to ask). The mask lives beside the tokens
+(``loss_mask.bin``, one byte per token: 1 = a target that carries loss).
+
+:func:`prepare_documents` writes ``<out>/train`` and, with ``validation > 0``, ``<out>/validation``
+(documents assigned by a seeded hash of their index, so the split is stable), and reuses them
+when the files, fields, tokenizer and split are unchanged (file sizes and modification times are
+part of the key). :class:`PackedWindows` reads them as ``(inputs, targets)`` samples, targets
+masked with ``-100``; :class:`~meshtrain.train.data.DistributedBatches` resumes them at the
+exact sample as it does any dataset.
+
+Example:
+    >>> import json, pathlib, tempfile
+    >>> from meshtrain.train.data.documents import DocumentSource
+    >>> from meshtrain.train.data.tokenizer import ByteTokenizer
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...     rows = [{"prompt": "Q", "response": "ab"}, {"prompt": "Q", "response": "cd"}]
+    ...     path = pathlib.Path(tmp, "d.jsonl")
+    ...     _ = path.write_text("\\n".join(json.dumps(row) for row in rows))
+    ...     source = DocumentSource("jsonl", str(path), format="instruction")
+    ...     prepared = prepare_documents(source, ByteTokenizer(), pathlib.Path(tmp, "out"))
+    ...     windows = PackedWindows(prepared.train, seq_len=7)
+    ...     inputs, targets = windows[0]
+    >>> inputs.tolist()
+    [81, 97, 98, 0, 81, 99, 100]
+    >>> targets.tolist()  # 'Q' is a prompt, and the second 'Q' starts another document
+    [97, 98, 0, -100, 99, 100, 0]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshtrain.train.atomic import replaced_atomically, write_text_atomically
+from meshtrain.train.data.corpus import DataError
+from meshtrain.train.data.documents import Document, DocumentSource, read_documents, source_files
+from meshtrain.train.data.loader import TOKENS_BIN, TOKENS_JSON, TokenFile, TokenFileInfo
+from meshtrain.train.data.tokenizer import Tokenizer
+
+__all__ = ["LOSS_MASK_BIN", "PackedWindows", "PreparedData", "prepare_documents"]
+
+LOSS_MASK_BIN = "loss_mask.bin"
+_BATCH_DOCUMENTS = 512
+#: ``progress(documents, tokens)`` after each batch of documents is tokenised.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """The token directories :func:`prepare_documents` wrote (or reused)."""
+
+    train: Path
+    validation: Path | None
+    reused: bool
+
+
+def prepare_documents(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    out_dir: str | os.PathLike[str],
+    *,
+    validation: float = 0.0,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> PreparedData:
+    """Tokenise ``source`` into ``out_dir/train`` (and ``out_dir/validation``), or reuse them.
+
+    ``validation`` is the fraction of documents held out (0 for none); see the module docstring.
+    """
+    if not 0.0 <= validation < 1.0:
+        raise DataError(f"data.validation = {validation} must lie in [0, 1).")
+    out = Path(out_dir)
+    key = _cache_key(source, tokenizer, validation, seed)
+    names = ("train", "validation") if validation > 0 else ("train",)
+    if all(_matches(out / name, key) for name in names):
+        return PreparedData(out / "train", out / "validation" if validation else None, True)
+    writers = {name: _PackedWriter(out / name, tokenizer) for name in names}
+    try:
+        _tokenise(source, tokenizer, writers, validation, seed, progress)
+        for name, writer in writers.items():
+            writer.finish(tokenizer, key, f"{source.kind} {source.path} ({name})")
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return PreparedData(out / "train", out / "validation" if validation else None, False)
+
+
+def _tokenise(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    writers: dict[str, _PackedWriter],
+    validation: float,
+    seed: int,
+    progress: Progress | None,
+) -> None:
+    documents = tokens = 0
+    batch: list[Document] = []
+
+    def flush() -> None:
+        nonlocal documents, tokens
+        for index, (document, ids, prompt) in enumerate(_encoded(tokenizer, batch)):
+            held_out = validation > 0 and _unit(seed, documents + index) < validation
+            writers["validation" if held_out else "train"].add(ids, prompt, document)
+            tokens += len(ids) + 1
+        documents += len(batch)
+        batch.clear()
+        if progress is not None:
+            progress(documents, tokens)
+
+    for document in read_documents(source):
+        batch.append(document)
+        if len(batch) == _BATCH_DOCUMENTS:
+            flush()
+    flush()
+
+
+def _encoded(
+    tokenizer: Tokenizer, documents: Sequence[Document]
+) -> Iterable[tuple[Document, list[int], int]]:
+    """``(document, ids, prompt length)``; a tokenizer with ``encode_batch`` (Hugging Face's
+    ``tokenizers``) encodes the batch on all cores."""
+    encode = getattr(tokenizer, "encode_batch", None)
+    texts = [document.text for document in documents]
+    prompts = [document.prompt for document in documents]
+    if encode is not None:
+        text_ids, prompt_ids = encode(texts), encode(prompts)
+    else:
+        text_ids = [tokenizer.encode(text) for text in texts]
+        prompt_ids = [tokenizer.encode(prompt) if prompt else [] for prompt in prompts]
+    for document, ids, prompt in zip(documents, text_ids, prompt_ids, strict=True):
+        yield document, [*prompt, *ids], len(prompt)
+
+
+class _PackedWriter:
+    """Streams documents (each followed by eos) and their loss mask into one token directory."""
+
+    def __init__(self, directory: Path, tokenizer: Tokenizer) -> None:
+        self._eos, self._vocab = tokenizer.eos_id, tokenizer.vocab_size
+        self._out_dtype = np.dtype(np.uint16 if self._vocab <= 1 << 16 else np.uint32)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        (directory / TOKENS_JSON).unlink(missing_ok=True)  # nothing looks valid until done
+        self._scratch = [
+            replaced_atomically(directory / name) for name in (TOKENS_BIN, LOSS_MASK_BIN)
+        ]
+        paths = [context.__enter__() for context in self._scratch]
+        self._streams = [open(path, "wb") for path in paths]  # noqa: SIM115 (closed in close())
+        self._digest = hashlib.sha256()
+        self.tokens = self.documents = 0
+        self._finished = False
+
+    def add(self, ids: list[int], prompt: int, document: Document) -> None:
+        if not ids[prompt:]:
+            return  # an empty document (or an empty response) teaches nothing
+        self._check(ids, document)
+        mask = np.ones(len(ids) + 1, dtype=np.uint8)
+        mask[: max(prompt, 1)] = 0  # the document's first token, and the prompt
+        data = np.asarray([*ids, self._eos], dtype=self._out_dtype).tobytes()
+        self._streams[0].write(data)
+        self._streams[1].write(mask.tobytes())
+        self._digest.update(data)
+        self.tokens += len(ids) + 1
+        self.documents += 1
+
+    def _check(self, ids: list[int], document: Document) -> None:
+        bad = [token for token in ids if not 0 <= token < self._vocab]
+        if bad:
+            raise DataError(
+                f"{document.where}: the tokenizer produced id {bad[0]}, outside its vocabulary "
+                f"[0, {self._vocab}). Use the tokenizer the model was trained with."
+            )
+
+    def finish(self, tokenizer: Tokenizer, key: str, description: str) -> None:
+        if self.tokens == 0:
+            name = self.directory.name
+            raise DataError(
+                f"{description}: no document with text to train on reached the {name} split. "
+                + ("Raise data.validation or add documents." if name == "validation" else "")
+            )
+        for stream in self._streams:
+            stream.flush()
+            stream.close()
+        for context in self._scratch:
+            context.__exit__(None, None, None)
+        self._finished = True
+        info = TokenFileInfo(
+            num_tokens=self.tokens, dtype=self._out_dtype.name, tokenizer=tokenizer.name,
+            vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+            num_documents=self.documents, sha256=self._digest.hexdigest(), source=key,
+        )  # fmt: skip
+        text = json.dumps(info.to_json(), indent=2, sort_keys=True) + "\n"
+        write_text_atomically(self.directory / TOKENS_JSON, text)
+
+    def close(self) -> None:
+        if self._finished:
+            return
+        for stream in self._streams:
+            stream.close()
+        for context in self._scratch:
+            context.__exit__(DataError, DataError("unfinished"), None)  # drops the scratch file
+
+
+class PackedWindows:
+    """Non-overlapping windows of a packed token directory, targets masked by its loss mask.
+
+    Like :class:`~meshtrain.train.data.TokenWindows`: sample ``i`` reads the ``seq_len + 1``
+    tokens from ``i × seq_len``; a target whose ``loss_mask.bin`` byte is 0 is ``-100``.
+
+    Example::
+
+        windows = PackedWindows("runs/sft/data/train", seq_len=512)
+        inputs, targets = windows[0]      # targets == -100 at prompts and document starts
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], seq_len: int) -> None:
+        self.token_file = TokenFile(directory)
+        mask_path = self.token_file.directory / LOSS_MASK_BIN
+        if not mask_path.is_file() or mask_path.stat().st_size != len(self.token_file):
+            raise DataError(
+                f"'{mask_path}' is missing or does not match '{self.token_file.bin_path}' (one "
+                "byte per token). Delete the directory; the next run tokenises the data again."
+            )
+        if seq_len < 1 or len(self.token_file) < seq_len + 1:
+            raise DataError(
+                f"'{self.token_file.directory}' holds {len(self.token_file)} tokens, fewer than "
+                f"one window of train.seq_len + 1 = {seq_len + 1}. Add documents or shorten "
+                "train.seq_len."
+            )
+        self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(len(self.token_file),))
+        self._seq_len = seq_len
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.token_file.vocab_size
+
+    def __len__(self) -> int:
+        return (len(self.token_file) - 1) // self._seq_len
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} is out of range for {self!r} of {len(self)}")
+        start = index * self._seq_len
+        window = self.token_file.tokens[start : start + self._seq_len + 1].astype(np.int64)
+        keep = self.mask[start + 1 : start + self._seq_len + 1].astype(bool)
+        targets = np.where(keep, window[1:], -100)
+        return torch.from_numpy(window[:-1].copy()), torch.from_numpy(targets)
+
+    def __repr__(self) -> str:
+        return f"PackedWindows('{self.token_file.directory}', seq_len={self._seq_len})"
+
+
+def _unit(seed: int, index: int) -> float:
+    """A number in [0, 1) fixed by ``(seed, index)``: which split a document falls in."""
+    digest = hashlib.sha256(f"meshtrain-split:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") / 2**64
+
+
+def _cache_key(source: DocumentSource, tokenizer: Tokenizer, validation: float, seed: int) -> str:
+    files = [(str(path), *_stamp(path)) for path in source_files(source)]
+    described = json.dumps(
+        [source.kind, source.path, source.fields(), source.format, tokenizer.name,
+         validation, seed, files], sort_keys=True,
+    )  # fmt: skip
+    return f"{source.kind}:{source.path}:{hashlib.sha256(described.encode()).hexdigest()[:16]}"
+
+
+def _stamp(path: Path) -> tuple[int, int]:
+    if path.is_dir():  # a saved dataset: its newest file
+        stats = [item.stat() for item in path.rglob("*") if item.is_file()]
+        return sum(stat.st_size for stat in stats), max(stat.st_mtime_ns for stat in stats)
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+def _matches(directory: Path, key: str) -> bool:
+    try:
+        token_file = TokenFile(directory)
+    except DataError:
+        return False
+    mask = directory / LOSS_MASK_BIN
+    return (
+        token_file.info.source == key and mask.is_file() and mask.stat().st_size == len(token_file)
+    )
