@@ -11,9 +11,11 @@ and SIGHUP to each rank's process group. Ranks follow their launcher (:func:`exi
 if it dies, even by SIGKILL, they stop after their current step. Nothing here imports torch at
 module level, so the launcher can refuse a bad command line before paying for it.
 
-Exit statuses (:data:`EXIT_CODES`): 0 done, 1 a crash, 2 a meshtrain error (a bad recipe, a busy
-run directory, a non-finite budget spent), 75 stopped on request after saving a checkpoint — run
-the same command to resume.
+Exit statuses (:data:`EXIT_CODES`): 0 done, 1 a rank failed (a crash: the summary names the first
+rank that failed and its own first error line), 2 a meshtrain error (a bad recipe, a busy run
+directory, a non-finite budget spent), 4 a rank failed again after every ``--max-restarts``
+restart, 75 stopped on request after saving a checkpoint — run the same command to resume, 124
+a rank stopped making progress (the watchdog ended the job).
 
 Example:
     >>> torchrun_command(["train", "debug"], nproc=4)[3:6]
@@ -58,13 +60,19 @@ STOP_TIMEOUT_VARIABLE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_ERROR = 2
+EXIT_RESTARTS_SPENT = 4
 EXIT_STOPPED = 75  # sysexits' EX_TEMPFAIL: stopped for now, try again
+EXIT_HUNG = 124  # as timeout(1): a rank stopped making progress
 EXIT_CODES = {
     EXIT_OK: "trained to the last step (or nothing was left to train)",
-    EXIT_FAILED: "a crash: a rank died or raised an unexpected error",
+    EXIT_FAILED: "a rank failed: it died or raised an unexpected error (the summary names the "
+    "first one, its first error line and the log file holding its traceback)",
     EXIT_ERROR: "a meshtrain error: a bad recipe or command line, a busy run directory, a spent "
-    "non-finite budget, a checkpoint that cannot be saved or loaded",
+    "non-finite budget, a checkpoint that cannot be saved or loaded, bad token data",
+    EXIT_RESTARTS_SPENT: "a rank failed again after every --max-restarts restart was used",
     EXIT_STOPPED: "stopped by a signal after saving a checkpoint; run the same command to resume",
+    EXIT_HUNG: "a rank stopped making progress: the watchdog named it, dumped the stacks and "
+    "ended the job; the newest intact checkpoint is where the next run resumes",
 }
 
 
@@ -205,10 +213,11 @@ class RankReport:
 
     rank: int
     exit_code: int
-    event: str  # "done", "stopped", "error", "lost contact"
+    event: str  # "done", "stopped", "error", "crash", "lost contact"
     message: str = ""  # what the launcher prints (once for the ranks that say the same)
     pid: int = 0
     attempt: int = 0  # torchrun's restart count: a report from an earlier attempt is stale
+    time: float = 0.0  # when the rank ended (time.time()): the first failure is the cause
 
 
 def report_exit(exit_code: int, event: str, message: str = "") -> bool:
@@ -219,7 +228,7 @@ def report_exit(exit_code: int, event: str, message: str = "") -> bool:
         return False
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt)
+    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt, time.time())
     try:
         path = Path(directory) / f"attempt-{attempt}-rank-{rank}.json"
         path.write_text(json.dumps(asdict(report)))
@@ -259,17 +268,20 @@ def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | Non
     os.environ.setdefault(STOP_TIMEOUT_VARIABLE, "300")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     _quiet_agent_logs()
+    restarts = max([0, *(int(item.split("=", 1)[1]) for item in arguments
+                         if item.startswith("--max-restarts="))])  # fmt: skip
+    began = time.monotonic()
     try:
         try:
             run(parse_args(list(arguments)))
         except SignalException as err:
             found = _read_reports(reports)
             _print_messages(found)
-            return _after_signal(signal.Signals(err.sigval), found, nproc)
+            return _after_signal(signal.Signals(err.sigval), found, nproc, time.monotonic() - began)
         except ChildFailedError as err:
             found = _read_reports(reports)
             _print_messages(found)
-            return _after_failure(err.failures, found)
+            return _after_failure(err.failures, found, restarts)
         return EXIT_OK
     finally:
         shutil.rmtree(reports, ignore_errors=True)
@@ -311,24 +323,40 @@ def _print_messages(reports: Mapping[int, RankReport]) -> None:
             print(f"[{who}] {text}", file=sys.stderr, flush=True)
 
 
-def _after_signal(number: signal.Signals, reports: dict[int, RankReport], nproc: int) -> int:
+def _after_signal(
+    number: signal.Signals, reports: dict[int, RankReport], nproc: int, elapsed_s: float = 0.0
+) -> int:
+    """The status after a signal stopped the job: what the ranks reported decides; only ranks
+    that did not report were killed, and the line says which, and why."""
     codes = {report.exit_code for report in reports.values()}
     if EXIT_ERROR in codes:
         return EXIT_ERROR  # the ranks printed their error; they asked the agent to stop
+    everyone = len(reports) >= nproc
+    if everyone and codes <= {EXIT_OK, EXIT_STOPPED}:
+        return EXIT_STOPPED if EXIT_STOPPED in codes else EXIT_OK  # rank 0 said where to resume
     # A rank stopped during start-up leaves its peers without a partner, but no step had run.
-    if len(reports) >= nproc and EXIT_STOPPED in codes and codes <= {EXIT_STOPPED, EXIT_FAILED}:
-        return EXIT_STOPPED  # rank 0 printed where to resume
-    timeout = os.environ.get(STOP_TIMEOUT_VARIABLE, "?")
+    if everyone and EXIT_STOPPED in codes and codes <= {EXIT_STOPPED, EXIT_FAILED}:
+        return EXIT_STOPPED
+    timeout = float(os.environ.get(STOP_TIMEOUT_VARIABLE, "300"))
+    silent = sorted(set(range(nproc)) - set(reports)) if nproc else []
+    who = ", ".join(map(str, silent)) or "some"
+    why = (
+        f"did not stop within {timeout:.0f} s (--stop-timeout) and were killed"
+        if elapsed_s >= timeout
+        else "ended without saying how (killed, or crashed while stopping)"
+    )
     _say(
-        f"{number.name} reached the ranks, but not all of them stopped within {timeout} s "
-        "(--stop-timeout) and the rest were killed; the newest intact checkpoint is where the "
-        "next run resumes (`meshtrain checkpoints RUN_DIR` lists them)."
+        f"{number.name} reached the ranks; rank(s) {who} {why}. The newest intact checkpoint is "
+        "where the next run resumes (`meshtrain checkpoints RUN_DIR` lists them)."
     )
     return EXIT_FAILED
 
 
-def _after_failure(failures: Mapping[int, object], reports: Mapping[int, RankReport]) -> int:
-    """A rank failed: its own report decides, else one line naming how each failed rank ended."""
+def _after_failure(
+    failures: Mapping[int, object], reports: Mapping[int, RankReport], restarts: int = 0
+) -> int:
+    """A rank failed: the reports decide; the line names the rank that failed first with its
+    own first error line, not the ranks that lost contact with it afterwards."""
     reports = {
         rank: report
         for rank, report in reports.items()
@@ -340,24 +368,50 @@ def _after_failure(failures: Mapping[int, object], reports: Mapping[int, RankRep
             return EXIT_ERROR
         if codes == {EXIT_STOPPED}:
             return EXIT_STOPPED
-    crashed = [
-        f"rank {rank} {_how_it_ended(failure)}"
-        for rank, failure in sorted(failures.items())
-        if rank not in reports or reports[rank].event == "lost contact"
-    ] or [f"rank {rank} {_how_it_ended(failure)}" for rank, failure in sorted(failures.items())]
-    _say(
-        f"{'; '.join(crashed)}. Run the same command to resume from the newest intact "
-        "checkpoint, or pass --max-restarts N to resume automatically."
-    )
+    first = _first_failure(failures, reports)
+    attempt = max((report.attempt for report in reports.values()), default=0)
+    if restarts and attempt >= restarts:
+        _say(
+            f"{first}. The ranks were restarted {restarts} time(s) and failed again, so they are "
+            "not restarted: fix the cause, then run the same command to resume from the newest "
+            "intact checkpoint."
+        )
+        return EXIT_RESTARTS_SPENT
+    advice = "" if restarts else ", or pass --max-restarts N to resume automatically"
+    _say(f"{first}. Run the same command to resume from the newest intact checkpoint{advice}.")
     return EXIT_FAILED
+
+
+def _first_failure(failures: Mapping[int, object], reports: Mapping[int, RankReport]) -> str:
+    """The rank whose failure came first and how: its own report (a crash with its first error
+    line) before the ranks that lost contact with it; a rank that died without a report by how
+    it died."""
+    causes = sorted(
+        (report.time, rank) for rank, report in reports.items() if report.event == "crash"
+    )
+    if causes:
+        rank = causes[0][1]
+        text = reports[rank].message.split("] ", 1)[-1]
+        return f"rank {rank} failed first: {text}"
+    silent = [rank for rank in sorted(failures) if rank not in reports]
+    if silent:
+        return "; ".join(f"rank {rank} {_how_it_ended(failures[rank])}" for rank in silent) + (
+            " (the other ranks stopped after losing contact with it)" if reports else ""
+        )
+    rank = min(reports, key=lambda rank: reports[rank].time)
+    return f"rank {rank} {_how_it_ended(failures[rank])}: {reports[rank].message}"
 
 
 def _how_it_ended(failure: object) -> str:
     code = getattr(failure, "exitcode", None)
     if isinstance(code, int) and code < 0:
-        return f"was killed by {signal.Signals(-code).name}"
-    if isinstance(code, int) and code == EXIT_FAILED:
-        return "stopped after losing contact with another rank"
+        name = signal.Signals(-code).name
+        hint = (
+            " (a memory-mapped file, such as the token file, shrank under it?)"
+            if name == "SIGBUS"
+            else ""
+        )
+        return f"was killed by {name}{hint}"
     return f"exited with status {code}"
 
 

@@ -13,6 +13,8 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.launch import (
     EXIT_ERROR,
     EXIT_FAILED,
+    EXIT_OK,
+    EXIT_RESTARTS_SPENT,
     EXIT_STOPPED,
     RankReport,
     _after_failure,
@@ -88,10 +90,21 @@ def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
     reports = {0: _report(0, EXIT_FAILED, "lost contact", pid=10)}
     assert _after_failure({0: lost, 1: killed}, reports) == EXIT_FAILED
     assert capsys.readouterr().err == (
-        "meshtrain: rank 0 stopped after losing contact with another rank; rank 1 was killed by "
-        "SIGKILL. Run the same command to resume from the newest intact checkpoint, or pass "
+        "meshtrain: rank 1 was killed by SIGKILL (the other ranks stopped after losing contact "
+        "with it). Run the same command to resume from the newest intact checkpoint, or pass "
         "--max-restarts N to resume automatically.\n"
     )
+    # The first rank to fail is named with its own first error line, not those that followed.
+    crash = RankReport(1, EXIT_FAILED, "crash", "[rank 1] ValueError: bad (traceback: x.log)", 11,
+                       time=5.0)  # fmt: skip
+    late = RankReport(0, EXIT_FAILED, "crash", "[rank 0] RuntimeError: later", 10, time=9.0)
+    assert _after_failure({0: lost, 1: killed}, {0: late, 1: crash}) == EXIT_FAILED
+    assert capsys.readouterr().err.startswith(
+        "meshtrain: rank 1 failed first: ValueError: bad (traceback: x.log). Run the same"
+    )
+    again = RankReport(1, EXIT_FAILED, "crash", "[rank 1] ValueError: bad", 11, attempt=2)
+    assert _after_failure({1: killed}, {1: again}, restarts=2) == EXIT_RESTARTS_SPENT
+    assert "restarted 2 time(s) and failed again" in capsys.readouterr().err
     stale = {0: _report(0, EXIT_STOPPED, "stopped", pid=99)}  # another process's report
     assert _after_failure({0: SimpleNamespace(pid=10, exitcode=-9)}, stale) == EXIT_FAILED
     assert capsys.readouterr().err.startswith("meshtrain: rank 0 was killed by SIGKILL. ")
@@ -102,4 +115,10 @@ def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
     assert _after_signal(signal.SIGTERM, {**stopped, 1: errors[1]}, nproc=2) == EXIT_ERROR
     assert capsys.readouterr().err == ""
     assert _after_signal(signal.SIGINT, {0: stopped[0]}, nproc=2) == EXIT_FAILED
-    assert "SIGINT reached the ranks, but not all of them stopped within" in capsys.readouterr().err
+    assert "SIGINT reached the ranks; rank(s) 1 ended without saying how" in capsys.readouterr().err
+    assert _after_signal(signal.SIGINT, {0: stopped[0]}, nproc=2, elapsed_s=400) == EXIT_FAILED
+    assert "rank(s) 1 did not stop within 300 s" in capsys.readouterr().err
+    # A signal during the final save: every rank finished and said so; no false timeout line.
+    done = {rank: _report(rank, EXIT_OK, "done", pid=rank) for rank in (0, 1)}
+    assert _after_signal(signal.SIGTERM, done, nproc=2, elapsed_s=8) == EXIT_OK
+    assert capsys.readouterr().err == ""

@@ -33,7 +33,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -361,11 +361,13 @@ class ConsoleSink:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         self._print(format_metrics(step, metrics, self.total_steps))
         if self._progress is not None:
-            self._progress.update(self._task, completed=step)
+            with self._console_guard():
+                self._progress.update(self._task, completed=step)
 
     def close(self, *, failed: bool = False) -> None:
         if self._progress is not None:
-            self._progress.stop()
+            with self._console_guard():
+                self._progress.stop()
             self._progress = None
         if failed:
             self._print(f"run {self.run_name}: stopped by an error")
@@ -393,11 +395,27 @@ class ConsoleSink:
         self._progress.start()
 
     def _print(self, line: str) -> None:
-        with contextlib.suppress(OSError):  # a closed terminal or pipe must not stop training
+        with self._console_guard():
             if self._progress is not None:
                 self._progress.console.print(line, markup=False, highlight=False)
             else:
                 print(line, file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def _console_guard(self) -> Iterator[None]:
+        """A closed terminal or pipe must not stop training: on the first OS error writing to
+        it, the progress bar is dropped and this process's stdout and stderr go to /dev/null
+        (so no later print, nor the flush at exit, fails)."""
+        try:
+            yield
+        except OSError:
+            progress, self._progress = self._progress, None
+            refresh = getattr(getattr(progress, "live", None), "_refresh_thread", None)
+            if refresh is not None:
+                refresh.done.set()  # rich's redraw thread: its next write would fail again
+            devnull = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+            self._stream = devnull
+            sys.stdout = sys.stderr = devnull
 
 
 def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | None = None) -> str:

@@ -1,0 +1,45 @@
+"""The last line is true (issue 33, point 5), in one process: a closed terminal does not crash a
+rank, and a rank's unexpected error is one line on the console with its traceback in a log file.
+How the launcher turns the ranks' reports into a status is in tests/test_cli_train.py."""
+
+from __future__ import annotations
+
+import errno
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshtrain.cli import _write_traceback
+from meshtrain.train.metrics.sinks import ConsoleSink
+
+
+class ClosedTerminal(io.StringIO):
+    """A terminal whose window was closed: every write fails with EIO, as a tty's does."""
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_closed_terminal_does_not_stop_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "stdout", sys.stdout)
+    monkeypatch.setattr(sys, "stderr", sys.stderr)
+    sink = ConsoleSink(10, run_name="debug", stream=ClosedTerminal())
+    sink.start(config={}, plan_text="", plan_json="{}")
+    for step in range(1, 4):
+        sink.log(step, {"loss": 1.0})  # no OSError reaches the training loop
+    sink.close(failed=False)
+    assert sys.stdout.name == "/dev/null" and sys.stderr.name == "/dev/null"  # type: ignore[attr-defined]
+    print("a later line and the flush at exit do not fail either")
+    sys.stdout.close()  # the process's own would live until it exits
+
+
+def test_a_crash_is_one_line_and_its_traceback_goes_to_the_run_directory(tmp_path: Path) -> None:
+    try:
+        {}["missing"]
+    except KeyError as err:
+        path = _write_traceback(err, 1, tmp_path)
+    assert path == str(tmp_path / "logs" / "rank-1.log")
+    text = Path(path).read_text()
+    assert text.startswith("Traceback (most recent call last):") and "KeyError: 'missing'" in text
