@@ -181,3 +181,82 @@ def test_a_users_loop_trains_like_one_process(world: int) -> None:
         assert worst["total"] <= TIGHT, (name, worst)
         assert worst["params"] <= TIGHT, (name, worst)
         print(name, {key: f"{value:.2g}" for key, value in worst.items()})
+
+
+# ------------------------------------------------- a pipeline's last stage: the model's own output
+
+
+class TupleLM(nn.Module):
+    """A plain language model that returns ``(logits, hidden)``, as many hand-written models do."""
+
+    def __init__(self, vocab: int = 128, dim: int = 32, n_blocks: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.Tanh(), nn.Linear(2 * dim, dim))
+            for _ in range(n_blocks)
+        )
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h), h
+
+
+def logits_loss(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """A summed loss written as the docs show for a Hugging Face model: ``output.logits``."""
+    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def first_loss(output: tuple[torch.Tensor, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """A summed loss on the first element of the model's tuple."""
+    logits, _hidden = output
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+PIPELINED = {"hf-llama": (zoo.llama, logits_loss), "tuple": (TupleLM, first_loss)}
+
+
+def pipelined_loss(name: str) -> dict[str, float]:
+    """On each rank of a 2-stage pipeline: one step of :data:`PIPELINED` ``name`` through
+    ``forward_backward`` with a ``loss_fn`` that reads the model's own output type, against the
+    model in one process; the loss's and the local gradients' worst relative errors."""
+    from meshtrain.train import Batch, forward_backward
+
+    factory, loss_fn = PIPELINED[name]
+    torch.manual_seed(0)
+    model = factory()
+    reference = copy.deepcopy(model)
+    plan = mt.plan(
+        model, mt.make_mesh(pp=2), Rules({r".*": P()}), pipeline=mt.Pipeline(microbatches=2)
+    )
+    pipelined = mt.apply(plan, model)
+    inputs, targets = zoo.token_batches(0)
+    loss, _tokens = forward_backward(plan, pipelined, Batch(inputs, targets), loss_fn)
+    ref_loss = loss_fn(reference(inputs), targets) / targets.numel()
+    ref_loss.backward()
+    ref_grads = {fqn: p.grad for fqn, p in reference.named_parameters()}
+    worst = {"loss": _rel(loss, float(ref_loss.detach())), "grads": 0.0, "compared": 0.0}
+    for fqn, param in pipelined.named_parameters():
+        assert param.grad is not None, fqn
+        ref = ref_grads[fqn]
+        error = (full(param.grad) - ref).abs().max() / ref.abs().max().clamp_min(1e-30)
+        worst["grads"] = max(worst["grads"], float(error))
+        worst["compared"] += 1
+    return worst
+
+
+@pytest.mark.parametrize("name", list(PIPELINED))
+def test_a_pipelines_last_stage_hands_loss_fn_the_models_own_output(name: str) -> None:
+    """Under ``Pipeline`` the loss function receives what the model returns on one device (a
+    ``ModelOutput`` with ``.logits``, a tuple), and the step trains like one device."""
+    from meshtrain.testing.runner import get_pool
+
+    results = get_pool(2).run(pipelined_loss, name)
+    for worst in results:
+        assert worst["compared"] > 0, worst  # every stage holds parameters, each compared
+        assert worst["loss"] <= TIGHT, worst
+        assert worst["grads"] <= TIGHT, worst
+    print(name, results)

@@ -37,6 +37,7 @@ from torch.distributed.pipelining.schedules import (
     PipelineScheduleSingle,
     get_schedule_class,
 )
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh, plan_device
@@ -54,11 +55,18 @@ class PipelinedModel:
     schedule with its loss function (:meth:`make_schedule`) and runs a step's batch through it
     (:meth:`run`)."""
 
-    def __init__(self, plan: Plan, modules: list[nn.Module], stages: list[PipelineStage]) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        modules: list[nn.Module],
+        stages: list[PipelineStage],
+        runners: list[_StageRunner] | None = None,
+    ) -> None:
         assert plan.pipeline is not None
         self.plan = plan
         self.modules = modules
         self.stages = stages
+        self.runners = runners or []
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
 
@@ -76,12 +84,16 @@ class PipelinedModel:
         self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     ) -> Schedule:
         """The plan's ``torch.distributed.pipelining`` schedule over this rank's stages, calling
-        ``loss_fn(output, target)`` on each micro-batch of the last stage and running backward
+        ``loss_fn(output, target)`` on each micro-batch of the last stage (``output`` is what the
+        model returns on one device: a ``ModelOutput``, a tuple or a tensor) and running backward
         from what it returns (gradients are not scaled by the schedule)."""
         pipeline = self.plan.pipeline
         assert pipeline is not None
         cls = get_schedule_class(pipeline.schedule)
         stages: Any = self.stages[0] if issubclass(cls, PipelineScheduleSingle) else self.stages
+        last = next((runner for runner in self.runners if runner.last), None)
+        if last is not None:  # the last stage sends its output's tensors: rebuilt for loss_fn
+            loss_fn = functools.partial(_loss_on_model_output, last, loss_fn)
         return cls(stages, n_microbatches=pipeline.microbatches, loss_fn=loss_fn, scale_grads=False)
 
     def run(
@@ -97,7 +109,7 @@ class PipelinedModel:
         if self.has_last:
             kwargs.update(target=targets, losses=losses)
         with self._hold_partial_grads(), loss_parallel(self.plan):
-            schedule.step(*args, **kwargs)
+            schedule.step(*args, return_outputs=False, **kwargs)  # the losses are what is kept
         return losses
 
     @contextlib.contextmanager
@@ -130,18 +142,19 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
     # Copy first: the last local stage reuses (and prunes) the model itself.
     bodies = [copy.deepcopy(model) for _ in local[:-1]] + [model]
     device = plan_device(plan)
-    modules, stages = [], []
+    modules, stages, runners = [], [], []
     for stage, body in zip(local, bodies):
         runner = _prune(body, stage, plan)
         parallelize(_stage_plan(plan, stage, body), body)
         runner.install(body)
+        runners.append(runner)
         modules.append(body)
         stages.append(
             PipelineStage(
                 body, stage.index, len(pipeline.stages), device, group=pp_mesh.get_group()
             )
         )
-    return PipelinedModel(plan, modules, stages)
+    return PipelinedModel(plan, modules, stages, runners)
 
 
 #: the keyword every stage receives its micro-batch's model inputs under
@@ -196,6 +209,8 @@ class _StageRunner:
         self.stage, self.plan, self.first, self.last = stage, plan, first, last
         self.received: torch.Tensor | None = None
         self.captured: torch.Tensor | None = None
+        self.output_spec: TreeSpec | None = None  # the last stage's output structure
+        self.output_others: list[Any] = []  # its non-tensor leaves (_TENSOR where a tensor was)
 
     def install(self, body: nn.Module) -> None:
         """Hooks on the stage's first and last block, and the stage's forward on ``body``."""
@@ -207,7 +222,12 @@ class _StageRunner:
             first.register_forward_pre_hook(self._feed, with_kwargs=True, prepend=True)
         body.forward = functools.partial(self._forward, body.forward)
 
-    def _forward(self, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> torch.Tensor:
+    def _forward(
+        self, forward: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """The activation sent on (a non-last stage), or the tensors of what the model returns
+        (the last stage; ``torch.distributed.pipelining`` takes tensors only), which
+        :meth:`rebuild` puts back into the model's own output for ``loss_fn``."""
         inputs = kwargs.pop(INPUTS)
         self.received = None if self.first else args[0]
         self.captured = None
@@ -215,7 +235,18 @@ class _StageRunner:
         if not self.last:
             assert self.captured is not None
             return self.captured
-        return main_output(output)
+        main_output(output)  # a PlanError for an output without a tensor in it
+        leaves, self.output_spec = tree_flatten(output)
+        self.output_others = [_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+    def rebuild(self, tensors: torch.Tensor | tuple[torch.Tensor, ...]) -> Any:
+        """What the model returned on the last stage (a ``ModelOutput``, a tuple, a tensor),
+        from the tensors the stage handed to the schedule (one tensor alone when there is one)."""
+        assert self.output_spec is not None, "the last stage has not run forward"
+        given = iter((tensors,) if isinstance(tensors, torch.Tensor) else tensors)
+        leaves = [next(given) if other is _TENSOR else other for other in self.output_others]
+        return tree_unflatten(leaves, self.output_spec)
 
     def _feed(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -264,6 +295,20 @@ class _NextBlock(_Stub):
         activation = args[0] if args else kwargs[self._argument]
         self._runner[0].captured = activation
         return activation
+
+
+#: marks where the last stage's output held a tensor (see :meth:`_StageRunner.rebuild`)
+_TENSOR = object()
+
+
+def _loss_on_model_output(
+    runner: _StageRunner,
+    loss_fn: Callable[[Any, torch.Tensor], torch.Tensor],
+    output: torch.Tensor | tuple[torch.Tensor, ...],
+    target: torch.Tensor,
+) -> torch.Tensor:
+    """``loss_fn`` on the model's own output, rebuilt from the last stage's tensors."""
+    return loss_fn(runner.rebuild(output), target)
 
 
 def _split_ways(plan: Plan) -> int:
