@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
@@ -44,7 +45,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.adapters.nf4 import dequantize, register_nf4
-from meshtrain.errors import CheckpointError, PlanError
+from meshtrain.errors import CheckpointError, PlanError, describe_os_error
 from meshtrain.plan.sizes import parse_bytes
 from meshtrain.train.checkpoint.files import (
     MODEL_PREFIX,
@@ -124,6 +125,9 @@ class CheckpointTensors(Mapping[str, Tensor]):
             with single_process_dcp():
                 dcp.load(tensors, storage_reader=self.reader, no_dist=True)
         except (Exception, CheckpointException) as err:  # a missing or damaged payload file
+            interrupted = _interruption(err)
+            if interrupted is not None:  # a stop, not damage: DCP wraps it in its exception
+                raise interrupted from None
             first = str(err).strip().splitlines()
             raise CheckpointError(
                 f"reading tensors of {str(self.checkpoint)!r} failed: {type(err).__name__}: "
@@ -198,9 +202,10 @@ def export_hf(
             f"{str(checkpoint)!r} holds no model tensors ('{MODEL_PREFIX}*' keys): it was not "
             "written by Checkpointer.save. Export a meshtrain checkpoint."
         )
+    remove_stale_exports(out_dir)
     scratch = out_dir.with_name(f"{out_dir.name}{TMP_MARKER}{uuid.uuid4().hex[:8]}")
-    scratch.mkdir(parents=True)
     try:
+        scratch.mkdir(parents=True)
         writer = _ShardWriter(scratch, limit)
         largest = _stream(source, writer, limit, transform, rename, dtype)
         files = writer.finish()
@@ -213,10 +218,49 @@ def export_hf(
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         os.rename(scratch, out_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(scratch, ignore_errors=True)
+        if isinstance(err, OSError) or type(err).__name__ == "SafetensorError":
+            raise CheckpointError(_write_failure(out_dir, err)) from err
         raise
     return ExportReport(out_dir, files, len(writer.names), writer.total, largest)
+
+
+def _interruption(err: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (or other non-``Exception`` stop) DCP's exception carries, if any."""
+    failures = getattr(err, "failures", None) or {}
+    for failure in failures.values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+            return inner
+    cause = err.__cause__ or err.__context__
+    if cause is not None and not isinstance(cause, Exception):
+        return cause
+    return None
+
+
+def remove_stale_exports(out_dir: Path) -> list[Path]:
+    """Remove the scratch folders (``OUT.tmp-*``) an export killed outright left beside
+    ``out_dir``; return them."""
+    stale = sorted(out_dir.parent.glob(f"{glob.escape(out_dir.name)}{TMP_MARKER}*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def _write_failure(out_dir: Path, err: BaseException) -> str:
+    """One line for an OS error (or safetensors' report of one) while writing ``out_dir``."""
+    if isinstance(err, OSError):
+        what = describe_os_error(err)
+    else:  # safetensors wraps the OS error in its own text
+        text = str(err).strip().splitlines()
+        what = text[0] if text else type(err).__name__
+        if "StorageFull" in what or "No space left" in what:
+            what += "; the disk is full: free space or choose another --out"
+    return (
+        f"writing the export to {str(out_dir)!r} failed: {what}. Nothing was written there "
+        "(its scratch folder was removed); the checkpoint is unchanged."
+    )
 
 
 def _stream(
