@@ -260,3 +260,115 @@ def test_a_pipelines_last_stage_hands_loss_fn_the_models_own_output(name: str) -
         assert worst["loss"] <= TIGHT, worst
         assert worst["grads"] <= TIGHT, worst
     print(name, results)
+
+
+# ------------------------------------------------------------------- autocast, DCP, a planted bug
+
+AUTOCAST = ["ddp-tp", "fsdp-tp", "fsdp-tp-sp"]
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_a_users_loop_under_autocast_trains_like_one_process() -> None:
+    """``torch.autocast`` (bf16 on CPU) around the forward and loss, on both sides: the
+    differences are bf16 roundings of matmuls on a slice of the batch, within a few bf16 ulps."""
+    from meshtrain.testing.runner import get_pool
+
+    results = get_pool(4).run(user_loops, AUTOCAST, autocast=True)
+    for name in AUTOCAST:
+        worst = _worst(results, name)
+        assert worst["clipped"] == 1.0, (name, worst)
+        for quantity in ("loss", "norm", "total", "params"):
+            assert worst[quantity] <= BF16, (name, quantity, worst)
+        print(name, "autocast", {key: f"{value:.2g}" for key, value in worst.items()})
+
+
+def dcp_round_trip(name: str) -> dict[str, float]:
+    """On every rank: two steps of the loop under plan ``name``, then DCP's ``get_state_dict``
+    (model and optimizer), ``set_state_dict`` into a freshly planned copy whose weights differ,
+    and ``get_state_dict`` again: the largest difference between the two state dicts' values,
+    their key sets' difference, and the loaded model's next-step loss against the original's."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    kind, axes, rules, options = CASES[name]
+    trained = mt.apply(mt.plan(_model(kind), mt.make_mesh(axes), rules(), **options), _model(kind))
+    _, optimizer = _train(trained, kind, None, autocast=False)
+    model_state, optim_state = get_state_dict(trained, optimizer)
+    fresh = _model(kind)
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.add_(1.0)
+    loaded = mt.apply(mt.plan(fresh, mt.make_mesh(axes), rules(), **options), fresh)
+    params = [p for p in loaded.parameters() if p.requires_grad]
+    loaded_optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9, weight_decay=0.01)
+    set_state_dict(
+        loaded, loaded_optimizer, model_state_dict=model_state, optim_state_dict=optim_state
+    )
+    again_model, again_optim = get_state_dict(loaded, loaded_optimizer)
+    flat = {**model_state, **{f"optim.{k}": v for k, v in _flatten(optim_state).items()}}
+    again = {**again_model, **{f"optim.{k}": v for k, v in _flatten(again_optim).items()}}
+    worst = {"keys differ": float(len(set(flat) ^ set(again))), "values": 0.0, "tensors": 0.0}
+    for key, value in flat.items():
+        if isinstance(value, torch.Tensor):
+            worst["values"] = max(
+                worst["values"], float((full(value) - full(again[key])).abs().max())
+            )
+            worst["tensors"] += 1
+    inputs, targets = _batch(kind, 2)
+    worst["next loss"] = abs(
+        float(_loss(loaded(inputs), targets).detach())
+        - float(_loss(trained(inputs), targets).detach())
+    )
+    return worst
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flatten(value, f"{prefix}{key}."))
+        return out
+    if isinstance(tree, list):
+        return _flatten(dict(enumerate(tree)), prefix)
+    return {prefix: tree}
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+@pytest.mark.parametrize("name", ["fsdp-tp", "ddp-tp"])
+def test_dcp_get_and_set_state_dict_round_trip(name: str) -> None:
+    from meshtrain.testing.runner import get_pool
+
+    for worst in get_pool(4).run(dcp_round_trip, name):
+        assert worst["tensors"] > 0, worst
+        assert worst["keys differ"] == 0.0, worst
+        assert worst["values"] == 0.0, worst
+        assert worst["next loss"] == 0.0, worst
+
+
+def planted_partial_gradient(name: str) -> dict[str, float]:
+    """:func:`user_loop` with a planted lowering bug: the replicated parameters' local gradients
+    marked as partial sums over tp (so they are summed over the tensor-parallel ranks)."""
+    from unittest import mock
+
+    from torch.distributed.tensor import DTensor, Partial
+
+    from meshtrain.lower import replicated
+
+    def to_local(self: Any, module: nn.Module, args: Any) -> None:
+        frame = {}
+        for name_ in self.names:
+            param = module._parameters.get(name_)
+            if isinstance(param, DTensor):
+                frame[name_] = param
+                module._parameters[name_] = param.to_local(grad_placements=(Partial(),))
+        self.saved.append(frame)
+
+    with mock.patch.object(replicated.LocalParameters, "to_local", to_local):
+        return user_loop(name)
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_a_planted_partial_gradient_is_caught() -> None:
+    from meshtrain.testing.runner import get_pool
+
+    worst = _worst([{"x": w} for w in get_pool(4).run(planted_partial_gradient, "fsdp-tp")], "x")
+    assert worst["norm"] > 100 * TIGHT, worst
