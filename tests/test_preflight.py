@@ -171,8 +171,13 @@ def _launch(*args: str, cwd: Path = ROOT) -> tuple[int, str, float]:
         (("--nproc", "2", "--set", "train.lr=nan"), "train.lr = nan is not a finite number"),
         (("--nproc", "2", "--set", "data.source=tokens", "--set", "data.path=/nonexistent"),
          "holds no prepared tokens"),
+        (("--nproc", "2", "--set", "train.stepz=3"), "unknown key train.stepz = 3 (did you mean"),
+        (("--nproc", "2", "--set", 'train.steps="abc"'),
+         'train.steps = "abc" is a string, but steps must be a positive integer'),
+        (("--nproc", "2", "--set", "checkpoint.interval=-1"), "checkpoint.interval = -1 is out"),
     ],
-    ids=["mesh", "batch", "lr-inf", "lr-nan", "data-path"],
+    ids=["mesh", "batch", "lr-inf", "lr-nan", "data-path", "unknown-key", "steps-abc",
+         "interval"],
 )  # fmt: skip
 def test_the_launcher_refuses_in_under_3_s_with_one_line(
     args: tuple[str, ...], expected: str

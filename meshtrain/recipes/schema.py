@@ -242,10 +242,13 @@ def check_sections(source: str, data: Mapping[str, Any]) -> None:
             raise RecipeError(f"{source}: missing section [{required}]; every recipe needs one.")
 
 
-def check_table(source: str, section: str, table: Mapping[str, Any]) -> dict[str, Any]:
-    """The section's values, each checked against its :func:`key_table` (numbers become floats
+def check_table(
+    source: str, section: str, table: Mapping[str, Any], *, keys: Mapping[str, Key] | None = None
+) -> dict[str, Any]:
+    """The section's values, each checked against its :func:`key_table` (or ``keys``: the
+    launcher's torch-free subset, :mod:`~meshtrain.recipes.quick_check`; numbers become floats
     where a float is wanted, arrays tuples)."""
-    keys = key_table(section)
+    keys = key_table(section) if keys is None else keys
     values: dict[str, Any] = {}
     for key, value in table.items():
         spec = keys.get(key)
