@@ -372,3 +372,26 @@ def test_a_planted_partial_gradient_is_caught() -> None:
 
     worst = _worst([{"x": w} for w in get_pool(4).run(planted_partial_gradient, "fsdp-tp")], "x")
     assert worst["norm"] > 100 * TIGHT, worst
+
+
+def loop_without_one_mesh(name: str) -> str:
+    """:func:`user_loop` with the replicated parameters left plain (the lowering before every
+    parameter shared one mesh): what PyTorch's clipping raises."""
+    from unittest import mock
+
+    with mock.patch("meshtrain.lower.flat.replicate_whole_parameters"):
+        try:
+            user_loop(name)
+        except RuntimeError as error:
+            return str(error)
+    return ""
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_without_one_mesh_torch_clipping_fails() -> None:
+    """The bug this lowering fixes, planted back: parameters on the dp-only and the (dp, tp)
+    mesh, and ``torch.nn.utils.clip_grad_norm_`` refuses to stack their norms."""
+    from meshtrain.testing.runner import get_pool
+
+    for message in get_pool(4).run(loop_without_one_mesh, "fsdp-tp"):
+        assert "must have the same mesh" in message, message
