@@ -13,6 +13,7 @@ from meshtrain import RecipeError
 from meshtrain.cli import main
 from meshtrain.recipes import recipe_from_toml
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = """
 [mesh]
 dp = -1
@@ -33,6 +34,52 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config.architectures = ["LlamaForCausalLM"]  # what save_pretrained of the model records
     config.save_pretrained(directory)
     return directory
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local transformers directory of a tiny random Qwen3: config.json and its weights."""
+    directory = tmp_path_factory.mktemp("tiny-qwen3")
+    model = zoo.qwen3()
+    model.config.architectures = ["Qwen3ForCausalLM"]
+    model.save_pretrained(directory)
+    return directory
+
+
+def _qwen3_recipe(tmp_path: Path, directory: Path, *, lora: bool) -> str:
+    """examples/qwen3_lora.toml on the tiny Qwen3 (its directory, a sequence it can hold), with
+    or without its [lora] section."""
+    text = (ROOT / "examples" / "qwen3_lora.toml").read_text()
+    text = text.replace('"models/qwen3"', f'"{directory}"').replace(
+        "seq_len = 1024", "seq_len = 16"
+    )
+    if not lora:
+        text = text[: text.index("\n[lora]")] + text[text.index("\n[train]") :]
+    path = tmp_path / ("qwen3_lora.toml" if lora else "qwen3.toml")
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_the_qwen3_recipe_plans_with_the_model_s_own_rules(
+    qwen3_dir: Path, tmp_path: Path, lora: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _qwen3_recipe(tmp_path, qwen3_dir, lora=lora)
+    recipe = recipe_from_toml(Path(path).read_text(), source=path)
+    assert (recipe.lora is not None) == lora and recipe.model.kind == "hf"
+    assert type(recipe.build_model("meta")).__name__ == "Qwen3ForCausalLM"
+    assert main(["plan", path, "--world", "8", "--device-memory", "1GiB"]) == 0
+    assert "mesh {dp: 4, tp: 2}" in capsys.readouterr().out
+
+
+@pytest.mark.spmd
+def test_meshtrain_check_proves_the_qwen3_lora_recipe(
+    qwen3_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _qwen3_recipe(tmp_path, qwen3_dir, lora=True)
+    assert main(["check", path, "--world", "4", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA rank 16" in out and "trains like one device" in out
 
 
 def _write(tmp_path: Path, text: str) -> str:
