@@ -41,6 +41,8 @@ ONE_PER_SECTION = {
     "data": ("data.source=synthetic", lambda r: r.data.source == "synthetic"),
     "checkpoint": ("checkpoint.async=true", lambda r: r.checkpoint.async_save),
     "logging": ("logging.wandb=disabled", lambda r: r.logging_config().wandb == "disabled"),
+    "eval": ("eval.every=5", lambda r: r.eval.every == 5),
+    "profile": ("profile.steps=[2, 4]", lambda r: r.profile.steps == (2, 4)),
 }  # fmt: skip
 
 

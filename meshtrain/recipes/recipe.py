@@ -255,6 +255,11 @@ def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Reci
 def recipe_from_toml(text: str, source: str = "<string>", overrides: Sequence[str] = ()) -> Recipe:
     """Validate recipe text; ``source`` names it in errors (see :func:`load_recipe`)."""
     data, source = parse_recipe(text, source, overrides)
+    return recipe_from_data(data, source)
+
+
+def recipe_from_data(data: dict[str, Any], source: str = "<data>") -> Recipe:
+    """Validate a parsed recipe (the dict a run records in its checkpoints, ``Recipe.raw``)."""
     check_sections(source, data)
     mesh = check_mesh(source, data["mesh"])
     model = model_section(source, data["model"])

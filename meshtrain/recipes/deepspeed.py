@@ -1,0 +1,330 @@
+"""A DeepSpeed ``ds_config.json`` translated into a meshtrain recipe, key by key, or refused.
+
+Why: a team moving from DeepSpeed has a config whose every key means something to training.
+:func:`translate_deepspeed` maps each key it knows to the recipe key with the same meaning
+(ZeRO stage → ``parallel.zero`` over an FSDP ``dp`` axis, offload → ``parallel.offload`` /
+``offload_optimizer``, bf16/fp16 → ``parallel.precision``, gradient accumulation →
+``parallel.microbatches``, clipping → ``train.max_norm``, the optimizer and scheduler sections →
+``[train]``), and sorts the rest into three kinds, all of them listed, none dropped silently:
+
+- **left to the recipe**: values ``"auto"`` (Hugging Face's Trainer fills them from its own
+  arguments; the recipe's defaults or ``--set`` do here);
+- **tuning knobs**: buffer and bucket sizes, overlap and pinning switches that change speed or
+  memory but not the numbers a step computes (FSDP2 decides these per module);
+- **refused**: anything else — an unknown key, a value meshtrain cannot reproduce (a linear
+  decay schedule, a loss scaler other than its own) — raises :class:`DeepSpeedConfigError`
+  naming every such key and why (``meshtrain recipe from-deepspeed`` exits 2).
+
+Example:
+    >>> result = translate_deepspeed({"zero_optimization": {"stage": 2},
+    ...                               "gradient_clipping": 1.0}, model="debug")
+    >>> result.settings["parallel.zero"], result.settings["train.max_norm"]
+    (2, 1.0)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshtrain.errors import RecipeError
+
+__all__ = ["DeepSpeedConfigError", "Translation", "read_deepspeed", "translate_deepspeed"]
+
+#: Keys that tune speed or memory, never the numbers a step computes.
+TUNING_KEYS = frozenset({
+    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
+    "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
+    "zero_optimization.allgather_partitions", "zero_optimization.reduce_scatter",
+    "zero_optimization.sub_group_size", "zero_optimization.round_robin_gradients",
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
+    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+    "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory",
+    "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_param.buffer_count",
+    "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
+    "zero_optimization.offload_optimizer.fast_init", "zero_allow_untested_optimizer",
+    "wall_clock_breakdown", "communication_data_type",
+})  # fmt: skip
+#: meshtrain's dynamic loss scaler (:class:`meshtrain.train.scaler.LossScaler`), as DeepSpeed's
+#: fp16 keys would describe it.
+SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
+          "hysteresis": 1, "min_loss_scale": None}  # fmt: skip
+_OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
+
+
+class DeepSpeedConfigError(RecipeError):
+    """A DeepSpeed config with keys meshtrain cannot map; each is named with the reason."""
+
+
+@dataclass
+class Translation:
+    """The recipe keys a config maps to, and every key it left to the recipe or ignored."""
+
+    settings: dict[str, Any] = field(default_factory=dict)
+    auto: list[str] = field(default_factory=list)
+    tuning: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    inactive: list[str] = field(default_factory=list)
+    model: str = "debug"
+
+    def toml(self, source: str) -> str:
+        """The recipe as TOML, with the keys left to defaults or ignored as comments."""
+        lines = [f"# Translated from {source} by meshtrain recipe from-deepspeed."]
+        if self.auto:
+            lines.append(f'# "auto" (the recipe\'s defaults apply): {", ".join(self.auto)}')
+        if self.tuning:
+            lines.append(f"# tuning knobs (no effect on the numbers): {', '.join(self.tuning)}")
+        if self.inactive:
+            lines.append(f"# inactive (fp16 is not enabled): {', '.join(self.inactive)}")
+        lines += ["", "[model]"]
+        model_path = Path(self.model)
+        if model_path.is_dir():
+            lines.append(f"hf = {json.dumps(str(model_path))}")
+        else:
+            lines += ['name = "llama"', f"preset = {json.dumps(self.model)}"]
+        lines += ["", "[mesh]", "dp = -1"]
+        sections: dict[str, list[str]] = {}
+        for key, value in sorted(self.settings.items()):
+            section, name = key.rsplit(".", 1)
+            sections.setdefault(section, []).append(f"{name} = {_toml_value(value)}")
+        for section, entries in sections.items():
+            lines += ["", f"[{section}]", *entries]
+        return "\n".join(lines) + "\n"
+
+
+def read_deepspeed(path: str | Path) -> dict[str, Any]:
+    """The JSON object in ``path`` (a :class:`DeepSpeedConfigError` naming the file if not)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DeepSpeedConfigError(f"{path}: not a readable JSON file ({err}).") from None
+    if not isinstance(data, dict):
+        raise DeepSpeedConfigError(f"{path}: a DeepSpeed config is a JSON object.")
+    return data
+
+
+def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> Translation:
+    """Map every key of ``config`` (see the module docstring); raise on any refused key."""
+    out = Translation(model=model)
+    out.settings["parallel.fsdp"] = ["dp"]
+    for key, value in _flatten(config):
+        if key in TUNING_KEYS:
+            out.tuning.append(key)
+        elif value == "auto":
+            out.auto.append(key)
+        else:
+            _map_key(out, key, value, config)
+    _check_batch(out, config)
+    if out.refused:
+        raise DeepSpeedConfigError(
+            f"{len(out.refused)} DeepSpeed key(s) have no meshtrain equivalent: "
+            + "; ".join(out.refused)
+            + ". Remove them, or set what they mean in the recipe."
+        )
+    return out
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of every leaf; the optimizer's and scheduler's ``type`` and
+    ``params`` stay together under their section."""
+    items: list[tuple[str, Any]] = []
+    for key, value in config.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and dotted not in ("optimizer.params", "scheduler.params"):
+            items += _flatten(value, f"{dotted}.")
+        elif isinstance(value, Mapping):
+            items += [(f"{dotted}.{name}", inner) for name, inner in value.items()]
+        else:
+            items.append((dotted, value))
+    return items
+
+
+def _map_key(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> None:
+    handler = _HANDLERS.get(key)
+    if handler is None and key.startswith("fp16."):
+        handler = _fp16_scaler
+    if handler is None:
+        out.refused.append(f"{key} (unknown to meshtrain)")
+        return
+    problem = handler(out, key, value, config)
+    if problem:
+        out.refused.append(f"{key} = {json.dumps(value)} ({problem})")
+
+
+def _zero_stage(out: Translation, key: str, value: Any, _: Any) -> str:
+    if value not in (0, 1, 2, 3):
+        return "stages are 0, 1, 2 and 3"
+    out.settings["parallel.zero"] = value
+    return ""
+
+
+def _offload(out: Translation, key: str, value: Any, _: Any) -> str:
+    if value not in ("cpu", "none"):
+        return "meshtrain offloads to CPU memory only (no NVMe)"
+    if value == "cpu":
+        which = "parallel.offload_optimizer" if "offload_optimizer" in key else "parallel.offload"
+        out.settings[which] = True
+    return ""
+
+
+def _precision(out: Translation, key: str, value: Any, _: Any) -> str:
+    if not isinstance(value, bool):
+        return 'true, false or "auto"'
+    if value:
+        wanted = "bf16" if key.startswith("bf16") else "fp16"
+        if out.settings.get("parallel.precision", wanted) != wanted:
+            return "bf16 and fp16 are both enabled"
+        out.settings["parallel.precision"] = wanted
+    return ""
+
+
+def _fp16_scaler(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+    name = key.split(".", 1)[1]
+    if name not in SCALER:
+        return "not a loss-scaler setting meshtrain knows"
+    enabled = config.get("fp16", {}).get("enabled") is True
+    expected = SCALER[name]
+    if not enabled:
+        out.inactive.append(key)  # the loss scaler runs only under fp16
+        return ""
+    if expected is None or value == expected:
+        return ""  # min_loss_scale: a floor the dynamic scale does not reach in practice
+    return (
+        f"meshtrain's dynamic loss scaler has {name} = {expected} (train/scaler.py) and no "
+        "recipe key to change it"
+    )
+
+
+def _setting(target: str, check: Callable[[Any], bool], what: str) -> Callable[..., str]:
+    def handler(out: Translation, key: str, value: Any, _: Any) -> str:
+        if not check(value):
+            return what
+        out.settings[target] = value
+        return ""
+
+    return handler
+
+
+def _optimizer_type(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+    name = str(value).lower()
+    if name not in _OPTIMIZERS:
+        return f"meshtrain's optimizers are {', '.join(sorted(_OPTIMIZERS))}"
+    params = config.get("optimizer", {}).get("params", {})
+    if name == "adam" and params.get("adam_w_mode", True) is True:
+        name = "adamw"  # DeepSpeed's Adam decouples weight decay (adam_w_mode) unless told not to
+    out.settings["train.optimizer"] = _OPTIMIZERS[name]
+    return ""
+
+
+def _optimizer_param(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+    name = key.rsplit(".", 1)[1]
+    if name == "torch_adam" or name == "adam_w_mode":
+        return "" if value in (True, False) else "a boolean"
+    targets = {"lr": "train.lr", "eps": "train.eps", "weight_decay": "train.weight_decay",
+               "betas": "train.betas"}  # fmt: skip
+    if name == "momentum" and value == 0:
+        return ""
+    if name not in targets:
+        return "meshtrain's optimizers take lr, betas, eps and weight_decay"
+    out.settings[targets[name]] = list(value) if name == "betas" else value
+    return ""
+
+
+def _scheduler_type(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+    if value not in ("WarmupLR", "WarmupCosineLR"):
+        return "meshtrain's schedule is a linear warmup then a cosine or constant rate"
+    return ""
+
+
+def _scheduler_param(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+    name = key.rsplit(".", 1)[1]
+    kind = config.get("scheduler", {}).get("type")
+    if name in ("warmup_min_lr", "warmup_min_ratio"):
+        return "" if value == 0 else "meshtrain's warmup starts from 0"
+    if name == "warmup_type":
+        return "" if value == "linear" else "meshtrain's warmup is linear"
+    if name == "warmup_num_steps":
+        out.settings["train.warmup_steps"] = int(value)
+    elif name == "total_num_steps":
+        out.settings["train.steps"] = int(value)
+    elif name == "warmup_max_lr":
+        out.settings["train.lr"] = value
+        if kind == "WarmupLR":
+            out.settings["train.min_lr"] = value  # constant after warmup
+    elif name == "cos_min_ratio" and kind == "WarmupCosineLR":
+        lr = config.get("optimizer", {}).get("params", {}).get("lr")
+        if not isinstance(lr, int | float):
+            return "needs optimizer.params.lr to set train.min_lr"
+        out.settings["train.min_lr"] = lr * value
+    else:
+        return f"not a parameter of {kind}"
+    return ""
+
+
+def _check_batch(out: Translation, config: Mapping[str, Any]) -> None:
+    """``train_batch_size`` is the global batch; with only the micro-batch size per GPU the
+    global batch depends on the world, which a recipe does not fix (``--set`` it)."""
+    micro = config.get("train_micro_batch_size_per_gpu")
+    batch = config.get("train_batch_size")
+    steps = config.get("gradient_accumulation_steps")
+    if isinstance(batch, int) and isinstance(steps, int) and batch % steps:
+        out.refused.append(
+            f"train_batch_size = {batch} (not a multiple of gradient_accumulation_steps = {steps})"
+        )
+    if isinstance(micro, int) and not isinstance(batch, int):
+        out.auto.append("train_micro_batch_size_per_gpu (global batch = it × ranks × "
+                        "accumulation; set train.batch_size)")  # fmt: skip
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _positive(value: Any) -> bool:
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    return number and math.isfinite(value) and value > 0
+
+
+def _micro_batch(out: Translation, key: str, value: Any, _: Any) -> str:
+    return "" if _positive_int(value) else "a positive integer"
+
+
+# fmt: off
+_HANDLERS: dict[str, Callable[[Translation, str, Any, Mapping[str, Any]], str]] = {
+    "zero_optimization.stage": _zero_stage,
+    "zero_optimization.offload_optimizer.device": _offload,
+    "zero_optimization.offload_param.device": _offload,
+    "bf16.enabled": _precision,
+    "fp16.enabled": _precision,
+    "train_batch_size": _setting("train.batch_size", _positive_int, "a positive integer"),
+    "train_micro_batch_size_per_gpu": _micro_batch,
+    "gradient_accumulation_steps": _setting(
+        "parallel.microbatches", _positive_int, "a positive integer"
+    ),
+    "gradient_clipping": _setting("train.max_norm", _positive, "a positive number"),
+    "steps_per_print": _setting("logging.log_every", _positive_int, "a positive integer"),
+    "optimizer.type": _optimizer_type,
+    "scheduler.type": _scheduler_type,
+    **{f"optimizer.params.{name}": _optimizer_param
+       for name in ("lr", "betas", "eps", "weight_decay", "momentum", "torch_adam", "adam_w_mode")},
+    **{f"scheduler.params.{name}": _scheduler_param
+       for name in ("warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "total_num_steps",
+                    "warmup_type", "warmup_min_ratio", "cos_min_ratio")},
+}
+# fmt: on
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
+    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e6:
+        return repr(value)
+    return json.dumps(value) if isinstance(value, str) else repr(value)

@@ -1,0 +1,217 @@
+"""``[eval]`` during training, and what a finished run answers: ``meshtrain eval RUN_DIR`` and
+``meshtrain generate RUN_DIR --prompt TEXT``.
+
+During training (:class:`Evaluator`, on every rank): every ``[eval] every`` steps and at the last
+step, the validation loss and perplexity over ``[eval] batches`` global batches of the held-out
+data, on the run's own plan (:func:`meshtrain.train.evaluate.evaluate`), logged to every sink as
+``val_loss`` and ``val_perplexity``.
+
+After training (:func:`load_run`, one process, no process group): the run's recipe is read from
+its newest intact checkpoint, the model built on one device and its full weights read from that
+checkpoint — whatever plan and mesh trained it (the checkpoint stores full-tensor names).
+:func:`evaluate_run` computes the same validation loss; :func:`generate` samples a continuation
+of a prompt with the run's tokenizer.
+
+Example::
+
+    run = load_run("runs/debug")
+    print(generate(run, "def main(", max_new_tokens=40, temperature=0.0))
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.errors import CheckpointError, RecipeError
+from meshtrain.plan.ir import Plan
+from meshtrain.plan.layers import main_output
+from meshtrain.recipes.data import data_directory, recipe_tokenizer
+from meshtrain.recipes.recipe import Recipe, recipe_from_data
+from meshtrain.train.checkpoint import find_resume_point
+from meshtrain.train.checkpoint.files import checkpoint_step, read_state_file
+from meshtrain.train.data import DistributedBatches, TokenFile, TokenWindows
+from meshtrain.train.data.documents import FILE_SOURCES
+from meshtrain.train.data.packed import PackedWindows
+from meshtrain.train.data.tokenizer import Tokenizer
+from meshtrain.train.evaluate import EvalResult, evaluate
+from meshtrain.train.hf.export import CheckpointTensors
+from meshtrain.train.loss import IGNORE_INDEX
+from meshtrain.train.metrics import Sinks
+
+__all__ = ["Evaluator", "LoadedRun", "evaluate_run", "generate", "load_run"]
+
+
+class Evaluator:
+    """Validation during a run: :meth:`after_step` evaluates when ``[eval] every`` says so (and
+    at the last step) and logs the result to every sink. Built on every rank alike."""
+
+    def __init__(self, recipe: Recipe, plan: Plan, model: Any, validation: Any,
+                 dp_rank: int, dp_size: int, sinks: Sinks) -> None:  # fmt: skip
+        self.every, self.limit = recipe.eval.every, recipe.eval.batches
+        self.plan, self.model, self.sinks = plan, model, sinks
+        self.loader = None
+        if self.every and validation is None:
+            raise RecipeError(
+                f"{recipe.source}: [eval] every = {self.every} needs held-out data, and "
+                f"data.source = {recipe.data.source!r} has none. Set data.validation (e.g. 0.01) "
+                "with a file source (jsonl, text, parquet, hf-dataset), or use synthetic data."
+            )
+        if self.every and plan.pipeline is not None:
+            raise RecipeError(
+                f"{recipe.source}: [eval] runs the model forward on a flat plan, and this plan is "
+                "pipelined. Remove [eval] (evaluate the finished run with `meshtrain eval "
+                "RUN_DIR`), or train without [parallel.pipeline]."
+            )
+        if self.every:
+            batch = min(recipe.train.batch_size, len(validation) // dp_size * dp_size)
+            if batch < dp_size:
+                raise RecipeError(
+                    f"{recipe.source}: the validation split has {len(validation)} sequences of "
+                    f"{recipe.train.seq_len} tokens, fewer than the {dp_size} data-parallel ranks. "
+                    "Raise data.validation."
+                )
+            self.loader = DistributedBatches(validation, batch, dp_rank, dp_size, seed=0,
+                                             shuffle=False)  # fmt: skip
+
+    def after_step(self, step: int, last: bool) -> EvalResult | None:
+        if self.loader is None or not (step % self.every == 0 or last):
+            return None
+        result = evaluate(self.plan, self.model, self.loader.batches(), batches_limit=self.limit)
+        for sink in self.sinks.sinks:
+            sink.log(step, result.metrics())
+        return result
+
+
+@dataclass(frozen=True)
+class LoadedRun:
+    """A run's recipe, its newest intact checkpoint and the model with that checkpoint's weights
+    on one device."""
+
+    recipe: Recipe
+    checkpoint: Path
+    model: nn.Module
+    seconds: float
+
+    @property
+    def step(self) -> int:
+        return checkpoint_step(self.checkpoint)
+
+
+def load_run(run_dir: str | Path) -> LoadedRun:
+    """The run in ``run_dir`` (or its checkpoints directory), loaded on one process."""
+    started = time.perf_counter()
+    root = Path(run_dir)
+    directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"{str(root)!r} is not a directory: give a run directory (logging.run_dir, e.g. "
+            "runs/debug) or its checkpoints directory."
+        )
+    point = find_resume_point(directory)
+    if point.checkpoint is None:
+        raise CheckpointError(
+            f"no intact checkpoint in {str(directory)!r}: train the run first (`meshtrain "
+            "checkpoints DIR` lists what is there)."
+        )
+    raw = read_state_file(point.checkpoint).get("extra", {}).get("recipe")
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{point.checkpoint} records no recipe; it was not saved by a run.")
+    recipe = recipe_from_data(raw, f"{point.checkpoint} (the run's recipe)")
+    seed = recipe.train.seed
+    model = recipe.adapt(recipe.build_model(device="cpu", seed=seed, adapters=False), seed=seed)
+    names = list(model.state_dict())
+    tensors = CheckpointTensors(point.checkpoint)
+    missing = [name for name in names if name not in tensors]
+    if missing:
+        raise CheckpointError(
+            f"{point.checkpoint} lacks {len(missing)} of the model's tensors (first: "
+            f"{missing[0]!r}); it was saved from another model."
+        )
+    model.load_state_dict(tensors.read(names))
+    model.eval()
+    return LoadedRun(recipe, point.checkpoint, model, time.perf_counter() - started)
+
+
+def evaluate_run(run: LoadedRun, *, batches: int | None = None) -> tuple[EvalResult, str]:
+    """The validation loss of a loaded run over ``batches`` batches (``[eval] batches`` by
+    default), on one process; and which data it read."""
+    recipe = run.recipe
+    dataset, what = _held_out(recipe)
+    size = min(recipe.train.batch_size, len(dataset))
+    loader = DistributedBatches(dataset, size, 0, 1, seed=0, shuffle=False)
+    limit = batches or recipe.eval.batches
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for batch in islice(loader.batches(), min(limit, loader.steps_per_epoch)):
+            logits = main_output(run.model(batch.inputs)).float()
+            loss_sum += float(
+                nn.functional.cross_entropy(
+                    logits.flatten(0, -2), batch.targets.flatten(), reduction="sum"
+                )
+            )
+            tokens += int((batch.targets != IGNORE_INDEX).sum())
+    loss = loss_sum / max(tokens, 1)
+    return EvalResult(loss, math.exp(min(loss, 80.0)), tokens), what
+
+
+def _held_out(recipe: Recipe) -> tuple[Any, str]:
+    data, seq_len = recipe.data, recipe.train.seq_len
+    if data.source in FILE_SOURCES:
+        directory = data_directory(recipe)
+        if data.validation > 0 and (directory / "validation").is_dir():
+            return PackedWindows(directory / "validation", seq_len), "the validation split"
+        return PackedWindows(directory / "train", seq_len), "the training data (no split)"
+    if data.source in ("corpus", "tokens"):
+        return TokenWindows(TokenFile(data.path), seq_len), "the training data (no split)"
+    raise RecipeError(
+        f"{recipe.source}: data.source = {data.source!r} keeps no data on disk to evaluate on. "
+        "Evaluate during training with [eval], or train on files with data.validation."
+    )
+
+
+def generate(
+    run: LoadedRun,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    seed: int = 0,
+    tokenizer: Tokenizer | None = None,
+) -> str:
+    """A continuation of ``prompt`` sampled from the run's model (greedy when ``temperature``
+    is 0), stopping at the end-of-document id; the prompt is not repeated."""
+    tokenizer = tokenizer or recipe_tokenizer(run.recipe)
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise RecipeError("the prompt encodes to no tokens; give some text.")
+    return tokenizer.decode(list(_sample(run, ids, tokenizer.eos_id, max_new_tokens,
+                                         temperature, seed)))  # fmt: skip
+
+
+def _sample(run: LoadedRun, ids: list[int], eos: int, count: int, temperature: float,
+            seed: int) -> Iterator[int]:  # fmt: skip
+    window = run.recipe.train.seq_len
+    generator = torch.Generator().manual_seed(seed)
+    context = list(ids)
+    with torch.no_grad():
+        for _ in range(count):
+            inputs = torch.tensor([context[-window:]])
+            logits = main_output(run.model(inputs))[0, -1].float()
+            if temperature <= 0:
+                token = int(logits.argmax())
+            else:
+                probs = torch.softmax(logits / temperature, dim=-1)
+                token = int(torch.multinomial(probs, 1, generator=generator))
+            if token == eos:
+                return
+            context.append(token)
+            yield token

@@ -1,0 +1,158 @@
+"""``meshtrain recipe from-deepspeed``: the Hugging Face / DeepSpeed example configs for ZeRO-2,
+ZeRO-3 and ZeRO-3 with offload translate key by key, unmappable keys are refused by name with
+exit status 2, and a translated plan trains like one device under its contract."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.recipes import load_recipe
+from meshtrain.recipes.deepspeed import DeepSpeedConfigError, translate_deepspeed
+
+# The Trainer integration's examples (transformers docs, "DeepSpeed": ZeRO-2 and ZeRO-3 configs),
+# as users copy them; "auto" values are filled from the Trainer's arguments.
+ZERO2 = json.loads("""
+{
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                             "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": true},
+                          "allgather_partitions": true, "allgather_bucket_size": 2e8,
+                          "overlap_comm": true, "reduce_scatter": true,
+                          "reduce_bucket_size": 2e8, "contiguous_gradients": true},
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": false
+}
+""")
+ZERO3_OFFLOAD = json.loads("""
+{
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW",
+                  "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR",
+                  "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                             "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": true},
+        "offload_param": {"device": "cpu", "pin_memory": true},
+        "overlap_comm": true, "contiguous_gradients": true, "sub_group_size": 1e9,
+        "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9, "stage3_gather_16bit_weights_on_model_save": true
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": false
+}
+""")
+# ZeRO-3 without offload, with the values a Trainer run would have filled in.
+ZERO3 = copy.deepcopy(ZERO3_OFFLOAD)
+ZERO3["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+ZERO3["zero_optimization"]["offload_param"] = {"device": "none"}
+ZERO3.update({
+    "bf16": {"enabled": True}, "fp16": {"enabled": False}, "gradient_accumulation_steps": 2,
+    "gradient_clipping": 1.0, "train_batch_size": 8,
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
+                                              "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupCosineLR",
+                  "params": {"warmup_min_ratio": 0, "warmup_num_steps": 2,
+                             "total_num_steps": 6, "cos_min_ratio": 0.1}},
+})  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        (ZERO2, {"parallel.zero": 2, "parallel.offload_optimizer": True}),
+        (ZERO3_OFFLOAD, {"parallel.zero": 3, "parallel.offload_optimizer": True,
+                         "parallel.offload": True}),
+        (ZERO3, {"parallel.zero": 3, "parallel.precision": "bf16", "parallel.microbatches": 2,
+                 "train.batch_size": 8, "train.max_norm": 1.0, "train.optimizer": "adamw",
+                 "train.lr": 3e-3, "train.betas": [0.9, 0.95], "train.weight_decay": 0.1,
+                 "train.warmup_steps": 2, "train.steps": 6}),
+    ],
+    ids=["zero2", "zero3-offload", "zero3"],
+)  # fmt: skip
+def test_the_example_configs_translate_key_by_key(
+    tmp_path: Path, config: dict, expected: dict
+) -> None:
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--model", "debug", "--out", str(out)]) == 0
+    translation = translate_deepspeed(config)
+    assert expected.items() <= translation.settings.items()
+    recipe = load_recipe(str(out))
+    assert recipe.parallel.zero == expected["parallel.zero"]
+    assert recipe.parallel.offload_optimizer == expected.get("parallel.offload_optimizer", False)
+    assert recipe.parallel.offload == expected.get("parallel.offload", False)
+    if "train.steps" in expected:
+        assert recipe.train.min_lr == pytest.approx(3e-4)  # cos_min_ratio × lr
+        assert recipe.parallel.precision == "bf16" and recipe.parallel.microbatches == 2
+    # every leaf is mapped, left to the recipe ("auto") or listed as a tuning knob
+    assert "steps_per_print" not in translation.auto
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+         "zero_optimization.offload_param.device"),
+        ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.type"),
+        ({"fp16": {"enabled": True, "loss_scale_window": 1000}}, "fp16.loss_scale_window"),
+        ({"activation_checkpointing": {"partition_activations": True}},
+         "activation_checkpointing.partition_activations"),
+        ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
+    ],
+    ids=["nvme", "linear-decay", "scaler-window", "unknown-section", "optimizer"],
+)  # fmt: skip
+def test_unmappable_keys_are_refused_by_name_with_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, named: str
+) -> None:
+    with pytest.raises(DeepSpeedConfigError, match=named.replace(".", r"\.")):
+        translate_deepspeed(change)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(change))
+    out = tmp_path / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_deepspeed_adam_is_adamw_unless_told_otherwise() -> None:
+    adam = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    assert translate_deepspeed(adam).settings["train.optimizer"] == "adamw"
+    adam["optimizer"]["params"]["adam_w_mode"] = False
+    assert translate_deepspeed(adam).settings["train.optimizer"] == "adam"
+
+
+@pytest.mark.spmd
+@pytest.mark.slow
+def test_a_translated_zero3_plan_trains_like_one_device(tmp_path: Path) -> None:
+    path = tmp_path / "ds_config.json"
+    config = copy.deepcopy(ZERO3)
+    config["bf16"] = {"enabled": False}  # the fp32 contract: the tightest bound
+    path.write_text(json.dumps(config))
+    out = tmp_path / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 0
+    assert main(["check", str(out), "--world", "2", "--steps", "3"]) == 0

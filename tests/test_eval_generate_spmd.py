@@ -1,0 +1,101 @@
+"""``[eval]`` on the run's plan reports the loss one device computes on the same checkpoint and
+held-out data; ``meshtrain eval`` and ``meshtrain generate`` read a run trained on 2 ranks on one
+process; a planted fault (no reduction over data-parallel ranks) is caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from meshtrain.cli import main
+from meshtrain.recipes import load_recipe
+from meshtrain.recipes.evaluation import evaluate_run, generate, load_run
+from meshtrain.recipes.run import train
+from meshtrain.testing.runner import get_pool
+from meshtrain.train.metrics.sinks import read_jsonl
+
+pytestmark = [pytest.mark.spmd, pytest.mark.slow]
+STEPS = 4
+
+
+def _overrides(root: Path, data: Path, run: str) -> list[str]:
+    return [
+        f"train.steps={STEPS}", "train.warmup_steps=1", "train.seq_len=32",
+        "train.batch_size=4", "mesh.tp=1",  # dp = 2 on 2 ranks: the reduction matters
+        "data.source=jsonl", f"data.path={data}", "data.format=instruction",
+        "data.validation=0.2", "eval.every=2", "eval.batches=2",
+        f"logging.run_dir={root / run}", "logging.console=false", "logging.wandb=disabled",
+    ]  # fmt: skip
+
+
+def run_recipe(overrides: list[str], planted: bool) -> dict:
+    """On every rank: train, with the planted fault when asked."""
+    recipe = load_recipe("debug", overrides)
+    if planted:
+        with mock.patch("meshtrain.train.evaluate.group_over", return_value=None):
+            train(recipe)
+    else:
+        train(recipe)
+    return {"ok": True}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    root = tmp_path_factory.mktemp("eval")
+    data = root / "sft.jsonl"
+    rows = [{"prompt": f"Q{i}: {i}+{i}=", "response": f"{2 * i}."} for i in range(300)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    overrides = _overrides(root, data, "run")
+    get_pool(2).run(run_recipe, overrides, False)
+    return root, overrides
+
+
+def _val_losses(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["val_loss"] for row in read_jsonl(run_dir / "metrics.jsonl")
+            if "val_loss" in row}  # fmt: skip
+
+
+def test_eval_on_the_plan_matches_one_device_on_the_checkpoint(
+    trained: tuple[Path, list[str]],
+) -> None:
+    root, _ = trained
+    logged = _val_losses(root / "run")
+    assert sorted(logged) == [2, 4]
+    run = load_run(root / "run")
+    assert run.step == STEPS
+    result, what = evaluate_run(run, batches=2)
+    assert what == "the validation split"
+    # same weights, same batches, fp32: the plan's reduction order is the only difference
+    assert result.loss == pytest.approx(logged[STEPS], rel=1e-5)
+    rows = [row for row in read_jsonl(root / "run" / "metrics.jsonl") if "val_loss" in row]
+    assert all(
+        row["val_perplexity"] == pytest.approx(2.718281828 ** row["val_loss"]) for row in rows
+    )
+
+
+def test_planted_missing_data_parallel_reduction_is_caught(
+    trained: tuple[Path, list[str]],
+) -> None:
+    root, overrides = trained
+    planted = [*overrides[:-3], f"logging.run_dir={root / 'planted'}", *overrides[-2:]]
+    get_pool(2).run(run_recipe, planted, True)
+    logged = _val_losses(root / "planted")
+    result, _ = evaluate_run(load_run(root / "planted"), batches=2)
+    assert result.loss != pytest.approx(logged[STEPS], rel=1e-5)
+
+
+def test_eval_and_generate_commands_read_the_run(
+    trained: tuple[Path, list[str]], capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _ = trained
+    assert main(["eval", str(root / "run"), "--batches", "2"]) == 0
+    assert f"step {STEPS} | val_loss" in capsys.readouterr().out
+    prompt = "Q7: 7+7="
+    assert main(["generate", str(root / "run"), "--prompt", prompt, "--max-new-tokens", "5",
+                 "--temperature", "0"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    greedy = generate(load_run(root / "run"), prompt, max_new_tokens=5, temperature=0)
+    assert printed == prompt + greedy + "\n"  # greedy: the same continuation each time
