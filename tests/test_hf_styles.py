@@ -6,8 +6,11 @@ mesh (no ranks); the numerics are in tests/test_zoo_spmd.py (Qwen3, OLMo2)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import zoo
@@ -16,7 +19,9 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 
 import meshtrain as mt
 from meshtrain import P, PlanError, RuleError, Rules
+from meshtrain.plan.ir import TPStyle
 from meshtrain.spec.hf_plan import HF_STYLES
+from meshtrain.testing import assert_equivalent
 
 INSTALLED = sorted(ALL_PARALLEL_STYLES)
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bring-your-own-model.md"
@@ -38,6 +43,12 @@ class _Tiny(nn.Module):
         self.embed = nn.Embedding(16, 8)
         self.layers = nn.ModuleList([nn.ModuleDict({"up": nn.Linear(8, 16)})])
         self.head = nn.Linear(8, 16, bias=False)
+
+
+def _spec(rules: Rules, fqn: str) -> P:
+    hit = rules.match(fqn)
+    assert hit is not None, fqn
+    return hit[1]
 
 
 def _model_for(style: str) -> tuple[_Tiny, str]:
@@ -67,7 +78,7 @@ def test_each_style_is_lowered_or_refused_naming_style_and_module(style: str) ->
         rules = Rules.from_hf(
             model, fsdp="dp", overrides={override.group(1).replace("\\\\", "\\"): P()}
         )
-        assert rules.match("layers.0.up.weight" if module != "embed" else "embed.weight")[1] == P()
+        assert _spec(rules, "layers.0.up.weight" if module != "embed" else "embed.weight") == P()
         return
     rules = Rules.from_hf(model, fsdp="dp")
     fqn = "embed.weight" if module == "embed" else "layers.0.up.weight"
@@ -80,7 +91,7 @@ def test_each_style_is_lowered_or_refused_naming_style_and_module(style: str) ->
         "embedding_dim": P(None, "tp"),
         "replicated": P(),
     }[kind]
-    assert rules.match(fqn)[1] == expected
+    assert _spec(rules, fqn) == expected
     assert bool(rules.gathered) == (kind == "gathered")
 
 
@@ -145,3 +156,29 @@ def test_a_gathered_head_stays_loss_parallel() -> None:
     styles = _styles(mt.plan(model, _mesh(), rules))
     assert styles["lm_head"] == "loss_parallel_head"
     assert styles["model.layers.0.self_attn.q_proj"] == "colwise"
+
+
+@contextlib.contextmanager
+def gathered_output_left_sharded() -> Iterator[None]:
+    """The fault OLMo2 met: ``colwise_gathered`` lowered as plain column-wise, its output left
+    sharded, so the q/k norms over all heads' features see half of them."""
+    from meshtrain.lower import tensor_parallel
+
+    plain = tensor_parallel.LOWERINGS[TPStyle.COLWISE]
+    with mock.patch.dict(tensor_parallel.LOWERINGS, {TPStyle.COLWISE_GATHERED: plain}):
+        yield
+
+
+@pytest.mark.spmd
+def test_a_gathered_output_left_sharded_is_caught() -> None:
+    with pytest.raises(
+        Exception, match=r"size of tensor a \(32\) must match the size of tensor b \(16\)"
+    ):
+        assert_equivalent(
+            zoo.olmo2,
+            {"dp": 2, "tp": 2},
+            {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3},
+            batches=zoo.token_batches,
+            steps=1,
+            rank_context=gathered_output_left_sharded,
+        )
