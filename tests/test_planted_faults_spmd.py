@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock
@@ -16,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+import zoo
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel
@@ -113,8 +115,8 @@ def stage_skips_a_layer() -> Iterator[None]:
 
 @contextlib.contextmanager
 def clipping_by_local_norm() -> Iterator[None]:
-    """Clipping that uses this rank's shard norm instead of the global one."""
-    from meshtrain.train import clip
+    """The train step clips by this rank's shard norm instead of the global one."""
+    from meshtrain.train import step
 
     def local_norm(parameters: Any, *, plan: Any = None) -> torch.Tensor:
         squares = torch.zeros((), dtype=torch.float64)
@@ -125,8 +127,48 @@ def clipping_by_local_norm() -> Iterator[None]:
                 squares = squares + local.double().pow(2).sum()
         return squares.sqrt().float()
 
-    with mock.patch.object(clip, "global_grad_norm", local_norm):
+    with mock.patch.object(step, "global_grad_norm", local_norm):
         yield
+
+
+@contextlib.contextmanager
+def batch_norm_running_variance_biased() -> Iterator[None]:
+    """Data-parallel BatchNorm updates its running variance with the biased batch variance
+    (one device uses the unbiased one): only the buffer differs, not the step's gradients."""
+    from meshtrain.lower import batch_norm
+
+    original = batch_norm._update_running
+
+    def biased(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        original(module, mean, var * (n - 1.0) / n, n)  # undo the unbiasing
+
+    with mock.patch.object(batch_norm, "_update_running", biased):
+        yield
+
+
+@contextlib.contextmanager
+def pipeline_norm_from_one_stage() -> Iterator[None]:
+    """The train step measures a pipelined plan's gradient norm over this stage's parameters only
+    (the squares not summed over the pipeline axis), and clips by it."""
+    from meshtrain.train import step
+
+    def one_stage(self: Any, params: list[Any]) -> float:
+        norm = float(step.global_grad_norm(params))  # no plan: no sum over the stages
+        if self.max_norm is not None and math.isfinite(norm):
+            step.scale_grads_(params, norm, self.max_norm)
+        return norm
+
+    with mock.patch.object(step.TrainStep, "_grad_norm", one_stage):
+        yield
+
+
+def tiny_image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 random 2×2 RGB images and their labels: 32 values per BatchNorm channel, so the biased
+    variance is 1/31 off the unbiased one (at 16×16 it is 1/2047, still caught, at 2.6× the
+    bound: the contract's rounding allowance grows with the elements summed)."""
+    generator = torch.Generator().manual_seed(300 + step)
+    images = torch.randn(8, 3, 2, 2, generator=generator)
+    return images, torch.randint(0, 10, (8,), generator=generator)
 
 
 PIPELINE = {
@@ -160,18 +202,28 @@ FAULTS = {
         clipping_by_local_norm, {"dp": 2, "tp": 1}, {"rules": default_rules()},
         {"max_norm": 0.1}, "grad norm", "<global>",
     ),
+    "batch-norm-running-variance-biased": (
+        batch_norm_running_variance_biased, {"dp": 2}, {"rules": zoo.REPLICATED, "zero": 3},
+        {"model": zoo.cnn, "batches": tiny_image_batches}, "buffer", "blocks.1.norm.running_var",
+    ),
+    "pipeline-norm-from-one-stage": (
+        pipeline_norm_from_one_stage, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "grad norm",
+        "<global>",
+    ),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_planted_fault_is_caught_with_a_readable_report(name: str) -> None:
     fault, mesh, options, extra, quantity, tensor = FAULTS[name]
+    extra = dict(extra)
+    model = extra.pop("model", DebugLlama(4))
     # Without the fault the same run is within its contract ...
-    clean = assert_equivalent(DebugLlama(4), mesh, options, steps=1, **extra)
+    clean = assert_equivalent(model, mesh, options, steps=1, **extra)
     assert clean.passed
     # ... with it, the harness stops at step 1 and names what diverged.
     with pytest.raises(mt.EquivalenceError) as caught:
-        assert_equivalent(DebugLlama(4), mesh, options, steps=1, rank_context=fault, **extra)
+        assert_equivalent(model, mesh, options, steps=1, rank_context=fault, **extra)
     report: EquivalenceReport = caught.value.report  # type: ignore[attr-defined]
     first = report.first_divergence
     assert first is not None and first.step == 1, report.format()
@@ -185,7 +237,7 @@ def test_planted_fault_is_caught_with_a_readable_report(name: str) -> None:
         "does NOT train like one device",
         "first divergence: step 1",
         "plan JSON: {",
-        "replay: assert_equivalent(DebugLlama(n_layers=4)",
+        f"replay: assert_equivalent({model!r}",
     ):
         assert part in text, text
 
@@ -198,3 +250,39 @@ def test_report_lists_the_contract_and_worst_tensors() -> None:
     assert "trains like one device" in text and "reduction-order" in text, text
     assert "data-parallel gradient and loss sum (2 ways" in text, text
     assert "tensor-parallel partial products (2 ways" in text, text
+
+
+class RunningMeanLM(nn.Module):
+    """A token model with a hand-written statistic: a buffer tracking the running mean of its
+    embeddings, updated from whatever batch its forward sees — under data parallelism each
+    rank's own share, so the buffer drifts from one device's (a model bug the harness must
+    report, though every gradient matches)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 32)
+        self.register_buffer("running_mean", torch.zeros(16))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(tokens)
+        if self.training:
+            with torch.no_grad():
+                self.running_mean.mul_(0.9).add_(hidden.mean(dim=(0, 1)), alpha=0.1)
+        return self.head(hidden)
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_a_buffer_updated_from_each_ranks_local_batch_is_reported() -> None:
+    rules = mt.Rules({r".*": mt.P()}, fsdp="dp")
+    # one rank sees the whole batch: the buffer is one device's
+    assert assert_equivalent(RunningMeanLM, {"dp": 1}, rules, steps=1).passed
+    with pytest.raises(mt.EquivalenceError) as caught:
+        assert_equivalent(RunningMeanLM, {"dp": 2}, rules, steps=1)
+    report: EquivalenceReport = caught.value.report  # type: ignore[attr-defined]
+    first = report.first_divergence
+    assert first is not None and (first.step, first.quantity, first.fqn) == (
+        1, "buffer", "running_mean"), report.format()  # fmt: skip
+    assert first.ratio > 100, report.format()
+    # every gradient, parameter and optimizer state still matches: only the buffer tells
+    assert {c.quantity for c in report.failures} == {"buffer"}, report.format()

@@ -3,11 +3,15 @@
 Every rank of a pool of real gloo ranks builds the model from the same seed, keeps a deep copy as
 the single-device reference, applies the plan to the original and trains both on the same global
 batches with the same optimizer: the reference on the whole batch, the plan on its data-parallel
-slice in its micro-batches (or through its pipeline). After each backward the loss, the global
-gradient norm and every gradient are compared with the contract's relative bound; after each
-optimizer step every parameter and optimizer state against the element-wise bound the update rule
-gives (:mod:`meshtrain.testing.updates`). The plan's parameters and states are then copied into
-the reference, so every step starts from the same point and the first diverging step is exact.
+slice through the runtime's own train step (:func:`~meshtrain.train.make_train_step`: its
+micro-batches or pipeline, loss scaling, gradient norm, clipping and non-finite guard). The loss,
+the global gradient norm (the step's own) and every gradient (before clipping) are compared with
+the contract's relative bound, and whether each side skipped the step; after each optimizer step
+every parameter and optimizer state against the element-wise bound the update rule gives
+(:mod:`meshtrain.testing.updates`), and every buffer (running statistics, counters) against the
+contract's bound (exactly where it is bitwise or not floating-point). The plan's parameters,
+states and buffers are then copied into the reference, so every step starts from the same point
+and the first diverging step is exact.
 
 Example (a model defined at module level, so ranks can import it)::
 
@@ -35,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshtrain.errors import EquivalenceError, PlanError
-from meshtrain.lower import apply, compile_loss, device_mesh, full_tensor, one_device_reference
+from meshtrain.lower import apply, device_mesh, full_tensor, one_device_reference
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
@@ -48,7 +52,8 @@ from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
 from meshtrain.train.offload import offload_states
 from meshtrain.train.scaler import LossScaler
-from meshtrain.train.step import forward_backward
+from meshtrain.train.state import TrainState
+from meshtrain.train.step import TrainStep, make_train_step
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 OptimizerSpec = str | Callable[..., torch.optim.Optimizer]
@@ -399,6 +404,30 @@ def _optimizer(spec: OptimizerSpec, params: Iterator[nn.Parameter]) -> torch.opt
     raise PlanError(f"optimizer={spec!r}: use 'sgd', 'adam', 'adamw' or a params -> Optimizer.")
 
 
+@dataclass(frozen=True)
+class _ObservedStep(TrainStep):
+    """The runtime's train step, unchanged but for one look: ``observe()`` sees the unscaled,
+    unclipped gradients just before the step measures their norm (a step whose gradients are
+    not finite measures none, and is compared as a skipped step)."""
+
+    observe: Callable[[], None] = lambda: None
+
+    @classmethod
+    def of(cls, step: TrainStep, observe: Callable[[], None]) -> _ObservedStep:
+        values = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
+        return cls(**values, observe=observe)
+
+    def _grad_norm(self, params: list[Any]) -> float:
+        self.observe()
+        return super()._grad_norm(params)
+
+
+def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
+    """Every local buffer by FQN (a pipeline's: its stage modules', under full-model FQNs)."""
+    modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
+    return {fqn: buffer for module in modules for fqn, buffer in module.named_buffers()}
+
+
 class _Run:
     """One rank's run: the plan and the reference side by side."""
 
@@ -419,35 +448,41 @@ class _Run:
         self.ref_optimizer = _optimizer(config.optimizer, iter(self.ref_named.values()))
         self.rule: UpdateRule = update_rule(self.ref_optimizer)
         fp16 = self.plan.options.precision == "fp16"
-        self.scaler: LossScaler | None = LossScaler() if fp16 else None
         self.ref_scaler: LossScaler | None = LossScaler() if fp16 else None
-        self.loss_fn = compile_loss(self.plan, config.loss_fn)
+        runtime_step = make_train_step(
+            self.plan, config.loss_fn, self.optimizer, max_norm=config.max_norm,
+            scaler=LossScaler() if fp16 else None,
+        )  # fmt: skip
+        self.train_step = _ObservedStep.of(runtime_step, self._compare_grads)
+        self.state = TrainState.create(self.applied, self.optimizer)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
+        self.step = 0
 
     # ---------------------------------------------------------------- one step
 
     def train(self) -> _RankResult:
         for step in range(1, self.config.steps + 1):
+            self.step = step
             inputs, targets = _batch(self.config, step - 1)
             ref_loss, ref_finite = self._reference_backward(inputs, targets)
-            loss, finite = self._plan_backward(inputs, targets)
+            loss, norm, finite = self._plan_step(inputs, targets)
             self._compare_scalar(step, "loss", loss, ref_loss)
-            if finite != ref_finite:
+            ref_norm, ref_grads, old_states = self._reference_clip_and_capture()
+            ref_finite = ref_finite and math.isfinite(ref_loss) and math.isfinite(ref_norm)
+            if ref_finite and finite:
+                self._compare_scalar(step, "grad norm", norm, ref_norm)
+            elif finite != ref_finite:
                 self._record(step, "overflow skip", "<all>", 1.0, 1.0, math.inf,
                              note=f"plan finite={finite}, one device finite={ref_finite}")  # fmt: skip
-            self._compare_grads(step)
-            ref_grads, old_states = self._clip_and_capture(step)
-            if finite and ref_finite:
-                self.optimizer.step()
+            if ref_finite:
                 self.ref_optimizer.step()
-            for scaler in (self.scaler, self.ref_scaler):
-                if scaler is not None:
-                    scaler.update()
-            self.optimizer.zero_grad()
+            if self.ref_scaler is not None:
+                self.ref_scaler.update()
             self.ref_optimizer.zero_grad()
             if finite and ref_finite:
                 self._compare_update(step, ref_grads, old_states)
+            self._compare_buffers(step)
             self._resync()
             self.result.losses.append((loss, ref_loss))
         self.result.held = set(self.named)
@@ -463,19 +498,14 @@ class _Run:
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
         return float(full_tensor(loss.detach())), bool(finite)
 
-    def _plan_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, bool]:
+    def _plan_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, bool]:
+        """One step of the runtime's own ``TrainStep`` on this rank's slice: its loss, gradient
+        norm and whether it stepped (its gradients are compared before its clipping, by
+        :class:`_ObservedStep`)."""
         per_rank = inputs.shape[0] // self.data_ranks
         mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
-        scale = self.scaler.scale_value if self.scaler else 1.0
-        loss, _ = forward_backward(
-            self.plan,
-            self.applied,
-            StepBatch(inputs[mine], targets[mine]),
-            self.loss_fn,
-            loss_scale=scale,
-        )
-        finite = self.scaler.unscale_(self.named.values()) if self.scaler else True
-        return loss, bool(finite)
+        self.state, metrics = self.train_step(self.state, StepBatch(inputs[mine], targets[mine]))
+        return metrics["loss"], metrics["grad_norm"], not metrics["skipped"]
 
     # ---------------------------------------------------------------- comparisons
 
@@ -519,7 +549,8 @@ class _Run:
         its rounding errors come from the magnitudes summed, not from their vanishing sum."""
         return floor if own < self.contract.tolerance * floor else own
 
-    def _compare_grads(self, step: int) -> None:
+    def _compare_grads(self) -> None:
+        step = self.step
         floor = self._gradient_scale()
         for fqn, param in self.named.items():
             reference = self.ref_named[fqn].grad
@@ -539,17 +570,15 @@ class _Run:
             (float(full_tensor(g).detach().abs().max()) for g in grads if g.numel()), default=0.0
         )
 
-    def _clip_and_capture(
-        self, step: int
-    ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-        plan_for_norm = self.plan if self.plan.pipeline is not None else None
-        params = list(self.named.values())
+    def _reference_clip_and_capture(
+        self,
+    ) -> tuple[float, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+        """The one-device gradient norm and clipping; its clipped gradients and the optimizer
+        states before its step (what the update bounds start from)."""
         ref_params = list(self.ref_named.values())
         max_norm = self.config.max_norm if self.config.max_norm is not None else math.inf
-        norm = clip_grad_norm_(params, max_norm, plan=plan_for_norm)
-        ref_norm = clip_grad_norm_(ref_params, max_norm)
-        self._compare_scalar(step, "grad norm", float(norm), float(ref_norm))
-        self.result.clipped_steps += int(float(ref_norm) > max_norm)
+        ref_norm = float(clip_grad_norm_(ref_params, max_norm))
+        self.result.clipped_steps += int(ref_norm > max_norm)
         grads = {
             fqn: full_tensor(p.grad).detach().clone()
             for fqn, p in self.ref_named.items()
@@ -563,7 +592,7 @@ class _Run:
             }
             for fqn, p in self.ref_named.items()
         }
-        return grads, states
+        return ref_norm, grads, states
 
     def _compare_update(
         self,
@@ -598,6 +627,31 @@ class _Run:
                 bound = None if bitwise else state_bound(self.rule, key, grad, delta, reference)
                 self._compare_elementwise(step, key, fqn, full_tensor(value), reference, bound)
 
+    def _compare_buffers(self, step: int) -> None:
+        """Every buffer the plan holds (running statistics, counters) against the one-device
+        model's after the step: floating-point ones within the contract's relative bound (exact
+        under a bitwise contract), the others exactly."""
+        reference = _named_buffers(self.reference)
+        for fqn, buffer in _named_buffers(self.applied).items():
+            if fqn not in reference:
+                continue
+            value, ref = full_tensor(buffer).detach(), full_tensor(reference[fqn]).detach()
+            if value.shape != ref.shape:
+                self._record(step, "buffer", fqn, math.inf, math.inf, math.inf,
+                             note=f"shape {tuple(value.shape)} vs {tuple(ref.shape)}")  # fmt: skip
+            elif ref.is_floating_point() and self.contract.level != "bitwise":
+                self._compare_tensor(step, "buffer", fqn, value, ref)
+            else:
+                same = torch.equal(value, ref.to(value.dtype))
+                error = 0.0 if same else self._exact_error(value, ref)
+                self._record(step, "buffer", fqn, error, error, 0.0 if same else math.inf)
+
+    @staticmethod
+    def _exact_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+        if value.is_complex() or reference.is_complex() or value.dtype == torch.bool:
+            return math.inf
+        return float((value.double() - reference.double()).abs().max()) if value.numel() else 0.0
+
     def _step_count(self, ref_param: torch.Tensor) -> int:
         value = self.ref_optimizer.state[ref_param].get("step", 1)
         return int(value.item() if isinstance(value, torch.Tensor) else value)
@@ -619,8 +673,8 @@ class _Run:
 
     @torch.no_grad()
     def _resync(self) -> None:
-        """Copy the plan's parameters and optimizer states into the reference (every stage's,
-        gathered over the pipeline axis), so the next step starts from the same point."""
+        """Copy the plan's parameters, optimizer states and buffers into the reference (every
+        stage's, gathered over the pipeline axis), so the next step starts from the same point."""
         keys = STATE_KEYS[self.rule.kind] if self.rule.kind != "none" else ()
         mine = {
             fqn: (
@@ -633,12 +687,20 @@ class _Run:
             )
             for fqn, param in self.named.items()
         }
-        gathered = [mine]
+        buffers = {
+            fqn: full_tensor(buffer.detach()).clone()
+            for fqn, buffer in _named_buffers(self.applied).items()
+        }
+        gathered = [(mine, buffers)]
         if self.plan.pipeline is not None:
             group = device_mesh(self.mesh).get_group(self.plan.pipeline.axis)
-            gathered = [{} for _ in range(dist.get_world_size(group))]
-            dist.all_gather_object(gathered, mine, group=group)
-        for values in gathered:
+            gathered = [({}, {}) for _ in range(dist.get_world_size(group))]
+            dist.all_gather_object(gathered, (mine, buffers), group=group)
+        ref_buffers = _named_buffers(self.reference)
+        for values, stage_buffers in gathered:
+            for fqn, buffer in stage_buffers.items():
+                if fqn in ref_buffers:
+                    _local(ref_buffers[fqn]).copy_(buffer)
             for fqn, (value, states) in values.items():
                 ref_param = self.ref_named.get(fqn)
                 if ref_param is None:
