@@ -99,3 +99,21 @@ def test_eval_and_generate_commands_read_the_run(
     printed = capsys.readouterr().out
     greedy = generate(load_run(root / "run"), prompt, max_new_tokens=5, temperature=0)
     assert printed == prompt + greedy + "\n"  # greedy: the same continuation each time
+
+
+def test_an_export_carries_the_tokenizer_transformers_generates_with(
+    trained: tuple[Path, list[str]], tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    root, _ = trained
+    out = tmp_path / "hf"
+    assert main(["export", str(root / "run"), "--format", "hf", "--out", str(out)]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    prompt = "Q12: 12+12="
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    assert ids[0].tolist() == list(prompt.encode())  # the byte tokenizer's ids exactly
+    output = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=0,
+                            pad_token_id=0)  # fmt: skip
+    ours = generate(load_run(root / "run"), prompt, max_new_tokens=6, temperature=0)
+    assert tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True) == ours

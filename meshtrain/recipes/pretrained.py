@@ -40,6 +40,7 @@ from meshtrain.models.llama_hf import hf_config_from_llama, hf_sources, llama_to
 from meshtrain.recipes.model_check import check_llama_config
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.schema import model_section
+from meshtrain.recipes.tokenizer_files import write_tokenizer_files
 from meshtrain.train.checkpoint import find_resume_point, list_checkpoints
 from meshtrain.train.checkpoint.files import canonical_fqn, read_state_file
 from meshtrain.train.hf.export import ExportReport, Rename, Transform, export_hf
@@ -147,7 +148,7 @@ def export_run(
     recipe = state.get("extra", {}).get("recipe")
     config, rename, copied = _export_target(recipe, point.checkpoint)
     transform = transform or _lora_merge(recipe)
-    return export_hf(
+    report = export_hf(
         point.checkpoint,
         out_dir,
         config=config,
@@ -157,6 +158,8 @@ def export_run(
         dtype=dtype,
         copy_files=copied,
     )
+    write_tokenizer_files(recipe, report.out_dir)  # so transformers encodes and generates from it
+    return report
 
 
 def _lora_merge(recipe: Any) -> Transform | None:
