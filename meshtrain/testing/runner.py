@@ -575,8 +575,8 @@ def _start_stall(pending: dict[int, str], idle_s: float, port: int) -> str:
         load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
         cause = (
             f"still importing torch — the machine is overloaded (load average {load:.1f} on "
-            f"{os.cpu_count()} cores): run fewer tests at once, or give SPMDPool a longer "
-            "start_timeout_s"
+            f"{os.cpu_count()} cores): run fewer tests at once, or allow a longer start "
+            "(meshtrain check --start-timeout S; SPMDPool's start_timeout_s)"
         )
     else:
         cause = (
@@ -663,8 +663,9 @@ def _free_port() -> int:
 _SHARED_POOLS: dict[int, SPMDPool] = {}
 
 
-def get_pool(world_size: int) -> SPMDPool:
-    """The process-wide pool for ``world_size``, created on first use, closed at exit.
+def get_pool(world_size: int, *, start_timeout_s: float | None = None) -> SPMDPool:
+    """The process-wide pool for ``world_size``, created on first use, closed at exit;
+    ``start_timeout_s`` (when given) is how long its next rank start may go without progress.
 
     Example::
 
@@ -673,6 +674,10 @@ def get_pool(world_size: int) -> SPMDPool:
     pool = _SHARED_POOLS.get(world_size)
     if pool is None or pool.closed:
         pool = _SHARED_POOLS[world_size] = SPMDPool(world_size)
+    if start_timeout_s is not None:
+        if start_timeout_s <= 0:
+            raise SPMDError(f"start_timeout_s must be positive, got {start_timeout_s}")
+        pool.start_timeout_s = float(start_timeout_s)
     return pool
 
 
