@@ -147,6 +147,14 @@ def test_olmo2_sequence_parallelism_is_refused_naming_the_gathered_projection() 
         mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
 
 
+def test_qwen3_sequence_parallelism_is_refused_naming_the_per_head_norm() -> None:
+    model = zoo.qwen3()
+    with pytest.raises(
+        PlanError, match=r"'model\.layers\.0\.self_attn\.q_norm' \(Qwen3RMSNorm\).*without sequence"
+    ):
+        mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
+
+
 def test_a_gathered_head_stays_loss_parallel() -> None:
     """Every causal LM's head is colwise_gather_output in its plan: the loss reads its logits
     whole either way, so the planner keeps the vocab-parallel loss."""

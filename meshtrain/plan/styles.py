@@ -220,12 +220,20 @@ def _prepare_styles(
         if pair.prepare is None:
             if sequence_parallel:
                 other = untouched_consumers(pair.scope, modules, raw)[0]
+                fix = (
+                    "meshtrain places the all-gather only where every parameter under "
+                    f"'{pair.scope}' is in the pair, and a norm stays replicated (Qwen3's "
+                    "per-head q/k norms): train this model without sequence parallelism (drop "
+                    "sequence_parallel=True / the ('seq', ...) activation rule)"
+                    if _is_norm(modules[other])
+                    else f"Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')),"
+                    " or drop the ('seq', ...) activation rule"
+                )
                 raise PlanError(
                     f"sequence parallelism all-gathers the input of '{pair.scope}' "
                     f"({type(modules[pair.scope]).__name__}) for its tensor-parallel Linears, but "
-                    f"{other!r} there is not tensor-parallel and would see a different sequence "
-                    f"length. Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')),"
-                    " or drop the ('seq', ...) activation rule.",
+                    f"{other!r} ({type(modules[other]).__name__}) there is not tensor-parallel and "
+                    f"would see a different sequence length. {fix}.",
                     fqn=other,
                 )
             continue
