@@ -117,6 +117,10 @@ class Resolution:
 class Rules:
     """Ordered rules mapping parameters to specs, plus the data axes FSDP shards over.
 
+    ``gathered`` names modules (regexes on their FQNs) whose column-wise output the model's own
+    code needs whole: the planner all-gathers it (``colwise_gathered``) instead of pairing the
+    module with a row-wise partner. :meth:`from_hf` fills it from ``colwise_gather_output``.
+
     Example:
         >>> rules = Rules(
         ...     {r"layers\\.\\d+\\.attn\\.wq\\.weight": P("tp", None), r".*": P()},
