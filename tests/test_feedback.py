@@ -60,3 +60,15 @@ def test_a_stalled_rank_start_names_the_cause_and_the_option() -> None:
     with pytest.raises(SPMDError, match=r"no progress for 0.01 s .*--start-timeout"):
         pool.run(int)
     pool.close()
+
+
+def test_export_reports_its_progress_to_the_last_byte(tmp_path: Path) -> None:
+    from meshtrain.train.hf.export import export_hf
+
+    params = {f"layer{i}.weight": torch.nn.Parameter(torch.ones(64, 64)) for i in range(3)}
+    saved = Checkpointer(CheckpointConfig(tmp_path / "ckpt")).save(1, params, None, {"step": 1})
+    calls: list[tuple[int, int]] = []
+    export_hf(saved, tmp_path / "out", config={}, max_shard_size=64 * 64 * 4,
+              progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    assert [done for done, _ in calls] == [64 * 64 * 4 * k for k in (1, 2, 3)]
+    assert {total for _, total in calls} == {3 * 64 * 64 * 4}

@@ -24,7 +24,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,7 @@ def export_run(
     max_shard_size: int | str = "5GB",
     dtype: torch.dtype | None = None,
     transform: Transform | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportReport:
     """Write the newest intact checkpoint of the run in ``run_dir`` (a run directory or its
     checkpoints directory) to ``out_dir`` as a transformers directory; ``transform`` is
@@ -157,6 +158,7 @@ def export_run(
         max_shard_size=max_shard_size,
         dtype=dtype,
         copy_files=copied,
+        progress=progress,
     )
     write_tokenizer_files(recipe, report.out_dir)  # so transformers encodes and generates from it
     return report

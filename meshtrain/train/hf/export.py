@@ -186,12 +186,14 @@ def export_hf(
     dtype: torch.dtype | None = None,
     copy_files: Sequence[Path] = (),
     trust_pickle: bool = False,
+    progress: Callable[[int, int], None] | None = None,
 ) -> ExportReport:
     """Write the model tensors of the DCP ``checkpoint`` (a ``step_*`` directory) to
     ``out_dir`` as a transformers directory (see the module docstring): ``config`` is written as
     ``config.json`` (its ``dtype`` set to what was written), ``copy_files`` (e.g. the tokenizer's
     files) are copied beside it. ``out_dir`` must not exist or be empty. Shards hold at most
     ``max_shard_size`` bytes (``"5GB"``, ``"500MiB"`` or an int) unless one tensor is larger.
+    ``progress(bytes_read, total_bytes)`` is called after each group of tensors is written.
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
     limit = _shard_limit(max_shard_size)
@@ -207,7 +209,7 @@ def export_hf(
     try:
         scratch.mkdir(parents=True)
         writer = _ShardWriter(scratch, limit)
-        largest = _stream(source, writer, limit, transform, rename, dtype)
+        largest = _stream(source, writer, limit, transform, rename, dtype, progress)
         files = writer.finish()
         written_dtype = dtype or next(iter(source.entries.values())).properties.dtype
         text = json.dumps({**config, "dtype": str(written_dtype).removeprefix("torch.")},
@@ -270,11 +272,13 @@ def _stream(
     transform: Transform | None,
     rename: Rename | None,
     dtype: torch.dtype | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> int:
     """Read the checkpoint group by group and hand each output tensor to ``writer``; return the
     most bytes read at once."""
     keys = list(source.entries)
-    largest, index = 0, 0
+    largest, index, done = 0, 0, 0
+    total = sum(source.nbytes(key) for key in keys)
     while index < len(keys):
         room = max(limit - writer.pending, 0)
         group, size = [keys[index]], source.nbytes(keys[index])
@@ -293,6 +297,9 @@ def _stream(
                     if dtype is not None and out.is_floating_point():
                         out = out.to(dtype)
                     writer.add(out_name, out.contiguous())
+        done += size
+        if progress is not None:
+            progress(done, total)
     return largest
 
 
