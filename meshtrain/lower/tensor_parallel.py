@@ -53,6 +53,7 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
         parallelize_module(model, tp_mesh, styles)
     if root is not None:  # a pair directly under the root: the root prepares its own input
         parallelize_module(model, tp_mesh, root)
+    _replicate_on_shards(plan, model, tp_mesh)
     retie(plan, model)
     refreeze(plan, model)
     modules = dict(model.named_modules())
@@ -69,6 +70,22 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
             if style.module_type == "Embedding":
                 check = functools.partial(_check_sequence, style.fqn, plan.tp_axis, tp_mesh.size())
                 modules[style.fqn].register_forward_pre_hook(check)
+
+
+def _replicate_on_shards(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The modules whose replicated parameters compute on tensor-parallel shards (the plan's
+    ``partial_grads``, found by the abstract run): their parameters become replicated DTensors
+    and their sharded input a DTensor sharded on the recorded dim, so each such gradient is a
+    ``Partial`` DTensor that FSDP2 (or :class:`PartialGradSync` without it) all-reduces."""
+    dims = {grad.module: grad.dim for grad in plan.partial_grads}
+    present = {fqn for fqn, _ in model.named_modules()}
+    styles: dict[str, ParallelStyle] = {
+        fqn: SequenceParallel(sequence_dim=dim, use_local_output=True)
+        for fqn, dim in dims.items()
+        if fqn in present  # a pipeline stage holds some of them
+    }
+    if styles:
+        parallelize_module(model, tp_mesh, styles)
 
 
 def retie(plan: Plan, model: nn.Module) -> None:
@@ -149,12 +166,13 @@ def _check_sequence(
 
 def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
     """Without FSDP2 (which reduces them itself when it wraps the model), a hook reduces the
-    partial-sum gradients of replicated weights that compute on shards: sequence-parallel norms,
-    and the replicated adapter of a tensor-parallel LoRA Linear (``lora_A`` of a column-wise
+    partial-sum gradients of replicated weights that compute on shards: the plan's
+    ``partial_grads``, sequence-parallel norms, and the replicated adapter of a tensor-parallel
+    LoRA Linear (``lora_A`` of a column-wise
     one, ``lora_B`` of a row-wise one: its gradient contracts over the sharded dim)."""
     if plan.data_axes:
         return
-    fqns = []
+    fqns = [grad.param for grad in plan.partial_grads if grad.module in modules]
     for style in plan.styles:
         module = modules[style.fqn]
         prefix = f"{style.fqn}." if style.fqn else ""

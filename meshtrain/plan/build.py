@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import PlanError
+from meshtrain.plan.abstract import prove_plan
 from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.adapters import (
     check_nf4_shards,
@@ -58,7 +59,7 @@ from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import block_fqns, resolve_compile_scope
 from meshtrain.plan.sequence import place_sequence_split
 from meshtrain.plan.styles import infer_styles
-from meshtrain.plan.tp_cost import estimate_tp_collectives
+from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -95,6 +96,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         activation_estimates=estimates,
         tied=layout.tied,
         batch_norms=layout.batch_norms,
+        partial_grads=layout.partial_grads,
     )
 
 
@@ -156,8 +158,15 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     tied = tied_groups(model)
     _check_tied(tied, blocks)
     batch_norms = _batch_norms(model, options)
+    partial_grads, unproven = prove_plan(
+        model, layouts, styles, tp_axis=tp_axis, blocks=blocks,
+        tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
+        sequence_parallel=sequence_parallel,
+    )  # fmt: skip
+    notes += unproven
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
-                  compile_scope, buffers, profile, tuple(notes), tied, batch_norms)  # fmt: skip
+                  compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
+                  partial_grads)  # fmt: skip
 
 
 def cost_flat(
@@ -183,6 +192,10 @@ def cost_flat(
         layout.styles, layout.params, layout.tp_axis, options,
         sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),
         tied=layout.tied, units=layout.units,
+    )  # fmt: skip
+    collectives += partial_grad_collectives(
+        layout.partial_grads, layout.params, options,
+        data_parallel=bool(layout.data_axes), units=layout.units,
     )  # fmt: skip
     return memory, collectives, layout.notes, estimates
 

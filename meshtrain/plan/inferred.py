@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.plan.activations import ActivationProfile
-from meshtrain.plan.ir import FSDPUnit, ModuleStyle, ParamLayout
+from meshtrain.plan.ir import FSDPUnit, ModuleStyle, ParamLayout, PartialGrad
 
 
 @dataclass(frozen=True)
@@ -33,3 +33,4 @@ class Inferred:
     notes: tuple[str, ...]
     tied: tuple[tuple[str, ...], ...] = ()
     batch_norms: tuple[str, ...] = ()
+    partial_grads: tuple[PartialGrad, ...] = ()

@@ -149,6 +149,25 @@ class FSDPUnit:
 
 
 @dataclass(frozen=True)
+class PartialGrad:
+    """A parameter replicated over the tensor-parallel ``axis`` whose module computes on
+    activations sharded over it (dim ``dim`` of the module's first input): each rank's gradient
+    is a partial sum, all-reduced over ``axis`` by the lowering. Found by the plan-time abstract
+    run (:mod:`meshtrain.plan.abstract`); ``op`` is the operation where it met the shard.
+
+    Example:
+        >>> PartialGrad("attn.q_norm.weight", "attn.q_norm", "tp", 2, "aten.mul.Tensor").axis
+        'tp'
+    """
+
+    param: str
+    module: str
+    axis: str
+    dim: int
+    op: str = ""
+
+
+@dataclass(frozen=True)
 class Collective:
     """Collectives of one kind on one axis per optimizer step, with their payload in bytes."""
 
@@ -313,6 +332,7 @@ class Plan:
     activation_estimates: tuple[tuple[str, int], ...] = ()
     tied: tuple[tuple[str, ...], ...] = ()
     batch_norms: tuple[str, ...] = ()
+    partial_grads: tuple[PartialGrad, ...] = ()
 
     @property
     def specs(self) -> dict[str, P]:
@@ -386,6 +406,11 @@ class Plan:
             where = "over every data-parallel rank" if self.data_axes else "on this rank"
             lines += ["", f"BatchNorm statistics over the global batch ({where}): "
                       + ", ".join(self.batch_norms)]  # fmt: skip
+        if self.partial_grads:
+            lines += ["", "partial gradients all-reduced over the tensor-parallel axis (replicated "
+                      "parameters computing on its shards; module, input dim sharded):"]
+            lines += [f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
+                      for g in self.partial_grads]  # fmt: skip
         if self.tied:
             lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
             lines += [f"  {' = '.join(group)}" for group in self.tied]
@@ -483,6 +508,7 @@ class Plan:
             ),
             tied=tuple(tuple(group) for group in data.get("tied", ())),
             batch_norms=tuple(data.get("batch_norms", ())),
+            partial_grads=tuple(PartialGrad(**g) for g in data.get("partial_grads", ())),
         )
 
 
@@ -598,6 +624,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "activation_estimates": [[name, value] for name, value in plan.activation_estimates],
         "tied": [list(group) for group in plan.tied],
         "batch_norms": list(plan.batch_norms),
+        "partial_grads": [vars(g) for g in plan.partial_grads],
     }
 
 

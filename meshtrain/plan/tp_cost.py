@@ -44,7 +44,7 @@ import torch
 
 from meshtrain.adapters.lora import ADAPTERS
 from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
-from meshtrain.plan.ir import Collective, FSDPUnit, ModuleStyle, ParamLayout, TPStyle
+from meshtrain.plan.ir import Collective, FSDPUnit, ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.options import PlanOptions
 
 _ROW_PARTIALS = "forward: partial sums of row-wise outputs"
@@ -57,6 +57,10 @@ _ADAPTER_GRADS = (
     "row-wise Linears), once per gradient sync"
 )
 _NORM_GRADS = "norm weights' partial gradients, one per parameter per gradient sync"
+_PARTIAL_GRADS = (
+    "backward: partial gradients of replicated parameters computing on tensor-parallel shards "
+    "(found by the abstract run), one per parameter per gradient sync"
+)
 
 
 class _StepCounts:
@@ -277,6 +281,42 @@ def estimate_tp_collectives(
             result.append(Collective("all_reduce", tp_axis, len(params) * syncs,
                                      sum(p.local_numel for p in params) * grad_bytes * syncs, why))  # fmt: skip
     return tuple(result)
+
+
+def partial_grad_collectives(
+    partial_grads: Sequence[PartialGrad],
+    layouts: Sequence[ParamLayout],
+    options: PlanOptions,
+    *,
+    data_parallel: bool = False,
+    pipelined: bool = False,
+    units: Sequence[FSDPUnit] = (),
+) -> tuple[Collective, ...]:
+    """The all-reduces of the partial gradients the abstract run found (replicated parameters
+    computing on tensor-parallel shards), per axis: each parameter's gradient once per gradient
+    sync, as for the norms of sequence parallelism.
+
+    Example:
+        >>> from meshtrain.spec.partition import P
+        >>> layouts = [ParamLayout("attn.q_norm.weight", (16,), P(), "", (16,), (16,))]
+        >>> grads = [PartialGrad("attn.q_norm.weight", "attn.q_norm", "tp", 2)]
+        >>> [(c.kind, c.axis, c.count, c.bytes) for c in partial_grad_collectives(grads, layouts,
+        ...                                                                      PlanOptions())]
+        [('all_reduce', 'tp', 1, 64)]
+    """
+    by_fqn = {p.fqn: p for p in layouts}
+    decisions = _decisions(units, options) if data_parallel else None
+    syncs, dtype = _partial_grad_syncs(decisions, options, pipelined=pipelined)
+    grad_bytes = getattr(torch, dtype).itemsize
+    per_axis: dict[str, list[ParamLayout]] = {}
+    for grad in partial_grads:
+        if grad.param in by_fqn:
+            per_axis.setdefault(grad.axis, []).append(by_fqn[grad.param])
+    return tuple(
+        Collective("all_reduce", axis, len(params) * syncs,
+                   sum(p.local_numel for p in params) * grad_bytes * syncs, _PARTIAL_GRADS)
+        for axis, params in per_axis.items()
+    )  # fmt: skip
 
 
 def _replicated_adapters(

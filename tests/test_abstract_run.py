@@ -1,0 +1,159 @@
+"""The plan-time abstract run (meshtrain.plan.abstract): on fake tensors, no process group.
+
+Third-party models whose tensor-parallel plans train wrong or crash are refused while planning,
+naming the module and the operation; replicated parameters computing on shards are recorded as
+partial gradients (reduced, costed, explained, in the JSON); the plans that train right are
+unchanged (no false refusals)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import zoo
+from torch import nn
+from transformers import (
+    OPTConfig,
+    OPTForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    T5Config,
+    T5ForConditionalGeneration,
+)
+
+import meshtrain as mt
+from meshtrain.plan.ir import PartialGrad, Plan
+from meshtrain.spec.partition import P
+from meshtrain.spec.rules import Rules
+
+DP_TP = {"dp": 2, "tp": 2}
+
+
+def mesh(**axes: int) -> mt.Mesh:
+    return mt.make_mesh(**axes, world_size=math.prod(axes.values()), abstract=True)
+
+
+def qwen3() -> Qwen3ForCausalLM:
+    return Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+        use_cache=False))  # fmt: skip
+
+
+def megatron(attention: str, out: str, up: str, down: str) -> Rules:
+    """Column-wise q/k/v and MLP up, row-wise out and down (weights and biases)."""
+    return Rules({
+        rf".*\.{attention}\.weight": P("tp", None), rf".*\.{attention}\.bias": P("tp"),
+        rf".*\.{out}\.weight": P(None, "tp"),
+        rf".*\.{up}\.weight": P("tp", None), rf".*\.{up}\.bias": P("tp"),
+        rf".*\.{down}\.weight": P(None, "tp"),
+        r".*": P(),
+    }, fsdp="dp", allow_unused=True)  # fmt: skip
+
+
+def test_qwen3_per_head_norms_have_partial_gradients_recorded_costed_and_explained() -> None:
+    model = qwen3()
+    plan = mt.plan(model, mesh(**DP_TP), Rules.from_hf(model, fsdp="dp", tp="tp"))
+    names = [f"model.layers.{i}.self_attn.{n}_norm.weight" for i in (0, 1) for n in ("q", "k")]
+    assert [g.param for g in plan.partial_grads] == names
+    assert {(g.axis, g.dim) for g in plan.partial_grads} == {("tp", 2)}  # [batch, seq, heads, dim]
+    assert plan.partial_grads[0].module == "model.layers.0.self_attn.q_norm"
+    rows = [c for c in plan.collectives if "abstract run" in c.why]
+    assert [(c.kind, c.axis, c.count, c.bytes) for c in rows] == [
+        ("all_reduce", "tp", 4, 4 * 8 * 4)
+    ]
+    assert "model.layers.1.self_attn.k_norm.weight: over 'tp'" in plan.explain()
+    assert Plan.from_json(plan.to_json()).partial_grads == plan.partial_grads
+
+
+def test_tensor_parallel_alone_records_them_too() -> None:
+    model = qwen3()
+    plan = mt.plan(model, mesh(tp=2, dp=1), Rules.from_hf(model, fsdp="dp", tp="tp"))
+    assert len(plan.partial_grads) == 4
+
+
+def test_opt_reshaping_with_its_global_head_count_is_refused() -> None:
+    model = OPTForCausalLM(OPTConfig(
+        vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=64, word_embed_proj_dim=32))  # fmt: skip
+    rules = megatron(r"self_attn\.(q|k|v)_proj", r"self_attn\.out_proj", "fc1", "fc2")
+    with pytest.raises(mt.PlanError, match="reshapes with a global size") as refusal:
+        mt.plan(model, mesh(**DP_TP), rules)
+    text = str(refusal.value)
+    assert "'model.decoder.layers.0.self_attn' (OPTAttention)" in text
+    assert "aten.view.default" in text and "Replicate the tensor-parallel" in text
+
+
+def test_t5_position_bias_with_every_head_is_refused_not_a_crash() -> None:
+    model = T5ForConditionalGeneration(T5Config(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0))  # fmt: skip
+    rules = megatron(r"(q|k|v)", r"o", r"wi", r"wo")
+    with pytest.raises(mt.PlanError, match="mixes tensors sharded") as refusal:
+        mt.plan(model, mesh(**DP_TP), rules)
+    assert "'encoder.block.0.layer.0.SelfAttention' (T5Attention)" in str(refusal.value)
+
+
+def test_roberta_classifier_on_the_cls_token_of_sequence_shards_is_refused() -> None:
+    model = RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=80, num_labels=4))  # fmt: skip
+    rules = megatron(r"attention\.self\.(query|key|value)", r"attention\.output\.dense",
+                     r"intermediate\.dense", r"layer\.\d+\.output\.dense")  # fmt: skip
+    patterns = dict(rules.patterns)
+    patterns = {r"classifier\.out_proj\.weight": P("tp", None),
+                r"classifier\.out_proj\.bias": P("tp"), **patterns}  # fmt: skip
+    sequence = Rules(patterns, logical=[("seq", "tp")], fsdp="dp")
+    with pytest.raises(mt.PlanError, match="aten.select.int") as refusal:
+        mt.plan(model, mesh(**DP_TP), sequence)
+    assert "'classifier' (RobertaClassificationHead)" in str(refusal.value)
+    assert "selects or reduces along the sharded dim" in str(refusal.value)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_plans_that_train_right_are_unchanged(sequence_parallel: bool) -> None:
+    for model in (zoo.llama(), zoo.qwen2()):
+        rules = zoo.hf_rules(model, sequence_parallel=sequence_parallel)
+        plan = mt.plan(model, mesh(**DP_TP), rules)
+        assert plan.partial_grads == ()
+        assert not [n for n in plan.notes if "not proven" in n]
+
+
+class HeadScaled(nn.Module):
+    """Attention-like: q column-wise into heads, a learned per-head-dim scale (replicated, in a
+    module of its own or used directly), out row-wise."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.block = nn.ModuleDict({"q": nn.Linear(16, 16), "o": nn.Linear(16, 16)})
+        self.scale = nn.Parameter(torch.ones(4)) if direct else None
+        self.norm = nn.LayerNorm(4)
+        self.direct = direct
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        heads = self.block["q"](x).unflatten(-1, (-1, 4))
+        heads = heads * self.scale if self.scale is not None else self.norm(heads)
+        return self.block["o"](heads.flatten(-2))
+
+
+RULES = Rules({r"block\.q\.(weight|bias)": P("tp"), r"block\.o\.weight": P(None, "tp"), ".*": P()},
+              fsdp="dp")  # fmt: skip
+
+
+def test_a_replicated_module_on_sharded_heads_is_reduced() -> None:
+    plan = mt.plan(HeadScaled(direct=False), mesh(**DP_TP), RULES)
+    assert plan.partial_grads == (
+        PartialGrad("norm.weight", "norm", "tp", 2, "aten.native_layer_norm.default"),
+        PartialGrad("norm.bias", "norm", "tp", 2, "aten.native_layer_norm.default"),
+    )
+
+
+def test_a_replicated_parameter_used_outside_a_module_of_its_own_is_refused() -> None:
+    with pytest.raises(mt.PlanError, match="parameter 'scale' is replicated") as refusal:
+        mt.plan(HeadScaled(direct=True), mesh(**DP_TP), RULES)
+    assert "partial sum" in str(refusal.value) and refusal.value.fqn == "scale"
