@@ -54,6 +54,9 @@ if TYPE_CHECKING:
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 #: Where a launcher asks its ranks to report how they ended (a directory per node).
 REPORT_VARIABLE = "MESHTRAIN_RANK_REPORTS"
+#: Where ranks write their stacks when the watchdog asks (``<run_dir>/logs``).
+LOG_DIR_VARIABLE = "MESHTRAIN_LOG_DIR"
+BEAT_PREFIX = "beat-"
 #: How long ranks get to finish a step and save after a stop signal (torchrun's own variable).
 STOP_TIMEOUT_VARIABLE = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 
@@ -247,7 +250,14 @@ def refuse_restart() -> None:
             os.kill(os.getppid(), signal.SIGTERM)
 
 
-def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | None = None) -> int:
+def run_agent(
+    arguments: Sequence[str],
+    *,
+    nproc: int,
+    stop_timeout_s: int | None = None,
+    hang_timeout_s: float = 0.0,
+    log_dir: Path | None = None,
+) -> int:
     """Run torchrun's elastic agent in this process with :func:`torchrun_arguments` and return
     this node's exit status (:data:`EXIT_CODES`).
 
@@ -255,7 +265,9 @@ def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | Non
     ``stop_timeout_s`` seconds to finish their step and save before it kills them (default:
     :data:`STOP_TIMEOUT_VARIABLE` when set, else 300). Ranks report
     how they ended (:func:`report_exit`), so a stop, a meshtrain error and a crash each end in
-    one line and their own status instead of torchrun's tracebacks.
+    one line and their own status instead of torchrun's tracebacks. With ``hang_timeout_s``, a
+    :class:`Watchdog` ends the job when a rank stops beating for that long (exit status
+    :data:`EXIT_HUNG`); ``log_dir`` receives the stuck ranks' stacks.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -271,21 +283,126 @@ def run_agent(arguments: Sequence[str], *, nproc: int, stop_timeout_s: int | Non
     restarts = max([0, *(int(item.split("=", 1)[1]) for item in arguments
                          if item.startswith("--max-restarts="))])  # fmt: skip
     began = time.monotonic()
+    if log_dir is not None:
+        os.environ[LOG_DIR_VARIABLE] = str(log_dir)
+    watchdog = Watchdog(reports, hang_timeout_s, log_dir) if hang_timeout_s > 0 else None
+    if watchdog is not None:
+        watchdog.start()
     try:
         try:
             run(parse_args(list(arguments)))
         except SignalException as err:
+            if watchdog is not None and watchdog.verdict:
+                return _after_hang(watchdog.verdict)
             found = _read_reports(reports)
             _print_messages(found)
             return _after_signal(signal.Signals(err.sigval), found, nproc, time.monotonic() - began)
         except ChildFailedError as err:
+            if watchdog is not None and watchdog.verdict:
+                return _after_hang(watchdog.verdict)
             found = _read_reports(reports)
             _print_messages(found)
             return _after_failure(err.failures, found, restarts)
         return EXIT_OK
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         shutil.rmtree(reports, ignore_errors=True)
         os.environ.pop(REPORT_VARIABLE, None)
+
+
+def _after_hang(verdict: str) -> int:
+    _say(verdict)
+    return EXIT_HUNG
+
+
+class Watchdog(threading.Thread):
+    """The launcher's progress watchdog: reads the ranks' heartbeats
+    (:mod:`meshtrain.train.heartbeat`) every few seconds; when one is older than ``timeout_s``
+    and its process still exists, it asks the other ranks for their stacks (``SIGUSR1``: they
+    write them to ``log_dir``), kills every rank of the attempt (SIGKILL: a checkpoint is
+    published whole or not at all, so the newest intact one stays) and records the
+    :attr:`verdict` naming the rank, its step and its process state. A rank that is slow but
+    alive keeps beating and is never killed."""
+
+    def __init__(self, reports: Path, timeout_s: float, log_dir: Path | None) -> None:
+        super().__init__(name="meshtrain-watchdog", daemon=True)
+        self.reports, self.timeout_s, self.log_dir = reports, timeout_s, log_dir
+        self.verdict = ""
+        self._stopped = threading.Event()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def run(self) -> None:
+        while not self._stopped.wait(min(5.0, self.timeout_s / 4)):
+            beats = read_beats(self.reports)
+            now = time.time()
+            stale = sorted(
+                rank
+                for rank, beat in beats.items()
+                if now - beat["time"] > self.timeout_s and _process_state(beat["pid"])
+            )
+            if stale:
+                self._end(stale, beats, now)
+
+    def _end(self, stale: list[int], beats: Mapping[int, Any], now: float) -> None:
+        live = [beat["pid"] for rank, beat in beats.items() if rank not in stale]
+        for pid in live:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(1.0)  # faulthandler writes at once; give the files a moment
+        first = beats[stale[0]]
+        state = _process_state(first["pid"])
+        stacks = (
+            f"; the other ranks' stacks are in {self.log_dir}/stacks-rank-*.txt"
+            if live and self.log_dir is not None
+            else ""
+        )
+        self.verdict = (
+            f"rank {', '.join(map(str, stale))} stopped making progress after step "
+            f"{first['step']}: no heartbeat for {now - first['time']:.0f} s (the watchdog allows "
+            f"{self.timeout_s:.0f} s: train.heartbeat_timeout); its process is {state}{stacks}. "
+            "The job was ended; the newest intact checkpoint is where the next run resumes "
+            "(`meshtrain checkpoints RUN_DIR` lists them)."
+        )
+        for beat in beats.values():
+            with contextlib.suppress(OSError):
+                os.kill(beat["pid"], signal.SIGKILL)
+
+
+def beat_path(directory: str | os.PathLike[str], rank: int, attempt: int) -> Path:
+    """Where rank ``rank`` of restart ``attempt`` writes its heartbeat
+    (:mod:`meshtrain.train.heartbeat`)."""
+    return Path(directory) / f"{BEAT_PREFIX}attempt-{attempt}-rank-{rank}.json"
+
+
+def read_beats(directory: Path) -> dict[int, dict[str, Any]]:
+    """The newest attempt's heartbeats in ``directory``, by rank."""
+    found = []
+    for path in directory.glob(f"{BEAT_PREFIX}attempt-*-rank-*.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            attempt = int(path.name.split("-")[2])
+            found.append((attempt, json.loads(path.read_text())))
+    newest = max((attempt for attempt, _ in found), default=0)
+    return {beat["rank"]: beat for attempt, beat in found if attempt == newest}
+
+
+def _process_state(pid: int) -> str:
+    """How the process ``pid`` is, in words ("" when it is gone), from ``/proc`` on Linux."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except OSError:
+            return ""
+        return "alive but not beating"
+    states = {"T": "stopped by a signal (SIGSTOP or a debugger)", "t": "stopped by a debugger",
+              "D": "waiting on the kernel (uninterruptible I/O)", "Z": "a zombie (exited)"}  # fmt: skip
+    if fields[0] == "Z":
+        return ""
+    return states.get(fields[0], "running but not beating (stuck holding the interpreter?)")
 
 
 def _quiet_agent_logs() -> None:

@@ -360,3 +360,43 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     statuses = inspect_directory(run_dir / "checkpoints")
     assert last_good in [status.path for status in statuses]
     assert all(status.status == "intact" and not skipped[status.step] for status in statuses)
+
+
+def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """SIGSTOP to rank 1 mid-run used to hold the job for the collective timeout (651 s) and end
+    in "lost contact … killed by SIGKILL". Now the watchdog (train.heartbeat_timeout, 15 s here,
+    120 s by default) names the rank, the step it reached and its process state, dumps rank 0's
+    stacks, and ends the job with 124; the checkpoints left are intact and nothing keeps
+    running."""
+    run_dir = tmp_path / "run"
+    overrides = _overrides(
+        run_dir, corpus, "train.steps=100000", "checkpoint.interval=2",
+        "logging.wandb=disabled", "train.heartbeat_timeout=15",
+    )  # fmt: skip
+    job = Job(tmp_path, _sets(overrides))
+    job.wait_for(r"^step 1/100000 ")
+    rank1 = job.rank_pid(1)
+    job.wait_for(r"^step 4/100000 ")
+    os.kill(rank1, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    assert job.finish(timeout=180) == 124, job.output
+    detected_s = time.monotonic() - stopped_at
+    found = re.search(r"meshtrain: rank 1 stopped making progress after step (\d+): no heartbeat "
+                      r"for (\d+) s .*its process is stopped by a signal", job.output)  # fmt: skip
+    assert found is not None, job.output
+    assert 15 <= detected_s < 60, detected_s
+    assert int(found.group(1)) >= 3  # the step it reached (its last heartbeat)
+    assert "Traceback" not in job.output
+    stacks = (run_dir / "logs" / "stacks-rank-0.txt").read_text()
+    assert "most recent call first" in stacks and "meshtrain" in stacks
+    statuses = inspect_directory(run_dir / "checkpoints")
+    intact = [status.step for status in statuses if status.status == "intact"]
+    assert intact and max(intact) >= 2, statuses  # a save the stop interrupted is never listed
+    assert all(status.status == "intact" or ".tmp-" in status.path.name for status in statuses)
+    deadline = time.monotonic() + 30
+    while job.processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert job.processes() == []
+    print(f"watchdog: detected in {detected_s:.1f} s after SIGSTOP at step {found.group(1)}")

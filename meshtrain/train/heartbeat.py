@@ -1,0 +1,82 @@
+"""A rank's heartbeat for its launcher's watchdog (:class:`meshtrain.launch.Watchdog`).
+
+Each finished step, and a thread every few seconds, write ``beat-attempt-<A>-rank-<R>.json``
+(pid, the last step finished, the time) into the launcher's report directory, whatever the rank
+is doing: a slow step,
+a long save or a wait in a collective all keep beating, so a slow but live rank is never taken
+for a hung one. A rank stopped by a signal, frozen in the kernel, or stuck holding the GIL stops
+beating; the watchdog names it with the step it had reached. ``SIGUSR1`` makes the rank write
+every thread's Python stack to ``<log dir>/stacks-rank-<R>.txt`` (``faulthandler``): the
+watchdog asks the ranks still alive for theirs before it ends the job. No torch here.
+
+Example:
+    >>> progress(12)  # the training loop, after each step
+    >>> last_step()
+    12
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import IO
+
+from meshtrain.launch import LOG_DIR_VARIABLE, beat_path
+
+__all__ = ["last_step", "progress", "start"]
+
+_state = {"step": 0}
+_stacks: list[IO[str]] = []  # kept open: faulthandler writes to its file descriptor
+_beating: list[tuple[Path, int]] = []  # (heartbeat file, rank) once started
+
+
+def progress(step: int) -> None:
+    """Record that this rank finished ``step``: a heartbeat at once, when :func:`start` ran
+    (one small file replaced: the watchdog then names the step a stopped rank reached)."""
+    _state["step"] = step
+    if _beating:
+        _beat(*_beating[0])
+
+
+def last_step() -> int:
+    """The last step :func:`progress` recorded."""
+    return _state["step"]
+
+
+def start(directory: str | os.PathLike[str], *, rank: int, attempt: int, every_s: float) -> Path:
+    """Start this rank's heartbeat thread (a daemon) and its stack dump on ``SIGUSR1``; return
+    the heartbeat file."""
+    path = beat_path(directory, rank, attempt)
+    _beating[:] = [(path, rank)]
+    _beat(path, rank)
+    thread = threading.Thread(target=_beat_forever, args=(path, rank, every_s),
+                              name="meshtrain-heartbeat", daemon=True)  # fmt: skip
+    thread.start()
+    logs = os.environ.get(LOG_DIR_VARIABLE)
+    if logs and hasattr(signal, "SIGUSR1"):
+        with contextlib.suppress(OSError, ValueError, RuntimeError):
+            Path(logs).mkdir(parents=True, exist_ok=True)
+            handle = open(Path(logs) / f"stacks-rank-{rank}.txt", "a")  # noqa: SIM115
+            _stacks.append(handle)
+            faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
+    return path
+
+
+def _beat_forever(path: Path, rank: int, every_s: float) -> None:
+    while True:
+        time.sleep(every_s)
+        _beat(path, rank)
+
+
+def _beat(path: Path, rank: int) -> None:
+    beat = {"rank": rank, "pid": os.getpid(), "step": _state["step"], "time": time.time()}
+    scratch = path.with_suffix(f".tmp-{threading.get_ident()}")  # the loop's and the thread's
+    with contextlib.suppress(OSError):
+        scratch.write_text(json.dumps(beat))
+        os.replace(scratch, path)
