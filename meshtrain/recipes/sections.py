@@ -297,6 +297,17 @@ class TrainSection:
             bound="nonnegative",
         ),
     )
+    heartbeat_timeout: int = field(
+        default=120,
+        metadata=about(
+            "seconds without a heartbeat from a rank (a thread that beats while the rank lives, "
+            "however slow its step) before the launcher's watchdog names it, dumps the other "
+            "ranks' stacks and ends the job with exit status 124; 0: no watchdog "
+            "([details](reliability.md))",
+            120,
+            bound="nonnegative",
+        ),
+    )
     verify_every: int = field(
         default=0,
         metadata=about(
