@@ -1,7 +1,8 @@
 """Fault injection on ``meshtrain train --nproc 2`` (tier 3, real torchrun launches of the debug
 recipe): stop signals to the launcher's process group, a rank killed under ``--max-restarts``, the
 launcher killed outright, a second run on a busy run directory, a learning rate that ruins the
-model. Every resumed run is compared, loss by loss and bit for bit, with one uninterrupted run of
+model, a rank stopped with SIGSTOP (the watchdog); on the SPMD pool's real ranks, checkpoints
+missing a file, a resume with a changed recipe and token ids outside the vocabulary. Every resumed run is compared, loss by loss and bit for bit, with one uninterrupted run of
 the same recipe on the same 2-rank mesh (the SPMD pool's gloo ranks run the same code)."""
 
 from __future__ import annotations
@@ -362,6 +363,7 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     assert all(status.status == "intact" and not skipped[status.step] for status in statuses)
 
 
+@pytest.mark.extended  # a real launch held until the watchdog fires: ~55 s on 2 cores
 def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     tmp_path: Path, corpus: Path
 ) -> None:
