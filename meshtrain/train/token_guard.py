@@ -57,7 +57,7 @@ class TokenGuard:
         its file; other datasets are checked by id only)."""
         token_file = getattr(dataset, "token_file", None)
         bin_path = getattr(token_file, "bin_path", None)
-        if bin_path is None:
+        if token_file is None or bin_path is None:
             return cls(vocab, type(dataset).__name__)
         info = token_file.info
         return cls(vocab, str(bin_path), Path(bin_path), info.num_tokens * info.itemsize)
