@@ -236,3 +236,60 @@ def test_a_plain_module_tree_with_keyword_activations_pairs() -> None:
     plan = mt.plan(Net(), _mesh(dp=1, tp=2), rules)
     prepare = next(s for s in plan.styles if s.style == "prepare_input")
     assert (prepare.fqn, prepare.argument) == ("blocks.0", "hidden")
+
+
+# ---------------------------------------------------------------- families beyond the first five
+
+
+def test_opt_reshaping_with_its_global_head_count_is_refused_naming_the_module() -> None:
+    """OPT's attention views its q/k/v as ``(bsz, -1, num_heads, head_dim)``: on a rank holding
+    half the heads the ``-1`` would halve the sequence and train wrong, silently."""
+    with pytest.raises(PlanError, match=r"'model\.decoder\.layers\.0\.self_attn' \(OPTAttention\) reshapes with a global size"):  # fmt: skip
+        mt.plan(zoo.opt(), _mesh(dp=2, tp=2), zoo.OPT_RULES, batch_size=2, seq_len=16)
+
+
+def test_opt_without_tensor_parallelism_plans() -> None:
+    plan = mt.plan(zoo.opt(), _mesh(dp=4), zoo.REPLICATED, batch_size=2, seq_len=16)
+    assert not plan.styles and plan.units
+
+
+def test_t5_relative_position_bias_over_all_heads_is_refused() -> None:
+    """T5 adds a position bias of every head to a rank's shard of the heads' scores."""
+    with pytest.raises(PlanError, match=r"'t5\.encoder\.block\.0\.layer\.0\.SelfAttention' \(T5Attention\).*mixes tensors sharded over tensor-parallel axis 'tp' with whole ones"):  # fmt: skip
+        mt.plan(zoo.t5(), _mesh(dp=2, tp=2), zoo.T5_RULES, batch_size=2, seq_len=16)
+
+
+def test_bart_encoder_decoder_and_cross_attention_pair() -> None:
+    plan = mt.plan(zoo.bart(), _mesh(dp=2, tp=2), zoo.BART_RULES, batch_size=2, seq_len=16)
+    styles = _styles(plan)
+    for block in ("model.encoder.layers.0.self_attn", "model.decoder.layers.0.encoder_attn"):
+        assert styles[f"{block}.q_proj"] == "colwise"
+        assert styles[f"{block}.out_proj"] == "rowwise"
+    assert styles["model.decoder.layers.0.fc2"] == "rowwise"
+    assert mt.Plan.from_json(plan.to_json()) == plan
+
+
+def test_gpt_neox_fused_qkv_from_its_own_plan_is_refused_with_the_fix() -> None:
+    """GPT-NeoX's plan shards the fused ``query_key_value`` column-wise; meshtrain cannot tell a
+    per-head interleaved packing from a stacked one, so it refuses and says what to write."""
+    model = zoo.gpt_neox()
+    with pytest.raises(PlanError, match=r"'gpt_neox\.layers\.0\.attention\.query_key_value' \(Linear\) outputs 96 features.*packs several projections"):  # fmt: skip
+        mt.plan(model, _mesh(dp=2, tp=2), Rules.from_hf(model, fsdp="dp"))
+
+
+def test_phi3_fused_projections_are_gathered_not_paired() -> None:
+    model = zoo.phi3()
+    plan = mt.plan(model, _mesh(dp=2, tp=2), Rules.from_hf(model, fsdp="dp"))
+    styles = _styles(plan)
+    assert styles["model.layers.0.self_attn.qkv_proj"] == "colwise_gathered"
+    assert styles["model.layers.0.mlp.gate_up_proj"] == "colwise_gathered"
+    assert styles["model.layers.0.mlp.down_proj"] == "rowwise_replicated_input"
+
+
+def test_gemma2_soft_capped_logits_stay_vocab_parallel() -> None:
+    """Soft-capping is element-wise: the capped logits stay sharded over the vocabulary."""
+    model = zoo.gemma2()
+    plan = mt.plan(model, _mesh(dp=2, tp=2), zoo.hf_rules(model))
+    styles = _styles(plan)
+    assert styles["lm_head"] == "loss_parallel_head"
+    assert styles["model.layers.0.self_attn.o_proj"] == "rowwise"

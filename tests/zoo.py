@@ -1,6 +1,8 @@
 """Models meshtrain did not write, built tiny and random from local configs (nothing downloaded),
 with the rules a user would write for them from the docs: Hugging Face Llama, Qwen2, Qwen3, OLMo2,
-GPT-2, BERT and ViT, and a small CNN with BatchNorm. Factories live at module level so ranks can import them;
+GPT-2, BERT and ViT, and a small CNN with BatchNorm; beyond those, an encoder–decoder (BART, T5), fused
+projections (GPT-NeoX, Phi-3), attention reshaped with global head counts (OPT) and soft-capping
+(Gemma2). Factories live at module level so ranks can import them;
 dropout is off (a model with dropout is not deterministic, see the harness's hint).
 """
 
@@ -13,18 +15,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    BartConfig,
+    BartForConditionalGeneration,
     BertConfig,
     BertForMaskedLM,
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Olmo2Config,
     Olmo2ForCausalLM,
+    OPTConfig,
+    OPTForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
     ViTConfig,
     ViTForImageClassification,
 )
@@ -180,6 +194,155 @@ def vit() -> ViTForImageClassification:
     )
 
 
+def bart() -> BartForConditionalGeneration:
+    """An encoder–decoder: given only ``input_ids`` it feeds the decoder the inputs shifted right,
+    so it trains on ``(tokens, next tokens)`` batches like a causal LM; tied embeddings."""
+    return BartForConditionalGeneration(
+        BartConfig(
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=1,
+            decoder_layers=1,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=64,
+            decoder_ffn_dim=64,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            use_cache=False,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
+        )
+    )
+
+
+class T5Seq2Seq(nn.Module):
+    """T5 fed the way a user feeds it in a causal-LM loop: decoder inputs are the encoder's tokens
+    shifted right (T5 takes no ``input_ids``-only call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t5 = T5ForConditionalGeneration(
+            T5Config(
+                vocab_size=VOCAB,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=1,
+                num_decoder_layers=1,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                dropout_rate=0.0,
+                use_cache=False,
+                decoder_start_token_id=0,
+                pad_token_id=0,
+                eos_token_id=1,
+            )
+        )
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        decoder = self.t5._shift_right(tokens)
+        return self.t5(input_ids=tokens, decoder_input_ids=decoder).logits
+
+
+def t5() -> T5Seq2Seq:
+    return T5Seq2Seq()
+
+
+def gpt_neox() -> GPTNeoXForCausalLM:
+    """Fused q/k/v laid out per head (``[heads, 3, head_dim]``): column-wise by heads is exact."""
+    return GPTNeoXForCausalLM(
+        GPTNeoXConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            use_cache=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def phi3() -> Phi3ForCausalLM:
+    """Fused ``qkv_proj`` (``[q; k; v]`` stacked) and ``gate_up_proj``: their TP plan gathers the
+    fused outputs (``colwise_gather_output``)."""
+    return Phi3ForCausalLM(
+        Phi3Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            original_max_position_embeddings=64,
+            use_cache=False,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attention_dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def opt() -> OPTForCausalLM:
+    """OPT's attention reshapes with the global head count (``view(bsz, -1, num_heads, ...)``)."""
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            layerdrop=0.0,
+            use_cache=False,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
+
+
+def gemma2() -> Gemma2ForCausalLM:
+    """Soft-capped attention scores and final logits (``tanh(x / cap) * cap``)."""
+    return Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            sliding_window=8,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            use_cache=False,
+            pad_token_id=0,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
 class ConvBlock(nn.Module):
     """Conv → BatchNorm → ReLU with a residual connection."""
 
@@ -268,6 +431,41 @@ VIT_RULES = Rules(
         r".*\.mlp\.fc1\.weight": P("tp", None),
         r".*\.mlp\.fc1\.bias": P("tp"),
         r".*\.mlp\.fc2\.weight": P(None, "tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
+
+OPT_RULES = Rules(
+    {  # Megatron's pairs, as for Llama: q/k/v and fc1 column-wise, out_proj and fc2 row-wise
+        r".*\.self_attn\.(q|k|v)_proj\.weight": P("tp", None),
+        r".*\.self_attn\.(q|k|v)_proj\.bias": P("tp"),
+        r".*\.self_attn\.out_proj\.weight": P(None, "tp"),
+        r".*\.fc1\.weight": P("tp", None),
+        r".*\.fc1\.bias": P("tp"),
+        r".*\.fc2\.weight": P(None, "tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
+
+BART_RULES = Rules(
+    {  # every attention (encoder, decoder, cross) and feed-forward pair; OPT's patterns fit
+        **{pattern: spec for pattern, spec in OPT_RULES.patterns if pattern != ".*"},
+        r".*\.encoder_attn\.(q|k|v)_proj\.weight": P("tp", None),
+        r".*\.encoder_attn\.(q|k|v)_proj\.bias": P("tp"),
+        r".*\.encoder_attn\.out_proj\.weight": P(None, "tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
+
+T5_RULES = Rules(
+    {
+        r".*\.(SelfAttention|EncDecAttention)\.(q|k|v)\.weight": P("tp", None),
+        r".*\.(SelfAttention|EncDecAttention)\.o\.weight": P(None, "tp"),
+        r".*\.DenseReluDense\.wi\.weight": P("tp", None),
+        r".*\.DenseReluDense\.wo\.weight": P(None, "tp"),
         r".*": P(),
     },
     fsdp="dp",

@@ -1,0 +1,251 @@
+"""Mutation benchmark: the kill rate of the first-tier suite and of ``assert_equivalent``.
+
+Each mutant of ``tests/mutants/catalogue.py`` — a realistic lowering or runtime bug, or a
+numerically neutral rewrite — is planted alone, never on disk: in this process and, through
+``tests/mutants/site/sitecustomize.py``, around every task of every SPMD rank. For each one:
+
+- *killed*: the first-tier tests the catalogue names fail (run in this process with
+  ``pytest.main``, the rank pools kept warm between mutants);
+- *caught*: ``assert_equivalent`` on its case, 2 steps, the bug planted on every rank through
+  ``rank_context``, raises (its clean run passes: checked once per case);
+- *named*: the report's failing tensors include one the catalogue expects (a module or
+  parameter name, or ``<global>`` for the loss and gradient norm).
+
+Equivalent mutants pass when nothing flags them. Prints a table, writes JSON, and writes the
+figure into ``docs/testing.md`` between the ``mutation-benchmark`` markers.
+
+Usage::
+
+    python benchmarks/mutation.py --out benchmarks/results/mutation.json
+    python benchmarks/mutation.py --only tie-skipped --no-docs   # one mutant
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "tests" / "mutants" / "site"
+DOCS = ROOT / "docs" / "testing.md"
+BEGIN, END = "<!-- mutation-benchmark:begin -->", "<!-- mutation-benchmark:end -->"
+
+ACTIVE = Path(os.environ.get("MESHTRAIN_MUTANT_FILE", "/nonexistent"))
+
+
+def _prepare() -> None:
+    """Ranks started from here import ``tests.*`` and plant what the file ``ACTIVE`` names (set
+    once, in the parent: spawned ranks re-import this module and inherit the environment)."""
+    global ACTIVE
+    sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+    if "MESHTRAIN_MUTANT_FILE" not in os.environ:
+        ACTIVE = Path(tempfile.mkdtemp(prefix="meshtrain-mutant-")) / "active"
+        ACTIVE.write_text("")
+        os.environ["MESHTRAIN_MUTANT_FILE"] = str(ACTIVE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(SITE), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+
+
+def run_suite(mutant: Any) -> dict[str, Any]:
+    """The mutant's first-tier tests, planted here and (through ``ACTIVE``) in every rank task."""
+    import pytest
+
+    from tests.mutants.catalogue import plant_name
+
+    ACTIVE.write_text(plant_name(mutant))
+    out = io.StringIO()
+    began = time.perf_counter()
+    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not extended", "--tb=line",
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", *mutant.tests]  # fmt: skip
+    try:
+        with mutant.plant(), contextlib.redirect_stdout(out):
+            code = int(pytest.main(args))
+    finally:
+        ACTIVE.write_text("")
+    tail = [line for line in out.getvalue().splitlines() if line.strip()][-6:]
+    # 1: tests failed (killed); 0: passed (survived); 2-5: interrupted, internal, usage, none run
+    return {"exit": code, "killed": code == 1, "seconds": round(time.perf_counter() - began, 1),
+            "tail": tail}  # fmt: skip
+
+
+_CLEAN: dict[str, bool] = {}
+
+
+def run_harness(mutant: Any) -> dict[str, Any]:
+    """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank."""
+    case = mutant.harness
+    if case is None:
+        return {"caught": None, "named": None, "why": mutant.why_not}
+    key = repr((case.model, case.mesh, case.options, case.extra))
+    if key not in _CLEAN:
+        _CLEAN[key] = _check(case, None)["caught"] is False
+    began = time.perf_counter()
+    result = _check(case, mutant.plant)
+    result["clean_passes"] = _CLEAN[key]
+    result["seconds"] = round(time.perf_counter() - began, 1)
+    if result["caught"]:
+        result["named"] = any(re.search(mutant.names, fqn) for fqn in result["fqns"])
+    return result
+
+
+def _check(case: Any, plant: Any) -> dict[str, Any]:
+    import meshtrain as mt
+    from meshtrain.testing import assert_equivalent
+
+    extra = dict(case.extra)
+    try:
+        assert_equivalent(case.model, case.mesh, case.options, steps=2, rank_context=plant,
+                          **extra)  # fmt: skip
+    except mt.EquivalenceError as error:
+        report = error.report  # type: ignore[attr-defined]
+        first = report.first_divergence
+        fqns = sorted({c.fqn for c in report.failures})
+        return {"caught": True, "how": "report", "first": f"step {first.step} {first.quantity} "
+                f"{first.fqn} ({first.ratio:.3g}x bound)", "fqns": fqns}  # fmt: skip
+    except Exception as error:  # a crash on the ranks is flagged too, though it names nothing
+        line = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        return {"caught": True, "how": f"raised {type(error).__name__}", "first": line,
+                "fqns": re.findall(r"'([\w.]+)'", str(error))}  # fmt: skip
+    return {"caught": False, "how": "passed", "first": "", "fqns": []}
+
+
+def verdict(mutant: Any, suite: dict[str, Any], harness: dict[str, Any]) -> bool:
+    """Whether the mutant was handled right: flagged by both (by neither when equivalent)."""
+    caught = harness["caught"]
+    if mutant.equivalent:
+        return not suite["killed"] and caught is not True
+    return bool(suite["killed"]) and caught is not False
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def mark(value: Any) -> str:
+        return "n/a" if value is None else "yes" if value else "NO"
+
+    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for row in rows:
+        eq = " (equivalent)" if row["equivalent"] else ""
+        lines.append(
+            f"| `{row['name']}`{eq} | {row['kind']} | {mark(row['suite']['killed'])} | "
+            f"{mark(row['harness']['caught'])} | {mark(row['harness'].get('named'))} |"
+        )
+    return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    real = [r for r in rows if not r["equivalent"]]
+    neutral = [r for r in rows if r["equivalent"]]
+    exercised = [r for r in real if r["harness"]["caught"] is not None]
+    return {
+        "mutants": len(rows),
+        "non_equivalent": len(real),
+        "killed_by_suite": sum(bool(r["suite"]["killed"]) for r in real),
+        "harness_exercised": len(exercised),
+        "caught_by_harness": sum(bool(r["harness"]["caught"]) for r in exercised),
+        "named_by_harness": sum(bool(r["harness"].get("named")) for r in exercised),
+        "equivalent": len(neutral),
+        "equivalent_flagged": sum(
+            bool(r["suite"]["killed"]) or bool(r["harness"]["caught"]) for r in neutral
+        ),
+        "survivors": [r["name"] for r in real if not r["ok"]],
+    }
+
+
+def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
+    real, exercised = totals["non_equivalent"], totals["harness_exercised"]
+    pct = lambda n, d: f"{100 * n / d:.0f}%" if d else "n/a"  # noqa: E731
+    survivors = [r for r in rows if not r["ok"]]
+    why = (
+        "".join(
+            f"\n- `{r['name']}`: suite exit {r['suite']['exit']}, harness "
+            f"{r['harness'].get('how', r['harness'].get('why'))} {r['harness'].get('first', '')}"
+            for r in survivors
+        )
+        or " none."
+    )
+    unexercised = [r for r in rows if r["harness"]["caught"] is None]
+    return (
+        f"{BEGIN}\nMeasured by `python benchmarks/mutation.py` ({totals['when']}): "
+        f"{totals['mutants']} mutants, {real} of them real bugs. The first-tier tests named in the "
+        f"catalogue kill {totals['killed_by_suite']} of {real} "
+        f"({pct(totals['killed_by_suite'], real)}); `assert_equivalent` (2 steps) catches "
+        f"{totals['caught_by_harness']} of the {exercised} it can exercise "
+        f"({pct(totals['caught_by_harness'], exercised)}) and its report names the module or "
+        f"parameter for {totals['named_by_harness']}; "
+        f"{totals['equivalent_flagged']} of {totals['equivalent']} equivalent mutants flagged. "
+        f"Not exercisable by the harness: "
+        + (", ".join(f"`{r['name']}`" for r in unexercised) or "none")
+        + (f" ({unexercised[0]['harness']['why']})" if unexercised else "")
+        + f".\n\nSurvivors and why:{why}\n\n{table(rows)}\n{END}"
+    )
+
+
+def write_docs(text: str) -> None:
+    doc = DOCS.read_text()
+    if BEGIN in doc and END in doc:
+        head, rest = doc.split(BEGIN, 1)
+        doc = head + text + rest.split(END, 1)[1]
+    else:
+        doc = doc.rstrip("\n") + "\n\n### Mutation benchmark\n\n" + text + "\n"
+    DOCS.write_text(doc)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/mutation.json")
+    parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
+    parser.add_argument("--no-suite", action="store_true", help="skip the first-tier column")
+    parser.add_argument("--no-docs", action="store_true", help="leave docs/testing.md alone")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    _prepare()
+    from provenance import provenance
+
+    from meshtrain.testing import runner
+    from tests.mutants.catalogue import MUTANTS
+
+    names = args.only or list(MUTANTS)
+    rows = []
+    close_pools = runner.close_pools
+    runner.close_pools = lambda: None  # type: ignore[assignment]  # keep ranks warm across mutants
+    try:
+        for name in names:
+            mutant = MUTANTS[name]
+            suite = {"killed": None, "exit": None} if args.no_suite else run_suite(mutant)
+            harness = run_harness(mutant)
+            row = {"name": name, "kind": mutant.kind, "equivalent": mutant.equivalent,
+                   "tests": list(mutant.tests), "suite": suite, "harness": harness}  # fmt: skip
+            row["ok"] = verdict(mutant, suite, harness)
+            rows.append(row)
+            print(
+                f"{name:40} suite {suite['killed']!s:5} harness {harness['caught']!s:5} "
+                f"named {harness.get('named')!s:5} {harness.get('first', '')[:70]}",
+                flush=True,
+            )
+    finally:
+        runner.close_pools = close_pools
+        close_pools()
+    totals = summary(rows) | {"when": time.strftime("%Y-%m-%d", time.gmtime())}
+    print()
+    print(table(rows))
+    print(json.dumps({k: v for k, v in totals.items() if k != "when"}))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"provenance": provenance(), "summary": totals,
+                                    "mutants": rows}, indent=2) + "\n")  # fmt: skip
+    if not args.no_docs and not args.only:
+        write_docs(figure(rows, totals))
+
+
+if __name__ == "__main__":
+    main()

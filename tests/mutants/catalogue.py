@@ -1,0 +1,171 @@
+"""The mutation benchmark's catalogue: realistic lowering and runtime bugs, each planted alone
+(``plants.py``), with the first-tier tests that must kill it and an ``assert_equivalent`` case
+that exercises it. ``benchmarks/mutation.py`` runs them; ``docs/testing.md`` carries its figure.
+
+A mutant is *killed* when the first-tier tests it names fail with it planted in every process
+(``MESHTRAIN_MUTANT=<name>`` with ``tests/mutants/site`` on ``PYTHONPATH``), *caught* when the
+harness case raises within 2 steps, and *named* when the report's failures include a tensor whose
+name matches ``names`` (``<global>`` for the loss and gradient norm). Equivalent mutants are
+numerically neutral: neither the tests nor the harness may flag them.
+
+Example:
+    >>> len([m for m in MUTANTS.values() if not m.equivalent]) >= 25
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshtrain import Pipeline, Rules
+from meshtrain.models import default_rules
+from meshtrain.testing.strategies import DebugLlama
+from tests import lora_models, zoo
+from tests.mutants import plants
+
+
+@dataclass(frozen=True)
+class HarnessCase:
+    """``assert_equivalent(model, mesh, options, steps=2, **extra)``."""
+
+    model: Callable[[], Any]
+    mesh: dict[str, int]
+    options: dict[str, Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: what it is, how it is planted, what must notice it."""
+
+    name: str
+    kind: str
+    plant: Callable[[], contextlib.AbstractContextManager[Any]]
+    tests: tuple[str, ...]  # first-tier pytest arguments (node ids, or a file and -k)
+    harness: HarnessCase | None  # None: the harness cannot exercise it (why: ``why_not``)
+    names: str = ""  # a regex the report's failing tensor names must match ("": any)
+    equivalent: bool = False
+    why_not: str = ""
+
+
+DP2 = {"dp": 2, "tp": 1}
+TP2 = {"tp": 2}
+PP2 = {"pp": 2, "dp": 1, "tp": 1}
+PIPELINE = {
+    "rules": default_rules(),
+    "zero": 2,
+    "pipeline": Pipeline(schedule="GPipe", microbatches=2),
+}
+LLAMA_DP = HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()})
+LLAMA_TP = HarnessCase(DebugLlama(2), TP2, {"rules": default_rules(fsdp=())})
+LLAMA_SP = HarnessCase(
+    DebugLlama(2), TP2, {"rules": default_rules(fsdp=(), sequence_parallel=True)}
+)
+LLAMA_ACCUMULATE = HarnessCase(
+    DebugLlama(2), DP2, {"rules": default_rules(), "zero": 1, "microbatches": 2}
+)
+LLAMA_PP = HarnessCase(DebugLlama(4), PP2, PIPELINE)
+CNN_DP = HarnessCase(
+    zoo.cnn, {"dp": 2}, {"rules": zoo.REPLICATED, "zero": 3}, {"batches": zoo.image_batches}
+)
+LORA_TP = HarnessCase(lora_models.llama_lora, TP2, {"rules": default_rules(fsdp=())})
+GPT2_TIED_TP = HarnessCase(
+    zoo.gpt2, TP2, {"rules": Rules(zoo.GPT2_RULES.patterns)}, {"batches": zoo.token_batches}
+)
+HSDP = HarnessCase(
+    DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
+)
+
+EQ = "tests/test_equivalence_spmd.py::test_plan_trains_like_one_device"
+STEP = "tests/test_train_step_spmd.py::test_distributed_train_step_matches_one_device"
+HARNESS = "tests/test_harness_spmd.py::test_plan_matches_one_device_within_its_contract"
+LORA = "tests/test_lora_spmd.py::test_lora_trains_like_one_device"
+ZOO = "tests/test_zoo_spmd.py::test_third_party_model_trains_like_one_device"
+LOOP = "tests/test_zoo_spmd.py::test_a_loop_written_for_ddp_trains_like_one_device"
+META = "tests/test_meta_init_spmd.py::test_meta_build_then_init_equals_a_cpu_build"
+NOT_BUILT = (
+    "the harness builds every rank's model from model_fn; meta-device init is not on its path"
+)
+
+_ALL = [
+    Mutant("sp-norm-grad-not-reduced", "sequence-parallel norm gradient all-reduce missing",
+           plants.sp_norm_grad_not_reduced, (f"{EQ}[tp-sp]",), LLAMA_SP, r"norm"),
+    Mutant("adapter-grad-not-reduced", "tensor-parallel LoRA adapter gradient not reduced",
+           plants.adapter_grad_not_reduced, (f"{LORA}[llama-tp]",), LORA_TP, r"lora_"),
+    Mutant("dp-gradient-divided-twice", "data-parallel division applied twice",
+           plants.dp_gradient_divided_twice, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
+    Mutant("dp-division-missing", "data-parallel division missing (sum where a mean is due)",
+           plants.dp_division_missing, (f"{EQ}[zero3]",), LLAMA_DP),
+    Mutant("hsdp-reduces-one-axis", "HSDP gradients not reduced over the replicate axis",
+           plants.hsdp_reduces_one_axis, (f"{EQ}[hsdp]",), HSDP),
+    Mutant("last-microbatch-not-reduced", "accumulation never marks the last micro-batch",
+           plants.last_microbatch_not_reduced, (f"{EQ}[zero1]",), LLAMA_ACCUMULATE),
+    Mutant("local-token-count", "loss divided by the local instead of the global token count",
+           plants.local_token_count, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
+    Mutant("accumulation-mean-per-microbatch", "micro-batch loss scaling (own mean each)",
+           plants.accumulation_mean_per_microbatch, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_ACCUMULATE),
+    Mutant("pipeline-microbatch-not-rescaled", "pipeline micro-batch loss scaling",
+           plants.pipeline_microbatch_not_rescaled, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
+    Mutant("loss-not-summed-over-data-ranks", "reported loss is one data rank's share",
+           plants.loss_not_summed_over_data_ranks, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP, r"<global>"),
+    Mutant("loss-not-summed-over-stages", "pipelined loss not reduced over stages",
+           plants.loss_not_summed_over_stages, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
+    Mutant("batch-shard-offset", "every data rank takes the same batch slice",
+           plants.batch_shard_offset, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
+    Mutant("logsumexp-local-max", "loss-parallel log-sum-exp shifted by the local max",
+           plants.logsumexp_local_max, (f"{EQ}[tp]",), LLAMA_TP),
+    Mutant("clip-norm-from-local-shards", "clipping norm from local shards",
+           plants.clip_norm_from_local_shards, (f"{EQ}[zero3]",),
+           HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 0.1}), r"<global>"),
+    Mutant("pipeline-norm-from-one-stage", "pipeline gradient norm from one stage",
+           plants.pipeline_norm_from_one_stage, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
+    Mutant("clipping-skipped", "clip factor never applied",
+           plants.clipping_skipped, (f"{EQ}[zero3]",),
+           HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 0.1})),
+    Mutant("clipping-scales-up", "clip factor without min(1, ...)",
+           plants.clipping_scales_up, (f"{EQ}[zero3]",),
+           HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 1e3})),
+    Mutant("colwise-wrong-shard-dim", "wrong redistribute dim in column-wise sharding",
+           plants.colwise_wrong_shard_dim, (f"{EQ}[tp]",), LLAMA_TP, r"attention\.w"),
+    Mutant("tie-skipped", "tied embedding and head trained apart under TP",
+           plants.tie_skipped, (f"{ZOO}[gpt2-tp-tied]",), GPT2_TIED_TP, r"wte|lm_head"),
+    Mutant("frozen-weights-unfrozen", "frozen base weights trained under TP",
+           plants.frozen_weights_unfrozen, (f"{LORA}[llama-tp]",), LORA_TP, r"weight"),
+    Mutant("stage-skips-a-layer", "a pipeline stage drops a block",
+           plants.stage_skips_a_layer, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"layers\.2\."),
+    Mutant("batch-norm-variance-from-local-mean", "BatchNorm variance from the local mean",
+           plants.batch_norm_variance_from_local_mean, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP),
+    Mutant("batch-norm-running-variance-biased", "BatchNorm running variance biased",
+           plants.batch_norm_running_variance_biased, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP,
+           r"running_var"),
+    Mutant("batch-norm-not-synchronised", "BatchNorm statistics from the local batch",
+           plants.batch_norm_not_synchronised, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP),
+    Mutant("per-rank-init-seed", "per-rank initialisation seed",
+           plants.per_rank_init_seed, (f"{META}[fsdp]",), None, why_not=NOT_BUILT),
+    Mutant("resharding-offset", "shard copied at the next rank's offset",
+           plants.resharding_offset, (f"{META}[fsdp]",), None, why_not=NOT_BUILT),
+    Mutant("neutral-recompute-everything", "selective checkpointing recomputes matmuls too",
+           plants.neutral_recompute_everything, (f"{HARNESS}[fsdp-inductor-selective]",),
+           HarnessCase(DebugLlama(2), DP2, {"rules": default_rules(),
+                                            "activation_checkpointing": "selective"}),
+           equivalent=True),
+    Mutant("neutral-sync-every-microbatch", "gradients reduced every micro-batch",
+           plants.neutral_sync_every_microbatch, (f"{EQ}[zero1]",), LLAMA_ACCUMULATE, equivalent=True),
+    Mutant("neutral-clip-skips-unit-scale", "clipping skips a factor of exactly 1",
+           plants.neutral_clip_skips_unit_scale, (f"{EQ}[zero3]",),
+           HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 1e3}),
+           equivalent=True),
+    Mutant("neutral-token-count-waited-at-once", "global token count waited for at once",
+           plants.neutral_token_count_waited_at_once, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP,
+           equivalent=True),
+]  # fmt: skip
+
+MUTANTS: dict[str, Mutant] = {m.name: m for m in _ALL}
+
+
+def plant_name(mutant: Mutant) -> str:
+    """The plant's function name in ``plants.py`` (what ``MESHTRAIN_MUTANT`` carries)."""
+    return mutant.plant.__name__

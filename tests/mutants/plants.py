@@ -1,0 +1,538 @@
+"""The planted bugs of the mutation benchmark: each a context manager that patches one function
+of meshtrain (or of the PyTorch code it lowers to) in the process that enters it — never a file
+on disk. ``tests/mutants/site/sitecustomize.py`` enters one in every Python process (the test
+process and each SPMD rank) when ``MESHTRAIN_MUTANT`` names it; the harness column enters it on
+every rank through ``assert_equivalent(..., rank_context=...)``.
+
+Kinds are those reported against Megatron-LM and DeepSpeed: dropped or doubled reductions, wrong
+token counts, local clipping norms, wrong shard dims, micro-batch scaling, skipped ties, local
+BatchNorm statistics, local log-sum-exp maxima, unreduced adapters, shard offsets, per-rank seeds.
+The ``neutral_*`` ones are numerically neutral rewrites that must not be flagged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import math
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# ---------------------------------------------------------------- reductions
+
+
+@contextlib.contextmanager
+def sp_norm_grad_not_reduced() -> Iterator[None]:
+    """Sequence-parallel norms' partial gradients are never all-reduced over tp (no FSDP2)."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+
+    original = tensor_parallel.PartialGradSync.__init__
+
+    def adapters_only(self: Any, fqns: tuple[str, ...] = ()) -> None:
+        original(self, tuple(f for f in fqns if "lora_" in f))
+
+    with mock.patch.object(tensor_parallel.PartialGradSync, "__init__", adapters_only):
+        yield
+
+
+@contextlib.contextmanager
+def adapter_grad_not_reduced() -> Iterator[None]:
+    """A tensor-parallel LoRA Linear's replicated adapter keeps its partial gradient."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+
+    original = tensor_parallel.PartialGradSync.__init__
+
+    def norms_only(self: Any, fqns: tuple[str, ...] = ()) -> None:
+        original(self, tuple(f for f in fqns if "lora_" not in f))
+
+    with mock.patch.object(tensor_parallel.PartialGradSync, "__init__", norms_only):
+        yield
+
+
+@contextlib.contextmanager
+def dp_gradient_divided_twice() -> Iterator[None]:
+    """The loss is not multiplied back by the data-parallel size before FSDP2's mean."""
+    step = importlib.import_module("meshtrain.train.step")
+
+    with mock.patch.object(step, "backward_factor", lambda plan: 1.0):
+        yield
+
+
+@contextlib.contextmanager
+def dp_division_missing() -> Iterator[None]:
+    """FSDP2 sums gradients over data-parallel ranks where the loss expects their mean."""
+    from torch.distributed.fsdp import FSDPModule
+
+    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    flat = importlib.import_module("meshtrain.lower.flat")
+
+    original = data_parallel.apply_data_parallel
+
+    def summing(plan: Any, model: nn.Module) -> None:
+        original(plan, model)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+
+    with (
+        mock.patch.object(data_parallel, "apply_data_parallel", summing),
+        mock.patch.object(flat, "apply_data_parallel", summing),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def hsdp_reduces_one_axis() -> Iterator[None]:
+    """HSDP reduces gradients over the shard axis only, not the replicate axis."""
+    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+
+    original = data_parallel.fully_shard
+
+    def shard_axis_only(module: nn.Module, *, mesh: Any, **kwargs: Any) -> Any:
+        if mesh.ndim > 1:
+            mesh = mesh[mesh.mesh_dim_names[-1]]
+        return original(module, mesh=mesh, **kwargs)
+
+    with mock.patch.object(data_parallel, "fully_shard", shard_axis_only):
+        yield
+
+
+@contextlib.contextmanager
+def last_microbatch_not_reduced() -> Iterator[None]:
+    """Gradient accumulation never marks the last micro-batch: zero 0/1 never synchronise."""
+    import meshtrain
+
+    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    step = importlib.import_module("meshtrain.train.step")
+
+    original = data_parallel.micro_batch
+
+    def never_last(plan: Any, model: nn.Module, *, last: bool) -> Any:
+        return original(plan, model, last=False)
+
+    with (
+        mock.patch.object(data_parallel, "micro_batch", never_last),
+        mock.patch.object(step, "micro_batch", never_last),
+        mock.patch.object(meshtrain, "micro_batch", never_last),
+    ):
+        yield
+
+
+# ---------------------------------------------------------------- loss and token counts
+
+
+@contextlib.contextmanager
+def local_token_count() -> Iterator[None]:
+    """The loss is divided by this rank's loss tokens instead of the global count."""
+    loss = importlib.import_module("meshtrain.train.loss")
+
+    def local_only(self: Any, plan: Any, local: int) -> None:
+        self._pending = None
+        self._value = torch.tensor(float(local))
+
+    with mock.patch.object(loss.StepTokens, "__init__", local_only):
+        yield
+
+
+@contextlib.contextmanager
+def accumulation_mean_per_microbatch() -> Iterator[None]:
+    """Each accumulated micro-batch's loss is its own mean: the step's gradient is
+    ``microbatches`` times too large."""
+    step = importlib.import_module("meshtrain.train.step")
+
+    def own_mean(plan: Any, model: Any, inputs: Any, targets: Any, loss_fn: Any,
+                 tokens: Any, loss_scale: float) -> torch.Tensor:  # fmt: skip
+        summed = torch.zeros((), dtype=torch.float32)
+        for i, (x, y) in enumerate(zip(inputs, targets)):
+            with step.micro_batch(plan, model, last=i == len(inputs) - 1), step.loss_parallel(plan):
+                out = loss_fn(model(x), y) / (tokens.value / len(inputs))
+                (out * loss_scale).backward()
+            summed += step.plain_loss(out) / len(inputs)
+        return summed
+
+    with mock.patch.object(step, "_accumulate", own_mean):
+        yield
+
+
+@contextlib.contextmanager
+def pipeline_microbatch_not_rescaled() -> Iterator[None]:
+    """Each pipeline micro-batch's loss is its own mean, not a share of the step's tokens."""
+    step = importlib.import_module("meshtrain.train.step")
+
+    def own_mean(self: Any, output: torch.Tensor, target: torch.Tensor) -> Any:
+        return self.loss_fn(output, target) / target.numel() * self.scale
+
+    with mock.patch.object(step._ScheduleLoss, "__call__", own_mean):
+        yield
+
+
+@contextlib.contextmanager
+def loss_not_summed_over_data_ranks() -> Iterator[None]:
+    """The reported step loss is this data-parallel rank's share only."""
+    loss = importlib.import_module("meshtrain.train.loss")
+    step = importlib.import_module("meshtrain.train.step")
+
+    def pipeline_only(plan: Any, value: torch.Tensor) -> torch.Tensor:
+        if plan.pipeline is not None:
+            group = loss.group_over(plan, (plan.pipeline.axis,))
+            if group is not None:
+                dist.all_reduce(value, group=group)
+        return value
+
+    with (
+        mock.patch.object(loss, "reduce_loss", pipeline_only),
+        mock.patch.object(step, "reduce_loss", pipeline_only),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def loss_not_summed_over_stages() -> Iterator[None]:
+    """A pipelined step's loss is reduced over data ranks only: stages but the last report 0."""
+    loss = importlib.import_module("meshtrain.train.loss")
+
+    with mock.patch.object(loss, "loss_axes", lambda plan: plan.data_axes):
+        yield
+
+
+@contextlib.contextmanager
+def batch_shard_offset() -> Iterator[None]:
+    """Every data-parallel rank takes the first slice of the global batch."""
+    harness = importlib.import_module("meshtrain.testing.harness")
+    loss = importlib.import_module("meshtrain.train.loss")
+
+    original = loss.data_parallel_rank
+
+    def first_slice(plan: Any) -> tuple[int, int]:
+        return 0, original(plan)[1]
+
+    with (
+        mock.patch.object(loss, "data_parallel_rank", first_slice),
+        mock.patch.object(harness, "data_parallel_rank", first_slice),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def logsumexp_local_max() -> Iterator[None]:
+    """Loss-parallel cross-entropy shifts each vocabulary shard by its own maximum (the max
+    all-reduce dropped), so the shards' exponentials are summed on different scales."""
+    from torch.distributed._functional_collectives import all_reduce
+    from torch.distributed.tensor.parallel import loss as tp_loss
+
+    def local_max(x: Any, dim: int, half_to_float: bool, mesh: Any, mesh_dim: int) -> Any:
+        x = x.float()
+        shifted = x - torch.amax(x, dim, keepdim=True)
+        total = all_reduce(torch.exp(shifted).sum(dim, keepdim=True), "sum", (mesh, mesh_dim))
+        return shifted - torch.log(total)
+
+    with mock.patch.object(tp_loss, "_log_softmax", local_max):
+        yield
+
+
+# ---------------------------------------------------------------- clipping
+
+
+@contextlib.contextmanager
+def clip_norm_from_local_shards() -> Iterator[None]:
+    """Clipping uses this rank's shard norm instead of the global one."""
+    from torch.distributed.tensor import DTensor
+
+    clip = importlib.import_module("meshtrain.train.clip")
+    step = importlib.import_module("meshtrain.train.step")
+
+    def local_norm(parameters: Any, *, plan: Any = None) -> torch.Tensor:
+        squares = torch.zeros((), dtype=torch.float64)
+        for param in parameters:
+            if param.grad is not None:
+                grad = param.grad
+                local = grad.to_local() if isinstance(grad, DTensor) else grad
+                squares = squares + local.double().pow(2).sum()
+        return squares.sqrt().float()
+
+    with (
+        mock.patch.object(clip, "global_grad_norm", local_norm),
+        mock.patch.object(step, "global_grad_norm", local_norm),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def pipeline_norm_from_one_stage() -> Iterator[None]:
+    """A pipelined step's gradient norm covers this stage's parameters only."""
+    step = importlib.import_module("meshtrain.train.step")
+
+    def one_stage(self: Any, params: list[Any]) -> float:
+        norm = float(step.global_grad_norm(params))  # no plan: no sum over the stages
+        if self.max_norm is not None and math.isfinite(norm):
+            step.scale_grads_(params, norm, self.max_norm)
+        return norm
+
+    with mock.patch.object(step.TrainStep, "_grad_norm", one_stage):
+        yield
+
+
+def _patch_scale(scale_fn: Any) -> Any:
+    clip = importlib.import_module("meshtrain.train.clip")
+    step = importlib.import_module("meshtrain.train.step")
+
+    @torch.no_grad()
+    def scale_grads_(parameters: Any, norm: float, max_norm: float) -> None:
+        scale = scale_fn(norm, max_norm)
+        for param in parameters:
+            if param.grad is not None and scale is not None:
+                param.grad.mul_(scale)
+
+    return contextlib.ExitStack(), [
+        mock.patch.object(clip, "scale_grads_", scale_grads_),
+        mock.patch.object(step, "scale_grads_", scale_grads_),
+    ]
+
+
+@contextlib.contextmanager
+def _scaled(scale_fn: Any) -> Iterator[None]:
+    stack, patches = _patch_scale(scale_fn)
+    with stack:
+        for patch in patches:
+            stack.enter_context(patch)
+        yield
+
+
+@contextlib.contextmanager
+def clipping_skipped() -> Iterator[None]:
+    """Gradients are never scaled down, whatever their norm."""
+    with _scaled(lambda norm, max_norm: None):
+        yield
+
+
+@contextlib.contextmanager
+def clipping_scales_up() -> Iterator[None]:
+    """The clip factor lacks its ``min(1, ...)``: small gradients are scaled up to max_norm."""
+    with _scaled(lambda norm, max_norm: max_norm / (norm + 1e-6)):
+        yield
+
+
+# ---------------------------------------------------------------- tensor parallel lowering
+
+
+@contextlib.contextmanager
+def colwise_wrong_shard_dim() -> Iterator[None]:
+    """Column-wise, but square weights are cut along dim 1 and the slice labelled dim 0."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+
+    class WrongDimColwise(ColwiseParallel):
+        def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
+            for param_name, param in list(module.named_parameters()):
+                if param.ndim == 2 and param.shape[0] == param.shape[1]:
+                    local = distribute_tensor(param.detach(), device_mesh, [Shard(1)]).to_local()
+                    sharded = DTensor.from_local(local.t().contiguous(), device_mesh, [Shard(0)])
+                else:
+                    sharded = distribute_tensor(param.detach(), device_mesh, [Shard(0)])
+                module.register_parameter(param_name, nn.Parameter(sharded))
+
+    with mock.patch.object(tensor_parallel, "ColwiseParallel", WrongDimColwise):
+        yield
+
+
+@contextlib.contextmanager
+def tie_skipped() -> Iterator[None]:
+    """Tied weights are not re-tied after tensor parallelism: embedding and head train apart."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+
+    with mock.patch.object(tensor_parallel, "retie", lambda plan, model: None):
+        yield
+
+
+@contextlib.contextmanager
+def frozen_weights_unfrozen() -> Iterator[None]:
+    """Frozen parameters are not frozen again after tensor parallelism wraps them."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+
+    with mock.patch.object(tensor_parallel, "refreeze", lambda plan, model: None):
+        yield
+
+
+# ---------------------------------------------------------------- pipelines
+
+
+@contextlib.contextmanager
+def stage_skips_a_layer() -> Iterator[None]:
+    """The second pipeline stage drops its first block."""
+    pipeline = importlib.import_module("meshtrain.lower.pipeline")
+
+    original = pipeline._prune
+
+    def prune_one_more(body: nn.Module, stage: Any, plan: Any) -> Any:
+        if stage.index == 1:
+            first = next(m for m in stage.modules if m.startswith("layers."))
+            stage = dataclasses.replace(
+                stage, modules=tuple(m for m in stage.modules if m != first)
+            )
+        return original(body, stage, plan)
+
+    with mock.patch.object(pipeline, "_prune", prune_one_more):
+        yield
+
+
+# ---------------------------------------------------------------- BatchNorm
+
+
+@contextlib.contextmanager
+def batch_norm_variance_from_local_mean() -> Iterator[None]:
+    """Synchronised BatchNorm centres each rank's batch on its own mean before summing squares."""
+    batch_norm = importlib.import_module("meshtrain.lower.batch_norm")
+
+    def local_mean(module: Any, local_forward: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
+        if not (module.training or module.running_mean is None):
+            return local_forward(x)
+        dims = [0, *range(2, x.dim())]
+        count = torch.tensor(float(x.numel() // x.shape[1]))
+        stacked = batch_norm._summed(torch.cat([x.float().sum(dims), count.reshape(1)]), group)
+        n = stacked[-1]
+        mean = stacked[:-1] / n
+        centred_local = x.float() - x.float().mean(dims, keepdim=True)  # the bug
+        var = batch_norm._summed(centred_local.pow(2).sum(dims), group) / n
+        if module.training and module.track_running_stats:
+            batch_norm._update_running(module, mean.detach(), var.detach(), float(n.detach()))
+        centred = x.float() - batch_norm._channels(mean, x)
+        y = centred / torch.sqrt(batch_norm._channels(var, x) + module.eps)
+        if module.affine:
+            y = y * batch_norm._channels(module.weight, x) + batch_norm._channels(module.bias, x)
+        return y.to(x.dtype)
+
+    with mock.patch.object(batch_norm, "_forward", local_mean):
+        yield
+
+
+@contextlib.contextmanager
+def batch_norm_running_variance_biased() -> Iterator[None]:
+    """The running variance is updated with the biased batch variance."""
+    batch_norm = importlib.import_module("meshtrain.lower.batch_norm")
+
+    original = batch_norm._update_running
+
+    def biased(module: nn.Module, mean: torch.Tensor, var: torch.Tensor, n: float) -> None:
+        original(module, mean, var * (n - 1.0) / n, n)
+
+    with mock.patch.object(batch_norm, "_update_running", biased):
+        yield
+
+
+@contextlib.contextmanager
+def batch_norm_not_synchronised() -> Iterator[None]:
+    """BatchNorms are left computing statistics over each rank's local batch."""
+    flat = importlib.import_module("meshtrain.lower.flat")
+
+    with mock.patch.object(flat, "sync_batch_norms", lambda plan, model: None):
+        yield
+
+
+# ---------------------------------------------------------------- initialisation
+
+
+@contextlib.contextmanager
+def per_rank_init_seed() -> Iterator[None]:
+    """Meta-device initialisation seeds each parameter with the rank mixed in."""
+    materialise = importlib.import_module("meshtrain.lower.materialise")
+
+    original = materialise._seeded
+
+    def with_rank(seed: int, fqn: str) -> Any:
+        return original(seed + dist.get_rank(), fqn)
+
+    with mock.patch.object(materialise, "_seeded", with_rank):
+        yield
+
+
+@contextlib.contextmanager
+def resharding_offset() -> Iterator[None]:
+    """Materialising a sharded parameter copies the next rank's shard (an offset of one)."""
+    from torch.distributed.tensor import DTensor
+
+    materialise = importlib.import_module("meshtrain.lower.materialise")
+
+    original = materialise._copy_shard
+
+    def shifted(tensor: torch.Tensor, full: torch.Tensor) -> None:
+        sharded = isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+        if sharded:
+            dim = next(p.dim for p in tensor.placements if p.is_shard())  # type: ignore[attr-defined]
+            full = full.roll(tensor.to_local().shape[dim], dims=dim)
+        original(tensor, full)
+
+    with mock.patch.object(materialise, "_copy_shard", shifted):
+        yield
+
+
+# ---------------------------------------------------------------- numerically neutral rewrites
+
+
+@contextlib.contextmanager
+def neutral_recompute_everything() -> Iterator[None]:
+    """Selective checkpointing recomputes the matmuls too (slower, the same numbers)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    compute = importlib.import_module("meshtrain.lower.compute")
+
+    with mock.patch.object(
+        compute, "_keep_matmuls", lambda ctx, op, *a, **k: CheckpointPolicy.PREFER_RECOMPUTE
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def neutral_sync_every_microbatch() -> Iterator[None]:
+    """Gradients are reduced after every micro-batch instead of once (more traffic, a sum of
+    reduced sums: the same value up to reduction order)."""
+    import meshtrain
+
+    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    step = importlib.import_module("meshtrain.train.step")
+
+    original = data_parallel.micro_batch
+
+    def always_last(plan: Any, model: nn.Module, *, last: bool) -> Any:
+        return original(plan, model, last=True)
+
+    with (
+        mock.patch.object(data_parallel, "micro_batch", always_last),
+        mock.patch.object(step, "micro_batch", always_last),
+        mock.patch.object(meshtrain, "micro_batch", always_last),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def neutral_clip_skips_unit_scale() -> Iterator[None]:
+    """Clipping skips the multiply when the factor is exactly 1."""
+
+    def factor(norm: float, max_norm: float) -> float | None:
+        scale = min(1.0, max_norm / (norm + 1e-6))
+        return None if scale == 1.0 else scale
+
+    with _scaled(factor):
+        yield
+
+
+@contextlib.contextmanager
+def neutral_token_count_waited_at_once() -> Iterator[None]:
+    """The global token count is waited for when the step starts (less overlap, same value)."""
+    loss = importlib.import_module("meshtrain.train.loss")
+
+    original = loss.StepTokens.__init__
+
+    def eager(self: Any, plan: Any, local: int) -> None:
+        original(self, plan, local)
+        self.value  # noqa: B018
+
+    with mock.patch.object(loss.StepTokens, "__init__", eager):
+        yield
