@@ -148,9 +148,19 @@ def test_deepspeed_adam_is_adamw_unless_told_otherwise() -> None:
 
 @pytest.mark.spmd
 @pytest.mark.slow
-def test_a_translated_zero3_plan_trains_like_one_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "example",
+    [
+        "zero3",
+        pytest.param("zero2", marks=pytest.mark.extended),
+        pytest.param("zero3-offload", marks=pytest.mark.extended),
+    ],
+)
+def test_a_translated_plan_trains_like_one_device(tmp_path: Path, example: str) -> None:
     path = tmp_path / "ds_config.json"
-    config = copy.deepcopy(ZERO3)
+    config = copy.deepcopy(
+        {"zero3": ZERO3, "zero2": ZERO2, "zero3-offload": ZERO3_OFFLOAD}[example]
+    )
     config["bf16"] = {"enabled": False}  # the fp32 contract: the tightest bound
     path.write_text(json.dumps(config))
     out = tmp_path / "recipe.toml"

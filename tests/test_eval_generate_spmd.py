@@ -31,15 +31,13 @@ def _overrides(root: Path, data: Path, run: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run_recipe(overrides: list[str], planted: bool) -> dict:
-    """On every rank: train, with the planted fault when asked."""
+def run_recipe(overrides: list[str], planted: bool, stop_after: int | None = None) -> dict:
+    """On every rank: train, with the planted fault when asked; the losses by step."""
     recipe = load_recipe("debug", overrides)
     if planted:
         with mock.patch("meshtrain.train.evaluate.group_over", return_value=None):
-            train(recipe)
-    else:
-        train(recipe)
-    return {"ok": True}
+            return train(recipe, stop_after=stop_after).losses
+    return train(recipe, stop_after=stop_after).losses
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +47,9 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     rows = [{"prompt": f"Q{i}: {i}+{i}=", "response": f"{2 * i}."} for i in range(300)]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     overrides = _overrides(root, data, "run")
-    get_pool(2).run(run_recipe, overrides, False)
+    losses = get_pool(2).run(run_recipe, overrides, False)[0]
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    (root / "losses.json").write_text(json.dumps(losses))
     return root, overrides
 
 
@@ -117,3 +117,15 @@ def test_an_export_carries_the_tokenizer_transformers_generates_with(
                             pad_token_id=0)  # fmt: skip
     ours = generate(load_run(root / "run"), prompt, max_new_tokens=6, temperature=0)
     assert tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True) == ours
+
+
+def test_a_run_on_packed_files_resumes_at_the_exact_sample(
+    trained: tuple[Path, list[str]],
+) -> None:
+    root, overrides = trained
+    straight = {int(k): v for k, v in json.loads((root / "losses.json").read_text()).items()}
+    resumed = [*overrides[:-3], f"logging.run_dir={root / 'resumed'}", *overrides[-2:]]
+    first = get_pool(2).run(run_recipe, resumed, False, 2)[0]
+    second = get_pool(2).run(run_recipe, resumed, False)[0]
+    assert first == {step: straight[step] for step in (1, 2)}
+    assert second == {step: straight[step] for step in (3, 4)}  # same mesh: bitwise

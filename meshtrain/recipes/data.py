@@ -30,7 +30,13 @@ from meshtrain.train.data.documents import FILE_SOURCES, DocumentSource
 from meshtrain.train.data.packed import PackedWindows, PreparedData, prepare_documents
 from meshtrain.train.data.tokenizer import Tokenizer, load_tokenizer
 
-__all__ = ["data_directory", "prepare_recipe_data", "recipe_datasets", "recipe_tokenizer"]
+__all__ = [
+    "check_file_keys",
+    "data_directory",
+    "prepare_recipe_data",
+    "recipe_datasets",
+    "recipe_tokenizer",
+]
 
 
 def data_directory(recipe: Recipe) -> Path:
@@ -88,6 +94,7 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
     import torch.distributed as dist
 
     data, seq_len = recipe.data, recipe.train.seq_len
+    check_file_keys(recipe)
     if data.source == "synthetic":
         seed = data.seed + 1_000_003  # held-out sequences: another stream of the same law
         return (SyntheticTokens(vocab, seq_len, data.samples, data.seed),
@@ -109,6 +116,30 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
         dist.barrier()
     _check_vocab(recipe, path, vocab)
     return TokenWindows(TokenFile(path), seq_len), None
+
+
+def check_file_keys(recipe: Recipe) -> None:
+    """``data.validation`` and ``data.format`` apply to file sources only: refuse them elsewhere
+    rather than ignore them.
+
+    Example:
+        >>> from meshtrain.recipes import load_recipe
+        >>> check_file_keys(load_recipe("debug", ["data.validation=0.1"]))
+        Traceback (most recent call last):
+        ...
+        meshtrain.errors.RecipeError: ...data.validation = 0.1 applies to data.source jsonl, text, parquet or hf-dataset; data.source = 'corpus' reads no document files. Remove it, or train on files.
+    """
+    data = recipe.data
+    if data.source in FILE_SOURCES:
+        return
+    for key, value, default in (("validation", data.validation, 0.0),
+                                ("format", data.format, "text")):  # fmt: skip
+        if value != default:
+            raise RecipeError(
+                f"{recipe.source}: data.{key} = {value!r} applies to data.source "
+                f"{', '.join(FILE_SOURCES[:-1])} or {FILE_SOURCES[-1]}; data.source = "
+                f"{data.source!r} reads no document files. Remove it, or train on files."
+            )
 
 
 def _check_vocab(recipe: Recipe, path: Path, vocab: int) -> None:
