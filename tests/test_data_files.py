@@ -178,3 +178,23 @@ def test_hugging_face_tokenizer_encodes_in_batches(tmp_path: Path) -> None:
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "the cat sat"}, {"text": "cat dog"}])
     prepared = prepare_documents(DocumentSource("jsonl", str(path)), loaded, tmp_path / "out")
     assert TokenFile(prepared.train).tokens.tolist() == [2, 3, 4, 1, 3, 0, 1]
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokenising(
+    tmp_path: Path,
+) -> None:
+    tokenizers = pytest.importorskip("tokenizers")
+    from meshtrain.errors import RecipeError
+    from meshtrain.recipes import load_recipe
+    from meshtrain.recipes.data import prepare_recipe_data
+
+    vocab = {f"w{i}": i for i in range(300)} | {"</s>": 300}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    path = _jsonl(tmp_path / "d.jsonl", [{"text": "w1 w2"}])
+    recipe = load_recipe("debug", [f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+                                   "data.source=jsonl", f"data.path={path}",
+                                   f"logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    with pytest.raises(RecipeError, match="has 301 ids, more than the model's vocabulary of 256"):
+        prepare_recipe_data(recipe)
+    assert not (tmp_path / "run" / "data").exists()

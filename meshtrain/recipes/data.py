@@ -71,6 +71,7 @@ def prepare_recipe_data(
     terminal and one line when done; see the module docstring."""
     say = say or _print
     tokenizer = recipe_tokenizer(recipe)
+    _check_tokenizer_fits(recipe, tokenizer)
     started = time.perf_counter()
     with _ProgressBar(f"tokenising {recipe.data.path}") as progress:
         prepared = prepare_documents(
@@ -140,6 +141,20 @@ def check_file_keys(recipe: Recipe) -> None:
                 f"{', '.join(FILE_SOURCES[:-1])} or {FILE_SOURCES[-1]}; data.source = "
                 f"{data.source!r} reads no document files. Remove it, or train on files."
             )
+
+
+def _check_tokenizer_fits(recipe: Recipe, tokenizer: Tokenizer) -> None:
+    """Before tokenising: the tokenizer's ids fit the model's vocabulary (a meta-device model)."""
+    from meshtrain.recipes.models import vocab_size
+
+    vocab = vocab_size(recipe.build_model(device="meta"))
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise RecipeError(
+            f"{recipe.source}: data.tokenizer = {recipe.data.tokenizer!r} has "
+            f"{tokenizer.vocab_size} ids, more than the model's vocabulary of {vocab}. Use the "
+            "model's own tokenizer (data.tokenizer = 'model' for [model] hf), or a model with a "
+            "vocabulary that large."
+        )
 
 
 def _check_vocab(recipe: Recipe, path: Path, vocab: int) -> None:
