@@ -150,11 +150,34 @@ def apply_pipeline(plan: Plan, model: nn.Module) -> PipelinedModel:
         runners.append(runner)
         modules.append(body)
         stages.append(
-            PipelineStage(
-                body, stage.index, len(pipeline.stages), device, group=pp_mesh.get_group()
+            _keep_buffers_in_inference(
+                PipelineStage(
+                    body, stage.index, len(pipeline.stages), device, group=pp_mesh.get_group()
+                )
             )
         )
     return PipelinedModel(plan, modules, stages, runners)
+
+
+def _keep_buffers_in_inference(stage: PipelineStage) -> PipelineStage:
+    """Undo what the first step's shape inference does to the stage's buffers. torch 2.13 infers
+    each stage's activation shapes by running its module once before the first micro-batch — on
+    the real inputs at the first stage, on ``torch.empty`` tensors elsewhere — so, in training
+    mode, a BatchNorm's running statistics would count that extra forward and, past the first
+    stage, average uninitialised memory (NaN). The buffers are restored after the inference."""
+    infer = stage._forward_metadata_inference
+
+    def restoring(*args: Any, **kwargs: Any) -> Any:
+        saved = [(buffer, buffer.detach().clone()) for buffer in stage.submod.buffers()]
+        try:
+            return infer(*args, **kwargs)
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+    stage._forward_metadata_inference = restoring  # type: ignore[method-assign]
+    return stage
 
 
 #: the keyword every stage receives its micro-batch's model inputs under
