@@ -107,7 +107,7 @@ def test_roberta_classifier_on_the_cls_token_of_sequence_shards_is_refused() -> 
     patterns = {r"classifier\.out_proj\.weight": P("tp", None),
                 r"classifier\.out_proj\.bias": P("tp"), **patterns}  # fmt: skip
     sequence = Rules(patterns, logical=[("seq", "tp")], fsdp="dp")
-    with pytest.raises(mt.PlanError, match="aten.select.int") as refusal:
+    with pytest.raises(mt.PlanError, match=r"aten\.select\.int") as refusal:
         mt.plan(model, mesh(**DP_TP), sequence)
     assert "'classifier' (RobertaClassificationHead)" in str(refusal.value)
     assert "selects or reduces along the sharded dim" in str(refusal.value)
@@ -157,3 +157,12 @@ def test_a_replicated_parameter_used_outside_a_module_of_its_own_is_refused() ->
     with pytest.raises(mt.PlanError, match="parameter 'scale' is replicated") as refusal:
         mt.plan(HeadScaled(direct=True), mesh(**DP_TP), RULES)
     assert "partial sum" in str(refusal.value) and refusal.value.fqn == "scale"
+
+
+def test_a_pipelined_plan_is_proven_and_costs_its_stage_s_partial_gradients() -> None:
+    model = qwen3()
+    rules = Rules.from_hf(model, tp="tp")
+    plan = mt.plan(model, mesh(pp=2, tp=2), rules, pipeline=mt.Pipeline(microbatches=2))
+    assert len(plan.partial_grads) == 4  # the whole model's
+    rows = [c for c in plan.collectives if "abstract run" in c.why]
+    assert [(c.axis, c.count, c.bytes) for c in rows] == [("tp", 2, 2 * 8 * 4)]  # one layer's

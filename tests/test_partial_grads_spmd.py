@@ -16,6 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import meshtrain as mt
 from meshtrain.spec.rules import Rules
 from meshtrain.testing import assert_equivalent
+from meshtrain.testing.runner import get_pool
 
 pytestmark = pytest.mark.spmd
 
@@ -53,3 +54,20 @@ def test_a_dropped_partial_gradient_reduction_is_caught() -> None:
                           batches=zoo.token_batches, steps=1, optimizer="adamw",
                           rank_context=partial_gradients_not_reduced)  # fmt: skip
     assert "norm.weight" in str(failure.value)
+
+
+def _counted(mesh: dict[str, int], zero: int) -> tuple[dict, dict, dict, dict]:
+    model = qwen3()
+    rules = Rules.from_hf(model, fsdp=tuple(a for a in mesh if a == "dp"), tp="tp")
+    return zoo.counted_step(model, rules, mesh, zero=zero)
+
+
+@pytest.mark.parametrize(("mesh", "zero"), [({"dp": 2, "tp": 2}, 3), ({"tp": 2}, 0)])
+def test_the_partial_gradient_all_reduces_are_the_predicted_ones(mesh: dict[str, int],
+                                                                 zero: int) -> None:  # fmt: skip
+    world = 1
+    for size in mesh.values():
+        world *= size
+    for counts, predicted, payload, predicted_payload in get_pool(world).run(_counted, mesh, zero):
+        assert counts == predicted
+        assert payload == predicted_payload

@@ -21,7 +21,7 @@ from meshtrain.plan.cost import estimate_collectives, estimate_memory, pipeline_
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, PipelinePlan, StagePlan
 from meshtrain.plan.options import PlanOptions
-from meshtrain.plan.tp_cost import estimate_tp_collectives
+from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
 from meshtrain.spec.mesh import Mesh
 
 
@@ -114,6 +114,11 @@ def _rank_collectives(
         local_styles, inferred.params, inferred.tp_axis, options,
         sequence_parallel=inferred.sequence_parallel, data_parallel=bool(inferred.data_axes),
         pipelined=True, tied=inferred.tied, units=inferred.units,
+    )  # fmt: skip
+    held = {fqn for stage in stages for fqn in stage.params}
+    tensor_parallel += partial_grad_collectives(
+        [grad for grad in inferred.partial_grads if grad.param in held], inferred.params, options,
+        data_parallel=bool(inferred.data_axes), pipelined=True, units=inferred.units,
     )  # fmt: skip
     return (send, *_merged(data_parallel), *tensor_parallel)
 
