@@ -324,9 +324,9 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     tmp_path: Path, corpus: Path
 ) -> None:
     """A good run stopped by Ctrl-C (SIGINT), then resumed with a learning rate that ruins the
-    model: after 10 skipped steps in a row every rank stops with the same TrainingError, shown
-    once; ``--max-restarts`` does not retry it; no checkpoint holds a skipped step, and the last
-    good checkpoint survives ``keep_last = 1``."""
+    model (allowed with --allow-change): after 10 skipped steps in a row every rank stops with the
+    same TrainingError, shown once; ``--max-restarts`` does not retry it; no checkpoint holds a
+    skipped step, and the last good checkpoint survives ``keep_last = 1``."""
     run_dir = tmp_path / "run"
     good = _overrides(
         run_dir,
@@ -345,8 +345,10 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     resume = int(stopped.group(3))
 
     ruined = Job(
-        tmp_path, ["--max-restarts", "1", *_sets([*good, "train.lr=1e6", "train.min_lr=0"])]
-    )
+        tmp_path,
+        ["--max-restarts", "1", "--allow-change", "train.lr", "--allow-change", "train.min_lr",
+         *_sets([*good, "train.lr=1e6", "train.min_lr=0"])],
+    )  # fmt: skip
     assert ruined.finish() == 2, ruined.output
     errors = [line for line in ruined.lines if "TrainingError" in line]
     assert len(errors) == 1 and errors[0].startswith("[ranks 0, 1] TrainingError: step "), errors

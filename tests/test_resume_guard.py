@@ -12,6 +12,7 @@ import torch
 from meshtrain import CheckpointError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.resume_check import check_resume, compare_recipes
+from meshtrain.recipes.resume_guard import check_before_launch, check_recipe_unchanged
 from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer, find_resume_point
 from meshtrain.train.checkpoint.files import METADATA_FILE, STATE_FILE
 
@@ -114,3 +115,27 @@ def test_safe_changes_pass_with_a_line_each_and_allowed_ones_say_what_happens_to
 def test_absent_keys_compare_as_their_defaults() -> None:
     assert compare_recipes({"checkpoint": {"keep_last": 3}}, {}) == []
     assert compare_recipes({"train": {"on_nonfinite": "skip"}}, {"train": {}}) == []
+
+
+def test_the_launcher_refuses_a_changed_recipe_before_any_rank_starts(tmp_path: Path) -> None:
+    run = [f"logging.run_dir={tmp_path}"]
+    saved = load_recipe("debug", run)
+    checkpointer = Checkpointer(CheckpointConfig(saved.checkpoint_dir, keep_last=0))
+    extra = {"step": 6, "data": {"epoch": 0, "step": 6}, "recipe": saved.raw,
+             "run": {"id": "a1b2c3", "recipe": "debug"}}  # fmt: skip
+    checkpointer.save(6, {"w": torch.zeros(4)}, None, extra)
+    check_before_launch(load_recipe("debug", [*run, "train.steps=400", "mesh.tp=1"]))
+    with pytest.raises(CheckpointError, match=r"  - train\.batch_size: 8 → 16\n"):
+        check_before_launch(load_recipe("debug", [*run, "train.batch_size=16"]))
+    allowed = load_recipe("debug", [*run, "train.batch_size=16",
+                                    "checkpoint.allow_change=['train.batch_size']"])  # fmt: skip
+    check_before_launch(allowed)
+    lines = check_recipe_unchanged(allowed, saved.checkpoint_dir / "step_00000006")
+    assert lines == [
+        "resuming of run a1b2c3 with a changed train.batch_size: 8 → 16, allowed: the data "
+        "position is counted in global batches, so the next batch starts at sample 6 × the new "
+        "batch size: samples are skipped (larger) or repeated (smaller)"
+    ]
+    (saved.checkpoint_dir / "step_00000006" / METADATA_FILE).unlink()
+    with pytest.raises(CheckpointError, match="a fresh start would overwrite"):
+        check_before_launch(load_recipe("debug", run))

@@ -20,9 +20,10 @@ import torch.distributed as dist
 from meshtrain.errors import CheckpointError
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.resume_check import check_resume
+from meshtrain.train.checkpoint import find_resume_point
 from meshtrain.train.checkpoint.files import read_state_file
 
-__all__ = ["check_recipe_unchanged", "run_id"]
+__all__ = ["check_before_launch", "check_recipe_unchanged", "run_id"]
 
 
 def run_id(resume: Path | None) -> str:
@@ -63,3 +64,15 @@ def check_recipe_unchanged(recipe: Recipe, checkpoint: Path) -> list[str]:
     verdict.raise_if_refused(str(checkpoint))
     name = f" of run {run['id']}" if run.get("id") else ""
     return [line.replace("resuming", f"resuming{name}", 1) for line in verdict.lines]
+
+
+def check_before_launch(recipe: Recipe) -> None:
+    """The launcher's copy of the ranks' resume checks, before any rank starts: refuse a fresh
+    start over checkpoint folders, and a resume whose recipe changes what training means (sizes
+    and the state file only: the ranks verify every file's checksum and check again)."""
+    if not recipe.checkpoint.resume:
+        return
+    point = find_resume_point(recipe.checkpoint_dir, verify=False)
+    point.refuse_start_over(recipe.checkpoint_dir)
+    if point.checkpoint is not None:
+        check_recipe_unchanged(recipe, point.checkpoint)
