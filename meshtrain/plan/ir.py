@@ -407,8 +407,11 @@ class Plan:
             lines += ["", f"BatchNorm statistics over the global batch ({where}): "
                       + ", ".join(self.batch_norms)]  # fmt: skip
         if self.partial_grads:
-            lines += ["", "partial gradients all-reduced over the tensor-parallel axis (replicated "
-                      "parameters computing on its shards; module, input dim sharded):"]
+            lines += [
+                "",
+                "partial gradients all-reduced over the tensor-parallel axis (replicated "
+                "parameters computing on its shards; module, input dim sharded):",
+            ]
             lines += [f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
                       for g in self.partial_grads]  # fmt: skip
         if self.tied:
