@@ -70,6 +70,8 @@ def test_eval_on_the_plan_matches_one_device_on_the_checkpoint(
     assert what == "the validation split"
     # same weights, same batches, fp32: the plan's reduction order is the only difference
     assert result.loss == pytest.approx(logged[STEPS], rel=1e-5)
+    last = [row for row in read_jsonl(root / "run" / "metrics.jsonl") if "val_tokens" in row][-1]
+    assert last["val_tokens"] == result.tokens  # the same held-out tokens, each once
     rows = [row for row in read_jsonl(root / "run" / "metrics.jsonl") if "val_loss" in row]
     assert all(
         row["val_perplexity"] == pytest.approx(2.718281828 ** row["val_loss"]) for row in rows

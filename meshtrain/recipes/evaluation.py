@@ -85,7 +85,8 @@ class Evaluator:
     def after_step(self, step: int, last: bool) -> EvalResult | None:
         if self.loader is None or not (step % self.every == 0 or last):
             return None
-        result = evaluate(self.plan, self.model, self.loader.batches(), batches_limit=self.limit)
+        limit = min(self.limit, self.loader.steps_per_epoch)  # each held-out sample once
+        result = evaluate(self.plan, self.model, self.loader.batches(), batches_limit=limit)
         for sink in self.sinks.sinks:
             sink.log(step, result.metrics())
         return result
