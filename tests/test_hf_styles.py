@@ -21,7 +21,7 @@ from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
 import meshtrain as mt
 from meshtrain import P, PlanError, RuleError, Rules
 from meshtrain.plan.ir import TPStyle
-from meshtrain.spec.hf_plan import HF_STYLES
+from meshtrain.spec.hf_plan import HF_STYLES, hf_tp_plan
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.runner import get_pool
 
@@ -155,6 +155,23 @@ def test_qwen3_sequence_parallelism_is_refused_naming_the_per_head_norm() -> Non
         PlanError, match=r"'model\.layers\.0\.self_attn\.q_norm' \(Qwen3RMSNorm\).*without sequence"
     ):
         mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
+
+
+def test_replicated_with_grad_allreduce_ends_in_the_plan_s_partial_gradients() -> None:
+    """Every parameter transformers all-reduces by this style (Qwen3's q/k norms) is one the
+    plan's abstract run finds partial over ``tp`` and reduces: the same set, none missed."""
+    model = zoo.qwen3()
+    plan = mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp"), zero=3)
+    declared = {
+        f"{fqn}.{name}"
+        for pattern, style in hf_tp_plan(model).items()
+        if style == "replicated_with_grad_allreduce"
+        for fqn, module in model.named_modules()
+        if re.fullmatch(re.escape(pattern).replace(r"\*", r"\d+"), fqn)
+        for name, _ in module.named_parameters(recurse=False)
+    }
+    assert len(declared) == 4  # q_norm and k_norm of 2 layers
+    assert {g.param for g in plan.partial_grads if g.axis == "tp"} == declared
 
 
 def test_a_gathered_head_stays_loss_parallel() -> None:

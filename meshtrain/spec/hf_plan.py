@@ -81,9 +81,10 @@ HF_STYLES: Mapping[str, HFStyle] = {
                                  "all-reduced)"),
     "embedding_colwise": HFStyle("embedding_dim", "`embedding_dim_parallel` (output "
                                  "all-gathered)"),
-    "replicated_with_grad_allreduce": HFStyle("replicated", "`P()`; the plan derives the "
-                                              "all-reduce of its partial gradient over `tp` "
-                                              "(Qwen3's per-head `q_norm`/`k_norm`)"),
+    "replicated_with_grad_allreduce": HFStyle("replicated", "`P()`; the plan's abstract run "
+                                              "finds its gradient partial and all-reduces it "
+                                              "over `tp` (`partial_grads` in `explain()`: "
+                                              "Qwen3's per-head `q_norm`/`k_norm`)"),
     "replicate": HFStyle("replicated", "`P()`"),
     "local": HFStyle("replicated", "`P()` (older transformers)"),
     "sequence_parallel": HFStyle("replicated", "`P()`; the norm runs on sequence shards when "
