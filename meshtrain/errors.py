@@ -83,6 +83,11 @@ class RecipeError(MeshtrainError):
     """A recipe with an unknown key, a wrong type or an impossible combination."""
 
 
+class DeepSpeedConfigError(RecipeError):
+    """A DeepSpeed config with keys that have no meshtrain equivalent, each named with the reason
+    (``meshtrain recipe from-deepspeed``; :mod:`meshtrain.recipes.deepspeed`)."""
+
+
 class DataError(MeshtrainError):
     """A corpus, tokenizer, token file, dataset or sampler that cannot be used as asked."""
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import DeepSpeedConfigError
 
 __all__ = ["DeepSpeedConfigError", "Translation", "read_deepspeed", "translate_deepspeed"]
 
@@ -56,10 +56,6 @@ TUNING_KEYS = frozenset({
 SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
           "hysteresis": 1, "min_loss_scale": None}  # fmt: skip
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
-
-
-class DeepSpeedConfigError(RecipeError):
-    """A DeepSpeed config with keys meshtrain cannot map; each is named with the reason."""
 
 
 @dataclass
