@@ -161,6 +161,27 @@ def _allows(allowed: Sequence[str], key: str) -> bool:
     return any(key == item or key.startswith(f"{item.rstrip('.')}.") for item in allowed)
 
 
+def _batch_effect(change: RecipeChange, data_step: int) -> str:
+    """What a new batch size does to the saved position, in samples (``""``: not that key).
+
+    Example:
+        >>> _batch_effect(RecipeChange("train.batch_size", 8, 16, safe=False), 6)
+        'the position is counted in global batches: the next batch starts at sample 96 of its epoch instead of 48, so samples 48–95 are skipped'
+    """
+    saved, now = change.saved, change.now
+    if change.key != "train.batch_size" or not isinstance(saved, int) or not isinstance(now, int):
+        return ""
+    before, after = data_step * saved, data_step * now
+    if before == after:
+        return "the data position is unchanged"
+    gap = f"samples {min(before, after)}–{max(before, after) - 1}"
+    what = "skipped" if after > before else "trained again"
+    return (
+        f"the position is counted in global batches: the next batch starts at sample {after} "
+        f"of its epoch instead of {before}, so {gap} are {what}"
+    )
+
+
 def _effect(key: str, data_step: int) -> str:
     for prefix, text in _DATA_EFFECT.items():
         if key == prefix or (prefix.endswith(".") and key.startswith(prefix)):
@@ -184,7 +205,7 @@ def check_resume(
         if change.safe:
             lines.append(f"resuming with a changed {change.describe()} (safe: the same training)")
         elif _allows(allowed, change.key):
-            effect = _effect(change.key, data_step)
+            effect = _batch_effect(change, data_step) or _effect(change.key, data_step)
             lines.append(f"resuming with a changed {change.describe()}, allowed: {effect}")
         else:
             refused.append(change)
