@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,14 +122,17 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         wall = time.perf_counter() - self._started
-        self._profile.stop()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self._profile.export_chrome_trace(str(self.out_dir / f"trace_rank{self.rank}.json"))
+        with warnings.catch_warnings():  # torch 2.11 notes that a stopped profile keeps one cycle
+            warnings.filterwarnings("ignore", message=".*Profiler clears events")
+            self._profile.stop()
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            self._profile.export_chrome_trace(str(self.out_dir / f"trace_rank{self.rank}.json"))
+            collectives = _collective_seconds(self._profile)
         if self.memory:
             path = self.out_dir / f"memory_rank{self.rank}.pickle"
             torch.cuda.memory._dump_snapshot(str(path))
             torch.cuda.memory._record_memory_history(enabled=None)
-        self.summary = ProfileSummary(max(self._steps, 1), wall, _collective_seconds(self._profile))
+        self.summary = ProfileSummary(max(self._steps, 1), wall, collectives)
         text = summary_table(self.summary) + "\n"
         (self.out_dir / f"summary_rank{self.rank}.txt").write_text(text, encoding="utf-8")
         self._profile = None
