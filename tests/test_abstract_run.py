@@ -12,6 +12,8 @@ import math
 import pytest
 import torch
 import zoo
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from transformers import (
     OPTConfig,
@@ -166,3 +168,66 @@ def test_a_pipelined_plan_is_proven_and_costs_its_stage_s_partial_gradients() ->
     assert len(plan.partial_grads) == 4  # the whole model's
     rows = [c for c in plan.collectives if "abstract run" in c.why]
     assert [(c.axis, c.count, c.bytes) for c in rows] == [("tp", 2, 2 * 8 * 4)]  # one layer's
+
+
+class Scale(nn.Module):
+    """A learned per-feature scale of each head (replicated: every head shares it)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+class DrawnAttention(nn.Module):
+    """q column-wise into ``heads`` heads, one per-head operation of ``kind``, out row-wise."""
+
+    def __init__(self, kind: str, heads: int, head_dim: int) -> None:
+        super().__init__()
+        width = heads * head_dim
+        self.kind, self.heads, self.head_dim = kind, heads, head_dim
+        self.embed = nn.Embedding(64, width)
+        self.attn = nn.ModuleDict({"q": nn.Linear(width, width), "o": nn.Linear(width, width)})
+        self.norm = nn.LayerNorm(head_dim)
+        self.scale = Scale(head_dim)
+        self.direct = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        q = self.attn["q"](x)
+        if self.kind == "global_view":
+            heads = q.view(x.shape[0], -1, self.heads, self.head_dim)
+        else:
+            heads = q.view(*x.shape[:2], -1, self.head_dim)
+        if self.kind == "norm":
+            heads = self.norm(heads)
+        elif self.kind == "scale_module":
+            heads = self.scale(heads)
+        elif self.kind == "direct_scale":
+            heads = heads * self.direct
+        return self.attn["o"](heads.flatten(2))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    st.sampled_from(["norm", "scale_module", "direct_scale", "global_view", "local_view"]),
+    st.sampled_from([2, 4]),
+    st.sampled_from([4, 8]),
+)
+def test_drawn_per_head_operations_are_reduced_or_refused(kind: str, heads: int,
+                                                          head_dim: int) -> None:  # fmt: skip
+    rules = Rules({r"attn\.q\.(weight|bias)": P("tp"), r"attn\.o\.weight": P(None, "tp"),
+                   r".*": P()}, fsdp="dp")  # fmt: skip
+    model = DrawnAttention(kind, heads, head_dim)
+    if kind in ("direct_scale", "global_view"):
+        expected = "parameter 'direct' is replicated" if kind == "direct_scale" else "global size"
+        with pytest.raises(mt.PlanError, match=expected):
+            mt.plan(model, mesh(**DP_TP), rules)
+        return
+    plan = mt.plan(model, mesh(**DP_TP), rules)
+    partial = {"norm": ["norm.weight", "norm.bias"], "scale_module": ["scale.weight"]}
+    assert [g.param for g in plan.partial_grads] == partial.get(kind, [])
+    assert all(g.dim == 2 for g in plan.partial_grads)  # [batch, seq, heads, head_dim]
+    assert not [n for n in plan.notes if "not proven" in n]
