@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -47,7 +48,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
-from meshtrain.errors import EquivalenceError, MeshtrainError, RecipeError
+from meshtrain.errors import EquivalenceError, MeshtrainError, RecipeError, describe_os_error
 
 if TYPE_CHECKING:
     from meshtrain.recipes.recipe import Recipe
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="number of CPU (gloo) ranks (default: 4)")  # fmt: skip
     check.add_argument("--steps", type=_positive, default=None, metavar="S",
                        help="training steps to compare (default: the shrunk recipe's)")  # fmt: skip
+    check.add_argument("--start-timeout", type=_positive, default=None, metavar="S",
+                       help="seconds the CPU ranks may go without progress while starting "
+                       "(default 120; raise it on a loaded machine)")  # fmt: skip
     check.set_defaults(run=check_command)
 
     train = commands.add_parser(
@@ -96,6 +100,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds the ranks get to finish their step and save after SIGTERM "
                        "or Ctrl-C before they are killed (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
                        "if set, else 300)")  # fmt: skip
+    train.add_argument("--allow-change", dest="allow_change", action="append", default=[],
+                       metavar="KEY",
+                       help="resume although the recipe's KEY (or section) changed what training "
+                       "means since the checkpoint, e.g. --allow-change train.batch_size "
+                       "(repeatable)")  # fmt: skip
+    train.add_argument("--profile", action="store_true",
+                       help="trace steps 3 to 5 with torch.profiler into <run_dir>/profile and "
+                       "print compute against collective time (as [profile] steps = [3, 5])")  # fmt: skip
     train.set_defaults(run=train_command)
 
     checkpoints = commands.add_parser(
@@ -146,7 +158,93 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast floating-point weights (default: as trained)")  # fmt: skip
     export.set_defaults(run=export_command)
+    _add_answer_commands(commands)
     return parser
+
+
+def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
+    """``eval``, ``generate`` and ``recipe from-deepspeed``."""
+    evaluate = commands.add_parser(
+        "eval",
+        help="validation loss and perplexity of a run's latest intact checkpoint",
+        description="Load the newest intact checkpoint of RUN_DIR on one process (whatever plan "
+        "trained it) and print its loss and perplexity on the run's validation split (or its "
+        "training data when it has none).",
+    )
+    _add_run_dir(evaluate)
+    evaluate.add_argument("--batches", type=_positive, default=None, metavar="M",
+                          help="batches to evaluate (default: the recipe's [eval] batches)")  # fmt: skip
+    evaluate.set_defaults(run=eval_command)
+    generate = commands.add_parser(
+        "generate",
+        help="sample a continuation of a prompt from a run's latest intact checkpoint",
+        description="Load the newest intact checkpoint of RUN_DIR on one process and continue "
+        "TEXT with the run's tokenizer, stopping at the end-of-document token.",
+    )
+    _add_run_dir(generate)
+    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    generate.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N",
+                          help="tokens to generate at most (default 64)")  # fmt: skip
+    generate.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                          help="sampling temperature; 0 picks the likeliest token (default 0.8)")  # fmt: skip
+    generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    generate.set_defaults(run=generate_command)
+    recipe = commands.add_parser("recipe", help="write recipes from other tools' configs")
+    actions = recipe.add_subparsers(dest="action", required=True, metavar="ACTION")
+    deepspeed = actions.add_parser(
+        "from-deepspeed",
+        help="translate a DeepSpeed ds_config.json into a recipe, key by key",
+        description="Map every key of a DeepSpeed config (ZeRO stage, offload, bf16/fp16, "
+        "gradient accumulation, clipping, optimizer, scheduler) to the recipe key with the same "
+        "meaning; keys it cannot map are named and refused (exit status 2).",
+    )
+    deepspeed.add_argument("config", metavar="DS_CONFIG", help="the ds_config.json")
+    deepspeed.add_argument("--model", default="debug", metavar="MODEL",
+                           help="a preset name or a transformers model directory (default debug)")  # fmt: skip
+    deepspeed.add_argument("--out", required=True, metavar="RECIPE",
+                           help="the recipe .toml to write")  # fmt: skip
+    deepspeed.set_defaults(run=from_deepspeed_command)
+
+
+def eval_command(args: argparse.Namespace) -> int:
+    """``meshtrain eval``: the validation loss of a run's newest intact checkpoint."""
+    from meshtrain.recipes.evaluation import evaluate_run, load_run
+
+    run = load_run(args.run_dir)
+    print(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s", flush=True)
+    result, what = evaluate_run(run, batches=args.batches)
+    print(f"step {run.step} | val_loss {result.loss:.4f} | val_perplexity "
+          f"{result.perplexity:.4g} | {result.tokens:,} tokens of {what}")  # fmt: skip
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    """``meshtrain generate``: a continuation of ``--prompt`` from a run's checkpoint."""
+    from meshtrain.recipes.evaluation import generate, load_run
+
+    run = load_run(args.run_dir)
+    _say(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s")
+    text = generate(run, args.prompt, max_new_tokens=args.max_new_tokens,
+                    temperature=args.temperature, seed=args.seed)  # fmt: skip
+    print(args.prompt + text)
+    return 0
+
+
+def from_deepspeed_command(args: argparse.Namespace) -> int:
+    """``meshtrain recipe from-deepspeed``: write the recipe a DeepSpeed config means."""
+    from meshtrain.recipes import recipe_from_toml
+    from meshtrain.recipes.deepspeed import read_deepspeed, translate_deepspeed
+
+    translation = translate_deepspeed(read_deepspeed(args.config), model=args.model)
+    text = translation.toml(args.config)
+    recipe_from_toml(text, source=args.out)  # the recipe it writes is a valid one
+    Path(args.out).write_text(text, encoding="utf-8")
+    print(f"wrote {args.out}: {len(translation.settings)} settings"
+          + (f"; left to the recipe (\"auto\"): {', '.join(translation.auto)}"
+             if translation.auto else "")
+          + (f"; tuning knobs without effect on the numbers: {len(translation.tuning)}"
+             if translation.tuning else ""))  # fmt: skip
+    return 0
 
 
 def _version() -> str:
@@ -197,6 +295,11 @@ def train_command(args: argparse.Namespace) -> int:
     """``meshtrain train``: train on this rank under torchrun, else check and start the ranks."""
     from meshtrain.launch import under_torchrun
 
+    if args.allow_change:  # the ranks get it as a recipe value, like every other setting
+        keys = ", ".join(f'"{key}"' for key in args.allow_change)
+        args.overrides = [*args.overrides, f"checkpoint.allow_change=[{keys}]"]
+    if args.profile and not any(item.startswith("profile.steps=") for item in args.overrides):
+        args.overrides = [*args.overrides, "profile.steps=[3, 5]"]
     return train_rank(args) if under_torchrun() else launch_command(args)
 
 
@@ -205,12 +308,17 @@ def launch_command(args: argparse.Namespace) -> int:
     torch is imported), lock the run directory, then run torchrun's agent here."""
     from meshtrain.launch import run_agent, torchrun_arguments
     from meshtrain.recipes.preflight import check_launch
+    from meshtrain.recipes.quick_check import check_recipe_quickly
     from meshtrain.recipes.source import parse_recipe, read_recipe
+    from meshtrain.recipes.token_check import check_recipe_tokens
 
     nproc = args.nproc or 1
     text, source = read_recipe(args.recipe)
     data, source = parse_recipe(text, source, args.overrides)
     check_launch(data, source, nproc=nproc, nnodes=args.nnodes)
+    _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
+    check_recipe_quickly(data, source)  # the schema's torch-free checks: unknown keys, types
+    check_recipe_tokens(data)  # size, sha256 (cached by size and mtime), ids in the vocabulary
     sets = [item for override in args.overrides for item in ("--set", override)]
     arguments = torchrun_arguments(
         ["train", args.recipe, *sets], nproc=nproc, nnodes=args.nnodes,
@@ -219,15 +327,67 @@ def launch_command(args: argparse.Namespace) -> int:
     )  # fmt: skip
     from meshtrain.recipes import load_recipe
     from meshtrain.recipes.preflight import check_plan, lock_run
+    from meshtrain.recipes.resume_guard import check_before_launch
     from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
     check_plan(recipe, nproc * args.nnodes)
+    run = functools.partial(
+        run_agent, arguments, nproc=nproc, stop_timeout_s=args.stop_timeout,
+        hang_timeout_s=recipe.train.heartbeat_timeout, log_dir=recipe.run_dir / "logs",
+    )  # fmt: skip
     if args.node_rank != 0:  # node 0 holds the lock for the whole job
-        return run_agent(arguments, nproc=nproc, stop_timeout_s=args.stop_timeout)
+        return run()
     with lock_run(recipe) as token:
         os.environ[TOKEN_VARIABLE] = token
-        return run_agent(arguments, nproc=nproc, stop_timeout_s=args.stop_timeout)
+        check_before_launch(recipe)  # no silent start-over, no silent change: before the ranks
+        finished = _nothing_to_train(recipe)  # decided here: no rank starts for nothing
+        if finished:
+            print(finished, flush=True)
+            return 0
+        _prepare_data(recipe)  # once, here: a bad file is refused before any rank starts
+        return run()
+
+
+def _starting(name: str, data: dict, nproc: int, nnodes: int) -> None:
+    """The first line of ``meshtrain train``: what starts, before the slow imports."""
+    mesh = ", ".join(f"{axis}={size}" for axis, size in dict(data.get("mesh", {})).items())
+    parallel = dict(data.get("parallel", {}))
+    plan = ", ".join(
+        f"{key} {parallel[key]}" for key in ("zero", "tp", "precision") if key in parallel
+    )
+    nodes = f" × {nnodes} nodes" if nnodes > 1 else ""
+    print(f"meshtrain train {name}: {nproc} rank{'s' if nproc != 1 else ''}{nodes}, mesh "
+          f"{{{mesh}}}, {plan or 'default plan'}; checking the plan before the ranks start",
+          flush=True)  # fmt: skip
+
+
+def _nothing_to_train(recipe: Recipe) -> str:
+    """The line to print when the run's newest complete checkpoint is already at
+    ``train.steps`` (and the run resumes), else ``""``."""
+    from meshtrain.train.checkpoint import find_resume_point
+    from meshtrain.train.checkpoint.files import checkpoint_step
+
+    if not recipe.checkpoint.resume or not recipe.checkpoint_dir.is_dir():
+        return ""
+    point = find_resume_point(recipe.checkpoint_dir, verify=False)
+    if point.checkpoint is None or checkpoint_step(point.checkpoint) < recipe.train.steps:
+        return ""
+    return (
+        f"{recipe.name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
+        f"{checkpoint_step(point.checkpoint)} of {recipe.train.steps}; nothing to train. Raise "
+        "train.steps or start a new run directory."
+    )
+
+
+def _prepare_data(recipe: Recipe) -> None:
+    """Tokenise the recipe's own files (``[data] source`` jsonl, text, parquet, hf-dataset)."""
+    from meshtrain.recipes.data import check_file_keys, prepare_recipe_data
+    from meshtrain.train.data.documents import FILE_SOURCES
+
+    check_file_keys(recipe)  # data.validation or format on a source without files: refused
+    if recipe.data.source in FILE_SOURCES:
+        prepare_recipe_data(recipe)
 
 
 def train_rank(args: argparse.Namespace) -> int:
@@ -268,12 +428,18 @@ def _train_rank(args: argparse.Namespace, rank: int) -> tuple[int, str, str]:
         EXIT_FAILED,
         EXIT_OK,
         EXIT_STOPPED,
+        REPORT_VARIABLE,
         exit_with_parent,
         init_distributed,
         lost_peer,
     )
 
     exit_with_parent()
+    if reports := os.environ.get(REPORT_VARIABLE):  # the launcher's watchdog reads the beats
+        from meshtrain.train import heartbeat
+
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        heartbeat.start(reports, rank=rank, attempt=attempt, every_s=2.0)
     import torch.distributed as dist
 
     from meshtrain.recipes import load_recipe
@@ -282,6 +448,7 @@ def _train_rank(args: argparse.Namespace, rank: int) -> tuple[int, str, str]:
 
     stop = GracefulStop()
     stop.install()  # kept to the end: after training, a signal only sets a flag
+    recipe = None
     try:
         try:
             recipe = load_recipe(args.recipe, args.overrides)
@@ -294,14 +461,36 @@ def _train_rank(args: argparse.Namespace, rank: int) -> tuple[int, str, str]:
                 dist.destroy_process_group()
     except MeshtrainError as err:
         return EXIT_ERROR, "error", f"[rank {rank}] {type(err).__name__}: {err.message}"
+    except OSError as err:
+        if not err.filename:  # a socket's error: another rank is gone
+            return EXIT_FAILED, "lost contact", f"[rank {rank}] lost contact ({_first_line(err)})"
+        return EXIT_ERROR, "error", f"[rank {rank}] RecipeError: {describe_os_error(err)}"
     except Exception as err:
-        if not lost_peer(err):
-            raise  # a bug: its traceback is the report
+        if not lost_peer(err):  # a bug: its traceback goes to a log file, its first line here
+            log = _write_traceback(err, rank, recipe.run_dir if recipe is not None else None)
+            return EXIT_FAILED, "crash", f"[rank {rank}] {_first_line(err)} (traceback: {log})"
         line = f"[rank {rank}] lost contact with another rank ({_first_line(err)}); stopping."
         return EXIT_FAILED, "lost contact", line
     if result.stopped_by:
         return EXIT_STOPPED, "stopped", _ending(recipe, result) if rank == 0 else ""
     return EXIT_OK, "done", _ending(recipe, result) if rank == 0 else ""
+
+
+def _write_traceback(err: BaseException, rank: int, run_dir: Path | None) -> str:
+    """Write ``err``'s traceback to ``<run_dir>/logs/rank-<rank>.log`` (the temporary directory
+    when there is no run directory, or it cannot be written); return the file's path."""
+    import tempfile
+    import traceback
+
+    text = "".join(traceback.format_exception(err))
+    for directory in ([Path(run_dir) / "logs"] if run_dir else []) + [Path(tempfile.gettempdir())]:
+        path = directory / f"rank-{rank}.log"
+        with contextlib.suppress(OSError):
+            directory.mkdir(parents=True, exist_ok=True)
+            with open(path, "a", encoding="utf-8") as handle:
+                handle.write(text)
+            return str(path)
+    return "not written: no writable directory"
 
 
 def _stop_now(number: int, frame: object) -> None:
@@ -378,11 +567,23 @@ def export_command(args: argparse.Namespace) -> int:
     """``meshtrain export``: the run's newest intact checkpoint as a transformers directory."""
     import torch
 
+    from meshtrain.launch import StopRequested
     from meshtrain.recipes.pretrained import export_run
+    from meshtrain.recipes.progress import byte_progress
 
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    report = export_run(args.run_dir, args.out, format=args.format,
-                        max_shard_size=args.max_shard_size, dtype=dtype)  # fmt: skip
+    for number in (signal.SIGTERM, signal.SIGHUP):  # stop as Ctrl-C does: the scratch removed
+        signal.signal(number, _stop_now)
+    try:
+        with byte_progress(f"exporting {args.run_dir}") as progress:
+            report = export_run(args.run_dir, args.out, format=args.format,
+                                max_shard_size=args.max_shard_size, dtype=dtype,
+                                progress=progress)  # fmt: skip
+    except (KeyboardInterrupt, StopRequested) as err:
+        name = err.signal_name if isinstance(err, StopRequested) else "SIGINT"
+        _say(f"export stopped by {name}: nothing was written to {args.out} (its scratch folder "
+             "was removed); the checkpoint is unchanged. Run the same command again.")  # fmt: skip
+        return 130
     print(f"wrote {report.out_dir}: {report.tensors} tensors, {_size(report.total_bytes)} in "
           f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}")  # fmt: skip
     return 0
@@ -411,6 +612,10 @@ def check_command(args: argparse.Namespace) -> int:
             "ids (no vocab_size, no nn.Embedding). Check it from Python with "
             "mt.testing.assert_equivalent(..., batches=...)."
         )
+    if args.start_timeout is not None:
+        from meshtrain.testing.runner import get_pool
+
+        get_pool(args.world, start_timeout_s=args.start_timeout)  # the pool the harness uses
     report = assert_equivalent(
         small.model_fn(),
         small.mesh_axes(),

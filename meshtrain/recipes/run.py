@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +37,15 @@ from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, Train
 from meshtrain.lower import PipelinedModel, apply, materialise
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
+from meshtrain.recipes.data import recipe_datasets
+from meshtrain.recipes.evaluation import Evaluator
 from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.recipe import Recipe
+from meshtrain.recipes.resume_guard import check_recipe_unchanged, run_id
 from meshtrain.spec.mesh import Mesh, make_mesh
+from meshtrain.train import heartbeat
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.checkpoint import (
     Checkpointer,
@@ -53,20 +58,19 @@ from meshtrain.train.checkpoint.files import checkpoint_name, checkpoint_step
 from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 from meshtrain.train.data import (
     DistributedBatches,
-    SyntheticTokens,
-    TokenFile,
-    TokenWindows,
-    prepare_corpus,
 )
 from meshtrain.train.fingerprint import check_same_plan
 from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import Sinks, make_sinks
+from meshtrain.train.profile import StepProfiler, summary_table
+from meshtrain.train.replicas import verify_replicas
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
 from meshtrain.train.stop import GracefulStop, signal_name
 from meshtrain.train.throughput import Throughput
+from meshtrain.train.token_guard import TokenGuard
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,8 @@ def _train(
     state, guard, last_good, resume = _resume(recipe, state, optimizer, checkpointer, budget)
     stop.arm()  # from here on a stop waits for a step boundary and saves
     dp_rank, dp_size = data_parallel_rank(plan)
-    loader = DistributedBatches(_dataset(recipe, model), recipe.train.batch_size, dp_rank, dp_size,
+    dataset, validation = _dataset(recipe, model)
+    loader = DistributedBatches(dataset, recipe.train.batch_size, dp_rank, dp_size,
                                 seed=recipe.data.seed, shuffle=recipe.data.shuffle)  # fmt: skip
     sinks = make_sinks(
         recipe.logging_config(), run_dir=recipe.run_dir, rank=dist.get_rank(),
@@ -137,6 +142,12 @@ def _train(
         device=device,
     )
     loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, last_good, resume)
+    loop.run_id = run_id(resume)
+    loop.evaluator = Evaluator(recipe, plan, applied, validation, dp_rank, dp_size, sinks)
+    if recipe.profile.steps:
+        loop.profiler = StepProfiler(recipe.profile.steps, recipe.run_dir / "profile",
+                                     rank=dist.get_rank(), memory=recipe.profile.memory)  # fmt: skip
+    loop.tokens = TokenGuard.of(dataset, vocab_size(model) or 0)
     failed = True
     try:
         state = loop.run(state, step_fn, loader, sinks, meter, stop, stop_after, device)
@@ -172,6 +183,10 @@ class _Loop:
         self.saved = resume
         self.saved_step = checkpoint_step(resume) if resume is not None else 0
         self.stopped_by: str | None = None
+        self.run_id = ""  # recorded in every checkpoint: the directory belongs to this run
+        self.evaluator: Evaluator | None = None  # [eval]
+        self.profiler: StepProfiler | None = None  # [profile]; None: nothing recorded
+        self.tokens = TokenGuard(0, "")  # set by _train: the data's ids and file checked
         # a checkpoint is good once the run trained a whole interval past it with no skip
         self.confirm_steps = max(1, recipe.checkpoint.interval)
 
@@ -186,13 +201,25 @@ class _Loop:
             if reason := stop.agreed(device):
                 self.stopped_by = signal_name(reason)
                 break
+            self.tokens.check(batch)  # every rank alike, before the step's collectives
             if device.type != "cpu":
                 batch = Batch(batch.inputs.to(device), batch.targets.to(device), batch.position)
+            if self.profiler is not None:
+                self.profiler.before(state.step + 1)
             state, metrics = step_fn(state, batch)
+            if self.profiler is not None:
+                self.profiler.after(state.step)
+            self.tokens.check_file()  # before the next batch reads the memory-mapped file
+            heartbeat.progress(state.step)  # the watchdog's heartbeat names the step reached
             self.losses[state.step] = metrics["loss"]
             sinks.log(state.step, meter.update(metrics))
             self._count(state.step, metrics)
+            verify = self.recipe.train.verify_every
+            if verify and state.step % verify == 0:  # before a save: never checkpoint a drift
+                verify_replicas(self.plan, state.params, state.optimizer, step=state.step)
             last = state.step == steps or len(self.losses) == stop_after
+            if self.evaluator is not None and self.evaluator.after_step(state.step, last):
+                meter.reset_timer()  # evaluating is not step time
             due = due or self.checkpointer.due(state.step) or last
             if due and self.guard.may_checkpoint:
                 self._save(state)
@@ -202,6 +229,12 @@ class _Loop:
         if stopped and state.step > self.saved_step:
             self._save(state, wait=True)  # synchronous: the job is ending
         self.checkpointer.wait()
+        if self.profiler is not None:
+            self.profiler.close()  # a run that ended inside the profiled steps still writes
+            if self.profiler.summary is not None:
+                announce(f"profile of steps {self.profiler.first}-{self.profiler.last} → "
+                         f"{self.profiler.out_dir} (rank 0):\n"
+                         f"{summary_table(self.profiler.summary)}")  # fmt: skip
         return state
 
     def _count(self, step: int, metrics: dict[str, float]) -> None:
@@ -235,6 +268,7 @@ class _Loop:
         extra = _extra(state, self.plan, self.fingerprint, self.recipe)
         extra["nonfinite"] = self.guard.record.to_json()
         extra["last_good"] = self.last_good.to_json()
+        extra["run"] = {"id": self.run_id, "recipe": self.recipe.name}
         self.saved = self.checkpointer.save(state.step, state.params, state.optimizer, extra,
                                             wait=wait)  # fmt: skip
         self.saved_step, self.last_good = state.step, self.last_good.after_save(state.step)
@@ -255,16 +289,11 @@ def _resume(
     point = find_resume_point(recipe.checkpoint_dir)
     for line in point.describe_passed_over():
         announce(f"{recipe.name}: warning: {line}")
-    damaged = [status.path.name for status in point.passed_over if status.status == "damaged"]
-    if point.checkpoint is None and damaged:  # starting over would bury a long run's work
-        raise CheckpointError(
-            f"no intact checkpoint to resume from in {str(recipe.checkpoint_dir)!r}: "
-            f"{', '.join(damaged)} {'is' if len(damaged) == 1 else 'are'} damaged (the lines "
-            "above say how). Repair or remove them, or set checkpoint.resume = false to start "
-            "afresh."
-        )
+    point.refuse_start_over(recipe.checkpoint_dir)  # starting over would bury a run's work
     if point.checkpoint is None:
         return state, SkipGuard(budget), LastGood(), None
+    for line in check_recipe_unchanged(recipe, point.checkpoint):  # before any tensor is read
+        announce(f"{recipe.name}: {line}")
     extra = load_checkpoint(point.checkpoint, state.params, optimizer, verify=False)
     guard = SkipGuard(budget, SkipRecord.from_json(extra.get("nonfinite")))
     state = _restore(state, extra)
@@ -326,12 +355,16 @@ def start_model(
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=seed)
-    initialise_from(recipe, applied)  # each rank its slices; the adapters keep their init
+    started = time.perf_counter()
+    loaded = initialise_from(recipe, applied)  # each rank its slices; adapters keep their init
+    if loaded is not None:
+        announce(f"{recipe.name}: loaded {loaded.tensors} tensors from "
+                 f"{recipe.checkpoint.init_from} in {time.perf_counter() - started:.1f} s "
+                 f"({loaded.bytes_read / 2**20:,.1f} MiB read on rank 0)")  # fmt: skip
     return plan, applied, model
 
 
 def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
-    data, seq_len = recipe.data, recipe.train.seq_len
     vocab = vocab_size(model)
     if vocab is None:
         raise RecipeError(
@@ -339,21 +372,7 @@ def _dataset(recipe: Recipe, model: torch.nn.Module) -> Any:
             "nn.Embedding), so [data] has no vocabulary to draw or check tokens against. Train "
             "it from Python with your own batches, or give it an embedding."
         )
-    if data.source == "synthetic":
-        return SyntheticTokens(vocab, seq_len, data.samples, data.seed)
-    path = Path(data.path)
-    if data.source == "corpus":
-        if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0:
-            prepare_corpus(path, tokenizer=data.tokenizer, limit_bytes=data.corpus_bytes)
-        dist.barrier()
-    tokens = TokenFile(path)
-    if tokens.vocab_size > vocab:
-        raise RecipeError(
-            f"{recipe.source}: the token file {str(path)!r} was made with a {tokens.vocab_size}-"
-            f"token vocabulary, but the model's is {vocab}. Use a model with a vocabulary of "
-            "at least that size (--set model.vocab_size=...) or another tokenizer."
-        )
-    return TokenWindows(tokens, seq_len)
+    return recipe_datasets(recipe, vocab)  # [data]: corpus, tokens, synthetic or files
 
 
 def _extra(state: TrainState, plan: Plan, fingerprint: str, recipe: Recipe) -> dict[str, Any]:
