@@ -87,6 +87,9 @@ def infer_styles(
     return tuple(sorted(styles, key=lambda style: order[style.fqn]))
 
 
+_GATHERED_NOTE = "output all-gathered: the model's code needs the full features"
+
+
 def _mark_gathered(
     raw: dict[str, ModuleStyle], modules: dict[str, nn.Module], gathered: Sequence[str]
 ) -> dict[str, ModuleStyle]:
@@ -101,8 +104,7 @@ def _mark_gathered(
             and fqn != head
             and any(re.fullmatch(pattern, fqn) for pattern in gathered)
         ):
-            note = "output all-gathered: the model's code needs the full features"
-            marked[fqn] = replace(style, style=TPStyle.COLWISE_GATHERED, note=note)
+            marked[fqn] = replace(style, style=TPStyle.COLWISE_GATHERED, note=_GATHERED_NOTE)
     return marked
 
 
@@ -281,6 +283,15 @@ def _sequence_variant(style: ModuleStyle, *, is_head: bool) -> ModuleStyle:
         return replace(style, note=f"{style.note}; input all-gathered from sequence shards")
     if style.style == TPStyle.COLWISE:
         return style
+    if style.style == TPStyle.COLWISE_GATHERED and style.note == _GATHERED_NOTE:
+        raise PlanError(
+            f"module '{style.fqn}' ({style.module_type}) is gathered (the rules' gathered, from "
+            "the model's colwise_gather_output: the code after it needs all its features, as "
+            "OLMo2's q/k norms do), which has no sequence-parallel form in meshtrain. Train this "
+            "model without sequence parallelism (drop sequence_parallel=True / the ('seq', ...) "
+            "activation rule).",
+            fqn=f"{style.fqn}.weight",
+        )
     raise PlanError(
         f"module '{style.fqn}' ({style.module_type}) lowers to '{style.style}', which has no "
         "sequence-parallel form: sequence parallelism needs every tensor-parallel Linear paired "
