@@ -231,3 +231,13 @@ def test_drawn_per_head_operations_are_reduced_or_refused(kind: str, heads: int,
     assert [g.param for g in plan.partial_grads] == partial.get(kind, [])
     assert all(g.dim == 2 for g in plan.partial_grads)  # [batch, seq, heads, head_dim]
     assert not [n for n in plan.notes if "not proven" in n]
+
+
+def test_every_tensor_parallel_style_has_an_abstract_boundary() -> None:
+    import importlib
+
+    from meshtrain.plan.ir import TPStyle
+
+    abstract = importlib.import_module("meshtrain.plan.abstract")
+    assert set(TPStyle) == abstract._LEAF_STYLES | abstract._REGION_STYLES
+    assert not abstract._LEAF_STYLES & abstract._REGION_STYLES

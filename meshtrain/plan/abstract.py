@@ -167,6 +167,13 @@ _LEAF_STYLES = frozenset(
 )  # fmt: skip
 
 
+#: styles the abstract run emulates at their module's input or output only (the module's own
+#: ops are checked); every :class:`TPStyle` is in one of the two sets (a test checks it)
+_REGION_STYLES = frozenset(
+    {TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_SPLIT_INPUT}
+)
+
+
 class _Prover(TorchDispatchMode):
     """Propagates shards through every aten op and records where replicated parameters meet
     them (see module doc)."""
