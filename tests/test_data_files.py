@@ -161,7 +161,8 @@ def test_validation_split_is_disjoint_stable_and_cached(tmp_path: Path) -> None:
 
     assert not texts(train) & texts(held_out)
     again = prepare_documents(source, ByteTokenizer(), tmp_path / "out", validation=0.1, seed=3)
-    assert again.reused and texts(TokenFile(again.validation)) == texts(held_out)
+    assert again.reused and again.validation is not None
+    assert texts(TokenFile(again.validation)) == texts(held_out)
     _jsonl(path, [*rows, {"text": "one more"}])  # the file changed: tokenised again
     changed = prepare_documents(source, ByteTokenizer(), tmp_path / "out", validation=0.1, seed=3)
     assert not changed.reused

@@ -140,9 +140,10 @@ def test_unmappable_keys_are_refused_by_name_with_exit_2(
 
 
 def test_deepspeed_adam_is_adamw_unless_told_otherwise() -> None:
-    adam = {"optimizer": {"type": "Adam", "params": {"lr": 1e-3}}}
+    params: dict[str, object] = {"lr": 1e-3}
+    adam = {"optimizer": {"type": "Adam", "params": params}}
     assert translate_deepspeed(adam).settings["train.optimizer"] == "adamw"
-    adam["optimizer"]["params"]["adam_w_mode"] = False
+    params["adam_w_mode"] = False
     assert translate_deepspeed(adam).settings["train.optimizer"] == "adam"
 
 

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -49,12 +50,14 @@ def byte_tokenizer_json() -> str:
         >>> tokenizer.encode("héllo").ids, tokenizer.decode([104, 195, 169])
         ([104, 195, 169, 108, 108, 111], 'hé')
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    tokenizers = importlib.import_module("tokenizers")  # optional: the hf extra
 
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(
+        add_prefix_space=False, use_regex=False
+    )
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
     return str(tokenizer.to_str())
 
 
