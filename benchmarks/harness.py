@@ -8,6 +8,12 @@
 
 Examples are drawn derandomised, so two runs time the same cases. Prints a table and writes JSON.
 
+Two more rows (``--warm`` runs only them): one ``assert_equivalent`` check of a tiny model
+(the debug Llama, 2 blocks, FSDP over 2 ranks and tp 1, 2 AdamW steps) timed cold (the pool's ranks
+started by it) and warm (the pool reused), and the cost of ``[train] verify_every``'s replica
+check (``verify_replicas``) on 2 ranks of the debug Llama under ZeRO 0, with the digest's
+throughput in one process.
+
 Usage::
 
     python benchmarks/harness.py --out benchmarks/results/harness.json
@@ -82,13 +88,91 @@ def gloo_numerics(case: PlanCase) -> bool:
     return True
 
 
+def tiny_check() -> None:
+    from meshtrain.models import default_rules
+    from meshtrain.testing.strategies import DebugLlama
+
+    report = assert_equivalent(
+        DebugLlama(2), {"dp": 2, "tp": 1}, default_rules(), steps=2, optimizer="adamw"
+    )
+    assert report.passed
+
+
+def warm_rows(repeats: int = 3) -> list[dict[str, object]]:
+    """A tiny model's check cold and warm; the replica check's cost."""
+    from meshtrain.testing.runner import close_pools
+
+    close_pools()
+    start = time.perf_counter()
+    tiny_check()
+    cold = time.perf_counter() - start
+    warm = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        tiny_check()
+        warm.append(time.perf_counter() - start)
+    rows: list[dict[str, object]] = [
+        {"tier": "tiny check, cold (ranks started)", "world": 2, "seconds": round(cold, 2)},
+        {"tier": "tiny check, warm (pool reused)", "world": 2, "seconds": round(min(warm), 2),
+         "all_seconds": [round(w, 2) for w in warm]},
+    ]  # fmt: skip
+    per_call = get_pool(2).run(_time_replica_check)
+    rows.append({"tier": "replica check (verify_replicas)", "world": 2, **per_call[0]})
+    rows.append({"tier": "replica digest, one process", "world": 1, **_digest_throughput()})
+    return rows
+
+
+def _time_replica_check(repeats: int = 5) -> dict[str, object]:
+    import torch
+
+    from meshtrain.models import LlamaConfig, build_llama, default_rules
+    from meshtrain.train.replicas import verify_replicas
+
+    model = build_llama(LlamaConfig.preset("debug", n_layers=2), seed=0)
+    plan = mt.plan(model, mt.make_mesh({"dp": 2, "tp": 1}), default_rules(), zero=0)
+    applied = mt.apply(plan, model)
+    optimizer = torch.optim.AdamW(applied.parameters(), lr=1e-3)
+    for param in applied.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()  # the states exist
+    size = sum(p.to_local().numel() * p.element_size() for p in applied.parameters())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        checked = verify_replicas(plan, dict(applied.named_parameters()), optimizer)
+        times.append(time.perf_counter() - start)
+    return {"seconds": round(min(times), 4), "tensors": checked, "param_bytes": size}
+
+
+def _digest_throughput() -> dict[str, object]:
+    import torch
+
+    from meshtrain.train.replicas import tensor_digest
+
+    tensor = torch.randn(16 * 2**20)  # 64 MiB of fp32
+    tensor_digest(tensor[:1024])
+    start = time.perf_counter()
+    tensor_digest(tensor)
+    seconds = time.perf_counter() - start
+    return {"seconds": round(seconds, 3), "mib_per_s": round(64 / seconds, 1)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--plan-examples", type=int, default=200)
     parser.add_argument("--gloo-examples", type=int, default=12)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/harness.json"))
+    parser.add_argument("--warm", action="store_true", help="only the tiny check and replica rows")
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # FSDP2's view-tensor warning on drawn row-wise heads
+    extra = warm_rows()
+    for row in extra:
+        print(json.dumps(row))
+    if args.warm:
+        out = args.out.with_name(args.out.stem + "_warm.json")
+        out.write_text(json.dumps({**provenance(), "rows": extra}, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     rows = []
     for world in (2, 4, 8):
         rows.append(
@@ -108,7 +192,7 @@ def main() -> None:
         print(f"{row['tier']:<31} {row['world']:>5} {row['examples']:>8} {row['trained']:>7} "
               f"{row['refused']:>7} {row['seconds']:>7} {row['examples_per_minute']:>8} "
               f"{row['trained_per_minute']:>11}")  # fmt: skip
-    result = {**provenance(), "python": platform.python_version(), "rows": rows}
+    result = {**provenance(), "python": platform.python_version(), "rows": rows, "warm": extra}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
