@@ -232,11 +232,12 @@ def generate_command(args: argparse.Namespace) -> int:
 
 def from_deepspeed_command(args: argparse.Namespace) -> int:
     """``meshtrain recipe from-deepspeed``: write the recipe a DeepSpeed config means."""
-    from meshtrain.recipes import recipe_from_toml
     from meshtrain.recipes.deepspeed import read_deepspeed, translate_deepspeed
 
-    translation = translate_deepspeed(read_deepspeed(args.config), model=args.model)
+    translation = translate_deepspeed(read_deepspeed(args.config), model=args.model)  # no torch
     text = translation.toml(args.config)
+    from meshtrain.recipes import recipe_from_toml
+
     recipe_from_toml(text, source=args.out)  # the recipe it writes is a valid one
     Path(args.out).write_text(text, encoding="utf-8")
     print(f"wrote {args.out}: {len(translation.settings)} settings"

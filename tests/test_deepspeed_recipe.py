@@ -167,3 +167,20 @@ def test_a_translated_plan_trains_like_one_device(tmp_path: Path, example: str) 
     out = tmp_path / "recipe.toml"
     assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 0
     assert main(["check", str(out), "--world", "2", "--steps", "3"]) == 0
+
+
+def test_a_refusal_comes_before_torch_is_imported(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"optimizer": {"type": "Lamb"}}))
+    code = (
+        "import sys\nfrom meshtrain.cli import main\n"
+        f"code = main(['recipe', 'from-deepspeed', {str(path)!r}, '--out', 'x.toml'])\n"
+        "print(code, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=True, cwd=tmp_path)  # fmt: skip
+    assert done.stdout.split() == ["2", "False"]
+    assert "optimizer.type" in done.stderr
