@@ -170,11 +170,11 @@ class Job:
     """One ``meshtrain train --nproc 2`` launcher in its own process group, its output read
     line by line; every process it starts carries the job's token in its environment."""
 
-    def __init__(self, tmp_path: Path, args: list[str]) -> None:
+    def __init__(self, tmp_path: Path, args: list[str], *, plant: Path | None = None) -> None:
         self.token = uuid.uuid4().hex
         env = {key: value for key, value in os.environ.items() if not key.startswith("WANDB_")}
         env.update(
-            PYTHONPATH=os.pathsep.join(sys.path),
+            PYTHONPATH=os.pathsep.join([*([str(plant)] if plant else []), *sys.path]),
             OMP_NUM_THREADS="1",
             MESHTRAIN_TEST_JOB=self.token,
             WANDB_DIR=str(tmp_path / "wandb-home"),
@@ -306,7 +306,8 @@ def test_killing_the_launcher_stops_every_rank_and_leaves_nothing_running(
     rival = Job(tmp_path, sets)
     assert rival.finish() == 2, rival.output
     assert f"in use by another run: pid {job.process.pid} on host" in rival.output
-    assert rival.output.count("\n") == 1
+    refusal = [line for line in rival.lines if not line.startswith("meshtrain train debug: ")]
+    assert len(refusal) == 1, rival.output  # after the line saying what starts: one line
     assert any("wandb-core" in process for process in job.processes()), job.processes()
     os.killpg(job.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 120
@@ -404,3 +405,42 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
         time.sleep(0.2)
     assert job.processes() == []
     print(f"watchdog: detected in {detected_s:.1f} s after SIGSTOP at step {found.group(1)}")
+
+
+PLANTED_CRASH = """
+import os
+if os.environ.get("RANK") == "1":  # a bug planted in rank 1 only, at step 3
+    import meshtrain.train.heartbeat as heartbeat
+    progress = heartbeat.progress
+    def planted(step):
+        if step == 3:
+            raise ValueError("planted fault at step 3")
+        progress(step)
+    heartbeat.progress = planted
+"""
+
+
+def test_a_crash_is_named_by_the_rank_that_failed_first_with_its_own_line(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """A bug in one rank used to read as "lost contact" (exit status 1 from any exception) with
+    a traceback per rank on the console. Planted in rank 1 (a sitecustomize the test puts on the
+    ranks' path, not in the library): the summary names rank 1 and its own first error line, the
+    traceback is in the run directory's log, not on the console; exit status 1."""
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(PLANTED_CRASH)
+    run_dir = tmp_path / "run"
+    overrides = _overrides(run_dir, corpus, "logging.wandb=disabled", "checkpoint.interval=2")
+    job = Job(tmp_path, _sets(overrides), plant=plant)
+    assert job.finish() == 1, job.output
+    log = run_dir / "logs" / "rank-1.log"
+    expected = (
+        f"meshtrain: rank 1 failed first: ValueError: planted fault at step 3 (traceback: {log}). "
+        "Run the same command to resume from the newest intact checkpoint"
+    )
+    assert expected in job.output, job.output
+    assert "Traceback" not in job.output and "lost contact" not in job.output, job.output
+    assert "ValueError: planted fault at step 3" in log.read_text()
+    (status,) = inspect_directory(run_dir / "checkpoints")
+    assert status.status == "intact" and status.step == 2
