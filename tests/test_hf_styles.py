@@ -104,6 +104,17 @@ def test_an_unknown_style_and_a_parameter_entry_are_refused() -> None:
         Rules.from_hf(_Tiny({"layers.*.up.weight": "colwise"}), fsdp="dp")
 
 
+def test_a_refused_style_on_a_parent_without_parameters_is_refused() -> None:
+    """all_reduce on a parent whose children the plan shards (a shared-experts MLP): refused,
+    not skipped for holding no parameters of its own; the override that covers the subtree
+    plans."""
+    plan = {"layers.*.up": "colwise", "layers.*": "all_reduce"}
+    with pytest.raises(RuleError, match=r"'layers\.\*' \(ModuleDict\) the style 'all_reduce'"):
+        Rules.from_hf(_Tiny(plan), fsdp="dp")
+    rules = Rules.from_hf(_Tiny(plan), fsdp="dp", overrides={r"layers\.\d+(\..*)?": P()})
+    assert _spec(rules, "layers.0.up.weight") == P()
+
+
 def test_the_docs_table_lists_every_style_as_the_code_handles_it() -> None:
     text = DOCS.read_text()
     for style, row in HF_STYLES.items():

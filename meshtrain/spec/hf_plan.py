@@ -175,10 +175,13 @@ def _entries(
     for module_pattern, style in plan.items():
         regex = re.escape(module_pattern).replace(r"\*", r"\d+")
         matched = [fqn for fqn in modules if re.fullmatch(regex, fqn)]
+        known = HF_STYLES.get(style)
+        refused = known is None or known.kind == "refused"
+        # a refused style reaches the whole subtree (all_reduce on a parent of sharded Linears)
         names = [
             f"{fqn}.{name}"
             for fqn in matched
-            for name, _ in modules[fqn].named_parameters(recurse=False)
+            for name, _ in modules[fqn].named_parameters(recurse=refused)
         ]
         if not matched:
             names = [fqn for fqn in params if re.fullmatch(regex, fqn)]
@@ -186,8 +189,7 @@ def _entries(
             continue
         if not matched:
             _refuse(module_pattern, style, "a parameter, not a module", "its parameter")
-        known = HF_STYLES.get(style)
-        if known is None or known.kind == "refused":
+        if refused:
             why = known.lowering if known else "a style meshtrain does not know"
             _refuse(module_pattern, style, type(modules[matched[0]]).__name__, why)
         yield regex, style, matched, modules[matched[0]]
