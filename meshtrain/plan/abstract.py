@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,6 +91,33 @@ def prove_plan(
     Raises :class:`~meshtrain.PlanError` for a module that would compute the wrong shard."""
     if tp_axis is None or tp_size == 1 or not styles:
         return (), ()
+    key = (
+        tuple(styles), tuple(blocks), tp_axis, tp_size, sequence_parallel,
+        tuple((p.fqn, p.shape, p.spec, p.trainable) for p in params),
+        tuple((fqn, tuple(t.shape), t.dtype) for fqn, t in model.named_parameters()),
+    )  # fmt: skip
+    known = _PROVEN.setdefault(model, {})
+    if key not in known:
+        known[key] = _prove(model, params, styles, tp_axis, tp_size, sequence_parallel, blocks)
+    return known[key]
+
+
+#: model → proven results per plan layout, freed with the model (planning one model many ways,
+#: as sizing does per checkpointing mode, runs it once per layout)
+_PROVEN: weakref.WeakKeyDictionary[
+    nn.Module, dict[tuple[Any, ...], tuple[tuple[PartialGrad, ...], tuple[str, ...]]]
+] = weakref.WeakKeyDictionary()
+
+
+def _prove(
+    model: nn.Module,
+    params: Sequence[ParamLayout],
+    styles: Sequence[ModuleStyle],
+    tp_axis: str,
+    tp_size: int,
+    sequence_parallel: bool,
+    blocks: Sequence[str],
+) -> tuple[tuple[PartialGrad, ...], tuple[str, ...]]:
     prover = _Prover(model, params, styles, tp_axis, tp_size, sequence_parallel)
     handles = prover.hook(blocks)
     seq = probe_length(model, tp_size)
