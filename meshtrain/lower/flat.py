@@ -28,7 +28,10 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
     sync_batch_norms(plan, model)
-    if plan.tp_axis is not None:  # every parameter on one mesh (a user's own loop runs)
+    # every parameter on one mesh, so a user's own loop runs; not under compile, where torch
+    # 2.13 retraces the swapping hooks and trips on the vocab-parallel embedding's cached mask
+    # ("Mixing fake modes"): a compiling plan clips with meshtrain.train.clip_grad_norm_
+    if plan.tp_axis is not None and plan.compile_scope is None:
         replicate_whole_parameters(model, device_mesh(plan.mesh)[plan.tp_axis])
     apply_checkpointing(plan, model)
     compile_blocks(plan, model)

@@ -15,6 +15,11 @@ gradient, the gradient one device computes, as every tensor-parallel rank sees t
 activation there) and a forward hook puts the DTensor back. No collective is added; numerics do
 not change.
 
+Not under a compiling plan: torch 2.13's ``torch.compile`` retraces the swapping hooks and then
+trips on the vocab-parallel embedding's cached mask ("Mixing fake modes"), so a plan that compiles
+under tensor parallelism keeps its replicated parameters plain and clips with
+:func:`meshtrain.train.clip_grad_norm_`.
+
 Example (inside :func:`~meshtrain.lower.flat.parallelize`, after tensor parallelism)::
 
     replicate_whole_parameters(model, device_mesh(plan.mesh)[plan.tp_axis])
