@@ -1,5 +1,5 @@
 """Every parameter on the tensor-parallel mesh: the parameters a tensor-parallel plan leaves
-whole (norms, biases, replicated adapters' neighbours, any module the rules do not shard) become
+whole (norms, unsharded embeddings and heads, any module the rules do not shard) become
 DTensors replicated over the tensor-parallel axis, so all of a model's parameters share one mesh.
 
 PyTorch's own utilities written for one device or DDP then run unchanged on a tensor-parallel
