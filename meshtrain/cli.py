@@ -337,6 +337,7 @@ def launch_command(args: argparse.Namespace) -> int:
         run_agent, arguments, nproc=nproc, stop_timeout_s=args.stop_timeout,
         hang_timeout_s=recipe.train.heartbeat_timeout, log_dir=recipe.run_dir / "logs",
     )  # fmt: skip
+    run = functools.partial(_run_and_explain, run, data)
     if args.node_rank != 0:  # node 0 holds the lock for the whole job
         return run()
     with lock_run(recipe) as token:
@@ -348,6 +349,18 @@ def launch_command(args: argparse.Namespace) -> int:
             return 0
         _prepare_data(recipe)  # once, here: a bad file is refused before any rank starts
         return run()
+
+
+def _run_and_explain(run: functools.partial[int], data: dict) -> int:
+    """Run the ranks; after a failure, name a token file that changed under the job (a rank
+    whose memory-mapped tokens shrank dies by SIGBUS before it can)."""
+    from meshtrain.launch import EXIT_OK, EXIT_STOPPED
+    from meshtrain.recipes.token_check import token_change
+
+    code = run()
+    if code not in (EXIT_OK, EXIT_STOPPED) and (changed := token_change(data)):
+        _say(f"meshtrain: {changed}")
+    return code
 
 
 def _starting(name: str, data: dict, nproc: int, nnodes: int) -> None:

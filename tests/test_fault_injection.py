@@ -444,3 +444,40 @@ def test_a_crash_is_named_by_the_rank_that_failed_first_with_its_own_line(
     assert "ValueError: planted fault at step 3" in log.read_text()
     (status,) = inspect_directory(run_dir / "checkpoints")
     assert status.status == "intact" and status.step == 2
+
+
+@pytest.mark.extended  # a real launch: ~50 s on 2 cores
+def test_a_token_file_truncated_under_the_running_job_is_named(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """tokens.bin cut to 100 bytes while the job trains: the file is named either way. Cut
+    between steps, every rank agrees that it changed size before the next read (one DataError
+    line, exit status 2); cut while a rank reads the memory map, that rank dies by SIGBUS and the
+    launcher checks the file again and names it (exit status 1). The checkpoints left are
+    intact."""
+    tokens = tmp_path / "tokens"
+    shutil.copytree(corpus, tokens)
+    run_dir = tmp_path / "run"
+    overrides = _overrides(
+        run_dir, tokens, "data.source=tokens", "train.steps=100000", "checkpoint.interval=2",
+        "logging.wandb=disabled",
+    )  # fmt: skip
+    job = Job(tmp_path, _sets(overrides))
+    job.wait_for(r"^step 3/100000 ")
+    with open(tokens / "tokens.bin", "r+b") as handle:
+        handle.truncate(100)
+    code = job.finish()
+    agreed = (
+        f"[ranks 0, 1] DataError: token file '{tokens / 'tokens.bin'}' changed size while the job "
+        "ran: 100 bytes, it was opened with "
+    )
+    rechecked = (
+        "meshtrain: the token data changed while the job ran: token file "
+        f"'{tokens / 'tokens.bin'}' has 100 bytes but tokens.json says "
+    )
+    assert (code, agreed in job.output) == (2, True) or (
+        code == 1 and "was killed by SIGBUS" in job.output and rechecked in job.output
+    ), job.output
+    assert "Traceback" not in job.output
+    statuses = inspect_directory(run_dir / "checkpoints")
+    assert statuses and all(status.status == "intact" for status in statuses), statuses

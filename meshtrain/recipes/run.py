@@ -201,7 +201,7 @@ class _Loop:
             if reason := stop.agreed(device):
                 self.stopped_by = signal_name(reason)
                 break
-            self.tokens.check(batch)  # every rank alike, before the step's collectives
+            self.tokens.check(batch, device)  # every rank alike, before the step's collectives
             if device.type != "cpu":
                 batch = Batch(batch.inputs.to(device), batch.targets.to(device), batch.position)
             if self.profiler is not None:
@@ -209,7 +209,7 @@ class _Loop:
             state, metrics = step_fn(state, batch)
             if self.profiler is not None:
                 self.profiler.after(state.step)
-            self.tokens.check_file()  # before the next batch reads the memory-mapped file
+            self.tokens.check_file(device)  # agreed before the next read of the mapped file
             heartbeat.progress(state.step)  # the watchdog's heartbeat names the step reached
             self.losses[state.step] = metrics["loss"]
             sinks.log(state.step, meter.update(metrics))

@@ -31,7 +31,7 @@ from typing import Any
 
 from meshtrain.errors import DataError
 
-__all__ = ["TokenCheck", "check_recipe_tokens", "verify_token_file"]
+__all__ = ["TokenCheck", "check_recipe_tokens", "token_change", "verify_token_file"]
 
 CACHE_FILE = ".tokens.verified.json"
 _CHUNK_TOKENS = 1 << 22
@@ -132,3 +132,14 @@ def check_recipe_tokens(data: Mapping[str, Any]) -> TokenCheck | None:
     if not (Path(path) / "tokens.json").is_file():
         return None  # preflight refuses a missing token directory
     return verify_token_file(os.fspath(path))
+
+
+def token_change(data: Mapping[str, Any]) -> str | None:
+    """After a failed job: the recipe's token file, checked again, when it no longer matches
+    (a rank reading a memory-mapped file that shrank under it dies by SIGBUS, before it can say
+    why); ``None`` when it still matches or there is none."""
+    try:
+        check_recipe_tokens(data)
+    except DataError as err:
+        return f"the token data changed while the job ran: {err.message}"
+    return None

@@ -62,20 +62,17 @@ class TokenGuard:
         info = token_file.info
         return cls(vocab, str(bin_path), Path(bin_path), info.num_tokens * info.itemsize)
 
-    def check(self, batch: Batch) -> None:
+    def check(self, batch: Batch, device: torch.device | None = None) -> None:
         """Raise :class:`DataError` on every rank alike when any rank's batch holds an id
-        outside ``[0, vocab)`` (targets may hold the ignore index)."""
-        problem = self._problem(batch)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([0 if problem is None else 1])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag.item()):
-                found: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(found, problem)
-                rank, problem = next((r, p) for r, p in enumerate(found) if p is not None)
-                problem = f"{problem} (rank {rank}'s batch)"
-        if problem is not None:
-            raise DataError(problem)
+        outside ``[0, vocab)`` (targets may hold the ignore index). ``device``: where the
+        process group's collectives run (a CUDA device under NCCL)."""
+        _agree(self._problem(batch), device, "batch")
+
+    def check_file(self, device: torch.device | None = None) -> None:
+        """Raise :class:`DataError` on every rank alike when the token file no longer has the
+        size it was opened with (truncated, replaced or removed under the running job): call it
+        between steps, before the next batch is read."""
+        _agree(self._file_problem(), device, "token file")
 
     def _problem(self, batch: Batch) -> str | None:
         if self.vocab <= 0:  # no vocabulary to check against
@@ -97,22 +94,38 @@ class TokenGuard:
                 )
         return None
 
-    def check_file(self) -> None:
-        """Raise :class:`DataError` when the token file no longer has the size it was opened
-        with (truncated, replaced or removed under the running job). Checked on every rank."""
+    def _file_problem(self) -> str | None:
         if self.bin_path is None:
-            return
+            return None
         try:
             size = os.stat(self.bin_path).st_size
         except OSError as err:
-            raise DataError(
-                f"token file {str(self.bin_path)!r} disappeared while the job ran ({err}). Put it "
-                "back (or prepare it again) and run the same command to resume."
-            ) from err
+            return (
+                f"token file {str(self.bin_path)!r} disappeared while the job ran ({err}). Put "
+                "it back (or prepare it again) and run the same command to resume."
+            )
         if size != self.expected_bytes:
-            raise DataError(
+            return (
                 f"token file {str(self.bin_path)!r} changed size while the job ran: "
                 f"{size:,} bytes, it was opened with {self.expected_bytes:,}. Something "
                 "truncated or rewrote it; restore it and run the same command to resume from "
                 "the last checkpoint."
             )
+        return None
+
+
+def _agree(problem: str | None, device: torch.device | None, what: str) -> None:
+    """Every rank raises the same :class:`DataError` when any rank found a problem (one small
+    all-reduce; the messages are gathered only then)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0 if problem is None else 1], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag.item()):
+            found: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(found, problem)
+            ranks = [rank for rank, text in enumerate(found) if text is not None]
+            problem = found[ranks[0]]
+            if len(ranks) < len(found):
+                problem = f"{problem} (found by rank {', '.join(map(str, ranks))}, on its {what})"
+    if problem is not None:
+        raise DataError(problem)
