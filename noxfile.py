@@ -72,5 +72,5 @@ def docs(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
     session.install(*PIN, "-e", ".[test,bench]")
-    for name in ("overhead", "peer", "planning", "compute", "harness", "gpu"):
+    for name in ("overhead", "peer", "planning", "compute", "harness", "gpu", "mutation"):
         session.run("python", f"benchmarks/{name}.py", "--out", f"benchmarks/results/{name}.json")

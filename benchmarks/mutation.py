@@ -57,19 +57,34 @@ def _prepare() -> None:
     )
 
 
-def run_suite(mutant: Any) -> dict[str, Any]:
-    """The mutant's first-tier tests, planted here and (through ``ACTIVE``) in every rank task."""
-    import pytest
+_CLEAN_SUITE: dict[tuple[str, ...], dict[str, Any]] = {}
 
+
+def run_suite(mutant: Any) -> dict[str, Any]:
+    """The mutant's first-tier tests, planted here and (through ``ACTIVE``) in every rank task;
+    the same tests run once without any mutant first (a kill counts only if they pass clean)."""
     from tests.mutants.catalogue import plant_name
 
-    ACTIVE.write_text(plant_name(mutant))
+    if mutant.tests not in _CLEAN_SUITE:
+        _CLEAN_SUITE[mutant.tests] = _pytest(mutant.tests, "", contextlib.nullcontext())
+    clean = _CLEAN_SUITE[mutant.tests]
+    result = _pytest(mutant.tests, plant_name(mutant), mutant.plant())
+    if clean["exit"] != 0:
+        result["killed"] = None
+        result["why"] = f"fails without the mutant (exit {clean['exit']}): {clean['tail'][-1:]}"
+    return result
+
+
+def _pytest(tests: tuple[str, ...], name: str, plant: Any) -> dict[str, Any]:
+    import pytest
+
+    ACTIVE.write_text(name)
     out = io.StringIO()
     began = time.perf_counter()
     args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not extended", "--tb=line",
-            "-W", "ignore::pytest.PytestAssertRewriteWarning", *mutant.tests]  # fmt: skip
+            "-W", "ignore::pytest.PytestAssertRewriteWarning", *tests]  # fmt: skip
     try:
-        with mutant.plant(), contextlib.redirect_stdout(out):
+        with plant, contextlib.redirect_stdout(out):
             code = int(pytest.main(args))
     finally:
         ACTIVE.write_text("")
@@ -79,7 +94,7 @@ def run_suite(mutant: Any) -> dict[str, Any]:
             "tail": tail}  # fmt: skip
 
 
-_CLEAN: dict[str, bool] = {}
+_CLEAN: dict[str, dict[str, Any]] = {}
 
 
 def run_harness(mutant: Any) -> dict[str, Any]:
@@ -89,10 +104,13 @@ def run_harness(mutant: Any) -> dict[str, Any]:
         return {"caught": None, "named": None, "why": mutant.why_not}
     key = repr((case.model, case.mesh, case.options, case.extra))
     if key not in _CLEAN:
-        _CLEAN[key] = _check(case, None)["caught"] is False
+        _CLEAN[key] = _check(case, None)
+    if _CLEAN[key]["caught"] is not False:
+        return {"caught": None, "named": None,
+                "why": f"its case fails without the mutant: {_CLEAN[key]['first']}"}  # fmt: skip
     began = time.perf_counter()
     result = _check(case, mutant.plant)
-    result["clean_passes"] = _CLEAN[key]
+    result["clean_passes"] = True
     result["seconds"] = round(time.perf_counter() - began, 1)
     if result["caught"]:
         result["named"] = any(re.search(mutant.names, fqn) for fqn in result["fqns"])
@@ -114,9 +132,12 @@ def _check(case: Any, plant: Any) -> dict[str, Any]:
         return {"caught": True, "how": "report", "first": f"step {first.step} {first.quantity} "
                 f"{first.fqn} ({first.ratio:.3g}x bound)", "fqns": fqns}  # fmt: skip
     except Exception as error:  # a crash on the ranks is flagged too, though it names nothing
-        line = str(error).strip().splitlines()[0][:160] if str(error).strip() else ""
+        text = str(error)
+        # a rank's own exception line (``SomeError: ...``), else the error's first line
+        raised = re.findall(r"^\s*(\w+(?:Error|Exception): .*)$", text, flags=re.M)
+        line = (raised or text.strip().splitlines() or [""])[0].strip()[:200]
         return {"caught": True, "how": f"raised {type(error).__name__}", "first": line,
-                "fqns": re.findall(r"'([\w.]+)'", str(error))}  # fmt: skip
+                "fqns": re.findall(r"'([\w.]+)'", line)}  # fmt: skip
     return {"caught": False, "how": "passed", "first": "", "fqns": []}
 
 
@@ -159,6 +180,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             bool(r["suite"]["killed"]) or bool(r["harness"]["caught"]) for r in neutral
         ),
         "survivors": [r["name"] for r in real if not r["ok"]],
+        "suite_fails_clean": [r["name"] for r in rows if r["suite"].get("why")],
     }
 
 
@@ -170,6 +192,7 @@ def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
         "".join(
             f"\n- `{r['name']}`: suite exit {r['suite']['exit']}, harness "
             f"{r['harness'].get('how', r['harness'].get('why'))} {r['harness'].get('first', '')}"
+            + (f"; its tests {r['suite']['why']}" if r["suite"].get("why") else "")
             for r in survivors
         )
         or " none."

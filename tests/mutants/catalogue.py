@@ -51,6 +51,15 @@ class Mutant:
     why_not: str = ""
 
 
+def frozen_query_llama() -> Any:
+    """The debug Llama with its (column-wise sharded) query projections frozen."""
+    model = DebugLlama(2)()
+    for fqn, param in model.named_parameters():
+        if "attention.wq" in fqn:
+            param.requires_grad_(False)
+    return model
+
+
 DP2 = {"dp": 2, "tp": 1}
 TP2 = {"tp": 2}
 PP2 = {"pp": 2, "dp": 1, "tp": 1}
@@ -81,14 +90,13 @@ HSDP = HarnessCase(
 
 EQ = "tests/test_equivalence_spmd.py::test_plan_trains_like_one_device"
 STEP = "tests/test_train_step_spmd.py::test_distributed_train_step_matches_one_device"
-HARNESS = "tests/test_harness_spmd.py::test_plan_matches_one_device_within_its_contract"
+LAUNCH = "tests/test_train_launch.py::test_debug_recipe_trains_on_four_local_ranks"
 LORA = "tests/test_lora_spmd.py::test_lora_trains_like_one_device"
 ZOO = "tests/test_zoo_spmd.py::test_third_party_model_trains_like_one_device"
 LOOP = "tests/test_zoo_spmd.py::test_a_loop_written_for_ddp_trains_like_one_device"
-META = "tests/test_meta_init_spmd.py::test_meta_build_then_init_equals_a_cpu_build"
-NOT_BUILT = (
-    "the harness builds every rank's model from model_fn; meta-device init is not on its path"
-)
+MATERIALISE = "tests/test_materialise_spmd.py"
+CLIP = "tests/test_clip.py"
+NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
     Mutant("sp-norm-grad-not-reduced", "sequence-parallel norm gradient all-reduce missing",
@@ -98,7 +106,7 @@ _ALL = [
     Mutant("dp-gradient-divided-twice", "data-parallel division applied twice",
            plants.dp_gradient_divided_twice, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
     Mutant("dp-division-missing", "data-parallel division missing (sum where a mean is due)",
-           plants.dp_division_missing, (f"{EQ}[zero3]",), LLAMA_DP),
+           plants.dp_division_missing, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
     Mutant("hsdp-reduces-one-axis", "HSDP gradients not reduced over the replicate axis",
            plants.hsdp_reduces_one_axis, (f"{EQ}[hsdp]",), HSDP),
     Mutant("last-microbatch-not-reduced", "accumulation never marks the last micro-batch",
@@ -114,7 +122,7 @@ _ALL = [
     Mutant("loss-not-summed-over-stages", "pipelined loss not reduced over stages",
            plants.loss_not_summed_over_stages, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
     Mutant("batch-shard-offset", "every data rank takes the same batch slice",
-           plants.batch_shard_offset, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
+           plants.batch_shard_offset, (LAUNCH,), LLAMA_DP),
     Mutant("logsumexp-local-max", "loss-parallel log-sum-exp shifted by the local max",
            plants.logsumexp_local_max, (f"{EQ}[tp]",), LLAMA_TP),
     Mutant("clip-norm-from-local-shards", "clipping norm from local shards",
@@ -123,17 +131,18 @@ _ALL = [
     Mutant("pipeline-norm-from-one-stage", "pipeline gradient norm from one stage",
            plants.pipeline_norm_from_one_stage, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
     Mutant("clipping-skipped", "clip factor never applied",
-           plants.clipping_skipped, (f"{EQ}[zero3]",),
+           plants.clipping_skipped, (CLIP,),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 0.1})),
     Mutant("clipping-scales-up", "clip factor without min(1, ...)",
-           plants.clipping_scales_up, (f"{EQ}[zero3]",),
+           plants.clipping_scales_up, (CLIP,),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 1e3})),
     Mutant("colwise-wrong-shard-dim", "wrong redistribute dim in column-wise sharding",
            plants.colwise_wrong_shard_dim, (f"{EQ}[tp]",), LLAMA_TP, r"attention\.w"),
     Mutant("tie-skipped", "tied embedding and head trained apart under TP",
            plants.tie_skipped, (f"{ZOO}[gpt2-tp-tied]",), GPT2_TIED_TP, r"wte|lm_head"),
     Mutant("frozen-weights-unfrozen", "frozen base weights trained under TP",
-           plants.frozen_weights_unfrozen, (f"{LORA}[llama-tp]",), LORA_TP, r"weight"),
+           plants.frozen_weights_unfrozen, (f"{LORA}[llama-tp]",),
+           HarnessCase(frozen_query_llama, TP2, {"rules": default_rules(fsdp=())}), r"attention\.wq"),
     Mutant("stage-skips-a-layer", "a pipeline stage drops a block",
            plants.stage_skips_a_layer, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"layers\.2\."),
     Mutant("batch-norm-variance-from-local-mean", "BatchNorm variance from the local mean",
@@ -144,18 +153,18 @@ _ALL = [
     Mutant("batch-norm-not-synchronised", "BatchNorm statistics from the local batch",
            plants.batch_norm_not_synchronised, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP),
     Mutant("per-rank-init-seed", "per-rank initialisation seed",
-           plants.per_rank_init_seed, (f"{META}[fsdp]",), None, why_not=NOT_BUILT),
+           plants.per_rank_init_seed, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("resharding-offset", "shard copied at the next rank's offset",
-           plants.resharding_offset, (f"{META}[fsdp]",), None, why_not=NOT_BUILT),
+           plants.resharding_offset, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("neutral-recompute-everything", "selective checkpointing recomputes matmuls too",
-           plants.neutral_recompute_everything, (f"{HARNESS}[fsdp-inductor-selective]",),
+           plants.neutral_recompute_everything, (f"{ZOO}[llama-tp-bf16-ac]",),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules(),
                                             "activation_checkpointing": "selective"}),
            equivalent=True),
     Mutant("neutral-sync-every-microbatch", "gradients reduced every micro-batch",
            plants.neutral_sync_every_microbatch, (f"{EQ}[zero1]",), LLAMA_ACCUMULATE, equivalent=True),
     Mutant("neutral-clip-skips-unit-scale", "clipping skips a factor of exactly 1",
-           plants.neutral_clip_skips_unit_scale, (f"{EQ}[zero3]",),
+           plants.neutral_clip_skips_unit_scale, (CLIP, f"{EQ}[zero3]"),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules()}, {"max_norm": 1e3}),
            equivalent=True),
     Mutant("neutral-token-count-waited-at-once", "global token count waited for at once",

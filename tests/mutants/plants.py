@@ -77,8 +77,9 @@ def dp_division_missing() -> Iterator[None]:
     def summing(plan: Any, model: nn.Module) -> None:
         original(plan, model)
         for module in model.modules():
-            if isinstance(module, FSDPModule):
+            if isinstance(module, FSDPModule):  # plain sums (gloo has no PREMUL_SUM)
                 module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
 
     with (
         mock.patch.object(data_parallel, "apply_data_parallel", summing),
@@ -447,7 +448,7 @@ def per_rank_init_seed() -> Iterator[None]:
     original = materialise._seeded
 
     def with_rank(seed: int, fqn: str) -> Any:
-        return original(seed + dist.get_rank(), fqn)
+        return original(seed + (dist.get_rank() if dist.is_initialized() else 0), fqn)
 
     with mock.patch.object(materialise, "_seeded", with_rank):
         yield
