@@ -1,5 +1,5 @@
 """Planning models meshtrain did not write (tier 1, abstract meshes): Hugging Face Llama, Qwen2,
-GPT-2, BERT, ViT and a CNN with BatchNorm — rules from the model's own plan, the styles and
+GPT-2, BERT, ViT, a CNN with BatchNorm, BART, T5, GPT-NeoX, Phi-3, OPT and Gemma2 — rules from the model's own plan, the styles and
 pairs their structure gives, tied weights, transposed and fused projections, nested block
 containers, and every refusal naming the module and the fix."""
 

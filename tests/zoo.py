@@ -379,7 +379,7 @@ def cnn() -> SmallCNN:
 
 
 def hf_rules(model: nn.Module, *, sequence_parallel: bool = False) -> Rules:
-    """The model's own plan (Llama, Qwen2, Qwen3, OLMo2)."""
+    """The model's own plan (Llama, Qwen2, Qwen3, OLMo2, Phi-3, Gemma2, GPT-NeoX)."""
     return Rules.from_hf(model, fsdp="dp", sequence_parallel=sequence_parallel)
 
 
