@@ -317,9 +317,9 @@ def launch_command(args: argparse.Namespace) -> int:
     text, source = read_recipe(args.recipe)
     data, source = parse_recipe(text, source, args.overrides)
     check_launch(data, source, nproc=nproc, nnodes=args.nnodes)
-    _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
     check_recipe_quickly(data, source)  # the schema's torch-free checks: unknown keys, types
     check_recipe_tokens(data)  # size, sha256 (cached by size and mtime), ids in the vocabulary
+    _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
     sets = [item for override in args.overrides for item in ("--set", override)]
     arguments = torchrun_arguments(
         ["train", args.recipe, *sets], nproc=nproc, nnodes=args.nnodes,
