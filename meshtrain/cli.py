@@ -7,8 +7,9 @@ it starts ``--nproc`` local ranks through torchrun's agent (one node by default;
 restarts failed ranks, which resume from the last checkpoint). Before any rank starts the recipe
 is validated, the launch checked (:mod:`meshtrain.recipes.preflight`: a refusal takes a fraction
 of a second) and planned on abstract ranks, and the run directory locked. Exit status: 0 done,
-1 a crash, 2 a meshtrain error, 75 stopped by a signal after saving a checkpoint (run the same
-command to resume) — :data:`meshtrain.launch.EXIT_CODES`.
+1 a rank failed, 2 a meshtrain error, 4 restarts spent, 75 stopped by a signal after saving a
+checkpoint (run the same command to resume), 124 a rank stopped making progress (the watchdog) —
+:data:`meshtrain.launch.EXIT_CODES`.
 
 ``meshtrain checkpoints RUN_DIR [--quick]`` lists a run's checkpoints with their status (intact,
 damaged, incomplete), step and size; exit status 0 when one is intact to resume from, 1 when none
