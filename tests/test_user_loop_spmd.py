@@ -372,6 +372,7 @@ def test_a_planted_partial_gradient_is_caught() -> None:
 
     worst = _worst([{"x": w} for w in get_pool(4).run(planted_partial_gradient, "fsdp-tp")], "x")
     assert worst["norm"] > 100 * TIGHT, worst
+    print("planted partial gradient", {key: f"{value:.2g}" for key, value in worst.items()})
 
 
 def loop_without_one_mesh(name: str) -> str:
