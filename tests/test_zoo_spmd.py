@@ -37,6 +37,9 @@ CASES: dict[str, tuple[Callable[[], Any], dict[str, int], dict[str, Any], Callab
     "llama-pp-fsdp": (zoo.llama, PP, {"rules": zoo.REPLICATED, "zero": 2,
                                       "pipeline": mt.Pipeline(microbatches=2)}, zoo.token_batches),
     "qwen2-tp": (zoo.qwen2, TP, {"rules": zoo.hf_rules(zoo.qwen2())}, zoo.token_batches),
+    # Qwen3 fp32 on dp 2 x tp 2 ZeRO-3 and tp 2: tests/test_partial_grads_spmd.py
+    "qwen3-tp-bf16": (zoo.qwen3, TP, {"rules": zoo.hf_rules(zoo.qwen3()), "zero": 3,
+                                      "precision": "bf16"}, zoo.token_batches),
     "olmo2-tp-zero3": (zoo.olmo2, TP, {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3}, zoo.token_batches),
     "olmo2-tp-bf16": (zoo.olmo2, TP, {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3,
                                       "precision": "bf16"}, zoo.token_batches),
