@@ -355,11 +355,11 @@ def launch_command(args: argparse.Namespace) -> int:
 def _run_and_explain(run: functools.partial[int], data: dict) -> int:
     """Run the ranks; after a failure, name a token file that changed under the job (a rank
     whose memory-mapped tokens shrank dies by SIGBUS before it can)."""
-    from meshtrain.launch import EXIT_OK, EXIT_STOPPED
+    from meshtrain.launch import EXIT_FAILED
     from meshtrain.recipes.token_check import token_change
 
     code = run()
-    if code not in (EXIT_OK, EXIT_STOPPED) and (changed := token_change(data)):
+    if code == EXIT_FAILED and (changed := token_change(data)):  # a rank died without a word
         _say(f"meshtrain: {changed}")
     return code
 
