@@ -439,6 +439,7 @@ class _NormTerms:
     def __init__(self, unit: float) -> None:
         self.unit = unit
         self.summed: dict[str, torch.Tensor] = {}
+        self.loss_scale = 1.0  # fp16: backward starts from the scaled loss; the terms are not
 
     @classmethod
     def track(cls, reference: nn.Module, contract: Contract) -> _NormTerms:
@@ -461,7 +462,7 @@ class _NormTerms:
             saved[:] = [args[0].detach()]
 
         def add_terms(_: nn.Module, grad_input: Any, grad_output: tuple[torch.Tensor, ...]) -> None:
-            x, dy = saved[0].double(), grad_output[0].detach().double()
+            x, dy = saved[0].double(), grad_output[0].detach().double() / self.loss_scale
             dims = tuple(range(x.dim() - len(module.normalized_shape)))
             axes = tuple(range(-len(module.normalized_shape), 0))
             mean = x.mean(axes, keepdim=True)
@@ -544,6 +545,7 @@ class _Run:
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
+        self.norm_terms.loss_scale = scale
         loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
