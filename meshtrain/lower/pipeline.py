@@ -164,17 +164,22 @@ def _keep_buffers_in_inference(stage: PipelineStage) -> PipelineStage:
     each stage's activation shapes by running its module once before the first micro-batch — on
     the real inputs at the first stage, on ``torch.empty`` tensors elsewhere — so, in training
     mode, a BatchNorm's running statistics would count that extra forward and, past the first
-    stage, average uninitialised memory (NaN). The buffers are restored after the inference."""
+    stage, average uninitialised memory (NaN). The buffers the inference wrote are restored after it (only
+    those: an in-place copy into a buffer the forward reads, such as a rotary table, would bump its
+    version under a tensor an autograd graph saved)."""
     infer = stage._forward_metadata_inference
 
     def restoring(*args: Any, **kwargs: Any) -> Any:
-        saved = [(buffer, buffer.detach().clone()) for buffer in stage.submod.buffers()]
+        saved = [
+            (buffer, buffer._version, buffer.detach().clone()) for buffer in stage.submod.buffers()
+        ]
         try:
             return infer(*args, **kwargs)
         finally:
             with torch.no_grad():
-                for buffer, value in saved:
-                    buffer.copy_(value)
+                for buffer, version, value in saved:
+                    if buffer._version != version:  # written by the inference: put it back
+                        buffer.copy_(value)
 
     stage._forward_metadata_inference = restoring  # type: ignore[method-assign]
     return stage
