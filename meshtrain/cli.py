@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"meshtrain {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_check_command(commands)
+    _add_train_command(commands)
+    _add_checkpoints_command(commands)
+    _add_plan_command(commands)
+    _add_export_command(commands)
+    _add_answer_commands(commands)
+    return parser
+
+
+def _add_check_command(commands: argparse._SubParsersAction) -> None:
+    """``meshtrain check``."""
     check = commands.add_parser(
         "check",
         help="prove on CPU ranks that a recipe's plan trains like one device",
@@ -79,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default 120; raise it on a loaded machine)")  # fmt: skip
     check.set_defaults(run=check_command)
 
+
+def _add_train_command(commands: argparse._SubParsersAction) -> None:
+    """``meshtrain train``."""
     train = commands.add_parser(
         "train",
         help="train a recipe (under torchrun, or on --nproc local ranks)",
@@ -111,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "print compute against collective time (as [profile] steps = [3, 5])")  # fmt: skip
     train.set_defaults(run=train_command)
 
+
+def _add_checkpoints_command(commands: argparse._SubParsersAction) -> None:
+    """``meshtrain checkpoints``."""
     checkpoints = commands.add_parser(
         "checkpoints",
         help="list a run's checkpoints with their status, step and size",
@@ -123,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="check sizes and the state file only, not every file's content")  # fmt: skip
     checkpoints.set_defaults(run=checkpoints_command)
 
+
+def _add_plan_command(commands: argparse._SubParsersAction) -> None:
+    """``meshtrain plan``."""
     plan = commands.add_parser(
         "plan",
         help="per-rank memory and communication of a recipe at any world size, without hardware",
@@ -142,6 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=plan_command)
 
+
+def _add_export_command(commands: argparse._SubParsersAction) -> None:
+    """``meshtrain export``."""
     export = commands.add_parser(
         "export",
         help="write a run's latest intact checkpoint as a Hugging Face transformers directory",
@@ -159,8 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                         help="cast floating-point weights (default: as trained)")  # fmt: skip
     export.set_defaults(run=export_command)
-    _add_answer_commands(commands)
-    return parser
 
 
 def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
