@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import DataError
+from meshtrain.recipes.sections import DataSection
 
 __all__ = ["TokenCheck", "check_recipe_tokens", "token_change", "verify_token_file"]
 
@@ -126,7 +127,8 @@ def check_recipe_tokens(data: Mapping[str, Any]) -> TokenCheck | None:
     sources (a corpus is checked, and rebuilt when damaged, where the ranks prepare it)."""
     table = data.get("data")
     table = table if isinstance(table, Mapping) else {}
-    kind, path = table.get("source", "corpus"), table.get("path", "data/corpus")
+    kind = table.get("source", DataSection.source)
+    path = table.get("path", DataSection.path)
     if kind != "tokens" or not isinstance(path, str):
         return None
     if not (Path(path) / "tokens.json").is_file():

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import CheckpointError
+from meshtrain.recipes.sections import DataSection
 
 __all__ = ["byte_tokenizer_json", "write_tokenizer_files"]
 
@@ -65,7 +66,8 @@ def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
     """Write the run's tokenizer files into ``out_dir``; the names written."""
     data = recipe.get("data", {}) if isinstance(recipe, dict) else {}
     model = recipe.get("model", {}) if isinstance(recipe, dict) else {}
-    name = data.get("tokenizer", "byte") if isinstance(data, dict) else "byte"
+    default = DataSection.tokenizer
+    name = data.get("tokenizer", default) if isinstance(data, dict) else default
     if isinstance(model, dict) and model.get("hf") and name in ("model", "byte"):
         return []  # the model directory's own files are copied with config.json
     if name == "byte":
