@@ -131,3 +131,27 @@ def test_a_run_on_packed_files_resumes_at_the_exact_sample(
     second = get_pool(2).run(run_recipe, resumed, False)[0]
     assert first == {step: straight[step] for step in (1, 2)}
     assert second == {step: straight[step] for step in (3, 4)}  # same mesh: bitwise
+
+
+PIPELINED = ["mesh.pp=2", "mesh.tp=1", "mesh.dp=1", "parallel.pipeline.microbatches=2"]
+
+
+def test_eval_on_a_pipelined_plan_matches_one_device_on_the_checkpoint(
+    trained: tuple[Path, list[str]],
+) -> None:
+    """Two stages on 2 ranks: ``[eval]`` runs the schedule forward only; the loss over global
+    tokens equals what one process computes on the same checkpoint, and a planted fault (the
+    last stage's sum not passed to the rank that logs) is caught."""
+    root, overrides = trained
+    runs = {}
+    for name, planted in (("pipelined", False), ("pipelined_planted", True)):
+        changed = [*overrides[:-3], f"logging.run_dir={root / name}", *overrides[-2:]]
+        changed = [o for o in changed if not o.startswith("mesh.tp")] + PIPELINED
+        get_pool(2).run(run_recipe, changed, planted)
+        runs[name] = (_val_losses(root / name), evaluate_run(load_run(root / name), batches=2))
+    logged, (result, _) = runs["pipelined"]
+    assert sorted(logged) == [2, 4]
+    assert result.loss == pytest.approx(logged[STEPS], rel=1e-5)
+    print(f"pipelined val_loss {logged[STEPS]:.6f} one device {result.loss:.6f}")
+    planted_logged, (planted_result, _) = runs["pipelined_planted"]
+    assert planted_result.loss != pytest.approx(planted_logged[STEPS], rel=1e-5)

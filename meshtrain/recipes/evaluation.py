@@ -3,8 +3,8 @@
 
 During training (:class:`Evaluator`, on every rank): every ``[eval] every`` steps and at the last
 step, the validation loss and perplexity over ``[eval] batches`` global batches of the held-out
-data, on the run's own plan (:func:`meshtrain.train.evaluate.evaluate`), logged to every sink as
-``val_loss`` and ``val_perplexity``.
+data, on the run's own plan, pipelined ones included (:func:`meshtrain.train.evaluate.evaluate`),
+logged to every sink as ``val_loss`` and ``val_perplexity``.
 
 After training (:func:`load_run`, one process, no process group): the run's recipe is read from
 its newest intact checkpoint, the model built on one device and its full weights read from that
@@ -65,14 +65,15 @@ class Evaluator:
                 f"data.source = {recipe.data.source!r} has none. Set data.validation (e.g. 0.01) "
                 "with a file source (jsonl, text, parquet, hf-dataset), or use synthetic data."
             )
-        if self.every and plan.pipeline is not None:
-            raise RecipeError(
-                f"{recipe.source}: [eval] runs the model forward on a flat plan, and this plan is "
-                "pipelined. Remove [eval] (evaluate the finished run with `meshtrain eval "
-                "RUN_DIR`), or train without [parallel.pipeline]."
-            )
         if self.every:
             batch = min(recipe.train.batch_size, len(validation) // dp_size * dp_size)
+            if plan.pipeline is not None and batch < recipe.train.batch_size:
+                raise RecipeError(
+                    f"{recipe.source}: a pipelined plan evaluates whole training batches (the "
+                    f"stages' buffers have their shape), and the validation split has "
+                    f"{len(validation)} sequences of {recipe.train.seq_len} tokens, fewer than "
+                    f"train.batch_size = {recipe.train.batch_size}. Raise data.validation."
+                )
             if batch < dp_size:
                 raise RecipeError(
                     f"{recipe.source}: the validation split has {len(validation)} sequences of "
