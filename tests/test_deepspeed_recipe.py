@@ -119,12 +119,15 @@ def test_the_example_configs_translate_key_by_key(
         ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
          "zero_optimization.offload_param.device"),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.type"),
-        ({"fp16": {"enabled": True, "loss_scale_window": 1000}}, "fp16.loss_scale_window"),
+        ({"fp16": {"enabled": True, "consecutive_hysteresis": True}},
+         "fp16.consecutive_hysteresis"),
+        ({"fp16": {"enabled": True, "initial_scale_power": 16.5}}, "fp16.initial_scale_power"),
         ({"activation_checkpointing": {"partition_activations": True}},
          "activation_checkpointing.partition_activations"),
         ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
     ],
-    ids=["nvme", "linear-decay", "scaler-window", "unknown-section", "optimizer"],
+    ids=["nvme", "linear-decay", "consecutive-hysteresis", "scale-power", "unknown-section",
+         "optimizer"],
 )  # fmt: skip
 def test_unmappable_keys_are_refused_by_name_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, named: str
@@ -137,6 +140,24 @@ def test_unmappable_keys_are_refused_by_name_with_exit_2(
     assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 2
     assert named in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_fp16_loss_scaler_settings_become_recipe_keys(tmp_path: Path) -> None:
+    """The ZeRO-2 example's scaler (window 1000, hysteresis 2, floor 1, 2**16) and a static
+    scale reach the recipe's [train] keys; with fp16 off they are listed as inactive."""
+    translation = translate_deepspeed(ZERO2)
+    assert {"train.loss_scale_window": 1000, "train.loss_scale_hysteresis": 2,
+            "train.min_loss_scale": 1.0, "train.initial_loss_scale": 65536.0}.items() \
+        <= translation.settings.items()  # fmt: skip
+    assert "train.loss_scale" not in translation.settings  # 0: dynamic, the default
+    path, out = tmp_path / "ds.json", tmp_path / "recipe.toml"
+    path.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128,
+                                         "initial_scale_power": 12}}))  # fmt: skip
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 0
+    train = load_recipe(str(out)).train
+    assert (train.loss_scale, train.initial_loss_scale) == (128.0, 4096.0)
+    off = translate_deepspeed({"fp16": {"enabled": False, "hysteresis": 4}})
+    assert off.inactive == ["fp16.hysteresis"] and "train.loss_scale_hysteresis" not in off.settings
 
 
 def test_deepspeed_adam_is_adamw_unless_told_otherwise() -> None:

@@ -12,7 +12,7 @@ Why: a team moving from DeepSpeed has a config whose every key means something t
 - **tuning knobs**: buffer and bucket sizes, overlap and pinning switches that change speed or
   memory but not the numbers a step computes (FSDP2 decides these per module);
 - **refused**: anything else — an unknown key, a value meshtrain cannot reproduce (a linear
-  decay schedule, a loss scaler other than its own) — raises :class:`DeepSpeedConfigError`
+  decay schedule, consecutive hysteresis in the loss scaler) — raises :class:`DeepSpeedConfigError`
   naming every such key and why (``meshtrain recipe from-deepspeed`` exits 2).
 
 Example:
@@ -51,10 +51,16 @@ TUNING_KEYS = frozenset({
     "zero_optimization.offload_optimizer.fast_init", "zero_allow_untested_optimizer",
     "wall_clock_breakdown", "communication_data_type",
 })  # fmt: skip
-#: meshtrain's dynamic loss scaler (:class:`meshtrain.train.scaler.LossScaler`), as DeepSpeed's
-#: fp16 keys would describe it.
-SCALER = {"loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 2000,
-          "hysteresis": 1, "min_loss_scale": None}  # fmt: skip
+#: DeepSpeed's fp16 loss-scaler keys → the ``[train]`` key :class:`meshtrain.train.scaler.LossScaler`
+#: honours it by, and how the value converts (``None``: refused).
+SCALER: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "loss_scale": ("train.loss_scale", lambda v: float(v) if _number(v) and v >= 0 else None),
+    "initial_scale_power": ("train.initial_loss_scale",
+                            lambda v: 2.0**v if _integer(v) and 0 <= v < 128 else None),
+    "loss_scale_window": ("train.loss_scale_window", lambda v: v if _integer(v) and v > 0 else None),
+    "hysteresis": ("train.loss_scale_hysteresis", lambda v: v if _integer(v) and v > 0 else None),
+    "min_loss_scale": ("train.min_loss_scale", lambda v: float(v) if _number(v) and v >= 0 else None),
+}  # fmt: skip
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 
 
@@ -182,19 +188,28 @@ def _precision(out: Translation, key: str, value: Any, _: Any) -> str:
 
 def _fp16_scaler(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
     name = key.split(".", 1)[1]
+    if name == "consecutive_hysteresis":
+        return "" if value is False else "meshtrain refills hysteresis only when the scale grows"
     if name not in SCALER:
         return "not a loss-scaler setting meshtrain knows"
-    enabled = config.get("fp16", {}).get("enabled") is True
-    expected = SCALER[name]
-    if not enabled:
+    if config.get("fp16", {}).get("enabled") is False:
         out.inactive.append(key)  # the loss scaler runs only under fp16
         return ""
-    if expected is None or value == expected:
-        return ""  # min_loss_scale: a floor the dynamic scale does not reach in practice
-    return (
-        f"meshtrain's dynamic loss scaler has {name} = {expected} (train/scaler.py) and no "
-        "recipe key to change it"
-    )
+    target, convert = SCALER[name]
+    converted = convert(value)
+    if converted is None:
+        return "not a valid value for DeepSpeed's loss scaler"
+    if not (name == "loss_scale" and converted == 0):  # 0: dynamic, the recipe's default
+        out.settings[target] = converted
+    return ""
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _setting(target: str, check: Callable[[Any], bool], what: str) -> Callable[..., str]:

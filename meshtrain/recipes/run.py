@@ -44,6 +44,7 @@ from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.resume_guard import check_recipe_unchanged, run_id
+from meshtrain.recipes.sections import TrainSection
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train import heartbeat
 from meshtrain.train.batch import Batch, DataPosition
@@ -65,6 +66,7 @@ from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import Sinks, make_sinks
 from meshtrain.train.profile import StepProfiler, summary_table
 from meshtrain.train.replicas import verify_replicas
+from meshtrain.train.scaler import LossScaler
 from meshtrain.train.schedule import WarmupCosine
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
@@ -122,7 +124,8 @@ def _train(
     schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
                             train_cfg.min_lr)  # fmt: skip
     step_fn = make_train_step(plan, summed_cross_entropy, optimizer, schedule,
-                              max_norm=train_cfg.max_norm, on_nonfinite=train_cfg.on_nonfinite)  # fmt: skip
+                              max_norm=train_cfg.max_norm, on_nonfinite=train_cfg.on_nonfinite,
+                              scaler=loss_scaler(train_cfg, plan))  # fmt: skip
     state = TrainState.create(applied, optimizer)
     checkpointer = Checkpointer(recipe.checkpoint_config())
     budget = SkipBudget(train_cfg.max_consecutive_skips, train_cfg.max_total_skips)
@@ -393,3 +396,17 @@ def _restore(state: TrainState, extra: dict[str, Any]) -> TrainState:
     rng = torch.frombuffer(bytearray(base64.b64decode(extra["rng"])), dtype=torch.uint8).clone()
     return TrainState.create(state.model, state.optimizer, step=int(extra["step"]),
                              data=DataPosition.from_json(extra["data"]), rng=rng)  # fmt: skip
+
+
+def loss_scaler(train_cfg: TrainSection, plan: Plan) -> LossScaler | None:
+    """fp16's loss scaler as ``[train]``'s loss-scale keys set it (None for other precisions)."""
+    if plan.options.precision != "fp16":
+        return None
+    static = train_cfg.loss_scale > 0
+    return LossScaler(
+        train_cfg.loss_scale if static else train_cfg.initial_loss_scale,
+        growth_interval=train_cfg.loss_scale_window,
+        hysteresis=train_cfg.loss_scale_hysteresis,
+        min_scale=0.0 if static else train_cfg.min_loss_scale,
+        dynamic=not static,
+    )

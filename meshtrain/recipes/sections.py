@@ -318,6 +318,46 @@ class TrainSection:
             bound="nonnegative",
         ),
     )
+    loss_scale: float = field(
+        default=0.0,
+        metadata=about(
+            "fp16: a fixed loss scale (DeepSpeed's static `loss_scale`); 0: the dynamic scaler "
+            "([details](training.md#fp16-loss-scaling))",
+            1024.0,
+            bound="nonnegative",
+        ),
+    )
+    initial_loss_scale: float = field(
+        default=65536.0,
+        metadata=about(
+            "fp16: the dynamic scaler's first scale (DeepSpeed: 2 ** `initial_scale_power`)",
+            4096.0,
+            bound="positive",
+        ),
+    )
+    loss_scale_window: int = field(
+        default=2000,
+        metadata=about(
+            "fp16: finite steps in a row after which the dynamic scale doubles", 1000,
+            bound="positive",
+        ),
+    )  # fmt: skip
+    loss_scale_hysteresis: int = field(
+        default=1,
+        metadata=about(
+            "fp16: overflows (each skipped) before the dynamic scale halves, refilled when it "
+            "grows (DeepSpeed's `hysteresis`)",
+            2,
+            bound="positive",
+        ),
+    )
+    min_loss_scale: float = field(
+        default=0.0,
+        metadata=about(
+            "fp16: the floor the dynamic scale does not halve below; 0: none", 1.0,
+            bound="nonnegative",
+        ),
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

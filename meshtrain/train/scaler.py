@@ -5,7 +5,11 @@ fp16 gradients underflow without scaling and overflow with too much. The loss is
 With sharded gradients each rank sees only its shards, so the "found non-finite" flag is
 all-reduced (max) over every rank before anyone decides: either every rank steps or every rank
 skips, and the scale stays identical everywhere. On overflow the scale is multiplied by
-``backoff_factor``; after ``growth_interval`` finite steps in a row, by ``growth_factor``.
+``backoff_factor`` (never below ``min_scale``); after ``growth_interval`` finite steps in a row,
+by ``growth_factor``. ``hysteresis`` overflows are needed before the scale backs off, as
+DeepSpeed counts them: each overflow skips its step and uses one, the last one backs off, and
+the count is refilled only when the scale grows. ``dynamic=False`` keeps ``init_scale`` fixed
+(DeepSpeed's static ``loss_scale``): overflowing steps are still skipped on every rank.
 
 Example (on every rank, fp16 plan)::
 
@@ -42,21 +46,31 @@ class LossScaler:
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
+        hysteresis: int = 1,
+        min_scale: float = 0.0,
+        dynamic: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1:
+        if (not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1
+                or growth_interval < 1 or hysteresis < 1 or not 0 <= min_scale <= init_scale):  # fmt: skip
             raise PlanError(
                 f"LossScaler(init_scale={init_scale}, growth_factor={growth_factor}, "
-                f"backoff_factor={backoff_factor}) needs init_scale > 0, growth_factor > 1 and "
-                "0 < backoff_factor < 1."
+                f"backoff_factor={backoff_factor}, growth_interval={growth_interval}, "
+                f"hysteresis={hysteresis}, min_scale={min_scale}) needs init_scale > 0, "
+                "growth_factor > 1, 0 < backoff_factor < 1, growth_interval ≥ 1, "
+                "hysteresis ≥ 1 and 0 ≤ min_scale ≤ init_scale."
             )
         self.scale_value = float(init_scale)
         self.growth_factor = growth_factor
         self.backoff_factor = backoff_factor
         self.growth_interval = growth_interval
+        self.hysteresis = hysteresis
+        self.min_scale = float(min_scale)
+        self.dynamic = dynamic
         self.group = group
         self.finite_steps = 0
         self.skipped_steps = 0
+        self.overflows_left = hysteresis
         self._found_inf: bool | None = None
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
@@ -90,14 +104,18 @@ class LossScaler:
         if self._found_inf is None:
             raise PlanError("LossScaler.update() before unscale_(): unscale the gradients first.")
         if self._found_inf:
-            self.scale_value *= self.backoff_factor
             self.finite_steps = 0
             self.skipped_steps += 1
+            if self.dynamic and self.overflows_left == 1:
+                self.scale_value = max(self.scale_value * self.backoff_factor, self.min_scale)
+            elif self.dynamic:
+                self.overflows_left -= 1
         else:
             self.finite_steps += 1
-            if self.finite_steps == self.growth_interval:
+            if self.dynamic and self.finite_steps == self.growth_interval:
                 self.scale_value *= self.growth_factor
                 self.finite_steps = 0
+                self.overflows_left = self.hysteresis
         self._found_inf = None
 
     def state_dict(self) -> dict[str, float | int]:
@@ -105,12 +123,14 @@ class LossScaler:
             "scale": self.scale_value,
             "finite_steps": self.finite_steps,
             "skipped_steps": self.skipped_steps,
+            "overflows_left": self.overflows_left,
         }
 
     def load_state_dict(self, state: dict[str, float | int]) -> None:
         self.scale_value = float(state["scale"])
         self.finite_steps = int(state["finite_steps"])
         self.skipped_steps = int(state["skipped_steps"])
+        self.overflows_left = int(state.get("overflows_left", self.hysteresis))
 
 
 def _flag_device(group: dist.ProcessGroup | None) -> torch.device:
