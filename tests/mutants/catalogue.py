@@ -96,6 +96,7 @@ ZOO = "tests/test_zoo_spmd.py::test_third_party_model_trains_like_one_device"
 LOOP = "tests/test_zoo_spmd.py::test_a_loop_written_for_ddp_trains_like_one_device"
 MATERIALISE = "tests/test_materialise_spmd.py"
 CLIP = "tests/test_clip.py"
+DATA_RANKS = "tests/test_data_ranks_spmd.py"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
@@ -122,7 +123,7 @@ _ALL = [
     Mutant("loss-not-summed-over-stages", "pipelined loss not reduced over stages",
            plants.loss_not_summed_over_stages, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
     Mutant("batch-shard-offset", "every data rank takes the same batch slice",
-           plants.batch_shard_offset, (LAUNCH,), LLAMA_DP),
+           plants.batch_shard_offset, (DATA_RANKS, LAUNCH), LLAMA_DP),
     Mutant("logsumexp-local-max", "loss-parallel log-sum-exp shifted by the local max",
            plants.logsumexp_local_max, (f"{EQ}[tp]",), LLAMA_TP),
     Mutant("clip-norm-from-local-shards", "clipping norm from local shards",
@@ -140,9 +141,11 @@ _ALL = [
            plants.colwise_wrong_shard_dim, (f"{EQ}[tp]",), LLAMA_TP, r"attention\.w"),
     Mutant("tie-skipped", "tied embedding and head trained apart under TP",
            plants.tie_skipped, (f"{ZOO}[gpt2-tp-tied]",), GPT2_TIED_TP, r"wte|lm_head"),
-    Mutant("frozen-weights-unfrozen", "frozen base weights trained under TP",
+    Mutant("frozen-weights-unfrozen", "re-freeze after TP skipped (neutral on torch 2.13: its "
+           "parallel styles keep requires_grad)",
            plants.frozen_weights_unfrozen, (f"{LORA}[llama-tp]",),
-           HarnessCase(frozen_query_llama, TP2, {"rules": default_rules(fsdp=())}), r"attention\.wq"),
+           HarnessCase(frozen_query_llama, TP2, {"rules": default_rules(fsdp=())}), r"attention\.wq",
+           equivalent=True),
     Mutant("stage-skips-a-layer", "a pipeline stage drops a block",
            plants.stage_skips_a_layer, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"layers\.2\."),
     Mutant("batch-norm-variance-from-local-mean", "BatchNorm variance from the local mean",
