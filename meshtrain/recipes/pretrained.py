@@ -60,9 +60,14 @@ COPIED_FILES = (
 )
 
 
-def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> LoadReport:
+def load_pretrained(
+    path: str | Path,
+    model: nn.Module | PipelinedModel,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadReport:
     """Load the transformers directory or safetensors file at ``path`` into ``model`` (see the
-    module docstring); call on every rank alike, before or after ``mt.apply``.
+    module docstring); call on every rank alike, before or after ``mt.apply``. ``progress``:
+    :func:`~meshtrain.train.hf.load.load_hf`'s (tensors filled out of the total).
 
     Example::
 
@@ -73,18 +78,19 @@ def load_pretrained(path: str | Path, model: nn.Module | PipelinedModel) -> Load
     adapters = _adapter_fqns(modules)
     config = getattr(modules[0], "config", None)
     if not isinstance(config, LlamaConfig):
-        return load_hf(path, modules, exclude=adapters)
+        return load_hf(path, modules, exclude=adapters, progress=progress)
     weights = weight_files(path)
     own_names = {canonical_fqn(fqn) for fqn, _ in model.named_parameters()}
     if own_names & set(weights.files) and "model.embed_tokens.weight" not in weights.files:
-        return load_hf(path, modules, exclude=adapters)  # meshtrain's own names
+        return load_hf(path, modules, exclude=adapters, progress=progress)  # its own names
     hf_config = read_config(path) if Path(path).is_dir() else None
     if hf_config is not None:
         check_llama_config(config, hf_config, Path(path) / "config.json")
         tied = bool(hf_config.get("tie_word_embeddings", False))
     else:
         tied = "lm_head.weight" not in weights.files
-    return load_hf(path, modules, sources=hf_sources(config, tied=tied), exclude=adapters)
+    sources = hf_sources(config, tied=tied)
+    return load_hf(path, modules, sources=sources, exclude=adapters, progress=progress)
 
 
 def _adapter_fqns(modules: list[nn.Module]) -> set[str]:
@@ -98,7 +104,11 @@ def _adapter_fqns(modules: list[nn.Module]) -> set[str]:
     }
 
 
-def initialise_from(recipe: Recipe, model: nn.Module | PipelinedModel) -> LoadReport | None:
+def initialise_from(
+    recipe: Recipe,
+    model: nn.Module | PipelinedModel,
+    progress: Callable[[int, int], None] | None = None,
+) -> LoadReport | None:
     """Load ``[checkpoint] init_from`` into the applied ``model``, unless there is none or the
     run will resume from a checkpoint of its own (``checkpoint.resume`` and a complete
     checkpoint in its directory): that run's weights come from there. Call on every rank."""
@@ -107,7 +117,7 @@ def initialise_from(recipe: Recipe, model: nn.Module | PipelinedModel) -> LoadRe
         return None
     if recipe.checkpoint.resume and list_checkpoints(recipe.checkpoint_dir):
         return None
-    return load_pretrained(start, model)
+    return load_pretrained(start, model, progress)
 
 
 def export_run(

@@ -42,6 +42,7 @@ from meshtrain.recipes.evaluation import Evaluator
 from meshtrain.recipes.models import flops_per_token, vocab_size
 from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.pretrained import initialise_from
+from meshtrain.recipes.progress import count_progress
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.resume_guard import check_recipe_unchanged, run_id
 from meshtrain.recipes.sections import TrainSection
@@ -334,6 +335,14 @@ def announce(line: str) -> None:
         print(line, flush=True)
 
 
+def _load_progress(recipe: Recipe) -> contextlib.AbstractContextManager[Any]:
+    """Rank 0's bar of the ``init_from`` tensors it has read (nothing elsewhere, or off a
+    terminal: the "loaded" line says it)."""
+    if not recipe.checkpoint.init_from or (dist.is_initialized() and dist.get_rank() != 0):
+        return contextlib.nullcontext(None)
+    return count_progress(f"loading {recipe.checkpoint.init_from}", "tensors")
+
+
 def start_model(
     recipe: Recipe, mesh: Mesh, device: torch.device
 ) -> tuple[Plan, nn.Module | PipelinedModel, nn.Module]:
@@ -359,7 +368,8 @@ def start_model(
     if meta:
         materialise(applied, device=device, seed=seed)
     started = time.perf_counter()
-    loaded = initialise_from(recipe, applied)  # each rank its slices; adapters keep their init
+    with _load_progress(recipe) as progress:  # a bar on rank 0's terminal
+        loaded = initialise_from(recipe, applied, progress)  # each rank its slices
     if loaded is not None:
         announce(f"{recipe.name}: loaded {loaded.tensors} tensors from "
                  f"{recipe.checkpoint.init_from} in {time.perf_counter() - started:.1f} s "

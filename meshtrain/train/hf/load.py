@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -82,6 +82,7 @@ def load_hf(
     sources: Sources | None = None,
     strict: bool = True,
     exclude: Collection[str] = (),
+    progress: Callable[[int, int], None] | None = None,
 ) -> LoadReport:
     """Fill ``model``'s parameters and persistent buffers, in place, from the checkpoint at
     ``path`` (see the module docstring); call on every rank alike, before or after
@@ -92,7 +93,8 @@ def load_hf(
     (default: the same names; a tied parameter may come from any of its names). With ``strict``
     (default) every model tensor must be in the checkpoint and every checkpoint tensor must be
     used; shapes must always match. ``exclude``: model FQNs no checkpoint holds (LoRA adapters on
-    a pretrained base), left as they are.
+    a pretrained base), left as they are. ``progress(tensors_done, tensors)`` is called after
+    each tensor this rank fills (a progress bar), from 0 to the total.
     """
     weights = weight_files(path)
     modules = [model] if isinstance(model, nn.Module) else list(model)
@@ -123,12 +125,16 @@ def load_hf(
         )
     read = 0
     handles: dict[Path, Any] = {}
+    if progress is not None:
+        progress(0, len(plan))
     with contextlib.ExitStack() as stack, torch.no_grad():
-        for target in plan:
+        for done, target in enumerate(plan, start=1):
             file = weights.files[target.name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
             read += _fill(target, handles[file].get_slice(target.name))
+            if progress is not None:
+                progress(done, len(plan))
     return LoadReport(len(plan), read, weights.total_bytes())
 
 
