@@ -10,7 +10,7 @@ import torch.distributed as dist
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.testing.runner import get_pool
-from meshtrain.train.loss import data_parallel_rank
+from meshtrain.train import loss
 
 pytestmark = pytest.mark.spmd
 
@@ -20,7 +20,7 @@ def rank_and_share(axes: dict[str, int], data: tuple[str, ...]) -> tuple[int, di
     model = build_llama(LlamaConfig.debug(), device="meta")
     rules = default_rules(fsdp=data, tp="tp" if "tp" in axes else None)
     plan = mt.plan(model, mesh, rules)
-    return dist.get_rank(), mesh.coordinates(dist.get_rank()), data_parallel_rank(plan)
+    return dist.get_rank(), mesh.coordinates(dist.get_rank()), loss.data_parallel_rank(plan)
 
 
 @pytest.mark.parametrize(

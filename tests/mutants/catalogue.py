@@ -90,7 +90,6 @@ HSDP = HarnessCase(
 
 EQ = "tests/test_equivalence_spmd.py::test_plan_trains_like_one_device"
 STEP = "tests/test_train_step_spmd.py::test_distributed_train_step_matches_one_device"
-LAUNCH = "tests/test_train_launch.py::test_debug_recipe_trains_on_four_local_ranks"
 LORA = "tests/test_lora_spmd.py::test_lora_trains_like_one_device"
 ZOO = "tests/test_zoo_spmd.py::test_third_party_model_trains_like_one_device"
 LOOP = "tests/test_zoo_spmd.py::test_a_loop_written_for_ddp_trains_like_one_device"
@@ -123,7 +122,7 @@ _ALL = [
     Mutant("loss-not-summed-over-stages", "pipelined loss not reduced over stages",
            plants.loss_not_summed_over_stages, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"<global>"),
     Mutant("batch-shard-offset", "every data rank takes the same batch slice",
-           plants.batch_shard_offset, (DATA_RANKS, LAUNCH), LLAMA_DP),
+           plants.batch_shard_offset, (DATA_RANKS,), LLAMA_DP),
     Mutant("logsumexp-local-max", "loss-parallel log-sum-exp shifted by the local max",
            plants.logsumexp_local_max, (f"{EQ}[tp]",), LLAMA_TP),
     Mutant("clip-norm-from-local-shards", "clipping norm from local shards",
