@@ -184,34 +184,56 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _short(text: str, limit: int = 140) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
-    real, exercised = totals["non_equivalent"], totals["harness_exercised"]
-    pct = lambda n, d: f"{100 * n / d:.0f}%" if d else "n/a"  # noqa: E731
-    survivors = [r for r in rows if not r["ok"]]
-    why = (
-        "".join(
-            f"\n- `{r['name']}`: suite exit {r['suite']['exit']}, harness "
-            f"{r['harness'].get('how', r['harness'].get('why'))} {r['harness'].get('first', '')}"
-            + (f"; its tests {r['suite']['why']}" if r["suite"].get("why") else "")
-            for r in survivors
-        )
-        or " none."
-    )
-    unexercised = [r for r in rows if r["harness"]["caught"] is None]
-    return (
-        f"{BEGIN}\nMeasured by `python benchmarks/mutation.py` ({totals['when']}): "
-        f"{totals['mutants']} mutants, {real} of them real bugs. The first-tier tests named in the "
-        f"catalogue kill {totals['killed_by_suite']} of {real} "
-        f"({pct(totals['killed_by_suite'], real)}); `assert_equivalent` (2 steps) catches "
-        f"{totals['caught_by_harness']} of the {exercised} it can exercise "
-        f"({pct(totals['caught_by_harness'], exercised)}) and its report names the module or "
-        f"parameter for {totals['named_by_harness']}; "
-        f"{totals['equivalent_flagged']} of {totals['equivalent']} equivalent mutants flagged. "
-        f"Not exercisable by the harness: "
-        + (", ".join(f"`{r['name']}`" for r in unexercised) or "none")
-        + (f" ({unexercised[0]['harness']['why']})" if unexercised else "")
-        + f".\n\nSurvivors and why:{why}\n\n{table(rows)}\n{END}"
-    )
+    real = [r for r in rows if not r["equivalent"]]
+    unverified = [r for r in real if r["suite"].get("why")]
+    verifiable = len(real) - len(unverified)
+    exercised = totals["harness_exercised"]
+
+    def pct(n: int, d: int) -> str:
+        return f"{100 * n / d:.0f}%" if d else "n/a"
+
+    def missed(r: dict[str, Any]) -> str:
+        parts = []
+        if r["suite"]["killed"] is False:
+            parts.append("its first-tier tests pass with it planted")
+        if r["harness"]["caught"] is False:
+            parts.append("assert_equivalent passes with it planted")
+        return "; ".join(parts)
+
+    survivors = [r for r in real if not r["ok"] and not r["suite"].get("why")]
+    lines = [f"- `{r['name']}` ({r['kind']}): {missed(r)}" for r in survivors] or ["- none"]
+    blind = [r for r in real if r["harness"]["caught"] is None]
+    lines_blind = [f"- `{r['name']}`: {_short(r['harness']['why'])}" for r in blind] or ["- none"]
+    lines_unverified = [f"- `{r['name']}`: {_short(r['suite']['why'])}" for r in unverified]
+    return "\n".join(
+        [
+            BEGIN,
+            f"Measured by `python benchmarks/mutation.py` ({totals['when']}): {totals['mutants']} "
+            f"mutants, {len(real)} of them real bugs. The first-tier tests named in the catalogue "
+            f"kill {totals['killed_by_suite']} of the {verifiable} whose tests pass without them "
+            f"({pct(totals['killed_by_suite'], verifiable)}); `assert_equivalent` (2 steps) "
+            f"catches {totals['caught_by_harness']} of the {exercised} it can exercise "
+            f"({pct(totals['caught_by_harness'], exercised)}) and its report names the module or "
+            f"parameter for {totals['named_by_harness']}; {totals['equivalent_flagged']} of "
+            f"{totals['equivalent']} equivalent mutants flagged.",
+            "",
+            "Survivors (a gap in the suite or the harness):",
+            *lines,
+            "",
+            "Not exercised by the harness:",
+            *lines_blind,
+            *(["", "Not measured (their tests fail without the mutant):", *lines_unverified]
+              if lines_unverified else []),
+            "",
+            table(rows),
+            END,
+        ]
+    )  # fmt: skip
 
 
 def write_docs(text: str) -> None:
@@ -230,6 +252,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--no-suite", action="store_true", help="skip the first-tier column")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/testing.md alone")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: update those rows of --out and the docs' figure")  # fmt: skip
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     _prepare()
@@ -259,6 +283,13 @@ def main() -> None:
     finally:
         runner.close_pools = close_pools
         close_pools()
+    if args.merge and args.out.exists():  # replace these mutants' rows in the stored run
+        ran = {row["name"] for row in rows}
+        stored = json.loads(args.out.read_text())["mutants"]
+        rows = [row if row["name"] not in ran else next(r for r in rows if r["name"] == row["name"])
+                for row in stored if row["name"] in MUTANTS] + [
+            row for row in rows if row["name"] not in {r["name"] for r in stored}
+        ]  # fmt: skip
     totals = summary(rows) | {"when": time.strftime("%Y-%m-%d", time.gmtime())}
     print()
     print(table(rows))
@@ -266,7 +297,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"provenance": provenance(), "summary": totals,
                                     "mutants": rows}, indent=2) + "\n")  # fmt: skip
-    if not args.no_docs and not args.only:
+    if not args.no_docs and (args.merge or not args.only):
         write_docs(figure(rows, totals))
 
 
