@@ -18,11 +18,11 @@ from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer
 
 _FIRST_LINE = """
 import sys
-import meshtrain.recipes.quick_check as quick
-def stop(data, source):
+import meshtrain.launch as launch
+def stop(*args, **kwargs):
     print("torch imported:", "torch" in sys.modules, flush=True)
     raise SystemExit(0)
-quick.check_recipe_quickly = stop
+launch.torchrun_arguments = stop
 from meshtrain.cli import main
 main(["train", "debug", "--nproc", "2"])
 """
