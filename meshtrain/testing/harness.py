@@ -48,7 +48,6 @@ from meshtrain.testing.contract import UNIT_ROUNDOFF, Contract, contract_for
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.batch import Batch as StepBatch
-from meshtrain.train.clip import clip_grad_norm_
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
 from meshtrain.train.offload import offload_states
 from meshtrain.train.scaler import LossScaler
@@ -417,9 +416,9 @@ class _ObservedStep(TrainStep):
         values = {f.name: getattr(step, f.name) for f in dataclasses.fields(step)}
         return cls(**values, observe=observe)
 
-    def _grad_norm(self, params: list[Any]) -> float:
+    def _grad_norm(self, params: list[Any], named: Mapping[str, Any]) -> float:
         self.observe()
-        return super()._grad_norm(params)
+        return super()._grad_norm(params, named)
 
 
 def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
@@ -637,7 +636,9 @@ class _Run:
         states before its step (what the update bounds start from)."""
         ref_params = list(self.ref_named.values())
         max_norm = self.config.max_norm if self.config.max_norm is not None else math.inf
-        ref_norm = float(clip_grad_norm_(ref_params, max_norm))
+        # PyTorch's own clipping, not meshtrain's: a bug in meshtrain's clip would otherwise
+        # change both sides alike and pass.
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, max_norm))
         self.result.clipped_steps += int(ref_norm > max_norm)
         grads = {
             fqn: full_tensor(p.grad).detach().clone()

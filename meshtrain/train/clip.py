@@ -12,24 +12,29 @@ Example (on every rank, after backward)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
+from meshtrain.errors import TrainingError
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.placements import is_sharded
 
 
 def global_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], *, plan: Plan | None = None
+    parameters: Iterable[torch.nn.Parameter],
+    *,
+    plan: Plan | None = None,
+    names: Mapping[int, str] | None = None,
 ) -> torch.Tensor:
     """The L2 norm of all gradients, as one device would compute it (on every rank).
 
     Under a pipelined ``plan`` each rank holds some stages' parameters only: the squares are
-    summed over the pipeline axis as well.
+    summed over the pipeline axis as well. ``names`` (``id(parameter)`` → FQN) lets an error name
+    the parameter.
     """
     params = [p for p in parameters if p.grad is not None]
     device = plan_device(plan) if plan is not None else _grad_device(params)
@@ -41,7 +46,7 @@ def global_grad_norm(
             continue
         if isinstance(grad, DTensor):
             if any(isinstance(p, Partial) for p in grad.placements):
-                raise ValueError("gradient is still a partial sum; reduce it before clipping")
+                raise TrainingError(_partial_message(param, grad, names))
             sharded = tuple(i for i, p in enumerate(grad.placements) if is_sharded(p))
             key = (grad.device_mesh, sharded)
             local = grad.to_local().detach().double().pow(2).sum()
@@ -73,6 +78,20 @@ def _grad_device(params: list[torch.nn.Parameter]) -> torch.device:
 
 
 @torch.no_grad()
+def _partial_message(
+    param: torch.nn.Parameter, grad: DTensor, names: Mapping[int, str] | None
+) -> str:
+    name = (names or {}).get(id(param))
+    what = f"parameter {name!r}" if name else "a parameter"
+    shape = "×".join(str(size) for size in grad.shape)
+    return (
+        f"the gradient of {what} (shape {shape}, placements {tuple(grad.placements)} on "
+        f"{grad.device_mesh}) is still a partial sum: a reduction the plan needs was not "
+        "applied before clipping. Reduce it (redistribute to Replicate) or apply the plan with "
+        "mt.apply, which adds the reductions it derives."
+    )
+
+
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter], max_norm: float, *, plan: Plan | None = None
 ) -> torch.Tensor:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -119,7 +119,7 @@ class TrainStep:
         )
         params: list[Any] = [p for p in state.params.values() if p.grad is not None]
         finite_grads = self.scaler.unscale_(params) if self.scaler is not None else True
-        norm = self._grad_norm(params) if finite_grads else math.inf
+        norm = self._grad_norm(params, state.params) if finite_grads else math.inf
         finite = math.isfinite(loss) and math.isfinite(norm)
         if not finite and self.on_nonfinite == "stop" and self.scaler is None:
             raise TrainingError(
@@ -138,9 +138,10 @@ class TrainStep:
             self.scaler.update()
         return state.advance(data=batch.position, rng=torch.get_rng_state()), metrics
 
-    def _grad_norm(self, params: list[Any]) -> float:
+    def _grad_norm(self, params: list[Any], named: Mapping[str, Any]) -> float:
         pipelined = self.plan if self.plan.pipeline is not None else None
-        norm = float(global_grad_norm(params, plan=pipelined))
+        names = {id(param): fqn for fqn, param in named.items()}
+        norm = float(global_grad_norm(params, plan=pipelined, names=names))
         if self.max_norm is not None and math.isfinite(norm):
             scale_grads_(params, norm, self.max_norm)
         return norm
