@@ -199,3 +199,48 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokenis
     with pytest.raises(RecipeError, match="has 301 ids, more than the model's vocabulary of 256"):
         prepare_recipe_data(recipe)
     assert not (tmp_path / "run" / "data").exists()
+
+
+def test_tokenising_on_a_process_pool_writes_the_same_files(tmp_path: Path) -> None:
+    """Byte tokenising on 2 worker processes (chunks of 512 documents, in flight out of order)
+    writes token, mask and metadata files byte for byte equal to one process's, with the same
+    validation split; a bad id found in a worker is still one error naming the document."""
+    from meshtrain.train.data.pack_pool import MAX_WORKERS, default_workers, packed_chunks
+
+    # the byte tokenizer's array path stays in this process; a Python encode() gets a pool
+    assert default_workers(ByteTokenizer(), 1 << 30) == default_workers(ListBytes(), 1 << 10) == 1
+    assert 1 <= default_workers(ListBytes(), 1 << 30) <= MAX_WORKERS
+
+    rows = [{"prompt": f"Q{i}é ", "response": "x" * (i % 37) + f"ü{i}\x00"} for i in range(1500)]
+    source = DocumentSource("jsonl", str(_jsonl(tmp_path / "d.jsonl", rows)),
+                            format="instruction")  # fmt: skip
+    seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
+    for workers in (0, 1, 2):  # 0: the generic path, ids as Python ints from encode()
+        tokenizer = ListBytes() if workers == 0 else ByteTokenizer()
+        prepare_documents(source, tokenizer, tmp_path / f"out{workers}", validation=0.1,
+                          seed=5, workers=max(workers, 1),
+                          progress=lambda d, t, w=workers: seen[w].append((d, t)))  # fmt: skip
+    for split in ("train", "validation"):
+        for name in ("tokens.bin", "loss_mask.bin", "tokens.json"):
+            zero, one, two = (tmp_path / f"out{w}" / split / name for w in (0, 1, 2))
+            assert zero.read_bytes() == one.read_bytes() == two.read_bytes(), (split, name)
+    assert seen[0] == seen[1]
+    assert seen[1] == seen[2] and seen[2][-1][0] == 1500  # the bar reaches every document
+    assert TokenFile(tmp_path / "out2" / "train").info.num_documents > 1000
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the tokenizer produced id 195"):
+        list(packed_chunks(NarrowBytes(), [list(read_documents(source))[:3]], workers=2))
+
+
+class ListBytes(ByteTokenizer):
+    """The byte tokenizer through its ``encode`` (a list of ints), not the array fast path."""
+
+    def encode(self, text: str) -> list[int]:
+        return super().encode(text)
+
+
+class NarrowBytes(ByteTokenizer):
+    """Bytes with a vocabulary of 100: "é" (195, 169) falls outside (module level: it pickles)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 100

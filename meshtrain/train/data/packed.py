@@ -39,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +50,7 @@ from meshtrain.train.atomic import replaced_atomically, write_text_atomically
 from meshtrain.train.data.corpus import DataError
 from meshtrain.train.data.documents import Document, DocumentSource, read_documents, source_files
 from meshtrain.train.data.loader import TOKENS_BIN, TOKENS_JSON, TokenFile, TokenFileInfo
+from meshtrain.train.data.pack_pool import default_workers, packed_chunks
 from meshtrain.train.data.tokenizer import Tokenizer
 
 __all__ = ["LOSS_MASK_BIN", "PackedWindows", "PreparedData", "prepare_documents"]
@@ -77,10 +78,15 @@ def prepare_documents(
     validation: float = 0.0,
     seed: int = 0,
     progress: Progress | None = None,
+    workers: int | None = None,
 ) -> PreparedData:
     """Tokenise ``source`` into ``out_dir/train`` (and ``out_dir/validation``), or reuse them.
 
     ``validation`` is the fraction of documents held out (0 for none); see the module docstring.
+    A tokenizer without a batch encoder runs on ``workers`` processes (default:
+    :func:`~meshtrain.train.data.pack_pool.default_workers`: this one for the byte tokenizer,
+    whose ids are read as one array, up to 4 for a tokenizer encoding in Python on a source of
+    4 MiB or more); the files are the same whatever the count.
     """
     if not 0.0 <= validation < 1.0:
         raise DataError(f"data.validation = {validation} must lie in [0, 1).")
@@ -91,7 +97,7 @@ def prepare_documents(
         return PreparedData(out / "train", out / "validation" if validation else None, True)
     writers = {name: _PackedWriter(out / name, tokenizer) for name in names}
     try:
-        _tokenise(source, tokenizer, writers, validation, seed, progress)
+        _tokenise(source, tokenizer, writers, validation, seed, progress, workers)
         for name, writer in writers.items():
             writer.finish(tokenizer, key, f"{source.kind} {source.path} ({name})")
     finally:
@@ -107,7 +113,14 @@ def _tokenise(
     validation: float,
     seed: int,
     progress: Progress | None,
+    workers: int | None,
 ) -> None:
+    if getattr(tokenizer, "encode_batch", None) is None:  # a tokenizer in Python: processes
+        if workers is None:
+            size = sum(_stamp(path)[0] for path in source_files(source))
+            workers = default_workers(tokenizer, size)
+        _tokenise_on_pool(source, tokenizer, writers, validation, seed, progress, workers)
+        return
     documents = tokens = 0
     batch: list[Document] = []
 
@@ -127,6 +140,44 @@ def _tokenise(
         if len(batch) == _BATCH_DOCUMENTS:
             flush()
     flush()
+
+
+def _tokenise_on_pool(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    writers: dict[str, _PackedWriter],
+    validation: float,
+    seed: int,
+    progress: Progress | None,
+    workers: int,
+) -> None:
+    """Chunks of documents encoded and packed on ``workers`` processes (:mod:`.pack_pool`),
+    written in their order: the same files as one process."""
+    documents = tokens = 0
+    chunks = _chunks(read_documents(source), _BATCH_DOCUMENTS)
+    for chunk in packed_chunks(tokenizer, chunks, workers=workers):
+        if validation == 0:
+            writers["train"].add_packed(chunk.tokens, chunk.mask, sum(map(bool, chunk.counts)))
+        else:
+            for index, (count, ids, mask) in enumerate(chunk.documents()):
+                if count:
+                    held_out = _unit(seed, documents + index) < validation
+                    writers["validation" if held_out else "train"].add_packed(ids, mask, 1)
+        tokens += sum(chunk.counts)
+        documents += len(chunk.counts)
+        if progress is not None:
+            progress(documents, tokens)
+
+
+def _chunks(documents: Iterable[Document], size: int) -> Iterator[list[Document]]:
+    chunk: list[Document] = []
+    for document in documents:
+        chunk.append(document)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
 
 
 def _encoded(
@@ -176,6 +227,17 @@ class _PackedWriter:
         self._digest.update(data)
         self.tokens += len(ids) + 1
         self.documents += 1
+
+    def add_packed(
+        self, tokens: bytes | memoryview, mask: bytes | memoryview, documents: int
+    ) -> None:
+        """``documents`` already packed end to end
+        (:func:`~meshtrain.train.data.pack_pool.pack_chunk`)."""
+        self._streams[0].write(tokens)
+        self._streams[1].write(mask)
+        self._digest.update(tokens)
+        self.tokens += len(mask)
+        self.documents += documents
 
     def _check(self, ids: list[int], document: Document) -> None:
         bad = [token for token in ids if not 0 <= token < self._vocab]
