@@ -244,3 +244,22 @@ class NarrowBytes(ByteTokenizer):
     @property
     def vocab_size(self) -> int:
         return 100
+
+
+def test_a_planted_out_of_order_pool_is_caught(tmp_path: Path) -> None:
+    """A fault planted in the pool (chunks taken newest first) changes the token file: the
+    equality with one process is what catches it."""
+    from collections import deque
+    from unittest import mock
+
+    class NewestFirst(deque):
+        def popleft(self):  # type: ignore[no-untyped-def]
+            return self.pop()
+
+    rows = [{"text": f"document {i} " + "y" * (i % 11)} for i in range(2000)]
+    source = DocumentSource("jsonl", str(_jsonl(tmp_path / "d.jsonl", rows)))
+    prepare_documents(source, ListBytes(), tmp_path / "one", workers=1)
+    with mock.patch("meshtrain.train.data.pack_pool.deque", NewestFirst):
+        prepare_documents(source, ListBytes(), tmp_path / "pool", workers=2)
+    one, pool = ((tmp_path / d / "train" / "tokens.bin").read_bytes() for d in ("one", "pool"))
+    assert len(one) == len(pool) and one != pool

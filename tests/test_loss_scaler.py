@@ -102,3 +102,25 @@ def test_the_recipe_keys_build_the_scaler() -> None:
     assert static is not None and not static.dynamic and static.scale_value == 64.0
     fp32: Any = SimpleNamespace(options=SimpleNamespace(precision="fp32"))
     assert loss_scaler(load_recipe("debug", keys).train, fp32) is None
+
+
+class _NoRefill(LossScaler):
+    """A planted fault: the hysteresis count is never refilled when the scale grows."""
+
+    def update(self) -> None:
+        left = self.overflows_left
+        super().update()
+        self.overflows_left = min(self.overflows_left, left)
+
+
+def test_a_planted_missing_refill_departs_from_deepspeed() -> None:
+    rng = random.Random(7)
+    overflows = [rng.random() < 0.35 for _ in range(300)]
+    planted = _NoRefill(2.0**14, growth_interval=2, hysteresis=3)
+    reference = DeepSpeedDynamicScaler(2.0**14, 2, 3, 0.0)
+    departed = False
+    for overflow in overflows:
+        departed |= planted.scale_value != reference.cur_scale
+        _step(planted, overflow)
+        reference.update_scale(overflow)
+    assert departed
