@@ -3,7 +3,9 @@
 Why: a team moving from DeepSpeed has a config whose every key means something to training.
 :func:`translate_deepspeed` maps each key it knows to the recipe key with the same meaning
 (ZeRO stage → ``parallel.zero`` over an FSDP ``dp`` axis, offload → ``parallel.offload`` /
-``offload_optimizer``, bf16/fp16 → ``parallel.precision``, gradient accumulation →
+``offload_optimizer``, bf16/fp16 → ``parallel.precision``, fp16's loss-scaler settings →
+``train.loss_scale``, ``initial_loss_scale``, ``loss_scale_window``, ``loss_scale_hysteresis``,
+``min_loss_scale``, gradient accumulation →
 ``parallel.microbatches``, clipping → ``train.max_norm``, the optimizer and scheduler sections →
 ``[train]``), and sorts the rest into three kinds, all of them listed, none dropped silently:
 
