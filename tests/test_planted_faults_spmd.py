@@ -118,7 +118,7 @@ def clipping_by_local_norm() -> Iterator[None]:
     """The train step clips by this rank's shard norm instead of the global one."""
     from meshtrain.train import step
 
-    def local_norm(parameters: Any, *, plan: Any = None) -> torch.Tensor:
+    def local_norm(parameters: Any, *, plan: Any = None, names: Any = None) -> torch.Tensor:
         squares = torch.zeros((), dtype=torch.float64)
         for param in parameters:
             if param.grad is not None:
@@ -152,7 +152,7 @@ def pipeline_norm_from_one_stage() -> Iterator[None]:
     (the squares not summed over the pipeline axis), and clips by it."""
     from meshtrain.train import step
 
-    def one_stage(self: Any, params: list[Any]) -> float:
+    def one_stage(self: Any, params: list[Any], named: Any) -> float:
         norm = float(step.global_grad_norm(params))  # no plan: no sum over the stages
         if self.max_norm is not None and math.isfinite(norm):
             step.scale_grads_(params, norm, self.max_norm)

@@ -421,6 +421,27 @@ class _ObservedStep(TrainStep):
         return super()._grad_norm(params, named)
 
 
+@torch.no_grad()
+def _reference_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """One device's global gradient norm and clipping, written here rather than taken from
+    meshtrain's clip (a bug there would change both sides alike and pass): the squares summed in
+    fp64 in parameter order, the gradients scaled by ``min(1, max_norm / (norm + 1e-6))``.
+
+        >>> p = torch.nn.Parameter(torch.zeros(2)); p.grad = torch.tensor([3.0, 4.0])
+        >>> _reference_clip([p], 1.0), [round(g, 4) for g in p.grad.tolist()]
+        (5.0, [0.6, 0.8])
+    """
+    grads = [param.grad for param in params if param.grad is not None]
+    total = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        total = total + full_tensor(grad).detach().double().pow(2).sum().cpu()
+    norm = float(total.sqrt().float())
+    scale = min(1.0, max_norm / (norm + 1e-6))
+    for grad in grads:
+        grad.mul_(scale)
+    return norm
+
+
 def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
     """Every local buffer by FQN (a pipeline's: its stage modules', under full-model FQNs)."""
     modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
@@ -636,9 +657,7 @@ class _Run:
         states before its step (what the update bounds start from)."""
         ref_params = list(self.ref_named.values())
         max_norm = self.config.max_norm if self.config.max_norm is not None else math.inf
-        # PyTorch's own clipping, not meshtrain's: a bug in meshtrain's clip would otherwise
-        # change both sides alike and pass.
-        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref_params, max_norm))
+        ref_norm = _reference_clip(ref_params, max_norm)
         self.result.clipped_steps += int(ref_norm > max_norm)
         grads = {
             fqn: full_tensor(p.grad).detach().clone()

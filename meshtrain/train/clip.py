@@ -77,7 +77,6 @@ def _grad_device(params: list[torch.nn.Parameter]) -> torch.device:
     return torch.device("cpu")
 
 
-@torch.no_grad()
 def _partial_message(
     param: torch.nn.Parameter, grad: DTensor, names: Mapping[int, str] | None
 ) -> str:
@@ -92,6 +91,7 @@ def _partial_message(
     )
 
 
+@torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.nn.Parameter], max_norm: float, *, plan: Plan | None = None
 ) -> torch.Tensor:

@@ -248,7 +248,7 @@ def clip_norm_from_local_shards() -> Iterator[None]:
     clip = importlib.import_module("meshtrain.train.clip")
     step = importlib.import_module("meshtrain.train.step")
 
-    def local_norm(parameters: Any, *, plan: Any = None) -> torch.Tensor:
+    def local_norm(parameters: Any, *, plan: Any = None, names: Any = None) -> torch.Tensor:
         squares = torch.zeros((), dtype=torch.float64)
         for param in parameters:
             if param.grad is not None:
@@ -269,7 +269,7 @@ def pipeline_norm_from_one_stage() -> Iterator[None]:
     """A pipelined step's gradient norm covers this stage's parameters only."""
     step = importlib.import_module("meshtrain.train.step")
 
-    def one_stage(self: Any, params: list[Any]) -> float:
+    def one_stage(self: Any, params: list[Any], named: Any) -> float:
         norm = float(step.global_grad_norm(params))  # no plan: no sum over the stages
         if self.max_norm is not None and math.isfinite(norm):
             step.scale_grads_(params, norm, self.max_norm)
