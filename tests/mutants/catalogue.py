@@ -84,6 +84,18 @@ LORA_TP = HarnessCase(lora_models.llama_lora, TP2, {"rules": default_rules(fsdp=
 GPT2_TIED_TP = HarnessCase(
     zoo.gpt2, TP2, {"rules": Rules(zoo.GPT2_RULES.patterns)}, {"batches": zoo.token_batches}
 )
+QWEN3_TP = HarnessCase(
+    zoo.qwen3,
+    {"dp": 2, "tp": 2},
+    {"rules": zoo.hf_rules(zoo.qwen3()), "zero": 3},
+    {"batches": zoo.token_batches},
+)
+OLMO2_TP = HarnessCase(
+    zoo.olmo2,
+    {"dp": 2, "tp": 2},
+    {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3},
+    {"batches": zoo.token_batches},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -103,6 +115,17 @@ _ALL = [
            plants.sp_norm_grad_not_reduced, (f"{EQ}[tp-sp]",), LLAMA_SP, r"norm"),
     Mutant("adapter-grad-not-reduced", "tensor-parallel LoRA adapter gradient not reduced",
            plants.adapter_grad_not_reduced, (f"{LORA}[llama-tp]",), LORA_TP, r"lora_"),
+    Mutant("partial-grad-not-reduced", "a replicated parameter on tp-sharded activations (Qwen3's "
+           "per-head q/k norms) keeps its partial gradient",
+           plants.partial_grad_not_reduced,
+           ("tests/test_partial_grads_spmd.py::test_qwen3_from_hf_trains_like_one_device",),
+           QWEN3_TP, r"q_norm|k_norm"),
+    Mutant("gathered-output-left-sharded", "a gathered column-wise output (OLMo2's q/k/v) left "
+           "sharded", plants.gathered_output_left_sharded, (f"{ZOO}[olmo2-tp-zero3]",),
+           OLMO2_TP),
+    Mutant("replicated-grad-summed-over-tp", "whole parameters' replicated gradients marked as "
+           "partial sums over tp (summed once per tp rank)",
+           plants.replicated_grad_summed_over_tp, (f"{EQ}[tp]",), LLAMA_TP, r"norm"),
     Mutant("dp-gradient-divided-twice", "data-parallel division applied twice",
            plants.dp_gradient_divided_twice, (f"{STEP}[fsdp-tp-accumulation]",), LLAMA_DP),
     Mutant("dp-division-missing", "data-parallel division missing (sum where a mean is due)",

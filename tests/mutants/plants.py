@@ -56,6 +56,44 @@ def adapter_grad_not_reduced() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def partial_grad_not_reduced() -> Iterator[None]:
+    """The plan's partial gradients (a replicated parameter meeting tp-sharded activations) are
+    left as each rank computed them: the lowering's replication on shards is skipped."""
+    with mock.patch("meshtrain.lower.tensor_parallel._replicate_on_shards"):
+        yield
+
+
+@contextlib.contextmanager
+def gathered_output_left_sharded() -> Iterator[None]:
+    """``colwise_gathered`` lowered as plain column-wise: its output stays sharded."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    ir = importlib.import_module("meshtrain.plan.ir")
+    plain = tensor_parallel.LOWERINGS[ir.TPStyle.COLWISE]
+    with mock.patch.dict(tensor_parallel.LOWERINGS, {ir.TPStyle.COLWISE_GATHERED: plain}):
+        yield
+
+
+@contextlib.contextmanager
+def replicated_grad_summed_over_tp() -> Iterator[None]:
+    """The whole parameters' local tensors hand back their gradients as partial sums over tp, so
+    every tensor-parallel rank's (complete) gradient is summed once per rank."""
+    replicated = importlib.import_module("meshtrain.lower.replicated")
+    from torch.distributed.tensor import DTensor, Partial
+
+    def to_local(self: Any, module: nn.Module, args: Any) -> None:
+        frame = {}
+        for name in self.names:
+            param = module._parameters.get(name)
+            if isinstance(param, DTensor):
+                frame[name] = param
+                module._parameters[name] = param.to_local(grad_placements=(Partial(),))
+        self.saved.append(frame)
+
+    with mock.patch.object(replicated.LocalParameters, "to_local", to_local):
+        yield
+
+
+@contextlib.contextmanager
 def dp_gradient_divided_twice() -> Iterator[None]:
     """The loss is not multiplied back by the data-parallel size before FSDP2's mean."""
     step = importlib.import_module("meshtrain.train.step")
