@@ -49,7 +49,14 @@ import torch
 from meshtrain.train.atomic import replaced_atomically, write_text_atomically
 from meshtrain.train.data.corpus import DataError
 from meshtrain.train.data.documents import Document, DocumentSource, read_documents, source_files
-from meshtrain.train.data.loader import TOKENS_BIN, TOKENS_JSON, TokenFile, TokenFileInfo
+from meshtrain.train.data.loader import (
+    TOKENS_BIN,
+    TOKENS_JSON,
+    TokenFile,
+    TokenFileInfo,
+    TokenWindows,
+    _checked_index,
+)
 from meshtrain.train.data.pack_pool import default_workers, packed_chunks
 from meshtrain.train.data.tokenizer import Tokenizer
 
@@ -277,11 +284,12 @@ class _PackedWriter:
             context.__exit__(DataError, DataError("unfinished"), None)  # drops the scratch file
 
 
-class PackedWindows:
+class PackedWindows(TokenWindows):
     """Non-overlapping windows of a packed token directory, targets masked by its loss mask.
 
-    Like :class:`~meshtrain.train.data.TokenWindows`: sample ``i`` reads the ``seq_len + 1``
-    tokens from ``i × seq_len``; a target whose ``loss_mask.bin`` byte is 0 is ``-100``.
+    The windows of :class:`~meshtrain.train.data.TokenWindows` (sample ``i`` reads the
+    ``seq_len + 1`` tokens from ``i × seq_len``); a target whose ``loss_mask.bin`` byte is 0 is
+    ``-100``.
 
     Example::
 
@@ -290,44 +298,30 @@ class PackedWindows:
     """
 
     def __init__(self, directory: str | os.PathLike[str], seq_len: int) -> None:
-        self.token_file = TokenFile(directory)
-        mask_path = self.token_file.directory / LOSS_MASK_BIN
-        if not mask_path.is_file() or mask_path.stat().st_size != len(self.token_file):
+        token_file = TokenFile(directory)
+        mask_path = token_file.directory / LOSS_MASK_BIN
+        if not mask_path.is_file() or mask_path.stat().st_size != len(token_file):
             raise DataError(
-                f"'{mask_path}' is missing or does not match '{self.token_file.bin_path}' (one "
+                f"'{mask_path}' is missing or does not match '{token_file.bin_path}' (one "
                 "byte per token). Delete the directory; the next run tokenises the data again."
             )
-        if seq_len < 1 or len(self.token_file) < seq_len + 1:
+        if seq_len < 1 or len(token_file) < seq_len + 1:
             raise DataError(
-                f"'{self.token_file.directory}' holds {len(self.token_file)} tokens, fewer than "
+                f"'{token_file.directory}' holds {len(token_file)} tokens, fewer than "
                 f"one window of train.seq_len + 1 = {seq_len + 1}. Add documents or shorten "
                 "train.seq_len."
             )
-        self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(len(self.token_file),))
-        self._seq_len = seq_len
-
-    @property
-    def seq_len(self) -> int:
-        return self._seq_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.token_file.vocab_size
-
-    def __len__(self) -> int:
-        return (len(self.token_file) - 1) // self._seq_len
+        super().__init__(token_file, seq_len)
+        self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(len(token_file),))
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < len(self):
-            raise IndexError(f"sample {index} is out of range for {self!r} of {len(self)}")
-        start = index * self._seq_len
-        window = self.token_file.tokens[start : start + self._seq_len + 1].astype(np.int64)
-        keep = self.mask[start + 1 : start + self._seq_len + 1].astype(bool)
-        targets = np.where(keep, window[1:], -100)
-        return torch.from_numpy(window[:-1].copy()), torch.from_numpy(targets)
+        inputs, targets = super().__getitem__(index)
+        start = _checked_index(index, len(self), self) * self.seq_len
+        keep = torch.from_numpy(self.mask[start + 1 : start + self.seq_len + 1].astype(bool))
+        return inputs, targets.masked_fill(~keep, -100)
 
     def __repr__(self) -> str:
-        return f"PackedWindows('{self.token_file.directory}', seq_len={self._seq_len})"
+        return f"PackedWindows('{self.token_file.directory}', seq_len={self.seq_len})"
 
 
 def _unit(seed: int, index: int) -> float:
