@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshtrain.train.profile import StepProfiler
+from meshtrain.train.profiling import StepProfiler
 
 
 @pytest.fixture

@@ -65,7 +65,7 @@ from meshtrain.train.fingerprint import check_same_plan
 from meshtrain.train.guard import LastGood, SkipBudget, SkipGuard, SkipRecord
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.metrics import Sinks, make_sinks
-from meshtrain.train.profile import StepProfiler, summary_table
+from meshtrain.train.profiling import StepProfiler, summary_table
 from meshtrain.train.replicas import verify_replicas
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.schedule import WarmupCosine
