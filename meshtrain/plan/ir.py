@@ -168,6 +168,39 @@ class PartialGrad:
 
 
 @dataclass(frozen=True)
+class ExpertGroup:
+    """One experts module lowered with expert parallelism: its ``num_experts`` expert weights
+    (``params``, 3-D, experts on dim 0) split over the plan's ``expert_axis`` so each rank holds
+    ``local_experts`` of them, tokens dispatched to their expert's rank by all-to-all. ``top_k``:
+    experts per token when the model's config says it (0 when unknown).
+
+    Example:
+        >>> g = ExpertGroup("layers.0.mlp.experts", 8, 4, ("layers.0.mlp.experts.down_proj",), 2)
+        >>> ExpertGroup.from_json(g.to_json()) == g, g.describe()
+        (True, 'layers.0.mlp.experts: 8 experts, 4 per rank, top-2, 1 parameters')
+    """
+
+    fqn: str
+    num_experts: int
+    local_experts: int
+    params: tuple[str, ...]
+    top_k: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {**vars(self), "params": list(self.params)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ExpertGroup:
+        return cls(**{**data, "params": tuple(data["params"])})
+
+    def describe(self) -> str:
+        """One line for ``Plan.explain()``."""
+        top_k = f"top-{self.top_k}" if self.top_k else "top-k unknown"
+        return (f"{self.fqn}: {self.num_experts} experts, {self.local_experts} per rank, {top_k}, "
+                f"{len(self.params)} parameters")  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Collective:
     """Collectives of one kind on one axis per optimizer step, with their payload in bytes."""
 
@@ -333,6 +366,15 @@ class Plan:
     tied: tuple[tuple[str, ...], ...] = ()
     batch_norms: tuple[str, ...] = ()
     partial_grads: tuple[PartialGrad, ...] = ()
+    expert_axis: str | None = None
+    experts: tuple[ExpertGroup, ...] = ()
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        """The axes the batch is split over: the data axes, then the expert axis (expert
+        parallelism is carved out of the data ranks: every rank trains its own tokens). Loss,
+        token counts and the data-parallel mean reduce over them."""
+        return self.data_axes + ((self.expert_axis,) if self.expert_axis else ())
 
     @property
     def specs(self) -> dict[str, P]:
@@ -414,6 +456,11 @@ class Plan:
             ]
             lines += [f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
                       for g in self.partial_grads]  # fmt: skip
+        if self.experts:
+            lines += ["", f"expert parallelism over '{self.expert_axis}' (tokens dispatched to "
+                      "their expert's rank by all-to-all, dropless; the batch split over "
+                      f"{list(self.batch_axes)}):"]  # fmt: skip
+            lines += [f"  {group.describe()}" for group in self.experts]
         if self.tied:
             lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
             lines += [f"  {' = '.join(group)}" for group in self.tied]
@@ -512,6 +559,8 @@ class Plan:
             tied=tuple(tuple(group) for group in data.get("tied", ())),
             batch_norms=tuple(data.get("batch_norms", ())),
             partial_grads=tuple(PartialGrad(**g) for g in data.get("partial_grads", ())),
+            expert_axis=data.get("expert_axis"),
+            experts=tuple(ExpertGroup.from_json(g) for g in data.get("experts", ())),
         )
 
 
@@ -628,6 +677,8 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "tied": [list(group) for group in plan.tied],
         "batch_norms": list(plan.batch_norms),
         "partial_grads": [vars(g) for g in plan.partial_grads],
+        "expert_axis": plan.expert_axis,
+        "experts": [group.to_json() for group in plan.experts],
     }
 
 
