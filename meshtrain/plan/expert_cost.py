@@ -1,0 +1,222 @@
+"""Expert parallelism costed: one rank's expert memory and its all-to-all traffic per step.
+
+Pure arithmetic over explicit arguments (no model, no process group), so that a 671B mixture of
+experts on 2,048 abstract ranks is sized in microseconds.
+
+**Memory.** An MoE layer's expert weights (``gate_up_proj`` [E, 2I, H] and ``down_proj``
+[E, H, I]) are split over the expert axis on dim 0 (each ``ep`` rank keeps ``E / ep`` experts)
+and, under ZeRO ≥ 1, over the data axes not in ``ep`` (``efsdp`` ranks: torchtitan's name):
+master copy, gradient and optimizer states are ``numel / (ep · efsdp)`` elements each (ZeRO 0:
+``numel / ep``). A step gathers each layer's local experts over ``efsdp`` in the parameter
+dtype (bf16 under mixed precision), the same rules the rest of the plan follows
+(:mod:`meshtrain.plan.cost`).
+
+**All-to-all.** A micro-batch gives each rank ``T`` tokens (its sequences × their length); each
+token goes to ``k`` experts, so a rank dispatches ``T · k`` rows of width ``H`` (in the compute
+dtype) to the ranks that hold their experts, and the combine sends the same rows back. Per MoE
+layer and micro-batch: forward dispatch + combine, and backward their two gradients (all-to-alls
+of the same sizes, reversed); a checkpointed block repeats its forward pair in backward (the
+selective policy keeps matmul and attention outputs only, so both modes recompute them).
+
+The *payload* of one all-to-all is the larger of a rank's send and receive buffers (rows kept on
+the rank included), which is what :class:`~meshtrain.testing.CollectiveCounter` measures; a rank
+sends ``(ep − 1) / ep`` of it to other ranks under uniform routing.
+
+Two routings are costed:
+
+- ``uniform``: every rank sends and receives ``T · k`` rows, ``T · k / ep`` to each rank;
+- ``worst``: the bound the balance settings allow. Routing is dropless (no capacity factor, no
+  token dropped), and neither the auxiliary loss nor bias balancing *bounds* the load of a
+  step, so without a stated ``max_load`` the worst case is every rank sending all of its rows
+  that can land on one rank to that rank: ``ep · T · min(k, E / ep)`` rows received there (a
+  token's ``k`` experts are distinct, so at most ``E / ep`` of them live on one rank). With
+  ``max_load = f`` (an observed or enforced bound on the busiest rank's rows over the mean), the
+  busiest rank receives ``min(f · T · k, that bound)`` rows.
+
+Example:
+    >>> layer = ExpertLayer("layers.3.moe.experts", num_experts=8, top_k=2, hidden=64, inter=32)
+    >>> rows_per_rank(layer, tokens=128, ep=4), rows_per_rank(layer, tokens=128, ep=4, routing="worst")
+    (256, 1024)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from meshtrain.errors import PlanError
+from meshtrain.plan.ir import Collective, Memory
+
+Routing = Literal["uniform", "worst"]
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One MoE layer as costing sees it: its experts module, ``num_experts`` experts of
+    ``gate_up_proj`` [E, 2·inter, hidden] and ``down_proj`` [E, hidden, inter], ``top_k``
+    experts per token.
+
+    Example:
+        >>> ExpertLayer("moe.experts", num_experts=256, top_k=8, hidden=7168, inter=2048).numel
+        11274289152
+    """
+
+    fqn: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    inter: int
+
+    @property
+    def numel(self) -> int:
+        """Elements of the layer's expert weights (all experts)."""
+        return self.num_experts * 3 * self.inter * self.hidden
+
+    def local_shapes(self, ep: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The shapes of ``gate_up_proj`` and ``down_proj`` on one of ``ep`` ranks."""
+        local = self.local_experts(ep)
+        return (local, 2 * self.inter, self.hidden), (local, self.hidden, self.inter)
+
+    def local_experts(self, ep: int) -> int:
+        """Experts each of ``ep`` ranks holds; a PlanError naming the layer when they do not
+        split evenly."""
+        if ep < 1 or self.num_experts % ep:
+            raise PlanError(
+                f"experts module '{self.fqn}' has {self.num_experts} experts, which do not split "
+                f"over an expert axis of {ep} ranks. Use an ep size that divides "
+                f"{self.num_experts}.",
+                fqn=self.fqn,
+            )
+        return self.num_experts // ep
+
+
+def rows_per_rank(
+    layer: ExpertLayer,
+    *,
+    tokens: int,
+    ep: int,
+    routing: Routing = "uniform",
+    max_load: float | None = None,
+) -> int:
+    """Rows in the busiest rank's larger all-to-all buffer, per all-to-all, for ``tokens``
+    tokens per rank (see the module docstring for the two routings).
+
+    Example:
+        >>> layer = ExpertLayer("e", num_experts=256, top_k=8, hidden=1, inter=1)
+        >>> [rows_per_rank(layer, tokens=100, ep=ep, routing="worst") for ep in (1, 8, 64)]
+        [800, 6400, 25600]
+    """
+    sent = tokens * layer.top_k
+    if routing == "uniform":
+        return sent
+    if routing != "worst":
+        raise PlanError(f"routing {routing!r} is not costed: use 'uniform' or 'worst'.")
+    received = ep * tokens * min(layer.top_k, layer.local_experts(ep))
+    if max_load is not None:
+        if max_load < 1:
+            raise PlanError(
+                f"max_load={max_load} is below 1: it bounds the busiest rank's rows over the "
+                "mean, which is at least 1. Give a factor ≥ 1, or None for the dropless bound."
+            )
+        received = min(received, math.ceil(max_load * sent))
+    return max(sent, received)
+
+
+def all_to_all_collectives(
+    layers: Sequence[ExpertLayer],
+    *,
+    axis: str,
+    ep: int,
+    tokens: int,
+    microbatches: int = 1,
+    activation_bytes: int = 4,
+    recomputed: int = 0,
+    routing: Routing = "uniform",
+    max_load: float | None = None,
+) -> tuple[Collective, ...]:
+    """The token all-to-alls of one optimizer step over ``axis`` (``ep`` ranks), for one rank:
+    dispatch and combine in forward, their gradients in backward, per MoE layer and
+    micro-batch; ``recomputed`` of the layers sit in checkpointed blocks and repeat their
+    forward pair in backward. ``tokens``: tokens per rank per micro-batch;
+    ``activation_bytes``: bytes per element of the dispatched rows (the compute dtype).
+
+    Example:
+        >>> layer = ExpertLayer("e", num_experts=8, top_k=2, hidden=64, inter=32)
+        >>> [(c.count, c.bytes) for c in all_to_all_collectives([layer], axis="ep", ep=2, tokens=16)]
+        [(2, 16384), (2, 16384)]
+    """
+    if ep <= 1 or not layers:
+        return ()
+
+    def pair(layer: ExpertLayer) -> int:  # dispatch + combine of one layer, one micro-batch
+        rows = rows_per_rank(layer, tokens=tokens, ep=ep, routing=routing, max_load=max_load)
+        return 2 * rows * layer.hidden * activation_bytes
+
+    forward = sum(pair(layer) for layer in layers) * microbatches
+    recompute = sum(pair(layer) for layer in layers[:recomputed]) * microbatches
+    backward = forward
+    n, how = len(layers) * microbatches, f"{routing} routing"
+    rows = [
+        Collective("all_to_all", axis, 2 * n, forward,
+                   f"tokens to their experts and back (dispatch, combine), forward, {how}"),
+        Collective("all_to_all", axis, 2 * n, backward,
+                   f"gradients of the combine and the dispatch, backward, {how}"),
+    ]  # fmt: skip
+    if recomputed:
+        rows.append(Collective("all_to_all", axis, 2 * recomputed * microbatches, recompute,
+                               f"dispatch and combine again, recomputing checkpointed blocks, {how}"))  # fmt: skip
+    return tuple(rows)
+
+
+def expert_memory(
+    layers: Sequence[ExpertLayer],
+    *,
+    ep: int,
+    efsdp: int,
+    zero: int,
+    optimizer_states: int,
+    param_bytes: int,
+    element_bytes: int = 4,
+    reduce_bytes: int = 4,
+    shard_dim: int = 0,
+) -> Memory:
+    """One rank's bytes for the experts of ``layers``: master copy, gradient and optimizer
+    states (``optimizer_states`` per parameter) of its ``1 / (ep · efsdp)`` share (``1 / ep``
+    under ZeRO 0), in the parameters' ``element_bytes``; during a step, the largest layer's
+    local experts gathered twice (the one computing and the one prefetched) in
+    ``param_bytes`` and one layer's unsharded gradient in ``reduce_bytes`` — the peaks
+    :mod:`meshtrain.plan.cost` gives an FSDP unit. FSDP2 splits dim ``shard_dim`` of each
+    local weight ([E / ep, 2I, H] and [E / ep, H, I]) into ``efsdp`` chunks padded to the
+    largest, so dim 0 with fewer local experts than ``efsdp`` ranks pads: shard dim 1 then.
+
+    Example:
+        >>> layer = ExpertLayer("e", num_experts=8, top_k=2, hidden=64, inter=32)
+        >>> expert_memory([layer], ep=4, efsdp=2, zero=3, optimizer_states=2, param_bytes=4).params
+        24576
+        >>> expert_memory([layer], ep=4, efsdp=4, zero=3, optimizer_states=2, param_bytes=4).params
+        24576
+    """
+    ways = efsdp if zero >= 1 else 1
+    shard = sum(_fsdp_shard(shape, shard_dim, ways) for layer in layers
+                for shape in layer.local_shapes(ep))  # fmt: skip
+    local = [sum(math.prod(shape) for shape in layer.local_shapes(ep)) for layer in layers]
+    cast = param_bytes != element_bytes
+    gathered = 2 * max(local, default=0) * param_bytes if ways > 1 or cast else 0
+    unsharded = max(local, default=0) * reduce_bytes if ways > 1 else 0
+    return Memory(
+        params=shard * element_bytes,
+        grads=shard * element_bytes,
+        optimizer_states=shard * element_bytes * optimizer_states,
+        gathered_params=gathered,
+        unsharded_grads=unsharded,
+    )
+
+
+def _fsdp_shard(shape: tuple[int, ...], dim: int, ways: int) -> int:
+    """Elements of one FSDP2 shard of ``shape`` split ``ways`` ways on ``dim`` (padded)."""
+    return math.prod(shape) // shape[dim] * -(-shape[dim] // ways)
+
+
+__all__ = ["ExpertLayer", "Routing", "all_to_all_collectives", "expert_memory", "rows_per_rank"]
