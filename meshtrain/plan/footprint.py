@@ -12,6 +12,7 @@ collective          bytes each rank sends, axis of size n
 ``all_gather``      (n − 1) / n × payload (the gathered tensor)
 ``reduce_scatter``  (n − 1) / n × payload (the unreduced input)
 ``send/recv``       payload (to the neighbouring stage)
+``all_to_all``      (n − 1) / n × payload (its larger buffer; uniform routing)
 ==================  =====================================
 
 Example:
@@ -35,6 +36,7 @@ _RING = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "send/recv": lambda n: 1.0 if n > 1 else 0.0,
+    "all_to_all": lambda n: (n - 1) / n,
 }
 
 
