@@ -34,7 +34,7 @@ Two routings are costed:
   busiest rank receives ``min(f · T · k, that bound)`` rows.
 
 Example:
-    >>> layer = ExpertLayer("layers.3.moe.experts", num_experts=8, top_k=2, hidden=64, inter=32)
+    >>> layer = ExpertLayer.swiglu("layers.3.moe.experts", num_experts=8, top_k=2, hidden=64, inter=32)
     >>> rows_per_rank(layer, tokens=128, ep=4), rows_per_rank(layer, tokens=128, ep=4, routing="worst")
     (256, 1024)
 """
@@ -47,19 +47,20 @@ from dataclasses import dataclass
 from typing import Literal
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.ir import Collective, Memory
+from meshtrain.plan.ir import Collective, ExpertGroup, Memory, ParamLayout
+from meshtrain.plan.options import PlanOptions
 
 Routing = Literal["uniform", "worst"]
 
 
 @dataclass(frozen=True)
 class ExpertLayer:
-    """One MoE layer as costing sees it: its experts module, ``num_experts`` experts of
-    ``gate_up_proj`` [E, 2·inter, hidden] and ``down_proj`` [E, hidden, inter], ``top_k``
-    experts per token.
+    """One MoE layer as costing sees it: its experts module, ``num_experts`` experts, ``top_k``
+    of them per token, tokens of width ``hidden``, and the global ``shapes`` of its expert
+    weights (experts on dim 0).
 
     Example:
-        >>> ExpertLayer("moe.experts", num_experts=256, top_k=8, hidden=7168, inter=2048).numel
+        >>> ExpertLayer.swiglu("moe.experts", num_experts=256, top_k=8, hidden=7168, inter=2048).numel
         11274289152
     """
 
@@ -67,17 +68,25 @@ class ExpertLayer:
     num_experts: int
     top_k: int
     hidden: int
-    inter: int
+    shapes: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def swiglu(
+        cls, fqn: str, *, num_experts: int, top_k: int, hidden: int, inter: int
+    ) -> ExpertLayer:
+        """Fused SwiGLU experts: ``gate_up_proj`` [E, 2·inter, hidden], ``down_proj`` [E, hidden, inter]."""
+        shapes = ((num_experts, 2 * inter, hidden), (num_experts, hidden, inter))
+        return cls(fqn, num_experts, top_k, hidden, shapes)
 
     @property
     def numel(self) -> int:
         """Elements of the layer's expert weights (all experts)."""
-        return self.num_experts * 3 * self.inter * self.hidden
+        return sum(math.prod(shape) for shape in self.shapes)
 
-    def local_shapes(self, ep: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-        """The shapes of ``gate_up_proj`` and ``down_proj`` on one of ``ep`` ranks."""
+    def local_shapes(self, ep: int) -> tuple[tuple[int, ...], ...]:
+        """The weights' shapes on one of ``ep`` ranks (dim 0 split)."""
         local = self.local_experts(ep)
-        return (local, 2 * self.inter, self.hidden), (local, self.hidden, self.inter)
+        return tuple((local, *shape[1:]) for shape in self.shapes)
 
     def local_experts(self, ep: int) -> int:
         """Experts each of ``ep`` ranks holds; a PlanError naming the layer when they do not
@@ -104,7 +113,7 @@ def rows_per_rank(
     tokens per rank (see the module docstring for the two routings).
 
     Example:
-        >>> layer = ExpertLayer("e", num_experts=256, top_k=8, hidden=1, inter=1)
+        >>> layer = ExpertLayer.swiglu("e", num_experts=256, top_k=8, hidden=1, inter=1)
         >>> [rows_per_rank(layer, tokens=100, ep=ep, routing="worst") for ep in (1, 8, 64)]
         [800, 6400, 25600]
     """
@@ -143,7 +152,7 @@ def all_to_all_collectives(
     ``activation_bytes``: bytes per element of the dispatched rows (the compute dtype).
 
     Example:
-        >>> layer = ExpertLayer("e", num_experts=8, top_k=2, hidden=64, inter=32)
+        >>> layer = ExpertLayer.swiglu("e", num_experts=8, top_k=2, hidden=64, inter=32)
         >>> [(c.count, c.bytes) for c in all_to_all_collectives([layer], axis="ep", ep=2, tokens=16)]
         [(2, 16384), (2, 16384)]
     """
@@ -192,7 +201,7 @@ def expert_memory(
     largest, so dim 0 with fewer local experts than ``efsdp`` ranks pads: shard dim 1 then.
 
     Example:
-        >>> layer = ExpertLayer("e", num_experts=8, top_k=2, hidden=64, inter=32)
+        >>> layer = ExpertLayer.swiglu("e", num_experts=8, top_k=2, hidden=64, inter=32)
         >>> expert_memory([layer], ep=4, efsdp=2, zero=3, optimizer_states=2, param_bytes=4).params
         24576
         >>> expert_memory([layer], ep=4, efsdp=4, zero=3, optimizer_states=2, param_bytes=4).params
@@ -214,9 +223,74 @@ def expert_memory(
     )
 
 
+def expert_layers(
+    groups: Sequence[ExpertGroup], params: Sequence[ParamLayout]
+) -> tuple[ExpertLayer, ...]:
+    """The plan's expert groups as :class:`ExpertLayer` s: their weights' global shapes from the
+    layouts, the token width from ``down_proj`` [E, H, I] (dim 1) or else ``gate_up_proj``
+    [E, 2I, H] (dim 2), the last dim of the first weight otherwise.
+
+    Example:
+        >>> from meshtrain.spec.partition import P
+        >>> layout = ParamLayout("moe.experts.down_proj", (8, 64, 16), P("ep"), "", (4, 64, 16), (4, 64, 16))
+        >>> expert_layers([ExpertGroup("moe.experts", 8, 4, (layout.fqn,), 2)], [layout])[0].hidden
+        64
+    """
+    shapes = {p.fqn: p.shape for p in params}
+    layers = []
+    for group in groups:
+        named = {fqn: shapes[fqn] for fqn in group.params}
+        down = [shape for fqn, shape in named.items() if fqn.endswith("down_proj")]
+        gate_up = [shape for fqn, shape in named.items() if fqn.endswith("gate_up_proj")]
+        first = next(iter(named.values()))
+        hidden = down[0][1] if down else gate_up[0][2] if gate_up else first[-1]
+        layers.append(ExpertLayer(group.fqn, group.num_experts, group.top_k, hidden,
+                                  tuple(named.values())))  # fmt: skip
+    return tuple(layers)
+
+
+def estimate_expert_collectives(
+    groups: Sequence[ExpertGroup],
+    params: Sequence[ParamLayout],
+    axis: str,
+    ep: int,
+    options: PlanOptions,
+    checkpointed: Sequence[str] = (),
+    *,
+    routing: Routing = "uniform",
+    max_load: float | None = None,
+) -> tuple[Collective, ...]:
+    """A plan's token all-to-alls per step (:func:`all_to_all_collectives`): its
+    ``batch_size × seq_len`` tokens per rank and micro-batch, its micro-batches, rows in the
+    compute dtype, the groups inside ``checkpointed`` blocks recomputed. Without a batch size
+    the counts are given and the bytes are 0; a group of unknown top-k is left out."""
+    layers = [layer for layer in expert_layers(groups, params) if layer.top_k]
+    inside = [any(layer.fqn.startswith(block + ".") for block in checkpointed) for layer in layers]
+    ordered = [layer for layer, flag in zip(layers, inside) if flag]
+    ordered += [layer for layer, flag in zip(layers, inside) if not flag]
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    return all_to_all_collectives(
+        ordered, axis=axis, ep=ep, tokens=tokens, microbatches=options.microbatches,
+        activation_bytes=_itemsize(options.param_dtype), recomputed=sum(inside),
+        routing=routing, max_load=max_load,
+    )  # fmt: skip
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+
+
 def _fsdp_shard(shape: tuple[int, ...], dim: int, ways: int) -> int:
     """Elements of one FSDP2 shard of ``shape`` split ``ways`` ways on ``dim`` (padded)."""
     return math.prod(shape) // shape[dim] * -(-shape[dim] // ways)
 
 
-__all__ = ["ExpertLayer", "Routing", "all_to_all_collectives", "expert_memory", "rows_per_rank"]
+__all__ = [
+    "ExpertLayer",
+    "Routing",
+    "all_to_all_collectives",
+    "estimate_expert_collectives",
+    "expert_layers",
+    "expert_memory",
+    "rows_per_rank",
+]
