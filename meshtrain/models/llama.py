@@ -23,7 +23,7 @@ import abc
 import dataclasses
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -222,7 +222,12 @@ class Attention(_Initialised):
 
     Head counts are inferred from the projected widths, so the same code runs on the local shards
     of column-parallel ``wq``/``wk``/``wv`` (``n_heads / tp`` query heads per rank).
+    ``attention_fn`` (``None``: PyTorch's causal SDPA) computes causal attention from
+    ``q [batch, heads, seq, head_dim]`` and ``k``/``v`` with fewer heads (grouped queries); a
+    plan replaces it, e.g. context parallelism with attention over the whole sequence's keys.
     """
+
+    attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
 
     def __init__(self, config: LlamaConfig, out_std: float) -> None:
         super().__init__()
@@ -240,14 +245,17 @@ class Attention(_Initialised):
         q = _apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         k = _apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        attend = self.attention_fn or _causal_sdpa
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _init_table(self) -> dict[str, _Init]:
         table = {f"{name}.weight": _Init(std=0.02) for name in ("wq", "wk", "wv")}
         return {**table, "wo.weight": _Init(std=self.out_std)}
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 class FeedForward(_Initialised):
@@ -329,16 +337,24 @@ class Llama(_Initialised):
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self._reset_rope()
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits (or a stage's hidden states); ``positions`` (``[seq]``, default
+        ``0..seq-1``): the true positions of the tokens given, for a share of a longer sequence
+        (context parallelism)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1]  # under sequence parallelism a later stage gets a sequence shard
-        if self.tok_embeddings is not None and seq > self.config.max_seq_len:
+        last = int(positions.max()) + 1 if positions is not None else seq
+        if self.tok_embeddings is not None and last > self.config.max_seq_len:
             raise PlanError(
-                f"sequence length {seq} exceeds LlamaConfig.max_seq_len={self.config.max_seq_len}; "
-                "build the model with a larger max_seq_len or feed shorter sequences."
+                f"sequence length {last} exceeds LlamaConfig.max_seq_len="
+                f"{self.config.max_seq_len}; build the model with a larger max_seq_len or feed "
+                "shorter sequences."
             )
+        rope_cos, rope_sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            rope_cos, rope_sin = rope_cos[positions], rope_sin[positions]
         for layer in self.layers.values():  # attention slices the tables to its sequence
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, rope_cos, rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

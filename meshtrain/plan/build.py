@@ -31,6 +31,12 @@ from meshtrain.plan.adapters import (
     storage,
     trainable,
 )
+from meshtrain.plan.context import (
+    check_context,
+    check_context_model,
+    context_axis_of,
+    param_axes,
+)
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.infer import (
@@ -97,6 +103,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         tied=layout.tied,
         batch_norms=layout.batch_norms,
         partial_grads=layout.partial_grads,
+        context_axis=layout.context_axis,
     )
 
 
@@ -124,28 +131,35 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     FSDP units and the compute policies (checkpointed blocks, compile scope, cast axes)."""
     pipeline = options.pipeline
     resolution = resolve_with_adapters(rules, model, mesh)
-    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline.axis if pipeline else None)
+    pipeline_axis = pipeline.axis if pipeline else None
+    context_axis = context_axis_of(rules, mesh, rules.fsdp, pipeline_axis,
+                                   param_axes(resolution))  # fmt: skip
+    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline_axis, context_axis)
     active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
-    shard_axes = shard_axes_of(active)
+    context = (context_axis,) if context_axis else ()
+    if context_axis is not None:
+        check_context(mesh, context_axis, options, data_axes=active, tp_axis=tp_axis)
+        check_context_model(model, context_axis)
+    shard_axes = shard_axes_of(active) + context
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
     sharded = fsdp_decisions(options.zero).shard_params
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
-    sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis)
+    sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis, context_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:
         check_sequence_length(options.seq_len, tp_axis, mesh)
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
-    if not active:
+    if not active and not context:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = _decided(infer_units(model, options.fsdp_units), options)
     blocks = block_fqns(all_units)
     if sequence_parallel and tp_axis is not None:
         styles = place_sequence_split(model, styles, blocks, tp_size=mesh.size(tp_axis),
                                       seq_len=options.seq_len)  # fmt: skip
-    cast_axes = _cast_axes(options, data_axes, active, mesh)
-    units = all_units if active or cast_axes else ()
+    cast_axes = _cast_axes(options, data_axes, active + context, mesh)
+    units = all_units if active or cast_axes or context else ()
     compile_scope = resolve_compile_scope(
         options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
         split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
@@ -166,7 +180,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     notes += unproven
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
                   compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
-                  partial_grads)  # fmt: skip
+                  partial_grads, context_axis)  # fmt: skip
 
 
 def cost_flat(
@@ -175,7 +189,7 @@ def cost_flat(
     """Memory per rank, collectives per step, notes and activation estimates per checkpointing
     mode of a plan without a pipeline."""
     memory = estimate_memory(layout.params, layout.units, options, buffers=layout.buffers,
-                             sharded=bool(layout.data_axes))  # fmt: skip
+                             sharded=bool(layout.data_axes or layout.context_axis))  # fmt: skip
     estimates: tuple[tuple[str, int], ...] = ()
     profile = layout.profile
     if profile is not None:

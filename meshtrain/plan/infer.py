@@ -25,12 +25,15 @@ _ELEMENT_BYTES = 4  # fp32 master parameters
 
 
 def infer_axes(
-    resolution: Resolution, data_axes: Sequence[str], pipeline_axis: str | None = None
+    resolution: Resolution,
+    data_axes: Sequence[str],
+    pipeline_axis: str | None = None,
+    context_axis: str | None = None,
 ) -> tuple[tuple[str, ...], str | None]:
     """The data axes (checked) and the one tensor-parallel axis the specs use (or ``None``).
 
-    Every mesh axis larger than 1 must have a job: a data axis, the pipeline axis, or an axis
-    some spec shards over.
+    Every mesh axis larger than 1 must have a job: a data axis, the pipeline axis, the context
+    axis, or an axis some spec shards over.
     """
     mesh = resolution.mesh
     data = tuple(data_axes)
@@ -51,7 +54,10 @@ def infer_axes(
     idle = [
         axis
         for axis, size in zip(mesh.axis_names, mesh.axis_sizes)
-        if size > 1 and axis not in data and axis not in used and axis != pipeline_axis
+        if size > 1
+        and axis not in data
+        and axis not in used
+        and axis not in (pipeline_axis, context_axis)
     ]
     if idle:
         raise PlanError(
@@ -106,17 +112,26 @@ def _check_sharded_axes(
 
 
 def infer_sequence_parallel(
-    rules: Rules, mesh: Mesh, data_axes: Sequence[str], tp_axis: str | None
+    rules: Rules,
+    mesh: Mesh,
+    data_axes: Sequence[str],
+    tp_axis: str | None,
+    context_axis: str | None = None,
 ) -> bool:
     """Whether the activation rules shard the sequence dim over the tensor-parallel axis.
 
     Activations are ``[batch, seq, features]``; a logical rule ``("seq", axis)`` shards dim 1.
-    Only the tensor-parallel axis can take it (sequence parallelism); a sequence rule onto a data
-    axis or a third axis would be context parallelism, which meshtrain does not lower.
+    Besides the context axis (context parallelism, :mod:`meshtrain.plan.context`), only the
+    tensor-parallel axis can take it (sequence parallelism); a sequence rule onto a data axis
+    is refused.
     """
     if not any(name == "seq" for name, _ in rules.logical):
         return False
-    axes = [axis for axis in rules.logical_spec(("seq",), mesh).axes if mesh.size(axis) > 1]
+    axes = [
+        axis
+        for axis in rules.logical_spec(("seq",), mesh).axes
+        if mesh.size(axis) > 1 and axis != context_axis
+    ]
     if not axes:
         return False
     if axes != [tp_axis]:

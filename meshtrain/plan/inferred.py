@@ -34,3 +34,4 @@ class Inferred:
     tied: tuple[tuple[str, ...], ...] = ()
     batch_norms: tuple[str, ...] = ()
     partial_grads: tuple[PartialGrad, ...] = ()
+    context_axis: str | None = None

@@ -368,6 +368,7 @@ class Plan:
     partial_grads: tuple[PartialGrad, ...] = ()
     expert_axis: str | None = None
     experts: tuple[ExpertGroup, ...] = ()
+    context_axis: str | None = None
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -375,6 +376,14 @@ class Plan:
         parallelism is carved out of the data ranks: every rank trains its own tokens). Loss,
         token counts and the data-parallel mean reduce over them."""
         return self.data_axes + ((self.expert_axis,) if self.expert_axis else ())
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes a step's loss tokens are spread over: the batch axes, then the context axis
+        (its ranks hold chunks of the same sequences, see :mod:`meshtrain.plan.context`). Token
+        counts, the loss and the gradient reduction run over them; the batch rows do not split
+        over the context axis."""
+        return self.batch_axes + ((self.context_axis,) if self.context_axis else ())
 
     @property
     def specs(self) -> dict[str, P]:
@@ -461,6 +470,13 @@ class Plan:
                       "their expert's rank by all-to-all, dropless; the batch split over "
                       f"{list(self.batch_axes)}):"]  # fmt: skip
             lines += [f"  {group.describe()}" for group in self.experts]
+        if self.context_axis is not None:
+            options = self.options
+            lines += ["", f"context parallelism over '{self.context_axis}' "
+                      f"({self.mesh.size(self.context_axis)} ranks per sequence, balance "
+                      f"{options.context_balance!r}, attention by {options.context_method!r}): "
+                      "parameters replicated over it, gradients and loss tokens reduced over "
+                      f"{list(self.token_axes)}"]  # fmt: skip
         if self.tied:
             lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
             lines += [f"  {' = '.join(group)}" for group in self.tied]
@@ -561,6 +577,7 @@ class Plan:
             partial_grads=tuple(PartialGrad(**g) for g in data.get("partial_grads", ())),
             expert_axis=data.get("expert_axis"),
             experts=tuple(ExpertGroup.from_json(g) for g in data.get("experts", ())),
+            context_axis=data.get("context_axis"),
         )
 
 
@@ -679,6 +696,7 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "partial_grads": [vars(g) for g in plan.partial_grads],
         "expert_axis": plan.expert_axis,
         "experts": [group.to_json() for group in plan.experts],
+        "context_axis": plan.context_axis,
     }
 
 

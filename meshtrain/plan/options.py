@@ -100,6 +100,10 @@ ZeroStage = Literal[0, 1, 2, 3]
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
 CompileScope = Literal["auto", "block", "model"]
 GradReduction = Literal["mean", "sum"]
+#: how context parallelism gives ranks their chunks ("headtail": chunks r and 2·cp-1-r of 2·cp)
+ContextBalance = Literal["headtail", "contiguous"]
+#: how its attention meets the other ranks' keys and values (circulated, or gathered at once)
+ContextMethod = Literal["ring", "allgather"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -126,6 +130,10 @@ class PlanOptions:
     gradients are summed, for a loss divided by the global token count (what
     ``mt.make_train_step`` does with either: under ``"mean"`` it scales the loss by the number
     of data-parallel ranks to compensate).
+
+    ``context_balance`` and ``context_method``: under context parallelism (an activation rule
+    ``("seq", "cp")``), which chunks of each sequence a rank holds and how its attention meets
+    the other ranks' keys and values (see :mod:`meshtrain.plan.context`).
     """
 
     zero: int = 3
@@ -148,6 +156,8 @@ class PlanOptions:
     fsdp_units: tuple[str, ...] | None = None
     global_batch: int | None = None
     grad_reduction: GradReduction = "mean"
+    context_balance: ContextBalance = "headtail"
+    context_method: ContextMethod = "ring"
 
     def __post_init__(self) -> None:
         if self.fsdp_units is not None and not isinstance(self.fsdp_units, tuple):
@@ -171,6 +181,7 @@ class PlanOptions:
                 "semantics: gradients averaged over data-parallel ranks) or 'sum' (for a loss "
                 "divided by the global token count)."
             )
+        _check_context_options(self.context_balance, self.context_method)
         if self.optimizer not in _OPTIMIZER_STATES:
             raise PlanError(
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
@@ -324,6 +335,20 @@ class AutoSearch:
                 "strategy='auto' needs device_memory (bytes per device, or a string like '80GiB')."
             )
         return cls(parse_bytes(memory), int(overrides.get("node_size", 8)))
+
+
+def _check_context_options(balance: str, method: str) -> None:
+    """Context parallelism's load balancer and attention method are among the known ones."""
+    if balance not in get_args(ContextBalance):
+        raise PlanError(
+            f"context_balance={balance!r} is not one of 'headtail' (rank r holds chunks r and "
+            "2·cp-1-r of 2·cp: equal causal work) or 'contiguous' (rank r holds chunk r of cp)."
+        )
+    if method not in get_args(ContextMethod):
+        raise PlanError(
+            f"context_method={method!r} is not one of 'ring' (keys and values passed around the "
+            "context group, one chunk in flight) or 'allgather' (gathered at once)."
+        )
 
 
 _COMPILE_KEYS = {

@@ -1,0 +1,165 @@
+"""Context parallelism in the plan: which mesh axis splits each sequence, and what it refuses.
+
+A logical activation rule ``("seq", "cp")`` onto an axis that no parameter is sharded over, that
+is neither a data axis nor the pipeline axis, makes that axis the plan's *context axis*
+(``Plan.context_axis``). Every rank of a context group holds the same batch rows and one
+load-balanced share of each sequence (``context_balance``: "headtail" gives rank ``r`` chunks
+``r`` and ``2·cp-1-r`` of ``2·cp``, so causal attention costs every rank the same); attention
+circulates keys and values around the group (``context_method="ring"``) or gathers them
+(``"allgather"``). Parameters stay replicated over the axis and their gradients are reduced over
+the data axes and the context axis together (FSDP shards over both, as torchtitan's
+``dp_shard_cp``); the loss counts the tokens of every rank of both.
+
+Pure: reads rules, the mesh and the model's modules; raises :class:`PlanError` while planning.
+
+Example:
+    >>> import meshtrain as mt
+    >>> mesh = mt.make_mesh(dp=2, cp=2, world_size=4, abstract=True)
+    >>> rules = mt.Rules({".*": mt.P()}, fsdp="dp", logical=[("seq", "cp")])
+    >>> context_axis_of(rules, mesh, ("dp",), None)
+    'cp'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from meshtrain.errors import PlanError
+from meshtrain.plan.options import PlanOptions
+from meshtrain.spec.mesh import Mesh
+from meshtrain.spec.rules import Resolution, Rules
+
+#: the attention implementations of ``transformers`` models whose attention can be replaced
+_HF_ATTENTION = ("sdpa",)
+
+
+def context_axis_of(
+    rules: Rules,
+    mesh: Mesh,
+    data_axes: Sequence[str],
+    pipeline_axis: str | None,
+    param_axes: Sequence[str] = (),
+) -> str | None:
+    """The mesh axis (larger than 1) the ``seq`` activation rule maps to that is neither a data
+    axis, the pipeline axis nor an axis parameters are sharded over (``param_axes``: the tensor
+    axis, whose ``seq`` entry is sequence parallelism); ``None`` when there is none."""
+    if not any(name == "seq" for name, _ in rules.logical):
+        return None
+    axes = [axis for axis in rules.logical_spec(("seq",), mesh).axes if mesh.size(axis) > 1]
+    found = [a for a in axes if a not in data_axes and a != pipeline_axis and a not in param_axes]
+    if len(found) > 1:
+        raise PlanError(
+            f"the activation rule for 'seq' maps the sequence dim to {found} on mesh {mesh}; "
+            "context parallelism splits it over one axis. Use one, e.g. ('seq', 'cp').",
+            rule=f"('seq', {axes!r})",
+            mesh=mesh,
+        )
+    return found[0] if found else None
+
+
+def param_axes(resolution: Resolution) -> tuple[str, ...]:
+    """The mesh axes some parameter spec shards over."""
+    return tuple(sorted({axis for param in resolution.params for axis in param.spec.axes}))
+
+
+def check_context(
+    mesh: Mesh,
+    axis: str,
+    options: PlanOptions,
+    *,
+    data_axes: Sequence[str],
+    tp_axis: str | None,
+) -> None:
+    """What context parallelism composes with in this version: data parallelism (FSDP over one
+    data axis, any ZeRO stage), activation checkpointing, bf16/fp16. Tensor or pipeline
+    parallelism, HSDP, compile and a sequence that does not split into ``2·cp`` chunks are
+    refused, naming the combination."""
+    ways = mesh.size(axis)
+    combos = [
+        (tp_axis is not None, f"tensor parallelism over '{tp_axis}'"),
+        (options.pipeline is not None, "a pipeline"),
+        (len(data_axes) > 1, f"HSDP over {list(data_axes)}"),
+        (options.compile, "torch.compile"),
+    ]
+    for refused, what in combos:
+        if refused:
+            raise PlanError(
+                f"context parallelism over '{axis}' (size {ways}) on mesh {mesh} does not "
+                f"compose with {what} in this version of meshtrain: it would not be proven to "
+                "train like one device. Drop one of them (context parallelism composes with "
+                "FSDP over one data axis, activation checkpointing and bf16).",
+                mesh=mesh,
+            )
+    check_context_length(options.seq_len, axis, mesh, options.context_balance)
+
+
+def check_context_length(seq_len: int | None, axis: str, mesh: Mesh, balance: str) -> None:
+    """Head-tail balancing cuts each sequence into ``2·cp`` equal chunks (``cp`` contiguous
+    ones otherwise)."""
+    ways = mesh.size(axis)
+    chunks = 2 * ways if balance == "headtail" else ways
+    if seq_len is not None and seq_len % chunks:
+        raise PlanError(
+            f"seq_len={seq_len} does not split into {chunks} equal chunks, which context "
+            f"parallelism over '{axis}' (cp={ways}, balance={balance!r}) gives its ranks on mesh "
+            f"{mesh}. Use a sequence length that is a multiple of {chunks} (e.g. "
+            f"{seq_len + chunks - seq_len % chunks}).",
+            mesh=mesh,
+        )
+
+
+def check_context_model(model: nn.Module, axis: str) -> str:
+    """How the lowering reaches ``model``'s attention under context parallelism: ``"meshtrain"``
+    (meshtrain's Llama: attention modules with an ``attention_fn`` attribute, and a
+    ``positions`` argument to the model's forward) or ``"transformers"``
+    (a ``transformers`` model with SDPA attention: an attention function registered and chosen
+    in its config, and ``position_ids`` passed). Anything else, and modules it cannot split
+    along the sequence, are a :class:`PlanError` naming them."""
+    _refuse_modules(model, axis)
+    if any(hasattr(module, "attention_fn") for module in model.modules()):
+        return "meshtrain"
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if config is None or implementation is None:
+        raise PlanError(
+            f"context parallelism over '{axis}' cannot place the attention of "
+            f"{type(model).__name__}: it replaces the attention of meshtrain's Llama and of "
+            "transformers models (their attention function), and this model is neither. Train it "
+            "without the ('seq', ...) context rule, or write it with one of those attentions.",
+            fqn="",
+        )
+    if implementation not in _HF_ATTENTION and not str(implementation).startswith("meshtrain_"):
+        raise PlanError(
+            f"{type(model).__name__} uses attn_implementation={implementation!r}, which context "
+            f"parallelism over '{axis}' does not know how to split (it replaces {_HF_ATTENTION}). "
+            "Load the model with attn_implementation='sdpa'.",
+            fqn="",
+        )
+    return "transformers"
+
+
+def _refuse_modules(model: nn.Module, axis: str) -> None:
+    """BatchNorm (statistics over the whole sequence) and learned absolute position embeddings
+    of a model that takes no ``position_ids`` cannot be split along the sequence."""
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            raise PlanError(
+                f"module '{fqn}' ({type(module).__name__}) normalises over the sequence, which "
+                f"context parallelism over '{axis}' splits: each rank would use its chunk's "
+                "statistics. Use a per-token normalisation (LayerNorm, RMSNorm) or drop the "
+                "('seq', ...) context rule.",
+                fqn=fqn,
+            )
+        if isinstance(module, nn.Embedding) and "position" in fqn.lower():
+            forward = getattr(type(model), "forward", None)
+            names = getattr(getattr(forward, "__code__", None), "co_varnames", ())
+            if "position_ids" not in names:
+                raise PlanError(
+                    f"module '{fqn}' is a learned position embedding and "
+                    f"{type(model).__name__}.forward takes no position_ids, so context "
+                    f"parallelism over '{axis}' cannot give each chunk its true positions. Drop "
+                    "the ('seq', ...) context rule.",
+                    fqn=fqn,
+                )
