@@ -51,6 +51,7 @@ from meshtrain.plan.ir import Collective, ExpertGroup, Memory, ParamLayout
 from meshtrain.plan.options import PlanOptions
 
 Routing = Literal["uniform", "worst"]
+_INDEX_BYTES = 8  # int64 counts and expert ids
 
 
 @dataclass(frozen=True)
@@ -145,38 +146,47 @@ def all_to_all_collectives(
     routing: Routing = "uniform",
     max_load: float | None = None,
 ) -> tuple[Collective, ...]:
-    """The token all-to-alls of one optimizer step over ``axis`` (``ep`` ranks), for one rank:
-    dispatch and combine in forward, their gradients in backward, per MoE layer and
-    micro-batch; ``recomputed`` of the layers sit in checkpointed blocks and repeat their
-    forward pair in backward. ``tokens``: tokens per rank per micro-batch;
+    """The all-to-alls of one optimizer step over ``axis`` (``ep`` ranks), for one rank, as the
+    lowering (:mod:`meshtrain.lower.expert_parallel`) issues them per MoE layer and micro-batch:
+    in forward the rows each rank sends to each rank (``ep`` int64), the tokens, each row's
+    local expert id (int64) and the results back; in backward the gradients of the tokens and
+    of the results. ``recomputed`` of the layers sit in checkpointed blocks and repeat their
+    forward four in backward. ``tokens``: tokens per rank per micro-batch;
     ``activation_bytes``: bytes per element of the dispatched rows (the compute dtype).
 
     Example:
         >>> layer = ExpertLayer.swiglu("e", num_experts=8, top_k=2, hidden=64, inter=32)
         >>> [(c.count, c.bytes) for c in all_to_all_collectives([layer], axis="ep", ep=2, tokens=16)]
-        [(2, 16384), (2, 16384)]
+        [(2, 16384), (2, 272), (2, 16384)]
     """
     if ep <= 1 or not layers:
         return ()
 
-    def pair(layer: ExpertLayer) -> int:  # dispatch + combine of one layer, one micro-batch
-        rows = rows_per_rank(layer, tokens=tokens, ep=ep, routing=routing, max_load=max_load)
-        return 2 * rows * layer.hidden * activation_bytes
+    def rows(layer: ExpertLayer) -> int:
+        return rows_per_rank(layer, tokens=tokens, ep=ep, routing=routing, max_load=max_load)
 
-    forward = sum(pair(layer) for layer in layers) * microbatches
-    recompute = sum(pair(layer) for layer in layers[:recomputed]) * microbatches
-    backward = forward
-    n, how = len(layers) * microbatches, f"{routing} routing"
-    rows = [
-        Collective("all_to_all", axis, 2 * n, forward,
-                   f"tokens to their experts and back (dispatch, combine), forward, {how}"),
-        Collective("all_to_all", axis, 2 * n, backward,
-                   f"gradients of the combine and the dispatch, backward, {how}"),
+    def pair(layer: ExpertLayer) -> int:  # tokens out and results back, one micro-batch
+        return 2 * rows(layer) * layer.hidden * activation_bytes
+
+    def routing_data(layer: ExpertLayer) -> int:  # the counts, then each row's local expert id
+        return _INDEX_BYTES * (ep + rows(layer))
+
+    n, how, again = len(layers) * microbatches, f"{routing} routing", layers[:recomputed]
+    tokens_forward = sum(pair(layer) for layer in layers) * microbatches
+    routed = sum(routing_data(layer) for layer in layers) * microbatches
+    result = [
+        Collective("all_to_all", axis, 2 * n, tokens_forward,
+                   f"tokens to their experts and the results back, forward, {how}"),
+        Collective("all_to_all", axis, 2 * n, routed,
+                   "rows per rank (int64), then each row's local expert (int64), forward"),
+        Collective("all_to_all", axis, 2 * n, tokens_forward,
+                   f"gradients of the results and of the tokens, backward, {how}"),
     ]  # fmt: skip
     if recomputed:
-        rows.append(Collective("all_to_all", axis, 2 * recomputed * microbatches, recompute,
-                               f"dispatch and combine again, recomputing checkpointed blocks, {how}"))  # fmt: skip
-    return tuple(rows)
+        repeated = sum(pair(layer) + routing_data(layer) for layer in again) * microbatches
+        result.append(Collective("all_to_all", axis, 4 * recomputed * microbatches, repeated,
+                                 f"the forward's four again, recomputing checkpointed blocks, {how}"))  # fmt: skip
+    return tuple(result)
 
 
 def expert_memory(
