@@ -20,16 +20,38 @@ from meshtrain.models.llama import (
     default_rules,
     llama_flops_per_token,
 )
+from meshtrain.models.moe import (
+    MoE,
+    MoEBlock,
+    MoEConfig,
+    MoEFeedForward,
+    build_moe,
+    moe_layers,
+    moe_stats,
+)
+from meshtrain.models.moe import default_rules as moe_default_rules
+from meshtrain.models.moe_experts import GroupedExperts, Router, load_balance_loss
 
 __all__ = [
     "LOGICAL_RULES",
     "Attention",
     "FeedForward",
+    "GroupedExperts",
     "Llama",
     "LlamaConfig",
+    "MoE",
+    "MoEBlock",
+    "MoEConfig",
+    "MoEFeedForward",
     "RMSNorm",
+    "Router",
     "TransformerBlock",
     "build_llama",
+    "build_moe",
     "default_rules",
     "llama_flops_per_token",
+    "load_balance_loss",
+    "moe_default_rules",
+    "moe_layers",
+    "moe_stats",
 ]
