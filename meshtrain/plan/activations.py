@@ -59,6 +59,20 @@ SAVED_OPS = frozenset(
         _aten._scaled_dot_product_cudnn_attention.default,
     }
 )
+#: the attention ops among them: their keys and values are what context parallelism circulates
+ATTENTION_OPS = frozenset(op for op in SAVED_OPS if "scaled_dot_product" in str(op))
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention op's query, keys and values as traced (global shapes ``[batch, heads, seq,
+    head_dim]``, before tensor parallelism; ``in_tp``: inside a tensor-parallel module)."""
+
+    query: tuple[int, ...]
+    key: tuple[int, ...]
+    value: tuple[int, ...]
+    element_bytes: int
+    in_tp: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class BlockActivations:
     saved: Split
     kept_selective: Split
     gathered_inputs: int  # inputs of tensor-parallel modules: all-gathered under SP and kept
+    attention: tuple[AttentionCall, ...] = ()  # its attention ops, in the order they ran
 
 
 @dataclass(frozen=True)
@@ -91,6 +106,9 @@ class ActivationProfile:
     other: Split
     tp_size: int = 1
     sequence_parallel: bool = False
+    #: bytes an op holds beside the saved activations while its backward runs (one layer's
+    #: context-parallel ring: :func:`meshtrain.plan.context_cost.ring_in_flight`), added once
+    transient: int = 0
 
     def peak(
         self,
@@ -118,7 +136,7 @@ class ActivationProfile:
                 kept += block.kept_selective.per_rank(tp, sp)
             total += kept
             recompute = max(recompute, saved - kept)  # what its backward rematerialises
-        return total * in_flight + recompute
+        return total * in_flight + recompute + self.transient
 
 
 def trace_activations(
@@ -262,6 +280,7 @@ class _Recorder(TorchDispatchMode):
         self.ignored: set[int] = set()  # parameter and buffer storages
         self.shape_preserving: set[str] = set()  # blocks whose output has their input's shape
         self.copies: dict[str, str] = {}  # block passed through → the block it copies
+        self.attention: dict[str | None, list[AttentionCall]] = {}  # block → its attention ops
 
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         self.ignored.update(_key(tensor) for tensor in tensors)
@@ -271,6 +290,11 @@ class _Recorder(TorchDispatchMode):
         if func in SAVED_OPS:
             first = out[0] if isinstance(out, tuple) else out
             self._note(self.kept, first)
+        if func in ATTENTION_OPS and len(args) >= 3:
+            query, key, value = args[0], args[1], args[2]
+            call = AttentionCall(tuple(query.shape), tuple(key.shape), tuple(value.shape),
+                                 key.element_size(), self.tp_depth > 0)  # fmt: skip
+            self.attention.setdefault(self.block, []).append(call)
         return out
 
     def _note(self, table: dict[int, tuple[int, str | None, bool]], tensor: torch.Tensor) -> None:
@@ -300,6 +324,7 @@ class _Recorder(TorchDispatchMode):
                 saved=split(self.saved, source),
                 kept_selective=split(self.kept, source),
                 gathered_inputs=self.gathered.get(source, 0),
+                attention=tuple(self.attention.get(source, ())),
             )
 
         return ActivationProfile(

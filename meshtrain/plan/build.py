@@ -37,6 +37,7 @@ from meshtrain.plan.context import (
     context_axis_of,
     param_axes,
 )
+from meshtrain.plan.context_cost import context_collectives, context_profile, local_seq_len
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.infer import (
@@ -78,6 +79,12 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     pipeline_plan: PipelinePlan | None = None
     if options.pipeline is None:
         memory, collectives, notes, estimates = cost_flat(layout, options)
+        if layout.context_axis is not None and layout.profile is not None:
+            collectives += context_collectives(
+                layout.profile, options, axis=layout.context_axis,
+                cp=mesh.size(layout.context_axis),
+                checkpointed=options.checkpointed_blocks(layout.blocks),
+            )  # fmt: skip
     else:
         pipeline_plan, memory, collectives, notes, estimates = cost_pipelined(
             model, mesh, layout, options
@@ -164,7 +171,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
         split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
     )  # fmt: skip
-    profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel)
+    profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel,
+                                  context_axis)  # fmt: skip
     if isinstance(profile, str):
         notes.append(profile)
         profile = None
@@ -317,22 +325,28 @@ def _activation_profile(
     mesh: Mesh,
     tp_axis: str | None,
     sequence_parallel: bool,
+    context_axis: str | None = None,
 ) -> ActivationProfile | str | None:
-    """The traced activation profile, None without batch_size/seq_len, or why tracing failed."""
+    """The traced activation profile, None without batch_size/seq_len, or why tracing failed;
+    under context parallelism traced on a rank's share of each sequence
+    (:mod:`meshtrain.plan.context_cost`)."""
     if options.batch_size is None or options.seq_len is None:
         return None
     tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]
+    cp = mesh.size(context_axis) if context_axis is not None else 1
     try:
-        return trace_activations(
+        profile = trace_activations(
             model,
             blocks,
             batch_size=options.batch_size,
-            seq_len=options.seq_len,
+            seq_len=local_seq_len(options.seq_len, cp) or options.seq_len,
             dtype=getattr(torch, options.param_dtype),
             tp_modules=tp_modules,
             tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
             sequence_parallel=sequence_parallel,
         )
+        return context_profile(profile, cp, options.context_method,
+                               scores=mesh.device_type == "cpu")  # fmt: skip
     except Exception as error:  # the model's own forward: report, do not fail planning
         return (
             "activation memory not estimated: the forward on a fake "

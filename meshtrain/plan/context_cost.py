@@ -1,0 +1,219 @@
+"""What context parallelism costs one rank: activation memory and the attention's traffic.
+
+**Memory.** Under a context axis of ``cp`` ranks every sequence-shaped activation is split ``cp``
+ways, so the planner traces the model's forward on ``seq_len / cp`` tokens
+(:func:`local_seq_len`): embedding, norms, projections, MLP, logits and each attention's saved
+query, keys, values and log-sum-exp are then one rank's. On top of that trace
+(:func:`context_profile`, per attention call):
+
+- ``"ring"`` saves its merged output in fp32 (the accumulation dtype) where SDPA saves it in the
+  compute dtype: ``(4 - itemsize)`` bytes more per output element under bf16, none under fp32;
+- ``"allgather"`` saves the gathered keys and values for its backward: the other ``cp - 1``
+  ranks' blocks, recomputed with the block under checkpointing.
+
+While one layer's ring runs it holds besides (:func:`ring_in_flight`, a transient counted once):
+its stacked key/value block and the one arriving, and in backward the fp32 key/value gradients
+(its own, the travelling ones, the ones arriving) and the fp32 query gradient; on CPU, where
+meshtrain's kernel computes each block's scores whole, three ``[B, Hq, S_local, S_local]`` fp32
+score-sized tensors of one block (a flash kernel on GPU keeps none).
+
+**Traffic**, per attention call, per micro-batch, per rank (``E = 2·B·Hkv·S_local·D`` elements of
+keys and values, ``i`` their itemsize; exactly what
+:func:`meshtrain.lower.ring_attention.count_bytes` measures):
+
+=======================  =====================================  ================================
+                         ``ring``                               ``allgather``
+=======================  =====================================  ================================
+forward                  ``cp - 1`` sends of ``E·i``            all-gather of ``cp·E·i``
+backward                 ``cp - 1`` sends of ``E·i`` and        reduce-scatter of ``cp·E·i``
+                         ``cp`` of the fp32 gradients ``E·4``
+positions (+ documents)  all-gather of ``cp·S_local·8`` (``cp·(1 + B)·S_local·8`` with documents)
+=======================  =====================================  ================================
+
+A block checkpointed under ``full`` runs its forward twice, its forward traffic included.
+
+Example:
+    >>> call = AttentionCall(query=(1, 32, 1024, 128), key=(1, 8, 1024, 128),
+    ...                      value=(1, 8, 1024, 128), element_bytes=2)
+    >>> kv_bytes(call)
+    4194304
+    >>> [(c.kind, c.count, c.bytes) for c in attention_collectives([call], cp=4, axis="cp")]
+    [('all_gather', 1, 32768), ('send/recv', 3, 12582912), ('send/recv', 7, 46137344)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from meshtrain.plan.activations import ActivationProfile, AttentionCall, BlockActivations, Split
+from meshtrain.plan.ir import Collective
+from meshtrain.plan.options import PlanOptions
+
+#: bytes of one position or document id (int64)
+INDEX_BYTES = 8
+#: bytes of an element in the ring's accumulation dtype (its output, lse and gradients: fp32)
+ACC_BYTES = 4
+
+
+def local_seq_len(seq_len: int | None, cp: int) -> int | None:
+    """The tokens of each sequence one context rank holds.
+
+    Example:
+        >>> local_seq_len(131072, 8), local_seq_len(None, 8)
+        (16384, None)
+    """
+    return None if seq_len is None else seq_len // cp
+
+
+def _per_rank(numel: int, itemsize: int, call: AttentionCall, tp_size: int) -> int:
+    return numel * itemsize // (tp_size if call.in_tp else 1)
+
+
+def kv_elements(call: AttentionCall) -> int:
+    """``E``: the elements of one rank's keys and values of ``call`` (traced on its tokens)."""
+    return math.prod(call.key) + math.prod(call.value)
+
+
+def kv_bytes(call: AttentionCall, tp_size: int = 1) -> int:
+    """One rank's keys and values of ``call``, in their dtype."""
+    return _per_rank(kv_elements(call), call.element_bytes, call, tp_size)
+
+
+def metadata_bytes(call: AttentionCall, cp: int, documents: bool = False) -> int:
+    """The gathered positions (``[cp, S_local]``) and document ids (``[cp, B, S_local]``)."""
+    batch, seq = call.key[0], call.key[2]
+    return cp * (1 + (batch if documents else 0)) * seq * INDEX_BYTES
+
+
+def attention_calls(
+    profile: ActivationProfile, fqns: Sequence[str] | None = None
+) -> list[AttentionCall]:
+    """Every attention call of the traced blocks (those in ``fqns`` when given), in order."""
+    return [
+        call
+        for block in profile.blocks
+        if fqns is None or block.fqn in fqns
+        for call in block.attention
+    ]
+
+
+def attention_collectives(
+    calls: Sequence[AttentionCall],
+    *,
+    cp: int,
+    axis: str,
+    method: str = "ring",
+    microbatches: int = 1,
+    recomputed: Sequence[AttentionCall] = (),
+    documents: bool = False,
+    tp_size: int = 1,
+) -> tuple[Collective, ...]:
+    """The context axis's collectives per optimizer step (module docstring): ``calls`` run once
+    per micro-batch, ``recomputed`` (those of fully checkpointed blocks) once more in forward."""
+    if cp <= 1 or not calls:
+        return ()
+    forward_calls = [*calls, *recomputed]
+    n, m = len(forward_calls), microbatches
+    kv = sum(kv_bytes(c, tp_size) for c in forward_calls) * m
+    kv_backward = sum(kv_bytes(c, tp_size) for c in calls) * m
+    rows = [
+        Collective("all_gather", axis, n * m,
+                   sum(metadata_bytes(c, cp, documents) for c in forward_calls) * m,
+                   "positions (and document ids) of every context rank's keys, once per attention"),
+    ]  # fmt: skip
+    if method == "allgather":
+        return (*rows,
+                Collective("all_gather", axis, n * m, cp * kv,
+                           "forward: every context rank's keys and values"),
+                Collective("reduce_scatter", axis, len(calls) * m, cp * kv_backward,
+                           "backward: key and value gradients back to their ranks"))  # fmt: skip
+    grads = sum(_per_rank(kv_elements(c), ACC_BYTES, c, tp_size) for c in calls) * m
+    return (*rows,
+            Collective("send/recv", axis, (cp - 1) * n * m, (cp - 1) * kv,
+                       "forward: keys and values passed around the context ring"),
+            Collective("send/recv", axis, (2 * cp - 1) * len(calls) * m,
+                       (cp - 1) * kv_backward + cp * grads,
+                       "backward: keys and values again, their fp32 gradients travelling home"))  # fmt: skip
+
+
+def context_profile(
+    profile: ActivationProfile, cp: int, method: str, *, scores: bool = False
+) -> ActivationProfile:
+    """``profile`` (traced on the local tokens) with what ``method`` saves beyond SDPA and the
+    ring's buffers in flight as its transient (module docstring; ``scores``: see
+    :func:`ring_in_flight`)."""
+    if cp <= 1:
+        return profile
+    blocks = tuple(_saved_beyond_sdpa(block, cp, method) for block in profile.blocks)
+    in_flight = ring_in_flight(profile, cp, method, scores=scores)
+    return replace(profile, blocks=blocks, transient=profile.transient + in_flight)
+
+
+def context_collectives(
+    profile: ActivationProfile,
+    options: PlanOptions,
+    *,
+    axis: str,
+    cp: int,
+    checkpointed: Sequence[str],
+) -> tuple[Collective, ...]:
+    """A flat plan's context-axis collectives per step: every traced attention call once per
+    micro-batch, those of ``checkpointed`` blocks again in forward when they are recomputed
+    (the block's forward reruns whole under full and selective checkpointing, ring included)."""
+    again = options.activation_checkpointing != "none"
+    return attention_collectives(
+        attention_calls(profile), cp=cp, axis=axis, method=options.context_method,
+        microbatches=options.microbatches,
+        recomputed=attention_calls(profile, checkpointed) if again else (),
+        tp_size=profile.tp_size,
+    )  # fmt: skip
+
+
+def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockActivations:
+    in_tp = rest = 0
+    for call in block.attention:
+        if method == "allgather":
+            extra = (cp - 1) * kv_bytes(call)
+        else:
+            extra = math.prod(call.query) * max(0, ACC_BYTES - call.element_bytes)
+        in_tp, rest = (in_tp + extra, rest) if call.in_tp else (in_tp, rest + extra)
+    if not in_tp and not rest:
+        return block
+    return replace(block, saved=Split(block.saved.tp + in_tp, block.saved.rest + rest))
+
+
+def ring_in_flight(
+    profile: ActivationProfile, cp: int, method: str, *, scores: bool = False
+) -> int:
+    """Bytes one layer's ring holds beside the saved activations at its backward's peak (module
+    docstring), for its largest call; with ``scores`` (meshtrain's CPU kernel) three fp32
+    ``[B, Hq, S_local, S_local]`` tensors of one block more. 0 for one rank or the all-gather."""
+    if cp <= 1 or method != "ring":
+        return 0
+    tp = profile.tp_size
+
+    def held(call: AttentionCall) -> int:
+        kv = 2 * kv_bytes(call, tp) + 3 * _per_rank(kv_elements(call), ACC_BYTES, call, tp)
+        grad_q = _per_rank(math.prod(call.query), ACC_BYTES, call, tp)
+        batch, heads, seq = call.query[:3]
+        block = _per_rank(batch * heads * seq * seq, ACC_BYTES, call, tp)
+        return kv + grad_q + (3 * block if scores else 0)
+
+    return max((held(call) for call in attention_calls(profile)), default=0)
+
+
+__all__ = [
+    "ACC_BYTES",
+    "INDEX_BYTES",
+    "attention_calls",
+    "attention_collectives",
+    "context_collectives",
+    "context_profile",
+    "kv_bytes",
+    "kv_elements",
+    "local_seq_len",
+    "metadata_bytes",
+    "ring_in_flight",
+]
