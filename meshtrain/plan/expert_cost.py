@@ -80,6 +80,11 @@ class ExpertLayer:
         return cls(fqn, num_experts, top_k, hidden, shapes)
 
     @property
+    def inter(self) -> int:
+        """One expert's hidden width, for SwiGLU experts (3 · inter · hidden weights each)."""
+        return self.numel // (self.num_experts * 3 * self.hidden)
+
+    @property
     def numel(self) -> int:
         """Elements of the layer's expert weights (all experts)."""
         return sum(math.prod(shape) for shape in self.shapes)
@@ -233,6 +238,34 @@ def expert_memory(
     )
 
 
+def moe_working_set(
+    layer: ExpertLayer,
+    *,
+    tokens: int,
+    ep: int,
+    activation_bytes: int,
+    routing: Routing = "uniform",
+    max_load: float | None = None,
+) -> int:
+    """Bytes one MoE layer's dispatch keeps for backward on the busiest rank, per micro-batch:
+    the rank's ``T · k`` rows sorted for sending, the results received back and their weighted
+    products (3 × ``T · k · H``), and for the ``R`` rows it receives (:func:`rows_per_rank`)
+    their tokens, the experts' gate-up output, its SwiGLU and the down projection
+    (``R · (2H + 3I)``), in the compute dtype. The router's scores and indices are left out
+    (``T · E`` fp32: 4 MiB for 4096 tokens of 256 experts).
+
+    Example:
+        >>> layer = ExpertLayer.swiglu("e", num_experts=8, top_k=2, hidden=64, inter=32)
+        >>> moe_working_set(layer, tokens=16, ep=2, activation_bytes=2)
+        26624
+    """
+    sent = tokens * layer.top_k
+    received = rows_per_rank(layer, tokens=tokens, ep=ep, routing=routing, max_load=max_load)
+    return activation_bytes * (
+        3 * sent * layer.hidden + received * (2 * layer.hidden + 3 * layer.inter)
+    )
+
+
 def expert_layers(
     groups: Sequence[ExpertGroup], params: Sequence[ParamLayout]
 ) -> tuple[ExpertLayer, ...]:
@@ -302,5 +335,6 @@ __all__ = [
     "estimate_expert_collectives",
     "expert_layers",
     "expert_memory",
+    "moe_working_set",
     "rows_per_rank",
 ]
