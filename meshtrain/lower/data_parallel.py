@@ -28,7 +28,8 @@ from torch.distributed.fsdp import (
 )
 
 from meshtrain.errors import PlanError
-from meshtrain.lower.groups import device_mesh
+from meshtrain.lower.expert_parallel import experts_ignored, experts_of
+from meshtrain.lower.groups import device_mesh, mesh_over
 from meshtrain.lower.tensor_parallel import PartialGradSync
 from meshtrain.plan.ir import Plan
 
@@ -37,7 +38,11 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     """FSDP2 (``replicate`` under zero 0) on every unit of the plan, blocks first, root last,
     over the data axes (or the size-1 axes that carry the mixed-precision policy); gradients are
     summed over data-parallel ranks."""
-    dp_mesh = device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
+    dp_mesh = (
+        mesh_over(plan, plan.token_axes)
+        if plan.expert_axis or plan.context_axis
+        else device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
+    )
     options = plan.options
     mp_policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, options.param_dtype),
@@ -45,9 +50,16 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     )
     modules = dict(model.named_modules())
     wrapped: list[FSDPModule] = []
+    expert_mesh = device_mesh(plan.mesh)[plan.data_axes] if plan.data_axes else None
+    ignored = experts_ignored(plan, model) if plan.expert_axis and expert_mesh is None else None
     for unit in plan.units:
         module = modules[unit.fqn]
         decisions = unit.decisions
+        for inner in experts_of(plan, unit.fqn) if expert_mesh is not None else ():
+            fully_shard(modules[inner], mesh=expert_mesh, mp_policy=mp_policy,
+                        reshard_after_forward=decisions.reshard_after_forward,
+                        offload_policy=_offload_policy(decisions.offload))  # fmt: skip
+            wrapped.append(modules[inner])
         if decisions.wrapper == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate
 
@@ -59,6 +71,7 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
                 reshard_after_forward=decisions.reshard_after_forward,
                 mp_policy=mp_policy,
                 offload_policy=_offload_policy(decisions.offload),
+                ignored_params=ignored,
             )
         wrapped.append(module)
     if options.grad_reduction == "sum":  # plain sums on the wire (gloo has no PREMUL_SUM)
@@ -75,9 +88,10 @@ def _offload_policy(offload: bool) -> OffloadPolicy:
 
 
 def data_parallel_size(plan: Plan) -> int:
-    """The number of data-parallel ranks (the product of the plan's data axes)."""
+    """The number of ranks gradients are reduced over (the product of the plan's token axes: the
+    data axes, the expert axis and the context axis)."""
     size = 1
-    for axis in plan.data_axes:
+    for axis in plan.token_axes:
         size *= plan.mesh.size(axis)
     return size
 
@@ -101,7 +115,7 @@ def micro_batch(plan: Plan, model: nn.Module, *, last: bool) -> Iterator[None]:
     if isinstance(sync, PartialGradSync):
         sync.enabled = last
     # every unit shares these decisions (only reshard-after-forward differs between units)
-    decisions = plan.units[-1].decisions if plan.data_axes and plan.units else None
+    decisions = plan.units[-1].decisions if plan.token_axes and plan.units else None
     if decisions is not None and not decisions.sync_every_microbatch:
         for module in model.modules():
             if isinstance(module, FSDPModule):

@@ -79,11 +79,18 @@ def group_over(plan: Plan, axes: Sequence[str]) -> ProcessGroup | None:
     name = plan.mesh.joined(tuple(axes))
     if not name:
         return None
+    return mesh_over(plan, axes).get_group()
+
+
+def mesh_over(plan: Plan, axes: Sequence[str]) -> DeviceMesh:
+    """The one-dimensional ``DeviceMesh`` over ``axes`` (those larger than 1) together: one axis's
+    own, or the bound mesh flattened over several (see :func:`group_over`)."""
+    name = plan.mesh.joined(tuple(axes))
     names = tuple(name.split("+"))
     bound = device_mesh(plan.mesh)
     if len(names) == 1:
-        return bound.get_group(names[0])
-    return bound[names]._flatten(name).get_group()
+        return bound[names[0]]
+    return bound[names]._flatten(name)
 
 
 def plan_device(plan: Plan) -> torch.device:

@@ -40,6 +40,7 @@ from meshtrain.plan.context import (
 from meshtrain.plan.context_cost import context_collectives, context_profile, local_seq_len
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
+from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -111,6 +112,8 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         batch_norms=layout.batch_norms,
         partial_grads=layout.partial_grads,
         context_axis=layout.context_axis,
+        expert_axis=layout.expert_axis,
+        experts=layout.experts,
     )
 
 
@@ -141,16 +144,23 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     pipeline_axis = pipeline.axis if pipeline else None
     context_axis = context_axis_of(rules, mesh, rules.fsdp, pipeline_axis,
                                    param_axes(resolution))  # fmt: skip
-    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline_axis, context_axis)
+    expert_axis = expert_axis_of(resolution, model)
+    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline_axis, context_axis,
+                                    expert_axis)  # fmt: skip
     active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
+    experts = plan_experts(model, resolution, expert_axis, data_axes=active, tp_axis=tp_axis,
+                           options=options, context_axis=context_axis) if expert_axis else ()  # fmt: skip
+    ep = (expert_axis,) if expert_axis else ()
     context = (context_axis,) if context_axis else ()
     if context_axis is not None:
         check_context(mesh, context_axis, options, data_axes=active, tp_axis=tp_axis)
         check_context_model(model, context_axis)
-    shard_axes = shard_axes_of(active) + context
+    shard_axes = shard_axes_of(active) + context + ep
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
+    if experts and fsdp_decisions(options.zero).shard_params:
+        layouts = expert_shards(layouts, experts, math.prod(mesh.size(a) for a in active))
     sharded = fsdp_decisions(options.zero).shard_params
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis, context_axis)
@@ -158,15 +168,15 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:
         check_sequence_length(options.seq_len, tp_axis, mesh)
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
-    if not active and not context:
+    if not active and not context and not ep:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = _decided(infer_units(model, options.fsdp_units), options)
     blocks = block_fqns(all_units)
     if sequence_parallel and tp_axis is not None:
         styles = place_sequence_split(model, styles, blocks, tp_size=mesh.size(tp_axis),
                                       seq_len=options.seq_len)  # fmt: skip
-    cast_axes = _cast_axes(options, data_axes, active + context, mesh)
-    units = all_units if active or cast_axes or context else ()
+    cast_axes = _cast_axes(options, data_axes, active + context + ep, mesh)
+    units = all_units if active or cast_axes or context or ep else ()
     compile_scope = resolve_compile_scope(
         options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
         split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
@@ -188,7 +198,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     notes += unproven
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
                   compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
-                  partial_grads, context_axis)  # fmt: skip
+                  partial_grads, context_axis, expert_axis, experts)  # fmt: skip
 
 
 def cost_flat(
@@ -197,7 +207,8 @@ def cost_flat(
     """Memory per rank, collectives per step, notes and activation estimates per checkpointing
     mode of a plan without a pipeline."""
     memory = estimate_memory(layout.params, layout.units, options, buffers=layout.buffers,
-                             sharded=bool(layout.data_axes or layout.context_axis))  # fmt: skip
+                             sharded=bool(layout.data_axes or layout.context_axis
+                                          or layout.expert_axis))  # fmt: skip
     estimates: tuple[tuple[str, int], ...] = ()
     profile = layout.profile
     if profile is not None:

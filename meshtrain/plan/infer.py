@@ -29,6 +29,7 @@ def infer_axes(
     data_axes: Sequence[str],
     pipeline_axis: str | None = None,
     context_axis: str | None = None,
+    expert_axis: str | None = None,
 ) -> tuple[tuple[str, ...], str | None]:
     """The data axes (checked) and the one tensor-parallel axis the specs use (or ``None``).
 
@@ -43,7 +44,8 @@ def infer_axes(
         for axis in param.spec.axes:
             used.setdefault(axis, param.fqn)
     _check_sharded_axes(used, data, pipeline_axis, mesh)
-    tp_axes = sorted({axis for axis in used if mesh.size(axis) > 1}, key=mesh.axis_names.index)
+    tp_axes = sorted({axis for axis in used if mesh.size(axis) > 1 and axis != expert_axis},
+                     key=mesh.axis_names.index)  # fmt: skip
     if len(tp_axes) > 1:
         raise PlanError(
             f"parameters are sharded over several model axes {tp_axes} on mesh {mesh} (e.g. "

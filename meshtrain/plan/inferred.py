@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.plan.activations import ActivationProfile
-from meshtrain.plan.ir import FSDPUnit, ModuleStyle, ParamLayout, PartialGrad
+from meshtrain.plan.ir import ExpertGroup, FSDPUnit, ModuleStyle, ParamLayout, PartialGrad
 
 
 @dataclass(frozen=True)
@@ -35,3 +35,5 @@ class Inferred:
     batch_norms: tuple[str, ...] = ()
     partial_grads: tuple[PartialGrad, ...] = ()
     context_axis: str | None = None
+    expert_axis: str | None = None
+    experts: tuple[ExpertGroup, ...] = ()

@@ -58,10 +58,15 @@ class Reordering:
 
     what: str
     ways: int
+    chained: int = 0
 
     @property
     def levels(self) -> int:
-        """Extra roundings a value picks up: ⌈log₂ ways⌉ combining the parts, one inside them."""
+        """Extra roundings a value picks up: ⌈log₂ ways⌉ combining the parts, one inside them;
+        ``chained`` > 0: the parts are combined one after another with that many roundings per
+        combination, ``chained · (ways − 1) + 1``."""
+        if self.chained:
+            return self.chained * (self.ways - 1) + 1
         return math.ceil(math.log2(self.ways)) + 1
 
 
@@ -115,6 +120,38 @@ class Contract:
         }
 
 
+def expert_reordering(ways: int) -> Reordering:
+    """Expert parallelism's reordering: each expert multiplies the rows its rank received (every
+    expert rank's tokens, concatenated in rank order) where one device multiplies the global
+    batch's, and sums its weight gradient over them in that order; the combine adds each token's
+    ``k`` weighted expert outputs in ascending expert order from zero, as one device does (no
+    reordering), and routing is the model's own.
+
+    Example:
+        >>> expert_reordering(4).levels
+        3
+    """
+    return Reordering("expert-parallel token dispatch: each expert's rows and weight-gradient sum "
+                      "taken over the tokens of its expert ranks", ways)  # fmt: skip
+
+
+def context_reordering(ways: int) -> Reordering:
+    """Context parallelism's attention over ``ways`` ranks: each query row's softmax and its
+    weighted sum of values are merged from the ranks' key blocks one after another (log-sum-exp:
+    each merge rescales the running and the incoming partial results by ``exp`` of their maxima's
+    difference and adds them, three roundings), where one device's SDPA kernel takes the row at
+    once; the keys' and values' gradients are summed over the ranks' query blocks likewise.
+    Whatever the merge order (ring or all-gather), it is at most this chain.
+
+    Example:
+        >>> context_reordering(4).levels
+        10
+    """
+    return Reordering("context-parallel attention: log-sum-exp merge of each row over the key "
+                      "blocks of the context ranks, key/value gradients over their query blocks",
+                      ways, chained=3)  # fmt: skip
+
+
 def contract_for(plan: Plan, *, statistics_size: int | None = None) -> Contract:
     """The contract ``plan`` promises against one device running the same precision policy.
 
@@ -133,9 +170,13 @@ def contract_for(plan: Plan, *, statistics_size: int | None = None) -> Contract:
     """
     mesh, options = plan.mesh, plan.options
     reorderings: list[Reordering] = []
-    data_ways = math.prod(mesh.size(axis) for axis in plan.data_axes)
+    data_ways = math.prod(mesh.size(axis) for axis in plan.token_axes)
     if data_ways > 1:
         reorderings.append(Reordering("data-parallel gradient and loss sum", data_ways))
+    if plan.context_axis:
+        reorderings.append(context_reordering(mesh.size(plan.context_axis)))
+    if plan.experts and plan.expert_axis:
+        reorderings.append(expert_reordering(mesh.size(plan.expert_axis)))
     if data_ways > 1 and plan.batch_norms:
         ways = max(statistics_size or data_ways, data_ways)
         reorderings.append(Reordering("BatchNorm statistics summed over data-parallel ranks", ways))

@@ -46,6 +46,7 @@ from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import UNIT_ROUNDOFF, Contract, contract_for
 from meshtrain.testing.runner import SPMDTaskError, get_pool
+from meshtrain.testing.terms import SummedTerms, element_bound
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
@@ -355,7 +356,7 @@ def _resolve_batches(
 
 
 def _check_batch(plan: Plan, batch: Batch) -> None:
-    data = math.prod(plan.mesh.size(axis) for axis in plan.data_axes)
+    data = math.prod(plan.mesh.size(axis) for axis in plan.batch_axes)
     micro = plan.pipeline.microbatches if plan.pipeline else plan.options.microbatches
     rows = int(batch[0].shape[0])
     if rows % (data * micro) or int(batch[1].shape[0]) != rows:
@@ -448,56 +449,6 @@ def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
     return {fqn: buffer for module in modules for fqn, buffer in module.named_buffers()}
 
 
-class _NormTerms:
-    """Under a low-precision contract, the magnitudes a LayerNorm's weight and bias gradients
-    sum on the reference: per feature, ``Σ_t |dy_t|`` (bias) and ``Σ_t |dy_t · x̂_t|`` (weight)
-    over every token ``t``. Each term is a low-precision value that the plan computes in another
-    kernel (another batch size, another blocking), so each may round differently, by up to ``u``
-    of itself: the sums differ by up to ``u · Σ_t |term_t|`` — a bound that follows the
-    magnitudes summed where the tokens' terms cancel to a small gradient."""
-
-    def __init__(self, unit: float) -> None:
-        self.unit = unit
-        self.summed: dict[str, torch.Tensor] = {}
-        self.loss_scale = 1.0  # fp16: backward starts from the scaled loss; the terms are not
-
-    @classmethod
-    def track(cls, reference: nn.Module, contract: Contract) -> _NormTerms:
-        tracker = cls(UNIT_ROUNDOFF.get(contract.precision, 0.0))
-        if contract.level != "approximate" or tracker.unit == 0.0:
-            return tracker
-        for fqn, module in reference.named_modules():
-            if isinstance(module, nn.LayerNorm) and module.elementwise_affine:
-                tracker._hook(fqn, module)
-        return tracker
-
-    def clear(self) -> None:
-        self.summed = {}
-
-    def _hook(self, fqn: str, module: nn.LayerNorm) -> None:
-        prefix = f"{fqn}." if fqn else ""
-        saved: list[torch.Tensor] = []
-
-        def keep_input(_: nn.Module, args: tuple[Any, ...]) -> None:
-            saved[:] = [args[0].detach()]
-
-        def add_terms(_: nn.Module, grad_input: Any, grad_output: tuple[torch.Tensor, ...]) -> None:
-            x, dy = saved[0].double(), grad_output[0].detach().double() / self.loss_scale
-            dims = tuple(range(x.dim() - len(module.normalized_shape)))
-            axes = tuple(range(-len(module.normalized_shape), 0))
-            mean = x.mean(axes, keepdim=True)
-            normalised = (x - mean) / (
-                x.var(axes, unbiased=False, keepdim=True) + module.eps
-            ).sqrt()
-            for name, terms in (("bias", dy.abs()), ("weight", (dy * normalised).abs())):
-                key = prefix + name
-                total = terms.sum(dims)
-                self.summed[key] = self.summed[key] + total if key in self.summed else total
-
-        module.register_forward_pre_hook(keep_input)
-        module.register_full_backward_hook(add_terms)
-
-
 class _Run:
     """One rank's run: the plan and the reference side by side."""
 
@@ -527,7 +478,9 @@ class _Run:
         self.state = TrainState.create(self.applied, self.optimizer)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
-        self.norm_terms = _NormTerms.track(self.reference, self.contract)
+        approximate = self.contract.level == "approximate"
+        unit = UNIT_ROUNDOFF.get(self.contract.precision, 0.0) if approximate else 0.0
+        self.terms = SummedTerms.track(self.reference, unit)
         self.step = 0
 
     # ---------------------------------------------------------------- one step
@@ -536,7 +489,7 @@ class _Run:
         for step in range(1, self.config.steps + 1):
             self.step = step
             inputs, targets = _batch(self.config, step - 1)
-            self.norm_terms.clear()
+            self.terms.clear()
             ref_loss, ref_finite = self._reference_backward(inputs, targets)
             loss, norm, finite = self._plan_step(inputs, targets)
             self._compare_scalar(step, "loss", loss, ref_loss)
@@ -565,7 +518,7 @@ class _Run:
         self, inputs: torch.Tensor, targets: torch.Tensor
     ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
-        self.norm_terms.loss_scale = scale
+        self.terms.loss_scale = scale
         loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
@@ -633,15 +586,20 @@ class _Run:
                                  note="gradient present on one side only")  # fmt: skip
                 continue
             value, ref = full_tensor(param.grad).detach(), full_tensor(reference).detach()
-            terms = self.norm_terms.summed.get(fqn)
-            if terms is None:
+            bound = self._grad_bound(fqn, ref, floor)
+            if isinstance(bound, torch.Tensor):
+                self._compare_elementwise(step, "grad", fqn, value, ref, bound)
+            else:
                 self._compare_tensor(step, "grad", fqn, value, ref, floor)
-                continue
-            own = float(ref.abs().max()) if ref.numel() else 0.0
-            bound = self.contract.tolerance * self._scale(own, floor) + self.norm_terms.unit * (
-                ref.double().abs() + terms
-            )
-            self._compare_elementwise(step, "grad", fqn, value, ref, bound)
+
+    def _grad_bound(self, fqn: str, ref: torch.Tensor, floor: float) -> torch.Tensor | float:
+        """A gradient's bound: per element from the magnitudes it sums where they are tracked
+        (:mod:`meshtrain.testing.terms`), else the contract's tolerance of its scale."""
+        own = float(ref.abs().max()) if ref.numel() else 0.0
+        summed = self.terms.summed.get(fqn)
+        if summed is None or summed.shape != ref.shape:
+            return self.contract.tolerance * self._scale(own, floor)
+        return element_bound(self.contract, ref, summed, self._scale(own, floor))
 
     def _gradient_scale(self) -> float:
         """The largest gradient element of the one-device model this step."""
@@ -690,7 +648,7 @@ class _Run:
             ref_param = self.ref_named[fqn]
             grad = ref_grads[fqn]
             # The clipped gradient carries the gradient's and the norm's relative error.
-            delta = 2 * self.contract.tolerance * self._scale(float(grad.abs().max()), floor)
+            delta = 2 * self._grad_bound(fqn, grad, floor)
             new_ref = full_tensor(ref_param.detach())
             bound = None if bitwise else param_bound(
                 self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref

@@ -69,7 +69,7 @@ def evaluate(
         totals = _pipelined_totals(plan, model, islice(batches, batches_limit), loss_fn)
     else:
         totals = _flat_totals(plan, model, islice(batches, batches_limit), loss_fn)
-    group = group_over(plan, plan.data_axes)
+    group = group_over(plan, plan.batch_axes)
     if group is not None:
         dist.all_reduce(totals, group=group)
     loss_sum, tokens = float(totals[0]), int(totals[1])
