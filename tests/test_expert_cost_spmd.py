@@ -1,0 +1,82 @@
+"""Predicted = measured: the all-to-all bytes expert parallelism's lowering really sends on 2 gloo
+ranks, for a routing the test fixes, against :mod:`meshtrain.plan.expert_cost`'s prediction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import meshtrain as mt
+from meshtrain.lower.expert_parallel import apply_expert_parallel
+from meshtrain.models.moe_experts import GroupedExperts
+from meshtrain.plan.expert_cost import ExpertLayer, all_to_all_collectives
+from meshtrain.testing.comms import CollectiveCounter
+from meshtrain.testing.runner import get_pool
+
+pytestmark = pytest.mark.spmd
+
+EXPERTS, TOP_K, HIDDEN, INTER, TOKENS = 4, 2, 8, 4, 8
+
+
+class FixedRouting(nn.Module):
+    """Experts behind a routing the test chooses: ``uniform`` sends each token to one expert on
+    each of the 2 ranks (experts t % 2 and 2 + t % 2); ``skewed`` sends the first half of the
+    tokens to two experts of rank 0 (t % 2 and 1 - t % 2), the rest as ``uniform``: rank 0
+    receives 24 rows of the 32, 1.5 times the mean."""
+
+    def __init__(self, routing: str) -> None:
+        super().__init__()
+        self.experts = GroupedExperts(EXPERTS, HIDDEN, INTER, kernel="loop")
+        t = torch.arange(TOKENS)
+        second = 2 + t % 2 if routing == "uniform" else torch.where(t < 4, 1 - t % 2, 2 + t % 2)
+        pairs = (t % 2, second)
+        self.register_buffer("index", torch.stack(pairs, dim=1), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.index, torch.full((TOKENS, TOP_K), 0.5))
+
+
+def measure(routing: str) -> tuple[int, int]:
+    """On every rank: one forward and backward counted; the all-to-alls' count and bytes."""
+    torch.manual_seed(0)
+    model = FixedRouting(routing)
+    for weight in (model.experts.gate_up_proj, model.experts.down_proj):
+        nn.init.normal_(weight, std=0.1)
+    mesh = mt.make_mesh(ep=2)
+    rules = mt.Rules({r"experts\..*": mt.P("ep", None, None)}, fsdp=())
+    plan = mt.plan(model, mesh, rules, batch_size=1, seq_len=TOKENS)
+    apply_expert_parallel(plan, model)
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    counter = CollectiveCounter(mesh)
+    with counter:
+        model(x).square().sum().backward()
+    key = ("all_to_all", "ep")
+    return counter.counts[key], counter.bytes[key]
+
+
+def predicted(routing: str, max_load: float | None = None) -> tuple[int, int]:
+    layer = ExpertLayer.swiglu("experts", num_experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN,
+                               inter=INTER)  # fmt: skip
+    rows = all_to_all_collectives([layer], axis="ep", ep=2, tokens=TOKENS, routing=routing,  # type: ignore[arg-type]
+                                  max_load=max_load)  # fmt: skip
+    return sum(c.count for c in rows), sum(c.bytes for c in rows)
+
+
+def test_uniform_routing_sends_the_predicted_bytes_on_every_rank() -> None:
+    results = get_pool(2).run(measure, "uniform")
+    # by hand: 16 rows of 8 fp32 = 512 B per token all-to-all, 4 of them; 2 counts + 16 ids
+    # in int64 = 144 B
+    assert predicted("uniform") == (6, 4 * 512 + 144)
+    assert results == [predicted("uniform")] * 2
+
+
+def test_a_skewed_routing_meets_its_max_load_bound_on_the_busiest_rank() -> None:
+    results = get_pool(2).run(measure, "skewed")
+    # rank 0 receives 24 rows (payload: 24 of 8 fp32 = 768 B per token all-to-all; ids 24 int64)
+    assert predicted("worst", max_load=1.5) == (6, 4 * 768 + 8 * (2 + 24))
+    assert results[0] == predicted("worst", max_load=1.5)
+    # rank 1 sends 16 and receives 8: its buffers are the uniform ones
+    assert results[1] == predicted("uniform")
+    # the dropless bound (every row to rank 0: 32) is above both
+    assert predicted("worst")[1] > results[0][1]
