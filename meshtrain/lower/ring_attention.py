@@ -162,12 +162,11 @@ def _gather_layout(
     if documents_kv is not None:
         rows = torch.cat([rows, documents_kv.to(torch.int64)])
     cp = dist.get_world_size(group)
-    gathered = torch.empty((cp, *rows.shape), dtype=torch.int64, device=rows.device)
+    gathered = rows[None]
     if cp > 1:
-        dist.all_gather_into_tensor(gathered, rows.contiguous(), group=group)
+        flat = funcol.wait_tensor(funcol.all_gather_single(rows.contiguous(), 0, group))
+        gathered = flat.view(cp, *rows.shape)
         _record("metadata", gathered)
-    else:
-        gathered.copy_(rows[None])
     return gathered[:, 0], None if documents_kv is None else gathered[:, 1:]
 
 
@@ -243,7 +242,7 @@ def _allgather(
     cp = dist.get_world_size(group)
     kv = torch.stack([k, v])
     if cp > 1:
-        gathered = funcol.all_gather_tensor_autograd(kv, 0, group)
+        gathered = funcol.all_gather_single(kv, 0, group)
         _record("forward/kv", kv, cp)
         if gathered.requires_grad:
             gathered.register_hook(_count_reduce_scatter)
