@@ -37,7 +37,12 @@ from meshtrain.plan.context import (
     context_axis_of,
     param_axes,
 )
-from meshtrain.plan.context_cost import context_collectives, context_profile, local_seq_len
+from meshtrain.plan.context_cost import (
+    context_collectives,
+    context_data_axes,
+    context_profile,
+    local_seq_len,
+)
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
@@ -79,7 +84,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     layout = infer_layout(model, mesh, rules, options)
     pipeline_plan: PipelinePlan | None = None
     if options.pipeline is None:
-        memory, collectives, notes, estimates = cost_flat(layout, options)
+        memory, collectives, notes, estimates = cost_flat(context_data_axes(layout, mesh), options)
         if layout.context_axis is not None and layout.profile is not None:
             collectives += context_collectives(
                 layout.profile, options, axis=layout.context_axis,

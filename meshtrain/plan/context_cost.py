@@ -30,7 +30,9 @@ backward                 ``cp - 1`` sends of ``E·i`` and        reduce-scatter 
 positions (+ documents)  all-gather of ``cp·S_local·8`` (``cp·(1 + B)·S_local·8`` with documents)
 =======================  =====================================  ================================
 
-A block checkpointed under ``full`` runs its forward twice, its forward traffic included.
+A checkpointed block (``full`` or ``selective``) runs its forward again in backward, its
+forward traffic included. FSDP shards and reduces over the data axes and the context axis as one
+group (:func:`context_data_axes`).
 
 Example:
     >>> call = AttentionCall(query=(1, 32, 1024, 128), key=(1, 8, 1024, 128),
@@ -48,8 +50,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from meshtrain.plan.activations import ActivationProfile, AttentionCall, BlockActivations, Split
+from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import Collective
 from meshtrain.plan.options import PlanOptions
+from meshtrain.spec.mesh import Mesh
 
 #: bytes of one position or document id (int64)
 INDEX_BYTES = 8
@@ -151,6 +155,22 @@ def context_profile(
     return replace(profile, blocks=blocks, transient=profile.transient + in_flight)
 
 
+def context_data_axes(layout: Inferred, mesh: Mesh) -> Inferred:
+    """``layout`` as the data-parallel cost sees it: FSDP shards and reduces over the data axes
+    and the context axis together, one group (``"dp+cp"``; parameters are replicated over the
+    context axis and each of its ranks holds other tokens, as torchtitan's ``dp_shard_cp``).
+
+    Example:
+        >>> layout = Inferred((), None, False, (), (), (), (), (), None, 0, None, (),
+        ...                   context_axis="cp")
+        >>> context_data_axes(layout, Mesh(("dp", "cp"), (1, 8))).data_axes
+        ('cp',)
+    """
+    if layout.context_axis is None:
+        return layout
+    return replace(layout, data_axes=(mesh.joined((*layout.data_axes, layout.context_axis)),))
+
+
 def context_collectives(
     profile: ActivationProfile,
     options: PlanOptions,
@@ -210,6 +230,7 @@ __all__ = [
     "attention_calls",
     "attention_collectives",
     "context_collectives",
+    "context_data_axes",
     "context_profile",
     "kv_bytes",
     "kv_elements",
