@@ -45,6 +45,7 @@ from meshtrain.plan.context_cost import (
 )
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
+from meshtrain.plan.expert_cost import estimate_expert_collectives, expert_notes
 from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
 from meshtrain.plan.infer import (
     check_sequence_length,
@@ -173,6 +174,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:
         check_sequence_length(options.seq_len, tp_axis, mesh)
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
+    notes += getattr(rules, "notes", ())
     if not active and not context and not ep:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = _decided(infer_units(model, options.fsdp_units), options)
@@ -235,7 +237,15 @@ def cost_flat(
         layout.partial_grads, layout.params, options,
         data_parallel=bool(layout.data_axes), units=layout.units,
     )  # fmt: skip
-    return memory, collectives, layout.notes, estimates
+    notes = layout.notes
+    if layout.expert_axis is not None and layout.experts:
+        ep = layout.experts[0].num_experts // layout.experts[0].local_experts
+        checkpointed = options.checkpointed_blocks(layout.blocks)
+        collectives += estimate_expert_collectives(layout.experts, layout.params,
+                                                   layout.expert_axis, ep, options, checkpointed)  # fmt: skip
+        notes += expert_notes(layout.experts, layout.params, layout.expert_axis, ep, options,
+                              checkpointed)  # fmt: skip
+    return memory, collectives, notes, estimates
 
 
 def cost_pipelined(

@@ -49,6 +49,7 @@ from typing import Literal
 from meshtrain.errors import PlanError
 from meshtrain.plan.ir import Collective, ExpertGroup, Memory, ParamLayout
 from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.sizes import format_bytes
 
 Routing = Literal["uniform", "worst"]
 _INDEX_BYTES = 8  # int64 counts and expert ids
@@ -319,6 +320,48 @@ def estimate_expert_collectives(
     )  # fmt: skip
 
 
+def expert_notes(
+    groups: Sequence[ExpertGroup],
+    params: Sequence[ParamLayout],
+    axis: str,
+    ep: int,
+    options: PlanOptions,
+    checkpointed: Sequence[str] = (),
+) -> tuple[str, ...]:
+    """What the plan's notes say of the experts' traffic: the all-to-alls are sized for uniform
+    routing; the dropless worst case per step and one layer's dispatch working set beside it."""
+    notes = []
+    unknown = [group.fqn for group in groups if not group.top_k]
+    if unknown:
+        notes.append(
+            f"all-to-alls of experts modules {unknown[:3]} not sized: their top-k is unknown (no "
+            "top_k or num_experts_per_tok on the module or the model's config)"
+        )
+    layers = [layer for layer in expert_layers(groups, params) if layer.top_k]
+    tokens = (options.batch_size or 0) * (options.seq_len or 0)
+    if not layers or not tokens:
+        return tuple(notes)
+
+    def per_step(routing: Routing) -> int:
+        rows = estimate_expert_collectives(groups, params, axis, ep, options, checkpointed,
+                                           routing=routing)  # fmt: skip
+        return sum(c.bytes for c in rows)
+
+    dtype = _itemsize(options.param_dtype)
+    working = [max(moe_working_set(layer, tokens=tokens, ep=ep, activation_bytes=dtype,
+                                   routing=routing) for layer in layers)
+               for routing in ("uniform", "worst")]  # fmt: skip
+    notes.append(
+        f"expert all-to-alls over '{axis}' are sized for uniform routing "
+        f"({format_bytes(per_step('uniform'))} per step on each rank); routing is dropless and "
+        "balancing bounds no single step, so the busiest rank's worst case (every rank sending it "
+        f"all the rows its experts can take) is {format_bytes(per_step('worst'))} per step; one "
+        f"MoE layer's dispatch working set is {format_bytes(working[0])} (uniform) to "
+        f"{format_bytes(working[1])} (worst) per micro-batch, outside the activation estimate"
+    )
+    return tuple(notes)
+
+
 def _itemsize(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
@@ -335,6 +378,7 @@ __all__ = [
     "estimate_expert_collectives",
     "expert_layers",
     "expert_memory",
+    "expert_notes",
     "moe_working_set",
     "rows_per_rank",
 ]
