@@ -104,14 +104,20 @@ HF_STYLES: Mapping[str, HFStyle] = {
                              f"rotary half bypasses `kv_b_proj`; {_OVERRIDE}"),
     "local_params": HFStyle("refused", "refused: a bare parameter sharded by its own entry; "
                             f"{_OVERRIDE}"),
-    "moe_tp_experts": HFStyle("refused", "refused: expert parallelism is not lowered yet (issue "
-                              f"34); {_OVERRIDE}"),
+    "moe_tp_experts": HFStyle("refused", "refused on a module that is not an experts module (an "
+                              "int `num_experts`, 3-D weights [experts, ...]); an experts "
+                              "module's weights split over the expert axis with "
+                              "`Rules.from_hf(model, ep='ep')`, or stay whole (`P()`, with a "
+                              f"note) without it; {_OVERRIDE}"),
     "moe_identity_expert": HFStyle("refused", "refused: part of `moe_tp_experts`; "
                                    f"{_OVERRIDE}"),
-    "grouped_gemm": HFStyle("refused", "refused: expert parallelism is not lowered yet (issue "
-                            f"34); {_OVERRIDE}"),
-    "ep_dispatch_experts": HFStyle("refused", "refused: expert dispatch is not lowered yet "
-                                   f"(issue 34); {_OVERRIDE}"),
+    "grouped_gemm": HFStyle("refused", "refused in a tensor-parallel plan: an expert-parallel "
+                            "style, read from `base_model_ep_plan` by `Rules.from_hf(model, "
+                            f"ep='ep')` (expert weights `P(ep, None, None)`); {_OVERRIDE}"),
+    "ep_dispatch_experts": HFStyle("refused", "refused in a tensor-parallel plan: an "
+                                   "expert-parallel style, read from `base_model_ep_plan` by "
+                                   "`Rules.from_hf(model, ep='ep')` (the module whose tokens "
+                                   f"are dispatched); {_OVERRIDE}"),
 }  # fmt: skip
 
 
@@ -218,3 +224,90 @@ def _specs(style: str, module: nn.Module, axis: str) -> Mapping[str, P]:
     if kind == "rowwise":
         return {"weight": P(None, axis), "bias": P()}
     return {name: P() for name, _ in module.named_parameters(recurse=False)}
+
+
+#: the expert-parallel styles of ``base_model_ep_plan`` (transformers 5) meshtrain reads
+EP_STYLES = ("grouped_gemm", "ep_dispatch_experts")
+
+
+def hf_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The model's expert-parallel plan (``config.base_model_ep_plan`` under the base model's
+    prefix, then the top model's ``_ep_plan``) as patterns with full FQNs; empty without one."""
+    plan: dict[str, str] = {}
+    config = getattr(model, "config", None)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    has_base = bool(prefix) and isinstance(getattr(model, prefix, None), nn.Module)
+    for pattern, style in dict(getattr(config, "base_model_ep_plan", None) or {}).items():
+        plan[f"{prefix}.{pattern}" if has_base else pattern] = style
+    plan.update(dict(getattr(model, "_ep_plan", None) or {}))
+    return plan
+
+
+def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[str, P]], list[str]]:
+    """Rules for the experts modules of the model's plans and notes about them: with ``axis``,
+    their weights (``grouped_gemm`` parameters and the experts-dim parameters of
+    ``ep_dispatch_experts`` / ``moe_tp_experts`` modules) split over it on dim 0; without it,
+    every parameter of those modules whole (``P()``), noted. A ``moe_tp_experts`` entry on a
+    module that is not an experts module is left for the tensor-parallel plan to refuse.
+
+    Example:
+        >>> import torch
+        >>> class Experts(nn.Module):
+        ...     num_experts = 4
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.down_proj = nn.Parameter(torch.empty(4, 2, 8))
+        >>> class Config:
+        ...     base_model_ep_plan = {"layers.*.experts": "ep_dispatch_experts"}
+        >>> class Tiny(nn.Module):
+        ...     base_model_prefix, config = "", Config()
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.layers = nn.ModuleList([nn.ModuleDict({"experts": Experts()})])
+        >>> hf_expert_patterns(Tiny(), "ep")[0]
+        [('layers\\\\.\\\\d+\\\\.experts\\\\.down_proj', P('ep', None, None))]
+    """
+    modules = dict(model.named_modules())
+    entries = [(p, s) for p, s in hf_ep_plan(model).items() if s in EP_STYLES]
+    entries += [(p, s) for p, s in hf_tp_plan(model).items() if s == "moe_tp_experts"]
+    patterns: dict[str, P] = {}
+    found: list[str] = []
+    for module_pattern, style in entries:
+        regex = re.escape(module_pattern).replace(r"\*", r"\d+")
+        if style == "grouped_gemm":
+            owner, _, name = module_pattern.rpartition(".")
+            experts = _experts_matching(modules, re.escape(owner).replace(r"\*", r"\d+"))
+            if experts and axis is not None:
+                patterns[regex] = P(axis, *([None] * (getattr(experts[0], name).ndim - 1)))
+            continue
+        experts = _experts_matching(modules, regex)
+        if not experts:
+            continue
+        found.append(module_pattern)
+        if axis is None:
+            patterns.setdefault(rf"{regex}\..*", P())
+            continue
+        for name, param in experts[0].named_parameters(recurse=False):
+            whole = param.shape[0] != experts[0].num_experts
+            spec = P() if whole else P(axis, *([None] * (param.ndim - 1)))
+            patterns.setdefault(rf"{regex}\.{re.escape(name)}", spec)
+    notes = []
+    if found and axis is None:
+        notes.append(
+            f"experts modules {sorted(set(found))} kept whole (P()) on every rank: split them "
+            "over an expert axis with Rules.from_hf(model, ep='ep') on a mesh with an 'ep' axis"
+        )
+    return list(patterns.items()), notes
+
+
+def _experts_matching(modules: Mapping[str, nn.Module], regex: str) -> list[nn.Module]:
+    """The experts modules (an int ``num_experts`` and a 3-D parameter over that many experts)
+    whose FQN matches ``regex``."""
+    return [
+        module
+        for fqn, module in modules.items()
+        if re.fullmatch(regex, fqn)
+        and isinstance(getattr(module, "num_experts", None), int)
+        and any(p.ndim == 3 and p.shape[0] == module.num_experts
+                for p in module.parameters(recurse=False))
+    ]  # fmt: skip

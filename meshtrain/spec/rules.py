@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from meshtrain.errors import RuleError, SpecError, did_you_mean, format_shape
-from meshtrain.spec.hf_plan import hf_gathered, hf_patterns
+from meshtrain.spec.hf_plan import hf_expert_patterns, hf_gathered, hf_patterns
 from meshtrain.spec.layout import validate_spec
 from meshtrain.spec.logical import LogicalAxes, named_logical_axes
 from meshtrain.spec.mesh import Mesh
@@ -151,6 +151,8 @@ class Rules:
         # module FQN regexes whose column-wise output is all-gathered, never paired (HF's
         # colwise_gather_output): the model's code after them needs the full features
         self.gathered: tuple[str, ...] = tuple(gathered)
+        # what the plan should tell the user about how these rules were made (from_hf)
+        self.notes: tuple[str, ...] = ()
 
     def __repr__(self) -> str:
         return (
@@ -164,25 +166,33 @@ class Rules:
         model: nn.Module,
         *,
         fsdp: str | Sequence[str] | None = None,
-        tp: str = "tp",
+        tp: str | None = "tp",
         sequence_parallel: bool = False,
         overrides: Mapping[str, P] | Sequence[tuple[str, P]] = (),
+        ep: str | None = None,
     ) -> Rules:
         """Rules from a Hugging Face model's own tensor-parallel plan (``base_model_tp_plan``
         and ``_tp_plan``; see :mod:`meshtrain.spec.hf_plan`), over mesh axis ``tp``, everything
         else replicated. ``overrides`` (patterns tried first) cover what the plan leaves out or
         styles meshtrain does not lower; ``sequence_parallel`` adds the ``("seq", tp)`` rule.
+        ``tp=None`` reads no tensor-parallel plan. Experts modules (``base_model_ep_plan``'s
+        ``grouped_gemm``/``ep_dispatch_experts``, ``moe_tp_experts``) split over ``ep`` on their
+        experts dim (expert parallelism), or stay whole (``P()``, noted in the plan) without it.
 
         Example::
 
             rules = mt.Rules.from_hf(model, fsdp="dp")   # LlamaForCausalLM, Qwen2ForCausalLM, ...
         """
         first = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
+        experts, notes = hf_expert_patterns(model, ep)
+        first += experts
         covered = [re.compile(pattern) for pattern, _ in first]
-        generated = hf_patterns(model, tp, covered=covered)
-        logical = [("seq", tp)] if sequence_parallel else []
-        return cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp,
-                   gathered=hf_gathered(model, covered=covered))  # fmt: skip
+        generated = hf_patterns(model, tp, covered=covered) if tp is not None else []
+        logical = [("seq", tp)] if sequence_parallel and tp is not None else []
+        rules = cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp,
+                    gathered=hf_gathered(model, covered=covered) if tp is not None else ())  # fmt: skip
+        rules.notes = tuple(notes)
+        return rules
 
     def match(self, fqn: str) -> tuple[str, P] | None:
         """The first regex rule that fully matches ``fqn``, or ``None``."""
