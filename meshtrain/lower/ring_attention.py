@@ -49,8 +49,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch.distributed import ProcessGroup
 
+import meshtrain.lower.attention_blocks as blocks
 from meshtrain.errors import PlanError
-from meshtrain.lower import attention_blocks as blocks
 from meshtrain.lower.attention_blocks import KVBlock, Visibility, blockwise_attention
 
 __all__ = [

@@ -137,6 +137,13 @@ def check_context_model(model: nn.Module, axis: str) -> str:
             "Load the model with attn_implementation='sdpa'.",
             fqn="",
         )
+    if getattr(config, "attention_dropout", 0.0):
+        raise PlanError(
+            f"{type(model).__name__} has attention_dropout={config.attention_dropout}, whose "
+            f"random mask context parallelism over '{axis}' cannot draw as one device does. "
+            "Set config.attention_dropout = 0.",
+            fqn="",
+        )
     return "transformers"
 
 

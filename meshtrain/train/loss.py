@@ -59,7 +59,7 @@ class StepTokens:
 
     def __init__(self, plan: Plan, local: int) -> None:
         count = torch.tensor(float(local), device=plan_device(plan))
-        group = group_over(plan, plan.data_axes)
+        group = group_over(plan, plan.token_axes)
         self._pending: torch.Tensor | None = (
             funcol.all_reduce(count, "sum", group) if group is not None else count
         )
@@ -86,11 +86,12 @@ def plain_loss(loss: torch.Tensor) -> torch.Tensor:
 
 
 def loss_axes(plan: Plan) -> tuple[str, ...]:
-    """The axes a step's loss is summed over: the data axes, and the pipeline axis (only the
-    last stage computes a loss, and every rank returns it)."""
+    """The axes a step's loss is summed over: the data axes (and the context axis, whose ranks
+    hold chunks of the same sequences), and the pipeline axis (only the last stage computes a
+    loss, and every rank returns it)."""
     if plan.pipeline is None:
-        return plan.data_axes
-    return (plan.pipeline.axis, *plan.data_axes)
+        return plan.token_axes
+    return (plan.pipeline.axis, *plan.token_axes)
 
 
 def reduce_loss(plan: Plan, value: torch.Tensor) -> torch.Tensor:
@@ -107,7 +108,7 @@ def data_parallel_rank(plan: Plan) -> tuple[int, int]:
     pipeline-parallel ranks of one data-parallel index share its data)."""
     coords = plan.mesh.coordinates(dist.get_rank())
     index, size = 0, 1
-    for axis in plan.data_axes:
+    for axis in plan.batch_axes:
         index = index * plan.mesh.size(axis) + coords[axis]
         size *= plan.mesh.size(axis)
     return index, size

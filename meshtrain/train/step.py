@@ -32,6 +32,7 @@ import torch
 
 from meshtrain.errors import TrainingError, format_shape
 from meshtrain.lower.compute import compile_loss
+from meshtrain.lower.context_parallel import shard_batch
 from meshtrain.lower.data_parallel import data_parallel_size, micro_batch
 from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
@@ -159,14 +160,16 @@ def forward_backward(
     the global loss-token count (the same on every rank).
 
     ``model`` is what ``mt.apply`` returned; ``batch`` is this data-parallel rank's share of the
-    step, split along dim 0 into the plan's micro-batches (pipelined or accumulated).
+    step, split along dim 0 into the plan's micro-batches (pipelined or accumulated); under
+    context parallelism its sequences are whole, and this rank keeps its chunks of them.
     ``loss_fn(output, targets)`` returns a micro-batch's *summed* loss; it is divided by the
     step's loss tokens over every data-parallel rank and micro-batch (and scaled by
     :func:`backward_factor` under the plan's ``grad_reduction``), so gradients equal one
     device's mean-loss gradients. Gradients are left in ``.grad`` (multiplied by ``loss_scale``),
     synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
     """
-    inputs, targets = batch.inputs, batch.targets
+    # under context parallelism this rank computes its chunks of every sequence
+    inputs, targets = shard_batch(plan, batch.inputs), shard_batch(plan, batch.targets)
     micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.options.microbatches
     if inputs.shape[0] % micro or targets.shape[0] != inputs.shape[0]:
         raise TrainingError(

@@ -1,0 +1,198 @@
+"""Context parallelism lowered onto models as they are: each rank of the plan's context axis
+computes its share of every sequence, attention included.
+
+Three things change, none of them the model's code:
+
+- **attention**: meshtrain's Llama gets an ``attention_fn`` on each attention module; a
+  ``transformers`` model gets an attention function registered in ``ALL_ATTENTION_FUNCTIONS``
+  (with a mask function that builds no mask: the visibility is computed from true positions)
+  and its config's ``_attn_implementation`` pointed at it. Both call
+  :func:`~meshtrain.lower.ring_attention.context_attention`, which gives this rank's queries one
+  device's attention over the whole sequence (ring or all-gather over the context group), with
+  the module's causality, sliding window, scaling and grouped-query heads. Being the module's
+  own call, it runs again as it should when activation checkpointing recomputes a block.
+- **positions**: a forward pre-hook passes the rank's true positions (``positions`` to
+  meshtrain's Llama, ``position_ids`` to a ``transformers`` model), so rotary tables are those
+  of the chunks the rank holds.
+- **the batch**: :func:`shard_batch` slices inputs and targets of a step along the sequence
+  into the rank's chunks (the train step calls it; see :mod:`meshtrain.train.step`).
+
+Example (on every rank of a 4-rank job, inside :func:`~meshtrain.lower.apply`)::
+
+    plan = mt.plan(model, mt.make_mesh(dp=2, cp=2), rules_with_seq_on_cp)
+    apply_context_parallel(plan, model)
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from meshtrain.errors import PlanError
+from meshtrain.lower.context_layout import chunk_positions, shard_sequence
+from meshtrain.lower.groups import axis_group
+from meshtrain.lower.ring_attention import context_attention
+from meshtrain.plan.context import check_context_model
+from meshtrain.plan.ir import Plan
+
+#: the name the attention (and mask) function is registered under in ``transformers``
+HF_ATTENTION = "meshtrain_context"
+
+
+@dataclass(frozen=True)
+class ContextGroup:
+    """This rank's place in its context group: the group, its size, this rank's index in it,
+    the load balancer and the attention method."""
+
+    group: ProcessGroup
+    size: int
+    rank: int
+    balance: str
+    method: str
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """The true positions of this rank's ``local_len`` tokens of a sequence."""
+        return _positions(local_len * self.size, self.size, self.rank, self.balance).to(device)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool = True,
+        window: int | None = None,
+        scale: float | None = None,
+    ) -> torch.Tensor:
+        """One device's attention for this rank's queries (``[B, H, S_local, D]``)."""
+        return context_attention(
+            q, k, v, group=self.group, positions_q=self.positions(q.shape[2], q.device),
+            causal=causal, window=window, scale=scale, method=self.method,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
+    return chunk_positions(seq_len, cp, rank, balance)  # type: ignore[arg-type]
+
+
+def context_group(plan: Plan) -> ContextGroup | None:
+    """This rank's :class:`ContextGroup` under ``plan`` (``None`` without a context axis)."""
+    if plan.context_axis is None:
+        return None
+    group = axis_group(plan.mesh, plan.context_axis)
+    options = plan.options
+    return ContextGroup(group, dist.get_world_size(group), dist.get_rank(group),
+                        options.context_balance, options.context_method)  # fmt: skip
+
+
+def apply_context_parallel(plan: Plan, model: nn.Module) -> None:
+    """Point ``model``'s attention at context attention and feed it true positions (see the
+    module docstring); nothing without a context axis."""
+    context = context_group(plan)
+    if context is None:
+        return
+    assert plan.context_axis is not None
+    if check_context_model(model, plan.context_axis) == "meshtrain":
+        for module in model.modules():
+            if hasattr(module, "attention_fn"):
+                module.attention_fn = functools.partial(context.attend, causal=True)
+        model.register_forward_pre_hook(_PositionsHook(context, "positions"), with_kwargs=True)
+        return
+    register_hf_attention()
+    model.config._attn_implementation = HF_ATTENTION  # type: ignore[union-attr]
+    for module in model.modules():
+        module._meshtrain_context = context  # type: ignore[assignment]
+    model.register_forward_pre_hook(_PositionsHook(context, "position_ids"), with_kwargs=True)
+
+
+class _PositionsHook:
+    """Adds the rank's true positions to the model's forward keywords (``[S_local]`` for
+    meshtrain's Llama, ``[B, S_local]`` position ids for ``transformers``)."""
+
+    def __init__(self, context: ContextGroup, keyword: str) -> None:
+        self.context, self.keyword = context, keyword
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
+        if not isinstance(tokens, torch.Tensor) or self.keyword in kwargs:
+            return args, kwargs
+        positions = self.context.positions(tokens.shape[1], tokens.device)
+        if self.keyword == "position_ids":
+            positions = positions.unsqueeze(0).expand(tokens.shape[0], -1)
+        return args, {**kwargs, self.keyword: positions}
+
+
+def shard_batch(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's chunks of a ``[batch, seq]`` tensor (token ids, targets) under the plan's
+    context axis; the tensor itself without one."""
+    context = context_group(plan)
+    if context is None:
+        return tensor
+    return shard_sequence(tensor, 1, context.size, context.rank, context.balance)  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- transformers
+
+
+def register_hf_attention() -> None:
+    """Register :func:`hf_context_attention` and a mask function that builds no mask under
+    :data:`HF_ATTENTION` in ``transformers`` (idempotent)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ALL_ATTENTION_FUNCTIONS.register(HF_ATTENTION, hf_context_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _no_mask)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    """Context attention computes visibility from true positions: no mask tensor."""
+    return None
+
+
+def hf_context_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """A ``transformers`` attention function (the signature of its SDPA one): this rank's
+    queries' attention over the whole sequence, ``[B, S_local, H, D]``."""
+    context = _context_of(module)
+    if attention_mask is not None or (dropout and module.training):
+        raise PlanError(
+            f"context attention in {type(module).__name__} got "
+            f"{'an attention mask' if attention_mask is not None else f'dropout={dropout}'}, "
+            "which context parallelism does not split: train without a padding mask (pack "
+            "sequences) and with attention_dropout=0."
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = context.attend(query, key, value, causal=bool(causal), window=sliding_window,
+                         scale=scaling)  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _context_of(module: nn.Module) -> ContextGroup:
+    """The context group :func:`apply_context_parallel` gave the modules of ``module``'s model."""
+    found = getattr(module, "_meshtrain_context", None)
+    if not isinstance(found, ContextGroup):
+        raise PlanError(
+            f"{type(module).__name__} calls meshtrain's context attention, but its model was not "
+            "lowered with context parallelism (mt.apply with a plan whose context axis is set). "
+            "Set config._attn_implementation back to 'sdpa', or apply the plan."
+        )
+    return found

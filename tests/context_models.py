@@ -1,0 +1,64 @@
+"""Tiny models for context-parallel tests, built locally (nothing downloaded): meshtrain's Llama
+and ``transformers``' Llama, Qwen2 and Mistral (a sliding window shorter than the sequence),
+hidden 32, 2 layers; their rules (parameters replicated, FSDP over ``dp``, the sequence over
+``cp``) and token batches of 32-token sequences. Module level, so ranks can import them."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+import meshtrain as mt
+from meshtrain.models import LlamaConfig as OwnLlamaConfig
+from meshtrain.models import build_llama
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+VOCAB = 128
+SEQ = 32
+WINDOW = 12  # Mistral's sliding window: shorter than a sequence, longer than a chunk
+_SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              use_cache=False, attn_implementation="sdpa")  # fmt: skip
+
+
+def own_llama() -> torch.nn.Module:
+    config = OwnLlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
+                            multiple_of=32, max_seq_len=64)  # fmt: skip
+    return build_llama(config, seed=0)
+
+
+def hf_llama() -> LlamaForCausalLM:
+    return LlamaForCausalLM(LlamaConfig(**_SIZES))
+
+
+def hf_qwen2() -> Qwen2ForCausalLM:
+    return Qwen2ForCausalLM(Qwen2Config(**_SIZES))
+
+
+def hf_mistral() -> MistralForCausalLM:
+    return MistralForCausalLM(MistralConfig(**_SIZES, sliding_window=WINDOW))
+
+
+MODELS = {"llama": own_llama, "hf_llama": hf_llama, "qwen2": hf_qwen2, "mistral": hf_mistral}
+
+
+def rules(fsdp: tuple[str, ...] = ("dp",)) -> mt.Rules:
+    """Every parameter replicated; FSDP over ``fsdp``; the sequence over ``cp``."""
+    return mt.Rules({".*": mt.P()}, fsdp=fsdp, logical=[("seq", "cp")])
+
+
+def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch of 4 sequences of 32 token ids and their next tokens."""
+    generator = torch.Generator().manual_seed(300 + step)
+    tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
