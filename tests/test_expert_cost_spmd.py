@@ -3,6 +3,8 @@ ranks, for a routing the test fixes, against :mod:`meshtrain.plan.expert_cost`'s
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,7 @@ class FixedRouting(nn.Module):
 
     def __init__(self, routing: str) -> None:
         super().__init__()
+        self.config = SimpleNamespace(top_k=TOP_K)  # where the planner reads experts per token
         self.experts = GroupedExperts(EXPERTS, HIDDEN, INTER, kernel="loop")
         t = torch.arange(TOKENS)
         second = 2 + t % 2 if routing == "uniform" else torch.where(t < 4, 1 - t % 2, 2 + t % 2)
@@ -37,8 +40,9 @@ class FixedRouting(nn.Module):
         return self.experts(x, self.index, torch.full((TOKENS, TOP_K), 0.5))
 
 
-def measure(routing: str) -> tuple[int, int]:
-    """On every rank: one forward and backward counted; the all-to-alls' count and bytes."""
+def measure(routing: str) -> tuple[tuple[int, int], tuple[int, int]]:
+    """On every rank: one forward and backward counted; the all-to-alls' count and bytes, and
+    the plan's own (uniform routing)."""
     torch.manual_seed(0)
     model = FixedRouting(routing)
     for weight in (model.experts.gate_up_proj, model.experts.down_proj):
@@ -52,7 +56,7 @@ def measure(routing: str) -> tuple[int, int]:
     with counter:
         model(x).square().sum().backward()
     key = ("all_to_all", "ep")
-    return counter.counts[key], counter.bytes[key]
+    return (counter.counts[key], counter.bytes[key]), plan.collective_totals()[key]
 
 
 def predicted(routing: str, max_load: float | None = None) -> tuple[int, int]:
@@ -68,11 +72,11 @@ def test_uniform_routing_sends_the_predicted_bytes_on_every_rank() -> None:
     # by hand: 16 rows of 8 fp32 = 512 B per token all-to-all, 4 of them; 2 counts + 16 ids
     # in int64 = 144 B
     assert predicted("uniform") == (6, 4 * 512 + 144)
-    assert results == [predicted("uniform")] * 2
+    assert results == [(predicted("uniform"), predicted("uniform"))] * 2
 
 
 def test_a_skewed_routing_meets_its_max_load_bound_on_the_busiest_rank() -> None:
-    results = get_pool(2).run(measure, "skewed")
+    results = [measured for measured, _ in get_pool(2).run(measure, "skewed")]
     # rank 0 receives 24 rows (payload: 24 of 8 fp32 = 768 B per token all-to-all; ids 24 int64)
     assert predicted("worst", max_load=1.5) == (6, 4 * 768 + 8 * (2 + 24))
     assert results[0] == predicted("worst", max_load=1.5)
