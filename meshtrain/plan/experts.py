@@ -84,13 +84,6 @@ def plan_experts(
     at most, no tensor-parallel axis, no pipeline, no compile, ZeRO 1 to 3). Raises :class:`PlanError` naming the module
     or parameter and the fix."""
     mesh = resolution.mesh
-    _check_combination(expert_axis, mesh, data_axes, tp_axis, options)
-    if context_axis is not None:
-        raise PlanError(
-            f"expert parallelism over '{expert_axis}' with context parallelism over "
-            f"'{context_axis}' on mesh {mesh} is not supported yet. Use one of them.",
-            mesh=mesh,
-        )
     modules = dict(model.named_modules())
     grouped: dict[str, list[str]] = {}
     for param in resolution.params:
@@ -99,6 +92,13 @@ def plan_experts(
         fqn = _owner(param.fqn)
         _check_param(param, modules.get(fqn), fqn, expert_axis, mesh)
         grouped.setdefault(fqn, []).append(param.fqn)
+    _check_combination(expert_axis, mesh, data_axes, tp_axis, options)
+    if context_axis is not None:
+        raise PlanError(
+            f"expert parallelism over '{expert_axis}' with context parallelism over "
+            f"'{context_axis}' on mesh {mesh} is not supported yet. Use one of them.",
+            mesh=mesh,
+        )
     specs = {param.fqn: param for param in resolution.params}
     groups = []
     for fqn, names in grouped.items():
