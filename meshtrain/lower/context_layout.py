@@ -64,11 +64,13 @@ def chunk_positions(
     if not 0 <= rank < cp:
         raise PlanError(f"context-parallel rank {rank} is outside 0..{cp - 1} (cp={cp}).")
     if balance == "contiguous":
-        return torch.arange(rank * size, (rank + 1) * size)
-    tail = 2 * cp - 1 - rank
-    return torch.cat(
-        [torch.arange(rank * size, (rank + 1) * size), torch.arange(tail * size, (tail + 1) * size)]
-    )
+        return _chunk(rank, size)
+    return torch.cat([_chunk(rank, size), _chunk(2 * cp - 1 - rank, size)])
+
+
+def _chunk(index: int, size: int) -> torch.Tensor:
+    """The positions of the ``index``-th chunk of ``size`` tokens."""
+    return torch.arange(index * size, (index + 1) * size)
 
 
 def _all_positions(seq_len: int, cp: int, balance: Balance) -> torch.Tensor:

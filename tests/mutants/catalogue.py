@@ -108,6 +108,9 @@ LOOP = "tests/test_zoo_spmd.py::test_a_loop_written_for_ddp_trains_like_one_devi
 MATERIALISE = "tests/test_materialise_spmd.py"
 CLIP = "tests/test_clip.py"
 DATA_RANKS = "tests/test_data_ranks_spmd.py"
+CP_PURE = "tests/test_context_attention.py"
+CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_one_device_sdpa"
+NO_CP_PLAN = "the kernel is exercised on its own; a plan with a cp axis reaches it through the model"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
@@ -181,6 +184,16 @@ _ALL = [
            plants.per_rank_init_seed, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("resharding-offset", "shard copied at the next rank's offset",
            plants.resharding_offset, (MATERIALISE,), None, why_not=NOT_BUILT),
+    Mutant("context-chunk-off-by-one", "a context-parallel chunk's positions off by one",
+           plants.context_chunk_off_by_one, (f"{CP_PURE}::test_every_position_is_on_exactly_one_rank_and_unsharding_inverts", f"{CP_SPMD}[cp2-headtail-causal-gqa]"),
+           None, why_not=NO_CP_PLAN),
+    Mutant("context-merge-without-max", "the attention blocks' log-sum-exp merge without the max "
+           "correction", plants.context_merge_without_max,
+           (f"{CP_PURE}::test_merge_is_exact_for_logits_far_beyond_exp_range", f"{CP_SPMD}[cp4-headtail-causal-large-logits]"),
+           None, why_not=NO_CP_PLAN),
+    Mutant("context-blocks-in-wrong-order", "the ring's causal mask applied in the wrong chunk "
+           "order", plants.context_blocks_in_wrong_order, (f"{CP_SPMD}[cp4-headtail-causal-large-logits]",),
+           None, why_not=NO_CP_PLAN),
     Mutant("neutral-recompute-everything", "selective checkpointing recomputes matmuls too",
            plants.neutral_recompute_everything, (f"{ZOO}[llama-tp-bf16-ac]",),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules(),

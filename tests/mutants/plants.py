@@ -575,3 +575,46 @@ def neutral_token_count_waited_at_once() -> Iterator[None]:
 
     with mock.patch.object(loss.StepTokens, "__init__", eager):
         yield
+
+
+# ---------------------------------------------------------------- context parallelism
+
+
+@contextlib.contextmanager
+def context_chunk_off_by_one() -> Iterator[None]:
+    """Every sequence chunk but the first starts one position early (its true positions, and so
+    the tokens a context-parallel rank takes and the positions its masks use, off by one)."""
+    layout = importlib.import_module("meshtrain.lower.context_layout")
+
+    def early(index: int, size: int) -> torch.Tensor:
+        start = index * size - (1 if index else 0)
+        return torch.arange(start, start + size)
+
+    with mock.patch.object(layout, "_chunk", early):
+        yield
+
+
+@contextlib.contextmanager
+def context_merge_without_max() -> Iterator[None]:
+    """The online-softmax merge weighs each block by ``exp(lse)`` itself, without subtracting
+    the larger log-sum-exp first: exact algebra, but ``exp`` overflows once logits pass ~88."""
+    blocks = importlib.import_module("meshtrain.lower.attention_blocks")
+
+    def unshifted(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
+        w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
+        total = w_a + w_b
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        return (w_a[..., None] * out_a + w_b[..., None] * out_b) / safe[..., None], torch.log(total)
+
+    with mock.patch.object(blocks, "merge", unshifted):
+        yield
+
+
+@contextlib.contextmanager
+def context_blocks_in_wrong_order() -> Iterator[None]:
+    """The ring masks each arriving block with the chunk positions of the rank ahead instead of
+    the rank behind (the keys travel forward): the causal mask applied in the wrong chunk order
+    (the same rank when cp = 2, so only cp > 2 shows it)."""
+    ring = importlib.import_module("meshtrain.lower.ring_attention")
+    with mock.patch.object(ring, "_source", lambda rank, step, cp: (rank + step) % cp):
+        yield
