@@ -1,0 +1,96 @@
+"""Expert parallelism trains like one device on gloo ranks: transformers' MoE families (tiny,
+built locally) under ``assert_equivalent``, and a plain PyTorch loop written the ordinary way
+(each rank's mean loss, ``backward``, ``SGD.step``) against the same loop on one process, with
+routing compared expert by expert (the same tokens reach the same experts)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from moe_models import ep_rules, mixtral, qwen2_moe, qwen3_moe, token_batches
+
+import meshtrain as mt
+from meshtrain.lower.expert_parallel import tokens_per_expert
+from meshtrain.lower.gather import full_tensor
+from meshtrain.testing import assert_equivalent
+from meshtrain.testing.contract import contract_for
+from meshtrain.testing.runner import get_pool
+from meshtrain.train.loss import data_parallel_rank
+
+pytestmark = pytest.mark.spmd
+
+
+def test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2() -> None:
+    """FSDP2 over dp × ep for the dense weights and the shared expert, experts over ep and
+    FSDP2 over dp: every gradient averaged over the 4 batch ranks."""
+    report = assert_equivalent(qwen2_moe, {"dp": 2, "ep": 2}, {"rules": ep_rules()},
+                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed
+
+
+@pytest.mark.extended
+def test_mixtral_trains_like_one_device_on_ep2_in_bf16() -> None:
+    report = assert_equivalent(mixtral, {"ep": 2},
+                               {"rules": ep_rules(fsdp=()), "precision": "bf16",
+                                "activation_checkpointing": "full"},
+                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed and report.contract.level == "approximate"
+
+
+def plain_loop(steps: int) -> dict[str, float]:
+    """On every rank of ep 2: the plan trained by a loop written for DDP, and the same loop on
+    the whole batch in this process; the worst relative errors and routing mismatches."""
+    torch.manual_seed(0)
+    model = qwen3_moe()
+    reference = copy.deepcopy(model)
+    plan = mt.plan(model, mt.make_mesh({"ep": 2}), ep_rules(fsdp=()))
+    applied = mt.apply(plan, model)
+    optimizer = torch.optim.SGD(applied.parameters(), lr=0.1, momentum=0.9)
+    ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    routed: dict[str, torch.Tensor] = {}
+    for group in plan.experts:
+        reference.get_submodule(group.fqn).register_forward_hook(
+            lambda module, args, _, fqn=group.fqn: routed.__setitem__(
+                fqn, torch.bincount(args[1].flatten(), minlength=module.num_experts))
+        )  # fmt: skip
+    index, ranks = data_parallel_rank(plan)
+    worst = {"loss": 0.0, "param": 0.0, "routing": 0.0}
+    for step in range(steps):
+        inputs, targets = token_batches(step)
+        rows = inputs.shape[0] // ranks
+        mine = slice(index * rows, (index + 1) * rows)
+        logits = applied(inputs[mine]).logits
+        loss = F.cross_entropy(logits.flatten(0, -2), targets[mine].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = F.cross_entropy(reference(inputs).logits.flatten(0, -2), targets.flatten())
+        ref_loss.backward()
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        for fqn, counts in tokens_per_expert(plan, applied).items():
+            worst["routing"] += float((counts - routed[fqn]).abs().sum())
+        global_loss = loss.detach().clone()
+        dist.all_reduce(global_loss)
+        ref_value = float(ref_loss.detach())
+        error = abs(float(global_loss) / ranks - ref_value) / ref_value
+        worst["loss"] = max(worst["loss"], error)
+    ref_params = dict(reference.named_parameters())
+    for fqn, param in applied.named_parameters():
+        ref = ref_params[fqn].detach()
+        error = float((full_tensor(param.detach()) - ref).abs().max() / ref.abs().max())
+        worst["param"] = max(worst["param"], error)
+    worst["tolerance"] = contract_for(plan).tolerance
+    return worst
+
+
+def test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing() -> None:
+    for worst in get_pool(2).run(plain_loop, 2):
+        assert worst["routing"] == 0, worst  # every step, every layer: the same expert loads
+        bound = worst["tolerance"]
+        assert worst["loss"] <= 2 * bound, worst  # the loss drifts with each step's parameters
+        assert worst["param"] <= bound, worst
