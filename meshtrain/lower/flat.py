@@ -1,6 +1,6 @@
 """Parallelising one model (or one pipeline stage) in the fixed order torchtitan uses: tensor
-parallel → context parallel → global-batch BatchNorm → the remaining parameters replicated over
-tensor parallel →
+parallel → expert parallel → context parallel → global-batch BatchNorm → the remaining parameters
+replicated over tensor parallel →
 activation checkpointing → per-block compile → data parallel
 (FSDP2) → whole-model compile, then the scope ``mt.constrain`` reads.
 
@@ -17,6 +17,7 @@ from meshtrain.lower.batch_norm import sync_batch_norms
 from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
 from meshtrain.lower.context_parallel import apply_context_parallel
 from meshtrain.lower.data_parallel import apply_data_parallel
+from meshtrain.lower.expert_parallel import apply_expert_parallel
 from meshtrain.lower.functional import track
 from meshtrain.lower.groups import device_mesh
 from meshtrain.lower.replicated import replicate_whole_parameters
@@ -29,6 +30,7 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     parallelism also runs over size-1 axes that carry the mixed-precision policy."""
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
+    apply_expert_parallel(plan, model)
     apply_context_parallel(plan, model)
     sync_batch_norms(plan, model)
     # every parameter on one mesh, so a user's own loop runs; not under compile, where torch
