@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-from context_reference import U_BF16, magnitudes, reference_attention, reference_mask, tolerance
 
 from meshtrain.lower.context_layout import chunk_positions, shard_sequence, unshard_sequence
 
@@ -85,7 +84,14 @@ def run_case(case: Case) -> dict[str, Any]:
 
     q, k, v = (share(whole[n]).requires_grad_() for n in "qkv")
     c10d = CollectiveCounter(make_mesh({"cp": case.world}, abstract=True), {"cp": group})
-    with count_bytes() as sent, c10d:
+    saved: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    with count_bytes() as sent, c10d, hooks:
         out = context_attention(
             q, k, v, group=group,
             positions_q=chunk_positions(SEQ, case.cp, cp_rank, case.balance),  # type: ignore[arg-type]
@@ -101,8 +107,17 @@ def run_case(case: Case) -> dict[str, Any]:
         "dk": k.grad,
         "dv": v.grad,
         "bytes": dict(sent.counts),
+        "saved": sum(saved),
+        "saved_expected": _flash_saved_bytes(q, k, v),
         "c10d": {kind: n for (kind, _), n in c10d.bytes.items()},
     }
+
+
+def _flash_saved_bytes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+    """What the ring's backward may keep: q, k, v, the fp32 output and log-sum-exp (this rank's
+    share only: O(S_local), never the gathered sequence)."""
+    local = sum(t.numel() * t.element_size() for t in (q, k, v))
+    return local + q.numel() * 4 + q[..., 0].numel() * 4
 
 
 def expected_bytes(case: Case) -> dict[str, int]:
@@ -151,7 +166,16 @@ CASES = {
 
 
 def _reference(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """One process, the whole sequence: SDPA's output and gradients (fp64) and the contract."""
+    """One process, the whole sequence: SDPA's output and gradients (fp64) and the contract
+    (imported here: the ranks, which import this module, need no ``transformers``)."""
+    from context_reference import (
+        U_BF16,
+        magnitudes,
+        reference_attention,
+        reference_mask,
+        tolerance,
+    )
+
     whole = inputs(case)
     q, k, v = (whole[n].double().requires_grad_() for n in "qkv")
     positions = torch.arange(SEQ)
@@ -187,5 +211,7 @@ def test_context_attention_equals_one_device_sdpa(name: str) -> None:
                 f"bound there {tol[tensor].flatten()[(error - tol[tensor]).argmax()].item():.3g}"
             )
     for result in results:
+        if case.method == "ring":
+            assert result["saved"] == result["saved_expected"]
         assert result["bytes"] == expected_bytes(case)
         assert result["c10d"] == expected_c10d(case, result["bytes"])
