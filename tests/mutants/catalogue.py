@@ -23,7 +23,7 @@ from typing import Any
 from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
 from meshtrain.testing.strategies import DebugLlama
-from tests import lora_models, zoo
+from tests import lora_models, moe_models, zoo
 from tests.mutants import plants
 
 
@@ -96,6 +96,12 @@ OLMO2_TP = HarnessCase(
     {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3},
     {"batches": zoo.token_batches},
 )
+QWEN2_MOE_EP = HarnessCase(
+    moe_models.qwen2_moe,
+    {"dp": 2, "ep": 2},
+    {"rules": moe_models.ep_rules()},
+    {"batches": moe_models.token_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -111,6 +117,8 @@ DATA_RANKS = "tests/test_data_ranks_spmd.py"
 CP_PURE = "tests/test_context_attention.py"
 CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_one_device_sdpa"
 NO_CP_PLAN = "the kernel is exercised on its own; a plan with a cp axis reaches it through the model"
+EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2"
+EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
@@ -194,6 +202,15 @@ _ALL = [
     Mutant("context-blocks-in-wrong-order", "the ring's causal mask applied in the wrong chunk "
            "order", plants.context_blocks_in_wrong_order, (f"{CP_SPMD}[cp4-headtail-causal-large-logits]",),
            None, why_not=NO_CP_PLAN),
+    Mutant("experts-permuted-across-ranks", "each expert rank holds the next rank's experts, "
+           "tokens dispatched as if it held its own", plants.experts_permuted_across_ranks,
+           (EP_SPMD, EP_LOOP), QWEN2_MOE_EP, r"experts\."),
+    Mutant("expert-combine-weight-dropped", "a token's last expert output combined without its "
+           "router weight", plants.expert_combine_weight_dropped, (EP_SPMD, EP_LOOP),
+           QWEN2_MOE_EP),
+    Mutant("expert-grad-not-rescaled", "expert gradients divided by the data ranks only (the "
+           "all-to-all already summed the expert ranks)", plants.expert_grad_not_rescaled,
+           (EP_SPMD, EP_LOOP), QWEN2_MOE_EP, r"experts\."),
     Mutant("neutral-recompute-everything", "selective checkpointing recomputes matmuls too",
            plants.neutral_recompute_everything, (f"{ZOO}[llama-tp-bf16-ac]",),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules(),

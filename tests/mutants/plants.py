@@ -618,3 +618,44 @@ def context_blocks_in_wrong_order() -> Iterator[None]:
     ring = importlib.import_module("meshtrain.lower.ring_attention")
     with mock.patch.object(ring, "_source", lambda rank, step, cp: (rank + step) % cp):
         yield
+
+
+# ---------------------------------------------------------------- expert parallelism
+
+
+@contextlib.contextmanager
+def experts_permuted_across_ranks() -> Iterator[None]:
+    """Each expert rank keeps the next rank's experts (the weights rolled by one rank's share
+    before the split), while tokens still travel to the rank that should hold their expert."""
+    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    original = ep.distribute_tensor
+
+    def rolled(tensor: torch.Tensor, mesh: Any, placements: Any, **kwargs: Any) -> Any:
+        shifted = torch.roll(tensor, -(tensor.shape[0] // mesh.size()), 0)
+        return original(shifted, mesh, placements, **kwargs)
+
+    with mock.patch.object(ep, "distribute_tensor", rolled):
+        yield
+
+
+@contextlib.contextmanager
+def expert_combine_weight_dropped() -> Iterator[None]:
+    """Each token's last expert output is combined with weight 1 instead of its router weight."""
+    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    original = ep.ExpertDispatch.__call__
+
+    def unweighted(self: Any, hidden: Any, index: Any, weights: torch.Tensor) -> Any:
+        dropped = torch.cat([weights[:, :-1], torch.ones_like(weights[:, -1:])], dim=1)
+        return original(self, hidden, index, dropped)
+
+    with mock.patch.object(ep.ExpertDispatch, "__call__", unweighted):
+        yield
+
+
+@contextlib.contextmanager
+def expert_grad_not_rescaled() -> Iterator[None]:
+    """Expert gradients left as the all-to-all's backward sums them over the expert ranks (no
+    1/ep under the data-parallel mean): divided by the data ranks only, ep times too large."""
+    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    with mock.patch.object(ep, "expert_grad_scale", lambda plan: 1.0):
+        yield
