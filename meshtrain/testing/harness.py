@@ -599,7 +599,8 @@ class _Run:
         summed = self.terms.summed.get(fqn)
         if summed is None or summed.shape != ref.shape:
             return self.contract.tolerance * self._scale(own, floor)
-        return element_bound(self.contract, ref, summed, self._scale(own, floor))
+        return element_bound(self.contract, ref, summed, self._scale(own, floor),
+                             whole=fqn in self.terms.whole)  # fmt: skip
 
     def _gradient_scale(self) -> float:
         """The largest gradient element of the one-device model this step."""

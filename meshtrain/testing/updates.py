@@ -2,7 +2,11 @@
 
 Both runs start the step from the same parameters and optimizer states (the harness re-syncs
 them), so the only difference entering the update is the gradient's: at most ``delta`` per
-element (absolute). What that does to the new parameters depends on the update rule:
+element (absolute; a number, or a tensor of one bound per element where the gradient's bound is
+derived per element, :mod:`meshtrain.testing.terms`). Under Adam the per-element bound matters
+most: where ``delta`` spans zero the comparison can only check that each update is at most
+``lr``, so a bound taken from the tensor's (or the step's) largest magnitude left whole
+tensors of small gradients with no check but that. What that does to the new parameters depends on the update rule:
 
 * SGD (momentum μ, dampening d, weight decay, Nesterov): the update is linear in the gradient,
   ``|Δθ| ≤ lr · (1 - d) · (1 + μ·nesterov) · delta``.
@@ -87,7 +91,7 @@ def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule:
 def param_bound(
     rule: UpdateRule,
     grad: torch.Tensor,
-    delta: float,
+    delta: float | torch.Tensor,
     old_state: dict[str, torch.Tensor],
     step: int,
     new_param: torch.Tensor,
@@ -134,7 +138,7 @@ def _largest_direction(
     m_old: torch.Tensor,
     v_old: torch.Tensor,
     grad: torch.Tensor,
-    delta: float,
+    delta: float | torch.Tensor,
     bc1: float,
     bc2: float,
 ) -> torch.Tensor:
@@ -155,7 +159,11 @@ def _largest_direction(
 
 
 def state_bound(
-    rule: UpdateRule, key: str, grad: torch.Tensor, delta: float, new_state: torch.Tensor
+    rule: UpdateRule,
+    key: str,
+    grad: torch.Tensor,
+    delta: float | torch.Tensor,
+    new_state: torch.Tensor,
 ) -> torch.Tensor:
     """Element-wise bound on one optimizer state entry's difference after the step, plus the
     rounding of both sides: 2ε of the largest term the update adds up. A moving average's
@@ -165,10 +173,10 @@ def state_bound(
     beta1, beta2 = rule.betas
     size = grad.abs() + delta
     if key == "momentum_buffer":
-        change = torch.full_like(new_state, delta)
+        change = torch.zeros_like(new_state) + delta
         terms = new_state.abs() + 2 * size  # μ·buf ≤ |new| + |g|, and the gradient term
     elif key == "exp_avg":
-        change = torch.full_like(new_state, (1 - beta1) * delta)
+        change = torch.zeros_like(new_state) + (1 - beta1) * delta
         terms = new_state.abs() + 2 * (1 - beta1) * size
     else:
         change = (1 - beta2) * (2 * grad.abs() + delta) * delta
