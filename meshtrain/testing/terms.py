@@ -59,6 +59,7 @@ def _linear_terms(module: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[
 def _layer_norm_terms(
     module: nn.Module, x: torch.Tensor, dy: torch.Tensor
 ) -> dict[str, torch.Tensor]:
+    assert isinstance(module, nn.LayerNorm)
     axes = tuple(range(-len(module.normalized_shape), 0))
     dims = tuple(range(x.dim() - len(axes)))
     mean = x.mean(axes, keepdim=True)
