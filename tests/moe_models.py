@@ -55,3 +55,11 @@ def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A global batch of 8 sequences of 8 token ids and their next tokens."""
     tokens = torch.randint(0, VOCAB, (8, 9), generator=torch.Generator().manual_seed(300 + step))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def meshtrain_moe() -> torch.nn.Module:
+    """meshtrain's reference MoE, tiny: ``MoEConfig.debug`` (a dense first layer, 8 experts of
+    width 32, top-2, one shared expert) over this file's vocabulary."""
+    from meshtrain.models import MoEConfig, build_moe
+
+    return build_moe(MoEConfig.debug(vocab_size=VOCAB), seed=0)
