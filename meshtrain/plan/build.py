@@ -81,7 +81,8 @@ from meshtrain.spec.rules import Rules
 def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions) -> Plan:
     """The whole pipeline: :func:`resolve_options` → :func:`infer_layout` → :func:`cost_flat`
     or :func:`cost_pipelined` → :class:`Plan`."""
-    options = resolve_options(mesh, rules, options)
+    expert_axis = expert_axis_of(resolve_with_adapters(rules, model, mesh), model)
+    options = resolve_options(mesh, rules, options, expert_axis=expert_axis)
     layout = infer_layout(model, mesh, rules, options)
     pipeline_plan: PipelinePlan | None = None
     if options.pipeline is None:
@@ -123,10 +124,13 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     )
 
 
-def resolve_options(mesh: Mesh, rules: Rules, options: PlanOptions) -> PlanOptions:
+def resolve_options(
+    mesh: Mesh, rules: Rules, options: PlanOptions, *, expert_axis: str | None = None
+) -> PlanOptions:
     """Options made concrete for ``mesh``: a pipeline's micro-batches (one per stage unless
     given) become the plan's, and ``global_batch`` fills in ``batch_size`` (sequences per
-    micro-batch per data-parallel rank)."""
+    micro-batch per batch rank: the data ranks and the ``expert_axis``'s, which splits the
+    batch too)."""
     pipeline, microbatches = options.pipeline, options.microbatches
     if pipeline is not None:
         check_pipeline_axis(mesh, pipeline)
@@ -138,7 +142,7 @@ def resolve_options(mesh: Mesh, rules: Rules, options: PlanOptions) -> PlanOptio
             )
         n_stages = mesh.size(pipeline.axis) * pipeline.stages_per_rank
         microbatches = pipeline.microbatches or n_stages
-    batch_size = _batch_size(mesh, rules, options, microbatches)
+    batch_size = _batch_size(mesh, rules, options, microbatches, expert_axis)
     return replace(options, microbatches=microbatches, batch_size=batch_size)
 
 
@@ -381,13 +385,15 @@ def _activation_profile(
         )
 
 
-def _batch_size(mesh: Mesh, rules: Rules, options: PlanOptions, microbatches: int) -> int | None:
-    """Sequences per micro-batch per data-parallel rank, from ``global_batch`` when given."""
+def _batch_size(
+    mesh: Mesh, rules: Rules, options: PlanOptions, microbatches: int, expert_axis: str | None
+) -> int | None:
+    """Sequences per micro-batch per batch rank, from ``global_batch`` when given."""
     global_batch, batch_size = options.global_batch, options.batch_size
     if global_batch is None:
         return batch_size
     data_ranks = 1
-    for axis in rules.fsdp:
+    for axis in (*rules.fsdp, *((expert_axis,) if expert_axis else ())):
         data_ranks *= mesh.size(axis) if axis in mesh.axis_names else 1
     per_step = data_ranks * microbatches
     if global_batch % per_step:

@@ -28,6 +28,7 @@ from meshtrain.adapters import lora
 from meshtrain.errors import RecipeError
 from meshtrain.lower.materialise import materialise
 from meshtrain.models.llama import LlamaConfig, build_llama, llama_flops_per_token
+from meshtrain.models.moe import MoEConfig, build_moe
 from meshtrain.recipes.model_check import check_model_type
 
 
@@ -46,6 +47,23 @@ class LlamaBuilder:
 
     def __call__(self) -> nn.Module:
         return build_llama(self.config, seed=self.seed, device=self.device)
+
+
+@dataclass(frozen=True)
+class MoEBuilder:
+    """A picklable ``() -> MoE`` (meshtrain's mixture of experts), seeded like the Llama's.
+
+    Example:
+        >>> MoEBuilder(MoEConfig.debug())().config.n_experts
+        8
+    """
+
+    config: MoEConfig
+    seed: int = 0
+    device: str = "cpu"
+
+    def __call__(self) -> nn.Module:
+        return build_moe(self.config, seed=self.seed, device=self.device)
 
 
 @dataclass(frozen=True)
@@ -190,6 +208,9 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
     config = getattr(model, "config", None)
     if isinstance(config, LlamaConfig):
         return llama_flops_per_token(config, seq_len)
+    if isinstance(config, MoEConfig):  # only the experts a token is routed to compute
+        active = config.num_active_params() - config.vocab_size * config.dim  # embedding
+        return float(6 * active + 12 * config.n_layers * config.dim * seq_len)
     embedded = {
         id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
     }

@@ -26,6 +26,8 @@ from torch import nn
 
 from meshtrain.errors import RecipeError
 from meshtrain.models.llama import LlamaConfig, default_rules
+from meshtrain.models.moe import MoEConfig
+from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import Pipeline
 from meshtrain.recipes.models import (
@@ -33,6 +35,7 @@ from meshtrain.recipes.models import (
     FactoryBuilder,
     HFBuilder,
     LlamaBuilder,
+    MoEBuilder,
     read_hf_config,
     resolve_factory,
 )
@@ -63,7 +66,7 @@ from meshtrain.train.checkpoint import CheckpointConfig
 from meshtrain.train.metrics import LoggingConfig
 from meshtrain.train.offload import offload_states
 
-ModelBuilder = LlamaBuilder | FactoryBuilder | HFBuilder
+ModelBuilder = LlamaBuilder | MoEBuilder | FactoryBuilder | HFBuilder
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,8 @@ class Recipe:
             return FactoryBuilder(model.factory, seed, device)
         if model.hf:
             return HFBuilder(model.hf, seed, device)
+        if model.moe is not None:
+            return MoEBuilder(model.moe, seed, device)
         assert model.config is not None
         return LlamaBuilder(model.config, seed, device)
 
@@ -193,6 +198,9 @@ class Recipe:
                 'spec string, first match wins), e.g. \'".*"\' = "P()" to replicate everything '
                 "and shard with data parallelism only."
             )
+        if self.explicit_rules is None and self.model.kind == "moe":  # experts over ep if any
+            ep = "ep" if "ep" in self.mesh_axes() else None
+            return moe_rules(tp=tp, fsdp=par.fsdp, ep=ep, sequence_parallel=par.sequence_parallel)
         if self.explicit_rules is None:
             return default_rules(tp=tp, fsdp=par.fsdp, sequence_parallel=par.sequence_parallel)
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()
@@ -296,8 +304,9 @@ def _check_seq_len(
 ) -> None:
     """``train.seq_len`` within the positions the model covers (Llama's rotary tables, an HF
     config's ``max_position_embeddings``); a factory's model is checked when it is built."""
-    if model.config is not None:
-        limit, where = model.config.max_seq_len, f"preset {model.preset!r}"
+    if model.config is not None or model.moe is not None:
+        config = model.config or model.moe
+        limit, where = config.max_seq_len, f"preset {model.preset!r}"  # type: ignore[union-attr]
         name, fix = "max_seq_len", "model.max_seq_len"
     elif isinstance(hf_config.get("max_position_embeddings"), int):
         limit, where = hf_config["max_position_embeddings"], f"{model.hf}/config.json"
@@ -367,6 +376,9 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     model = recipe.model
     if model.config is not None:
         model = dataclasses.replace(model, config=_small_llama(model.config, tp, stages, seq_len))
+    if model.moe is not None:
+        ep = sizes.get("ep", 1)
+        model = dataclasses.replace(model, moe=_small_moe(model.moe, ep, stages, seq_len))
     if pipe is not None:
         micro = min(pipe.microbatches or stages, stages)
         pipe = dataclasses.replace(pipe, microbatches=micro)
@@ -409,6 +421,18 @@ def _small_llama(config: LlamaConfig, tp: int, stages: int, seq_len: int) -> Lla
     )  # fmt: skip
 
 
+def _small_moe(config: MoEConfig, ep: int, stages: int, seq_len: int) -> MoEConfig:
+    """The shrunk mixture of experts: :meth:`MoEConfig.debug` with the recipe's routing
+    (scores, balance, top-k up to 2) and enough experts for ``ep`` ranks (at least 2 each)."""
+    return MoEConfig.debug(
+        n_layers=max(2 + min(config.first_dense_layers, 1), stages), n_experts=max(8, 2 * ep),
+        top_k=min(config.top_k, 2), first_dense_layers=min(config.first_dense_layers, 1),
+        n_shared_experts=min(config.n_shared_experts, 1), score_func=config.score_func,
+        norm_topk_prob=config.norm_topk_prob, balance=config.balance, qk_norm=config.qk_norm,
+        max_seq_len=max(64, seq_len),
+    )  # fmt: skip
+
+
 def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
     """Axis sizes for ``world`` ranks (the rule is in :func:`shrink`'s docstring)."""
     if isinstance(world, bool) or not isinstance(world, int) or world < 1:
@@ -421,7 +445,8 @@ def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
     least = 2 ** len(needed)
     if world == 1:  # one rank: low precision needs no data axis
         needed = {axis: why for axis, why in needed.items() if axis not in data}
-    order = [*needed, *(axis for axis in (par.tp, *data) if axis and axis not in needed)]
+    expert = "ep" if recipe.model.kind == "moe" and "ep" in original else ""
+    order = [*needed, *(axis for axis in (par.tp, expert, *data) if axis and axis not in needed)]
     sizes = dict.fromkeys(original, 1)
     left = world
 

@@ -119,12 +119,14 @@ class Key:
 def _type_names() -> dict[str, Any]:
     """The names the sections' annotations use from lower layers (imported on first use)."""
     from meshtrain.models.llama import LlamaConfig
+    from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
-    return {"LlamaConfig": LlamaConfig, "Checkpointing": Checkpointing, "Precision": Precision,
-            "ZeroStage": ZeroStage, "WandbMode": WandbMode, "OnNonFinite": OnNonFinite}  # fmt: skip
+    return {"LlamaConfig": LlamaConfig, "MoEConfig": MoEConfig, "Checkpointing": Checkpointing,
+            "Precision": Precision, "ZeroStage": ZeroStage, "WandbMode": WandbMode,
+            "OnNonFinite": OnNonFinite}  # fmt: skip
 
 
 @functools.cache
@@ -143,8 +145,8 @@ def key_table(section: str) -> dict[str, Key]:
     keys: dict[str, Key] = {}
     for field in dataclasses.fields(section_type):
         expand = field.metadata.get("keys_from")
-        if expand is not None:
-            keys.update(_config_keys(expand()))
+        if expand is not None:  # a key two configs share keeps the first's entry
+            keys.update({k: v for k, v in _config_keys(expand()).items() if k not in keys})
         else:
             keys[field.metadata["toml"] or field.name] = _derive(field, hints[field.name])
     return keys
@@ -175,13 +177,19 @@ def _derive(field: dataclasses.Field[Any], hint: Any) -> Key:
 
 
 def _config_keys(config_type: type) -> dict[str, Key]:
-    """A model config's fields as ``[model]`` keys (each an override of the preset's)."""
-    hints = typing.get_type_hints(config_type)
+    """A model config's fields as ``[model]`` keys (each an override of the preset's): numbers
+    positive, or non-negative where the field's default is 0 (a count that may be none)."""
+    hints = {name: _without_none(hint) for name, hint in typing.get_type_hints(config_type).items()}
+    examples = {int: 2, float: 1.0, bool: True, str: ""}
+    numbers = {field.name for field in dataclasses.fields(config_type)
+               if hints[field.name] in (int, float)}  # fmt: skip
+    zero = {field.name for field in dataclasses.fields(config_type) if field.default == 0}
     return {
         field.name: Key(
-            _kinds_of(_without_none(hints[field.name])),
-            2 if hints[field.name] is int else 1.0,
-            positive=True,
+            _kinds_of(hints[field.name]),
+            examples.get(hints[field.name], 1.0),
+            positive=field.name in numbers - zero,
+            nonnegative=field.name in numbers & zero,
             doc=f"the preset's `{config_type.__name__}.{field.name}`, overridden",
             shown="the preset's",
         )
@@ -363,6 +371,8 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
     own = {field.name for field in dataclasses.fields(ModelSection)}
     section = build_section(ModelSection, {k: v for k, v in values.items() if k in own})
     overrides = {key: value for key, value in values.items() if key not in own}
+    if section.name == "moe" and not (section.factory or section.hf):
+        return _moe_section(source, section, overrides)
     if section.factory or section.hf:
         others = sorted(set(values) - {"factory", "hf", "meta_init"})
         if (section.factory and section.hf) or others:
@@ -381,6 +391,20 @@ def model_section(source: str, table: dict[str, Any]) -> ModelSection:
             f"{err.message}"
         ) from None
     return dataclasses.replace(section, config=config)
+
+
+def _moe_section(source: str, section: ModelSection, overrides: dict[str, Any]) -> ModelSection:
+    """``[model] name = "moe"``: the preset with its overrides, built as a MoEConfig."""
+    from meshtrain.models.moe_presets import moe_preset
+
+    try:
+        config = moe_preset(section.preset, **overrides)
+    except MeshtrainError as err:
+        raise RecipeError(
+            f'{source}: [model] name = "moe", preset {toml_value(section.preset)} with '
+            f"overrides {overrides}: {err.message}"
+        ) from None
+    return dataclasses.replace(section, moe=config)
 
 
 def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
@@ -490,7 +514,7 @@ def reference_table() -> str:
 
     Example:
         >>> print(reference_table().splitlines()[2])
-        | `[model]` | `name` | one of "llama" | `"llama"` | meshtrain's Llama |
+        | `[model]` | `name` | one of "llama", "moe" | `"llama"` | meshtrain's Llama, or its mixture of experts ([MoE](moe.md)) |
     """
     lines = ["| section | key | type | default | meaning |", "|---|---|---|---|---|"]
     for section, section_type in SECTION_TYPES.items():

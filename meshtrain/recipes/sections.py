@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from meshtrain.models.llama import LlamaConfig
+    from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
@@ -98,26 +99,39 @@ def about(
 
 
 _LLAMA_CONFIG = lazy("meshtrain.models.llama", "LlamaConfig")
+_MOE_CONFIG = lazy("meshtrain.models.moe", "MoEConfig")
+
+
+def _presets() -> tuple[str, ...]:
+    """The Llama's presets, then the mixture of experts' (``debug`` is both models')."""
+    llama = lazy("meshtrain.models.llama", "_PRESETS")()
+    moe = lazy("meshtrain.models.moe_presets", "MOE_PRESETS")()
+    return (*llama, *(name for name in moe if name not in llama))
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    """``[model]``: meshtrain's Llama (``preset`` and config overrides), a ``factory``
-    (``"package.module:function"``) or a local Hugging Face directory (``hf``). ``config`` is the
-    Llama's (None for the others)."""
+    """``[model]``: meshtrain's Llama or its mixture of experts (``name = "moe"``; ``preset`` and
+    config overrides), a ``factory`` (``"package.module:function"``) or a local Hugging Face
+    directory (``hf``). ``config`` is the Llama's, ``moe`` the mixture of experts' (None for the
+    others)."""
 
     name: str = field(
-        default="llama", metadata=about("meshtrain's Llama", "llama", choices=("llama",))
+        default="llama",
+        metadata=about(
+            "meshtrain's Llama, or its mixture of experts ([MoE](moe.md))",
+            "llama",
+            choices=("llama", "moe"),
+        ),
     )
     preset: str = field(
         default="debug",
         metadata=about(
-            "`LlamaConfig.preset(name)`",
-            "debug",
-            choices=lazy("meshtrain.models.llama", "_PRESETS"),
+            "`LlamaConfig.preset(name)`, or for `moe` `moe_preset(name)`", "debug", choices=_presets
         ),
     )
     config: LlamaConfig | None = field(default=None, metadata=about("", 2, keys_from=_LLAMA_CONFIG))
+    moe: MoEConfig | None = field(default=None, metadata=about("", 2, keys_from=_MOE_CONFIG))
     factory: str = field(
         default="",
         metadata=about(
@@ -149,8 +163,8 @@ class ModelSection:
 
     @property
     def kind(self) -> str:
-        """'llama', 'factory' or 'hf'."""
-        return "factory" if self.factory else "hf" if self.hf else "llama"
+        """'llama', 'moe', 'factory' or 'hf'."""
+        return "factory" if self.factory else "hf" if self.hf else self.name
 
 
 @dataclass(frozen=True)
