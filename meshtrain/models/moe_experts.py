@@ -274,13 +274,17 @@ def _grouped_swiglu(routed: Tensor, counts: Tensor, gate_up: Tensor, down: Tenso
 
 
 def _looped_swiglu(routed: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
-    pieces, start = [], 0
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            rows = routed[start : start + count]
-            gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
-            pieces.append(F.linear(F.silu(gate) * up, down[expert]))
-            start += count
-    if not pieces:
-        return routed.new_zeros(0, down.shape[1])
-    return torch.cat(pieces)
+    # split/unbind rather than slicing: their backward is one cat/stack, where each slice's
+    # backward would fill a zero tensor the size of the whole input
+    rows = routed.split(counts.tolist())
+    pieces = [
+        _swiglu(block, gate_up_e, down_e)
+        for block, gate_up_e, down_e in zip(rows, gate_up.unbind(0), down.unbind(0))
+        if block.shape[0]
+    ]
+    return torch.cat(pieces) if pieces else routed.new_zeros(0, down.shape[1])
+
+
+def _swiglu(rows: Tensor, gate_up: Tensor, down: Tensor) -> Tensor:
+    gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, down)
