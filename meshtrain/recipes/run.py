@@ -24,7 +24,7 @@ import base64
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +35,7 @@ from torch import nn
 
 from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
 from meshtrain.lower import PipelinedModel, apply, materialise
+from meshtrain.lower.groups import group_over
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.data import recipe_datasets
@@ -45,6 +46,7 @@ from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.progress import count_progress
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.resume_guard import check_recipe_unchanged, run_id
+from meshtrain.recipes.router_stats import router_metrics
 from meshtrain.recipes.sections import TrainSection
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train import heartbeat
@@ -148,6 +150,7 @@ def _train(
     loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, last_good, resume)
     loop.run_id = run_id(resume)
     loop.evaluator = Evaluator(recipe, plan, applied, validation, dp_rank, dp_size, sinks)
+    loop.router = router_metrics(applied, group_over(plan, plan.batch_axes))
     if recipe.profile.steps:
         loop.profiler = StepProfiler(recipe.profile.steps, recipe.run_dir / "profile",
                                      rank=dist.get_rank(), memory=recipe.profile.memory)  # fmt: skip
@@ -190,6 +193,7 @@ class _Loop:
         self.run_id = ""  # recorded in every checkpoint: the directory belongs to this run
         self.evaluator: Evaluator | None = None  # [eval]
         self.profiler: StepProfiler | None = None  # [profile]; None: nothing recorded
+        self.router: Callable[[], dict[str, Any]] | None = None  # MoE router statistics
         self.tokens = TokenGuard(0, "")  # set by _train: the data's ids and file checked
         # a checkpoint is good once the run trained a whole interval past it with no skip
         self.confirm_steps = max(1, recipe.checkpoint.interval)
@@ -216,6 +220,8 @@ class _Loop:
             self.tokens.check_file(device)  # agreed before the next read of the mapped file
             heartbeat.progress(state.step)  # the watchdog's heartbeat names the step reached
             self.losses[state.step] = metrics["loss"]
+            if self.router is not None:  # a collective: every rank, every step
+                metrics = {**metrics, **self.router()}
             sinks.log(state.step, meter.update(metrics))
             self._count(state.step, metrics)
             verify = self.recipe.train.verify_every
