@@ -28,6 +28,7 @@ Example (inside :func:`~meshtrain.lower.apply`, before data parallelism)::
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,11 @@ class _Local:
         self.__dict__["_module"] = module
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_module"], name)
+        module = self.__dict__["_module"]
+        value = getattr(module, name)
+        if isinstance(value, types.MethodType) and value.__self__ is module:
+            return types.MethodType(value.__func__, self)  # its methods see the local slice too
+        return value
 
 
 class ExpertDispatch:
