@@ -81,7 +81,8 @@ def visible(
         >>> visible(torch.arange(3), torch.arange(3), Visibility(window=2)).int().tolist()
         [[[1, 0, 0], [1, 1, 0], [0, 1, 1]]]
     """
-    qpos, kpos = positions_q[:, None], positions_kv[None, :]
+    device = positions_q.device  # a query's positions decide where the mask lives
+    qpos, kpos = positions_q[:, None], positions_kv.to(device)[None, :]
     mask = torch.ones(qpos.shape[0], kpos.shape[1], dtype=torch.bool, device=qpos.device)
     if rule.causal:
         mask = mask & (kpos <= qpos)
@@ -89,7 +90,8 @@ def visible(
         mask = mask & (kpos > qpos - rule.window)
     mask = mask[None]
     if documents_q is not None and documents_kv is not None:
-        mask = mask & (documents_q[:, :, None] == documents_kv[:, None, :])
+        same = documents_q.to(device)[:, :, None] == documents_kv.to(device)[:, None, :]
+        mask = mask & same
     return mask
 
 
@@ -246,6 +248,7 @@ def blockwise_attention(
     """
     rule = Visibility(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    positions_q = positions_q.to(q.device)
     masks = [visible(positions_q, b.positions, rule, documents_q, b.documents) for b in blocks]
     kv = [t for b in blocks for t in (b.k, b.v)]
     return _Blockwise.apply(q, masks, scale, *kv)

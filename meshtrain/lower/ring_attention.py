@@ -113,16 +113,20 @@ def _source(rank: int, step: int, cp: int) -> int:
     return (rank - step) % cp
 
 
+_TAGS = {"forward/kv": 0, "backward/kv": 0, "backward/dkv": 1}  # kv and dkv in flight at once
+
+
 def _exchange(tensor: torch.Tensor, group: ProcessGroup, key: str) -> tuple[Any, torch.Tensor]:
     """Send ``tensor`` to the next rank of the ring and receive the previous rank's (started;
     wait on the first result before reading the second)."""
     rank, cp = dist.get_rank(group), dist.get_world_size(group)
     tensor = tensor.contiguous()
     received = torch.empty_like(tensor)
+    after, before, tag = (rank + 1) % cp, (rank - 1) % cp, _TAGS[key]
     works = dist.batch_isend_irecv(
         [
-            dist.P2POp(dist.isend, tensor, group=group, group_peer=(rank + 1) % cp),
-            dist.P2POp(dist.irecv, received, group=group, group_peer=(rank - 1) % cp),
+            dist.P2POp(dist.isend, tensor, group=group, tag=tag, group_peer=after),
+            dist.P2POp(dist.irecv, received, group=group, tag=tag, group_peer=before),
         ]
     )
     _record(key, tensor)
@@ -353,12 +357,16 @@ def context_attention(
             f"{_shape(documents_kv)} go together: pass both (keys are other tokens than the "
             "queries) or neither."
         )
-    gathered_positions, gathered_documents = _gather_layout(group, positions_kv, documents_kv)
+    gathered_positions, gathered_documents = _gather_layout(
+        group,
+        positions_kv.to(k.device),
+        None if documents_kv is None else documents_kv.to(k.device),
+    )
     layout = _Layout(
         gathered_positions,
         gathered_documents,
-        positions_q.to(gathered_positions.device),
-        documents,
+        positions_q.to(q.device),
+        None if documents is None else documents.to(q.device),
         Visibility(causal, window),
     )
     scale = q.shape[-1] ** -0.5 if scale is None else scale
