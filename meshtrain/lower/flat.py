@@ -20,7 +20,7 @@ from meshtrain.lower.data_parallel import apply_data_parallel
 from meshtrain.lower.expert_parallel import apply_expert_parallel
 from meshtrain.lower.functional import track
 from meshtrain.lower.groups import device_mesh
-from meshtrain.lower.replicated import replicate_whole_parameters
+from meshtrain.lower.replicated import mark_plain_parameters, replicate_whole_parameters
 from meshtrain.lower.tensor_parallel import apply_tensor_parallel
 from meshtrain.plan.ir import Plan
 
@@ -43,5 +43,7 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     if plan.token_axes or plan.cast_axes:
         apply_data_parallel(plan, model)
     compile_model(plan, model)
+    if plan.tp_axis is not None and plan.compile_scope is not None:
+        mark_plain_parameters(model, plan.tp_axis)  # PyTorch's clipping then names the fix
     track(plan, model)
     return model

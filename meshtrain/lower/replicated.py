@@ -16,9 +16,13 @@ activation there) and a forward hook puts the DTensor back. No collective is add
 not change.
 
 Not under a compiling plan: torch 2.13's ``torch.compile`` retraces the swapping hooks and then
-trips on the vocab-parallel embedding's cached mask ("Mixing fake modes"), so a plan that compiles
-under tensor parallelism keeps its replicated parameters plain and clips with
-:func:`meshtrain.train.clip_grad_norm_`.
+trips on the vocab-parallel embedding's cached mask ("Mixing fake modes";
+``tests/test_compiled_tp_clipping_spmd.py`` shows it), so a plan that compiles under tensor
+parallelism keeps its replicated parameters plain and clips with
+:func:`meshtrain.train.clip_grad_norm_`. The plan says so in its notes, and
+:func:`mark_plain_parameters` makes PyTorch's clipping on such a model raise a
+:class:`~meshtrain.errors.TrainingError` naming a plain parameter and the fix, instead of
+DTensor's mixed-mesh error.
 
 Example (inside :func:`~meshtrain.lower.flat.parallelize`, after tensor parallelism)::
 
@@ -27,14 +31,23 @@ Example (inside :func:`~meshtrain.lower.flat.parallelize`, after tensor parallel
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from meshtrain.errors import TrainingError
+
 #: The attribute naming, on a module, the parameters :class:`LocalParameters` swaps.
 _SWAPPED = "_meshtrain_local_parameters"
+#: The attribute naming, on a plain parameter of a compiled tensor-parallel plan, its FQN.
+_PLAIN = "_meshtrain_plain_under_compile"
+#: The tags :func:`mark_plain_parameters` handed out in this process (gradients carry none).
+_MARKED: list[tuple[str, str]] = []
 
 
 def replicate_whole_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -86,3 +99,64 @@ class LocalParameters:
         frame = self.saved.pop() if self.saved else {}
         for name, param in frame.items():
             module._parameters[name] = param
+
+
+def mark_plain_parameters(model: nn.Module, tp_axis: str) -> None:
+    """Under a plan that compiles with tensor parallelism over ``tp_axis``: tag every parameter
+    not on the tensor-parallel mesh (plain, or a DTensor over other axes only) with its FQN and
+    make ``torch.nn.utils.clip_grad_norm_`` / ``get_total_norm`` turn
+    DTensor's mixed-mesh error on such parameters into a :class:`TrainingError` naming one of
+    them and ``meshtrain.train.clip_grad_norm_`` (other errors, and every other model, pass
+    through unchanged)."""
+    for fqn, param in model.named_parameters():
+        names = param.device_mesh.mesh_dim_names if isinstance(param, DTensor) else None
+        if tp_axis not in (names or ()):
+            setattr(param, _PLAIN, (fqn, tp_axis))
+            _MARKED.append((fqn, tp_axis))
+    _guard(torch.nn.utils, "clip_grad_norm_")
+    _guard(torch.nn.utils, "get_total_norm")
+
+
+def _guard(module: Any, name: str) -> None:
+    original = getattr(module, name)
+    if getattr(original, "_meshtrain_guarded", False):
+        return
+
+    @functools.wraps(original)
+    def guarded(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        try:
+            return original(tensors, *args, **kwargs)
+        except RuntimeError as err:
+            plain = _first_plain(tensors, str(err))
+            if plain is None:
+                raise
+            raise _plain_error(name, plain) from err
+
+    guarded._meshtrain_guarded = True  # type: ignore[attr-defined]
+    setattr(module, name, guarded)
+
+
+def _first_plain(tensors: Iterable[Any], error: str) -> tuple[str, str] | None:
+    """The (FQN, axis) tag of the first plain parameter among ``tensors``; for gradients (which
+    carry no tag) mixing plain tensors and DTensors or meshes, the first tag handed out; else
+    ``None``."""
+    tensors = list(tensors)
+    for tensor in tensors:
+        tag = getattr(tensor, _PLAIN, None)
+        if tag is not None:
+            return tag
+    kinds = {isinstance(t, DTensor) for t in tensors if isinstance(t, torch.Tensor)}
+    mixed = kinds == {True, False} or "same mesh" in error
+    return _MARKED[0] if _MARKED and mixed else None
+
+
+def _plain_error(name: str, plain: tuple[str, str]) -> TrainingError:
+    fqn, axis = plain
+    return TrainingError(
+        f"torch.nn.utils.{name} cannot mix this model's parameters: the plan compiles under "
+        f"tensor parallelism over '{axis}', so the parameters the rules leave whole stay plain "
+        f"tensors (e.g. {fqn!r}; torch 2.13's compile fails on them as DTensors) beside DTensors "
+        "sharded over the mesh. Clip with meshtrain.train.clip_grad_norm_(model.parameters(), "
+        "max_norm) (TrainStep does), or plan without compile to use PyTorch's clipping."
+    )

@@ -70,7 +70,7 @@ from meshtrain.plan.layers import tied_groups
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
-from meshtrain.plan.policies import block_fqns, resolve_compile_scope
+from meshtrain.plan.policies import block_fqns, plain_under_compile_note, resolve_compile_scope
 from meshtrain.plan.sequence import place_sequence_split
 from meshtrain.plan.styles import infer_styles
 from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
@@ -192,6 +192,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
         split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
     )  # fmt: skip
+    if compile_scope is not None and tp_axis is not None:
+        notes.append(plain_under_compile_note(tp_axis))
     profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel,
                                   context_axis)  # fmt: skip
     if isinstance(profile, str):

@@ -95,3 +95,21 @@ def resolve_compile_scope(
             "scope 'block' (each block compiled before fully_shard), or fullgraph=False."
         )
     return scope
+
+
+def plain_under_compile_note(tp_axis: str) -> str:
+    """The note a plan that compiles under tensor parallelism carries: its whole parameters stay
+    plain tensors (torch 2.13's compile fails on them as DTensors), so PyTorch's own clipping
+    cannot mix them with the sharded ones.
+
+    Example:
+        >>> plain_under_compile_note("tp").startswith("compiled under tensor parallelism")
+        True
+    """
+    return (
+        f"compiled under tensor parallelism over '{tp_axis}': the parameters the rules leave "
+        "whole stay plain tensors (torch 2.13's compile fails on them as DTensors replicated "
+        f"over '{tp_axis}'), so torch.nn.utils.clip_grad_norm_ and get_total_norm raise a "
+        "TrainingError on this plan: clip with meshtrain.train.clip_grad_norm_ (TrainStep "
+        "does), or plan without compile"
+    )
