@@ -425,7 +425,8 @@ def _small_moe(config: MoEConfig, ep: int, stages: int, seq_len: int) -> MoEConf
     """The shrunk mixture of experts: :meth:`MoEConfig.debug` with the recipe's routing
     (scores, balance, top-k up to 2) and enough experts for ``ep`` ranks (at least 2 each)."""
     return MoEConfig.debug(
-        n_layers=max(2 + min(config.first_dense_layers, 1), stages), n_experts=max(8, 2 * ep),
+        n_layers=max(2 + min(config.first_dense_layers, 1), stages),
+        n_experts=ep * max(2, -(-8 // ep)),
         top_k=min(config.top_k, 2), first_dense_layers=min(config.first_dense_layers, 1),
         n_shared_experts=min(config.n_shared_experts, 1), score_func=config.score_func,
         norm_topk_prob=config.norm_topk_prob, balance=config.balance, qk_norm=config.qk_norm,
@@ -463,7 +464,7 @@ def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
 
     for axis in order:
         grow(axis, 1 if original[axis] != 1 else 0)
-    for axis in (par.tp, par.pipeline.axis if par.pipeline is not None else ""):
+    for axis in (par.tp, par.pipeline.axis if par.pipeline is not None else "", expert):
         if axis:
             grow(axis, math.inf)
     short = [f"'{axis}' ≥ 2 for {why}" for axis, why in needed.items() if sizes[axis] < 2]

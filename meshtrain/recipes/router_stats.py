@@ -3,8 +3,8 @@
 For each MoE layer of meshtrain's model (:func:`~meshtrain.models.moe.moe_layers`) the tokens its
 router sent to each expert in the step's last forward, summed over the batch ranks
 (``Plan.batch_axes``: the data axes and the expert axis), and its balance loss, averaged over
-them. The metrics are ``moe/tokens_per_expert/<layer>`` (a list: JSONL and wandb keep it, the
-console shows numbers only), ``moe/load_ratio`` (the busiest expert's tokens over the mean, the
+them. The metrics are ``moe/tokens_per_expert/<layer>`` (the counts as one string, expert 0
+first: sinks record numbers and strings, and the console shows numbers only), ``moe/load_ratio`` (the busiest expert's tokens over the mean, the
 largest over layers: 1.0 is perfectly balanced) and ``moe/balance_loss`` (summed over layers).
 One all-reduce per step of ``layers × (experts + 1)`` floats, on every rank alike. A pipeline
 stage reports its own layers.
@@ -15,8 +15,8 @@ Example:
     >>> model = build_moe(MoEConfig.debug())
     >>> _ = model(torch.zeros(1, 8, dtype=torch.long))
     >>> stats = router_metrics(model, None)()
-    >>> sum(stats["moe/tokens_per_expert/layers.1"]), stats["moe/load_ratio"] >= 1.0
-    (16.0, True)
+    >>> sum(map(int, stats["moe/tokens_per_expert/layers.1"].split())), stats["moe/load_ratio"] >= 1
+    (16, True)
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def router_metrics(
         for name, row in zip(layers, total):
             mean = float(row.mean())
             ratios.append(float(row.max()) / mean if mean > 0 else 0.0)
-            stats[f"moe/tokens_per_expert/{name}"] = row.tolist()
+            stats[f"moe/tokens_per_expert/{name}"] = " ".join(str(round(n)) for n in row.tolist())
         stats["moe/load_ratio"] = max(ratios)
         stats["moe/balance_loss"] = float(packed[counts.numel() :].sum()) / ranks
         return stats
