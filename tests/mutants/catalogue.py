@@ -102,6 +102,9 @@ QWEN2_MOE_EP = HarnessCase(
     {"rules": moe_models.ep_rules()},
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
+OFFLOAD_DP = HarnessCase(
+    DebugLlama(2), DP2, {"rules": default_rules(), "offload_optimizer": True}, {"optimizer": "adamw"}
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -116,7 +119,7 @@ CLIP = "tests/test_clip.py"
 DATA_RANKS = "tests/test_data_ranks_spmd.py"
 CP_PURE = "tests/test_context_attention.py"
 CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_one_device_sdpa"
-NO_CP_PLAN = "the kernel is exercised on its own; a plan with a cp axis reaches it through the model"
+NO_CP_PLAN = "no assert_equivalent case has a cp axis yet; the context-attention tests compare the kernel with one device directly"
 EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2"
 EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
@@ -211,6 +214,13 @@ _ALL = [
     Mutant("expert-grad-not-rescaled", "expert gradients divided by the data ranks only (the "
            "all-to-all already summed the expert ranks)", plants.expert_grad_not_rescaled,
            (EP_SPMD, EP_LOOP), QWEN2_MOE_EP, r"experts\."),
+    Mutant("vocab-mask-off-by-one", "vocab-parallel mask off by one (embedding rows and "
+           "loss-parallel targets)", plants.vocab_mask_off_by_one, (f"{EQ}[tp]",), LLAMA_TP,
+           r"tok_embeddings|output|<global>"),
+    Mutant("offload-order", "optimizer-state offload steps earlier parameters again",
+           plants.offload_order,
+           ("tests/test_offload_spmd.py::test_optimizer_state_offload_trains_like_one_device",),
+           OFFLOAD_DP),
     Mutant("neutral-recompute-everything", "selective checkpointing recomputes matmuls too",
            plants.neutral_recompute_everything, (f"{ZOO}[llama-tp-bf16-ac]",),
            HarnessCase(DebugLlama(2), DP2, {"rules": default_rules(),
