@@ -33,6 +33,14 @@ def test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2() -> N
 
 
 @pytest.mark.extended
+def test_qwen3_moe_trains_like_one_device_on_ep4() -> None:
+    """8 experts, 2 per rank; FSDP2 over ep for the rest, no data axis."""
+    report = assert_equivalent(qwen3_moe, {"ep": 4}, {"rules": ep_rules(fsdp=())},
+                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed
+
+
+@pytest.mark.extended
 def test_mixtral_trains_like_one_device_on_ep2_in_bf16() -> None:
     report = assert_equivalent(mixtral, {"ep": 2},
                                {"rules": ep_rules(fsdp=()), "precision": "bf16",
