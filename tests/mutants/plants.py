@@ -275,6 +275,23 @@ def logsumexp_local_max() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def vocab_mask_off_by_one() -> Iterator[None]:
+    """The vocab-parallel mask (embedding lookups and loss-parallel targets, DTensor's
+    ``_MaskPartial``) ends one id early: each shard's last row counts as outside it, so no rank
+    looks that id up and its loss target reads row 0 of the shard."""
+    from torch.distributed.tensor.placement_types import _MaskPartial
+
+    def off_by_one(tensor: Any, offset: Any, size: Any) -> tuple[Any, Any]:
+        mask = (tensor < offset) | (tensor >= offset + size - 1)
+        masked = tensor.clone() - offset
+        masked[mask] = 0
+        return mask, masked
+
+    with mock.patch.object(_MaskPartial, "_mask_tensor", staticmethod(off_by_one)):
+        yield
+
+
 # ---------------------------------------------------------------- clipping
 
 
@@ -658,4 +675,36 @@ def expert_grad_not_rescaled() -> Iterator[None]:
     1/ep under the data-parallel mean): divided by the data ranks only, ep times too large."""
     ep = importlib.import_module("meshtrain.lower.expert_parallel")
     with mock.patch.object(ep, "expert_grad_scale", lambda plan: 1.0):
+        yield
+
+
+# ---------------------------------------------------------------- optimizer-state offload
+
+
+@contextlib.contextmanager
+def offload_order() -> Iterator[None]:
+    """Optimizer-state offload empties the groups once, before its per-parameter loop, and
+    appends each parameter in turn: every parameter's update steps all earlier ones again."""
+    offload = importlib.import_module("meshtrain.train.offload")
+
+    @torch.no_grad()
+    def step(self: Any, closure: Any = None) -> Any:
+        groups = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = []
+            for index, params in enumerate(groups):
+                for param in params:
+                    if param.grad is None:
+                        continue
+                    self.param_groups[index]["params"].append(param)
+                    offload._move(self.state[param], offload._device(param))
+                    super(offload._HostStates, self).step()
+                    offload._move(self.state[param], self._host)
+        finally:
+            for group, params in zip(self.param_groups, groups):
+                group["params"] = params
+        return None
+
+    with mock.patch.object(offload._HostStates, "step", step):
         yield
