@@ -57,7 +57,7 @@ def apply_expert_parallel(plan: Plan, model: nn.Module) -> None:
             param = getattr(module, name)
             shard = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, param.requires_grad))
-        module.forward = ExpertDispatch(module, group, ep_mesh, scale, dtype)  # type: ignore[method-assign]
+        module.forward = ExpertDispatch(module, group, ep_mesh, scale, dtype)
 
 
 def expert_grad_scale(plan: Plan) -> float:

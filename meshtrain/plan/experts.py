@@ -104,7 +104,7 @@ def plan_experts(
     for fqn, names in grouped.items():
         module = modules[fqn]
         _check_module(fqn, module, names, specs, expert_axis, mesh)
-        count = int(module.num_experts)
+        count = _count(module)
         groups.append(ExpertGroup(fqn, count, count // mesh.size(expert_axis), tuple(names),
                                   _top_k(model, module)))  # fmt: skip
     return tuple(groups)
@@ -129,6 +129,13 @@ def expert_shards(
         if p.fqn in expert else p
         for p in layouts
     )  # fmt: skip
+
+
+def _count(module: nn.Module) -> int:
+    """An experts module's ``num_experts`` (checked an int by :func:`is_experts_module`)."""
+    count = getattr(module, "num_experts")  # noqa: B009  (an attribute nn.Module types loosely)
+    assert isinstance(count, int)
+    return count
 
 
 def _owner(fqn: str) -> str:
@@ -195,7 +202,7 @@ def _check_param(
             mesh=mesh,
         )
     spec = param.spec.padded(len(param.shape))
-    count = int(module.num_experts)
+    count = _count(module)
     whole = tuple(entry is None for entry in spec[1:])
     if spec[0] != axis or not all(whole) or param.shape[0] != count:
         raise PlanError(
@@ -218,7 +225,7 @@ def _check_module(
 ) -> None:
     """The whole experts module split alike, over a divisor of its experts, with the forward the
     dispatch calls."""
-    count, ways = int(module.num_experts), mesh.size(axis)
+    count, ways = _count(module), mesh.size(axis)
     if count % ways:
         raise PlanError(
             f"experts module '{fqn}' has {count} experts, which do not split evenly over expert "
