@@ -26,6 +26,7 @@ from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
 from meshtrain.train.batch import Batch
 from meshtrain.train.checkpoint.dcp import CheckpointConfig, Checkpointer, load_checkpoint
+from meshtrain.train.evaluate import evaluate
 from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
@@ -72,6 +73,9 @@ def _plain_loop(name: str, steps: int) -> tuple[list[float], dict[str, torch.Ten
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss.detach()))
+    with torch.no_grad():  # the validation loss on the next batch
+        inputs, targets = batches(steps)
+        losses.append(float(F.cross_entropy(model(inputs).logits.flatten(0, 1), targets.flatten())))
     return losses, {fqn: p.detach() for fqn, p in model.named_parameters()} | {
         f"bound.{fqn}": torch.tensor(b) for fqn, b in bound.items()
     }
@@ -93,14 +97,17 @@ def _context_run(name: str, steps: int) -> tuple[list[float], dict[str, torch.Te
         rows = slice(index * len(inputs) // ranks, (index + 1) * len(inputs) // ranks)
         state, metrics = train_step(state, Batch(inputs[rows], targets[rows]))
         losses.append(metrics["loss"])
+    inputs, targets = batches(steps)
+    rows = slice(index * len(inputs) // ranks, (index + 1) * len(inputs) // ranks)
+    losses.append(evaluate(plan, applied, [Batch(inputs[rows], targets[rows])]).loss)
     params = {fqn: full_tensor(p.detach()) for fqn, p in applied.named_parameters()}
     return losses, params, contract_for(plan).tolerance
 
 
 def test_context_parallel_matches_a_plain_pytorch_loop() -> None:
-    """Losses and parameters after 3 SGD steps on dp 2 x cp 2 against one process's ordinary
-    loop, within the plan's contract (losses relatively; each parameter within lr · tolerance ·
-    max |grad| per step)."""
+    """Losses and parameters after 3 SGD steps on dp 2 x cp 2, and the validation loss after
+    them (``mt.train.evaluate``), against one process's ordinary loop, within the plan's
+    contract (losses relatively; each parameter within lr · tolerance · max |grad| per step)."""
     ref_losses, ref = _plain_loop("hf_llama", 3)
     for losses, params, tolerance in get_pool(4).run(_context_run, "hf_llama", 3):
         for loss, ref_loss in zip(losses, ref_losses, strict=True):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import TrainingError
 from meshtrain.lower import PipelinedModel
+from meshtrain.lower.context_parallel import shard_batch
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.lower.pipeline import INPUTS
 from meshtrain.lower.tensor_parallel import loss_parallel
@@ -69,7 +70,7 @@ def evaluate(
         totals = _pipelined_totals(plan, model, islice(batches, batches_limit), loss_fn)
     else:
         totals = _flat_totals(plan, model, islice(batches, batches_limit), loss_fn)
-    group = group_over(plan, plan.batch_axes)
+    group = group_over(plan, plan.token_axes)
     if group is not None:
         dist.all_reduce(totals, group=group)
     loss_sum, tokens = float(totals[0]), int(totals[1])
@@ -92,6 +93,8 @@ def _flat_totals(plan: Plan, model: Any, batches: Iterable[Batch], loss_fn: Loss
         with torch.no_grad():
             for batch in batches:
                 inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+                # under context parallelism this rank's chunks of every sequence
+                inputs, targets = shard_batch(plan, inputs), shard_batch(plan, targets)
                 with loss_parallel(plan):
                     summed = plain_loss(loss_fn(model(inputs), targets))
                 totals[0] += summed.double()
