@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from moe_models import ep_rules, mixtral, qwen2_moe, qwen3_moe, token_batches
 
 import meshtrain as mt
-from meshtrain.lower.expert_parallel import tokens_per_expert
+from meshtrain.lower.expert_parallel import router_metrics, tokens_per_expert
 from meshtrain.lower.gather import full_tensor
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.contract import contract_for
@@ -82,6 +82,9 @@ def plain_loop(steps: int) -> dict[str, float]:
         ref_optimizer.zero_grad()
         for fqn, counts in tokens_per_expert(plan, applied).items():
             worst["routing"] += float((counts - routed[fqn]).abs().sum())
+        stats = router_metrics(plan, applied)
+        expected = torch.stack([routed[g.fqn] for g in plan.experts]).double()
+        worst["routing"] += abs(stats["moe/tokens_per_expert_max"] - float(expected.max()))
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
         ref_value = float(ref_loss.detach())

@@ -225,3 +225,25 @@ def experts_of(plan: Plan, unit: str) -> tuple[str, ...]:
         if owner == unit:
             found.append(group.fqn)
     return tuple(found)
+
+
+def router_metrics(plan: Plan, model: nn.Module) -> dict[str, float]:
+    """Per-step router statistics for the metrics sinks, from :func:`tokens_per_expert` (a
+    collective: every rank calls it alike): the fewest and most tokens any expert of any layer
+    received over the batch ranks, and the worst layer's imbalance (its busiest expert's tokens
+    over its mean); empty without expert parallelism.
+
+    Example (on every rank, after a step)::
+
+        sinks.log(step, {**metrics, **router_metrics(plan, model)})
+    """
+    loads = tokens_per_expert(plan, model)
+    if not loads:
+        return {}
+    counts = torch.stack([load.double() for load in loads.values()])
+    imbalance = counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)
+    return {
+        "moe/tokens_per_expert_min": float(counts.min()),
+        "moe/tokens_per_expert_max": float(counts.max()),
+        "moe/load_imbalance": float(imbalance.max()),
+    }
