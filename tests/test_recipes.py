@@ -35,6 +35,8 @@ AT_SCALE = {"debug": 8, "llama3_8b": 64, "llama3_70b": 256, "llama3_405b": 1024}
 #: tests/test_finetune_e2e.py), each on a Llama preset.
 FINETUNE = {"debug_lora": "debug", "llama3_8b_lora": "llama3_8b", "llama3_70b_qlora": "llama3_70b"}
 PRETRAIN = sorted(AT_SCALE)
+#: The long-context recipes (docs/long-context.md): their preset and the world they plan on.
+LONG_CONTEXT = {"llama3_8b_128k": ("llama3_8b", 16), "long_debug": ("debug", 4)}
 
 BASE = """
 [model]
@@ -59,11 +61,21 @@ def _plan(recipe: Recipe, world: int) -> mt.Plan:
 
 
 def test_the_shipped_recipes_are_the_four_llama_presets_and_their_fine_tuning() -> None:
-    assert sorted([*PRETRAIN, *FINETUNE]) == SHIPPED
+    assert sorted([*PRETRAIN, *FINETUNE, *LONG_CONTEXT]) == SHIPPED
     for name, preset in FINETUNE.items():
         recipe = load_recipe(name)
         assert recipe.model.preset == preset and recipe.lora is not None
         assert recipe.checkpoint.init_from
+
+
+@pytest.mark.parametrize("name", sorted(LONG_CONTEXT))
+def test_the_long_context_recipes_plan_over_a_context_axis(name: str) -> None:
+    recipe = load_recipe(name)
+    preset, world = LONG_CONTEXT[name]
+    assert recipe.model.preset == preset
+    plan = _plan(recipe, world)
+    assert plan.context_axis == "cp" and plan.mesh.world_size == world
+    assert recipe.train.seq_len // plan.mesh.size("cp") <= 8192  # tokens per rank
 
 
 @pytest.mark.slow

@@ -96,12 +96,13 @@ class Candidate:
     zero: int
     checkpointing: str
     microbatches: int
+    cp: int = 1  # context parallelism: ranks sharing each sequence (dp · cp · tp · pp = world)
 
     @property
     def simplicity(self) -> tuple[int, ...]:
-        """Tie-break order: fewer pipeline stages, less tensor parallelism, lower ZeRO stage,
-        less checkpointing."""
-        return (self.pp, self.tp, self.zero, MODES.index(self.checkpointing))
+        """Tie-break order: less context parallelism, fewer pipeline stages, less tensor
+        parallelism, lower ZeRO stage, less checkpointing."""
+        return (self.cp, self.pp, self.tp, self.zero, MODES.index(self.checkpointing))
 
     def describe(self) -> str:
         if self.pp > 1:
@@ -110,8 +111,9 @@ class Candidate:
             pipe = (
                 f", {self.microbatches} accumulated micro-batches" if self.microbatches > 1 else ""
             )
+        context = f" × cp {self.cp}" if self.cp > 1 else ""
         return (
-            f"pp {self.pp} × dp {self.dp} × tp {self.tp}, zero {self.zero}, "
+            f"pp {self.pp} × dp {self.dp}{context} × tp {self.tp}, zero {self.zero}, "
             f"{self.checkpointing} checkpointing{pipe}"
         )
 
@@ -177,6 +179,9 @@ def choose_plan(
     )  # fmt: skip
     evaluated = list(engine.evaluate_all())
     fitting = [e for e in evaluated if e.fits(search.device_memory)]
+    if not fitting:  # long sequences: split each over context ranks (plan/context_cost.py)
+        evaluated += engine.evaluate_context()
+        fitting = [e for e in evaluated if e.fits(search.device_memory)]
     if not fitting:
         raise engine.nothing_fits(evaluated)
     best = min(fitting, key=lambda e: (e.cost, e.candidate.simplicity))
@@ -285,7 +290,7 @@ def _at_rest_floor(rest_bytes: int, c: Candidate, options: PlanOptions) -> int:
     ways (and dp ways under ZeRO ≥ 1); 0 under offload."""
     if options.offload:
         return 0
-    ways = c.tp * c.pp * (c.dp if fsdp_decisions(c.zero).shard_params else 1)
+    ways = c.tp * c.pp * (c.dp * c.cp if fsdp_decisions(c.zero).shard_params else 1)
     return rest_bytes // ways
 
 
@@ -321,12 +326,19 @@ class _Search:
         self, c: Candidate, *, world: int | None = None, batch: int | None = None,
         abstract: bool = True,
     ) -> Plan:  # fmt: skip
-        """Candidate ``c`` planned (on ``world`` ranks with global ``batch`` if given)."""
-        mesh = make_mesh({"pp": c.pp, "dp": c.dp, "tp": c.tp},
-                         world_size=world or self.world_size, abstract=abstract,
+        """Candidate ``c`` planned (on ``world`` ranks with global ``batch`` if given); with
+        ``c.cp > 1`` on a mesh with a ``cp`` axis and the rule ``("seq", "cp")``."""
+        axes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
+        rules = self.rules
+        if c.cp > 1:
+            axes = {"pp": c.pp, "dp": c.dp, "cp": c.cp, "tp": c.tp}
+            rules = Rules(rules.patterns, logical=(("seq", "cp"), *rules.logical),
+                          fsdp=rules.fsdp, allow_unmatched=rules.allow_unmatched,
+                          allow_unused=rules.allow_unused, gathered=rules.gathered)  # fmt: skip
+        mesh = make_mesh(axes, world_size=world or self.world_size, abstract=abstract,
                          device_type=self.device_type)  # fmt: skip
         options = _options(c, batch or self.global_batch, self.shared)
-        return build_plan(self.model, mesh, self.rules, options)
+        return build_plan(self.model, mesh, rules, options)
 
     def cost(self, plan: Plan, checkpointing: str | None = None) -> float:
         tokens = self.global_batch * self.seq_len
@@ -348,6 +360,22 @@ class _Search:
             for micro in micros:
                 for zero in (0, 1, 2, 3):
                     yield from self.evaluate_modes(Candidate(pp, dp, tp, zero, "full", micro))
+
+    def evaluate_context(self) -> list[Evaluated]:
+        """When nothing fits: context parallelism over ``cp`` = 2, 4, ... ranks (powers of two
+        dividing the world whose ``2·cp`` chunks split the sequence), with data parallelism
+        over the rest and neither tensor nor pipeline parallelism (which it does not compose
+        with), every ZeRO stage and checkpointing mode."""
+        found: list[Evaluated] = []
+        cp = 2
+        while cp <= self.world_size and self.world_size % cp == 0:
+            if self.seq_len % (2 * cp) == 0:
+                dp = self.world_size // cp
+                for micro in _microbatches(1, dp, self.global_batch):
+                    for zero in (0, 1, 2, 3):
+                        found += self.evaluate_modes(Candidate(1, dp, 1, zero, "full", micro, cp))
+            cp *= 2
+        return found
 
     def evaluate_modes(self, base: Candidate) -> Iterator[Evaluated]:
         """``base`` (full checkpointing) and its selective and no-checkpointing variants."""

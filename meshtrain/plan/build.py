@@ -377,8 +377,7 @@ def _activation_profile(
             tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
             sequence_parallel=sequence_parallel,
         )
-        return context_profile(profile, cp, options.context_method,
-                               scores=mesh.device_type == "cpu")  # fmt: skip
+        return context_profile(profile, cp, options.context_method)
     except Exception as error:  # the model's own forward: report, do not fail planning
         return (
             "activation memory not estimated: the forward on a fake "

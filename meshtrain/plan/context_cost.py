@@ -8,14 +8,17 @@ query, keys, values and log-sum-exp are then one rank's. On top of that trace
 
 - ``"ring"`` saves its merged output in fp32 (the accumulation dtype) where SDPA saves it in the
   compute dtype: ``(4 - itemsize)`` bytes more per output element under bf16, none under fp32;
-- ``"allgather"`` saves the gathered keys and values for its backward: the other ``cp - 1``
-  ranks' blocks, recomputed with the block under checkpointing.
+- ``"allgather"`` saves, per layer, what its plain attention over the whole sequence keeps for
+  backward: the gathered keys and values in fp32 (``cp·E·4``), the softmax and the masked
+  probabilities (two fp32 ``[B, Hq, S_local, S]``) and the boolean mask (``[B, S_local, S]``):
+  quadratic in the sequence, the reference method, not the one to size long runs by.
 
 While one layer's ring runs it holds besides (:func:`ring_in_flight`, a transient counted once):
 its stacked key/value block and the one arriving, and in backward the fp32 key/value gradients
-(its own, the travelling ones, the ones arriving) and the fp32 query gradient; on CPU, where
-meshtrain's kernel computes each block's scores whole, three ``[B, Hq, S_local, S_local]`` fp32
-score-sized tensors of one block (a flash kernel on GPU keeps none).
+(its own, the travelling ones, the ones arriving) and the fp32 query gradient; and, because
+meshtrain's kernel computes each block's scores whole (on every device: torch's flash-based
+``context_parallel`` is not lowered), three fp32 ``[B, Hq, S_local, S_local]`` tensors of one
+block (``scores=False`` sizes a flash kernel per block, which keeps none).
 
 **Traffic**, per attention call, per micro-batch, per rank (``E = 2·B·Hkv·S_local·D`` elements of
 keys and values, ``i`` their itemsize; exactly what
@@ -143,7 +146,7 @@ def attention_collectives(
 
 
 def context_profile(
-    profile: ActivationProfile, cp: int, method: str, *, scores: bool = False
+    profile: ActivationProfile, cp: int, method: str, *, scores: bool = True
 ) -> ActivationProfile:
     """``profile`` (traced on the local tokens) with what ``method`` saves beyond SDPA and the
     ring's buffers in flight as its transient (module docstring; ``scores``: see
@@ -195,7 +198,7 @@ def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockAc
     in_tp = rest = 0
     for call in block.attention:
         if method == "allgather":
-            extra = (cp - 1) * kv_bytes(call)
+            extra = allgather_saved(call, cp)
         else:
             extra = math.prod(call.query) * max(0, ACC_BYTES - call.element_bytes)
         in_tp, rest = (in_tp + extra, rest) if call.in_tp else (in_tp, rest + extra)
@@ -204,11 +207,37 @@ def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockAc
     return replace(block, saved=Split(block.saved.tp + in_tp, block.saved.rest + rest))
 
 
-def ring_in_flight(
-    profile: ActivationProfile, cp: int, method: str, *, scores: bool = False
-) -> int:
+def allgather_saved(call: AttentionCall, cp: int) -> int:
+    """What the all-gather's attention of ``call`` saves beyond SDPA (module docstring), global
+    bytes before tensor parallelism.
+
+    Example:
+        >>> call = AttentionCall((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16), 4)
+        >>> allgather_saved(call, 2)  # keys, values 2·512·4; probabilities 2·4·8·16·4; mask 8·16
+        8320
+    """
+    batch, heads, seq = call.query[:3]
+    whole = cp * seq
+    probabilities = 2 * batch * heads * seq * whole * ACC_BYTES
+    return cp * kv_elements(call) * ACC_BYTES + probabilities + batch * seq * whole
+
+
+def score_block_bytes(call: AttentionCall, tp_size: int = 1) -> int:
+    """Three fp32 ``[B, Hq, S_local, S_local]`` tensors: one block's scores, probabilities and
+    their gradient as meshtrain's kernel computes them whole (what a flash kernel avoids).
+
+    Example:
+        >>> score_block_bytes(AttentionCall((1, 32, 8192, 128), (1, 8, 8192, 128),
+        ...                                 (1, 8, 8192, 128), 2)) / 2**30
+        24.0
+    """
+    batch, heads, seq = call.query[:3]
+    return 3 * _per_rank(batch * heads * seq * seq, ACC_BYTES, call, tp_size)
+
+
+def ring_in_flight(profile: ActivationProfile, cp: int, method: str, *, scores: bool = True) -> int:
     """Bytes one layer's ring holds beside the saved activations at its backward's peak (module
-    docstring), for its largest call; with ``scores`` (meshtrain's CPU kernel) three fp32
+    docstring), for its largest call; with ``scores`` (meshtrain's kernel) three fp32
     ``[B, Hq, S_local, S_local]`` tensors of one block more. 0 for one rank or the all-gather."""
     if cp <= 1 or method != "ring":
         return 0
@@ -217,9 +246,7 @@ def ring_in_flight(
     def held(call: AttentionCall) -> int:
         kv = 2 * kv_bytes(call, tp) + 3 * _per_rank(kv_elements(call), ACC_BYTES, call, tp)
         grad_q = _per_rank(math.prod(call.query), ACC_BYTES, call, tp)
-        batch, heads, seq = call.query[:3]
-        block = _per_rank(batch * heads * seq * seq, ACC_BYTES, call, tp)
-        return kv + grad_q + (3 * block if scores else 0)
+        return kv + grad_q + (score_block_bytes(call, tp) if scores else 0)
 
     return max((held(call) for call in attention_calls(profile)), default=0)
 
@@ -227,6 +254,7 @@ def ring_in_flight(
 __all__ = [
     "ACC_BYTES",
     "INDEX_BYTES",
+    "allgather_saved",
     "attention_calls",
     "attention_collectives",
     "context_collectives",
@@ -237,4 +265,5 @@ __all__ = [
     "local_seq_len",
     "metadata_bytes",
     "ring_in_flight",
+    "score_block_bytes",
 ]

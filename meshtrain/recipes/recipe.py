@@ -186,7 +186,17 @@ class Recipe:
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
         the model's own: the Llama's logical-axis rules, a Hugging Face model's tensor-parallel
-        plan (:meth:`Rules.from_hf`); a factory's model needs ``[rules]``."""
+        plan (:meth:`Rules.from_hf`); a factory's model needs ``[rules]``. ``[parallel]
+        context`` adds ``("seq", axis)`` (context parallelism)."""
+        rules = self._rules()
+        axis = self.parallel.context
+        if not axis:
+            return rules
+        return Rules(rules.patterns, logical=(("seq", axis), *rules.logical), fsdp=rules.fsdp,
+                     allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
+                     gathered=rules.gathered)  # fmt: skip
+
+    def _rules(self) -> Rules:
         par = self.parallel
         tp = par.tp or None
         if self.explicit_rules is None and self.model.kind == "hf":
@@ -228,6 +238,8 @@ class Recipe:
             grad_reduction="sum",
             microbatches=par.microbatches if pipe is None else 1,
             pipeline=pipeline,
+            context_balance=par.context_balance,  # type: ignore[arg-type]  # checked by the schema
+            context_method=par.context_method,  # type: ignore[arg-type]
         )
 
     def logging_config(self) -> LoggingConfig:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -212,6 +213,30 @@ class ParallelSection:
     )
     sequence_parallel: bool = field(
         default=False, metadata=about('add the `("seq", tp)` activation rule', True)
+    )
+    context: str = field(
+        default="",
+        metadata=about(
+            'the context-parallel axis: adds the `("seq", axis)` activation rule, each rank '
+            'holding a share of every sequence ([long context](long-context.md)); `""` for none',
+            "cp",
+        ),
+    )
+    context_balance: str = field(
+        default="headtail",
+        metadata=about(
+            "which chunks of a sequence a context rank holds (head-tail: equal causal work)",
+            "headtail",
+            choices=lambda: typing.get_args(lazy("meshtrain.plan.options", "ContextBalance")()),
+        ),
+    )
+    context_method: str = field(
+        default="ring",
+        metadata=about(
+            "how attention meets the other context ranks' keys and values",
+            "ring",
+            choices=lambda: typing.get_args(lazy("meshtrain.plan.options", "ContextMethod")()),
+        ),
     )
     activation_checkpointing: Checkpointing = field(
         default="none", metadata=about("see [compute](compute.md)", "selective")
