@@ -1,7 +1,8 @@
 """Expert parallelism trains like one device on gloo ranks: transformers' MoE families (tiny,
 built locally) under ``assert_equivalent``, and a plain PyTorch loop written the ordinary way
-(each rank's mean loss, ``backward``, ``SGD.step``) against the same loop on one process, with
-routing compared expert by expert (the same tokens reach the same experts)."""
+(each rank's mean loss, ``backward``, ``SGD.step``) against the same loop on one process, on
+Qwen3-MoE and on meshtrain's own MoE, with routing compared expert by expert (the same tokens
+reach the same experts)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from moe_models import ep_rules, mixtral, qwen2_moe, qwen3_moe, token_batches
 import meshtrain as mt
 from meshtrain.lower.expert_parallel import router_metrics, tokens_per_expert
 from meshtrain.lower.gather import full_tensor
+from meshtrain.models.moe import MoEConfig, build_moe
+from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
@@ -49,13 +52,26 @@ def test_mixtral_trains_like_one_device_on_ep2_in_bf16() -> None:
     assert report.passed and report.contract.level == "approximate"
 
 
-def plain_loop(steps: int) -> dict[str, float]:
+def meshtrain_moe() -> torch.nn.Module:
+    """meshtrain's own MoE: a dense first layer, then 8 grouped experts (top-2) and a shared one."""
+    config = MoEConfig.debug(dim=32, n_layers=2, vocab_size=64, moe_inter=16, dense_inter=64)
+    return build_moe(config)
+
+
+LOOPS = {
+    "qwen3-moe": (qwen3_moe, lambda: ep_rules(fsdp=())),
+    "meshtrain-moe": (meshtrain_moe, lambda: moe_rules(tp=None, fsdp=(), ep="ep")),
+}
+
+
+def plain_loop(name: str, steps: int) -> dict[str, float]:
     """On every rank of ep 2: the plan trained by a loop written for DDP, and the same loop on
     the whole batch in this process; the worst relative errors and routing mismatches."""
+    factory, rules = LOOPS[name]
     torch.manual_seed(0)
-    model = qwen3_moe()
+    model = factory()
     reference = copy.deepcopy(model)
-    plan = mt.plan(model, mt.make_mesh({"ep": 2}), ep_rules(fsdp=()))
+    plan = mt.plan(model, mt.make_mesh({"ep": 2}), rules())
     applied = mt.apply(plan, model)
     optimizer = torch.optim.SGD(applied.parameters(), lr=0.1, momentum=0.9)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
@@ -71,12 +87,12 @@ def plain_loop(steps: int) -> dict[str, float]:
         inputs, targets = token_batches(step)
         rows = inputs.shape[0] // ranks
         mine = slice(index * rows, (index + 1) * rows)
-        logits = applied(inputs[mine]).logits
+        logits = _logits(applied(inputs[mine]))
         loss = F.cross_entropy(logits.flatten(0, -2), targets[mine].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        ref_loss = F.cross_entropy(reference(inputs).logits.flatten(0, -2), targets.flatten())
+        ref_loss = F.cross_entropy(_logits(reference(inputs)).flatten(0, -2), targets.flatten())
         ref_loss.backward()
         ref_optimizer.step()
         ref_optimizer.zero_grad()
@@ -99,8 +115,15 @@ def plain_loop(steps: int) -> dict[str, float]:
     return worst
 
 
-def test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing() -> None:
-    for worst in get_pool(2).run(plain_loop, 2):
+def _logits(output: object) -> torch.Tensor:
+    logits = getattr(output, "logits", output)
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing(name: str) -> None:
+    for worst in get_pool(2).run(plain_loop, name, 2):
         assert worst["routing"] == 0, worst  # every step, every layer: the same expert loads
         bound = worst["tolerance"]
         assert worst["loss"] <= 2 * bound, worst  # the loss drifts with each step's parameters
