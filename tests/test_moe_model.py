@@ -18,6 +18,7 @@ Numerical contracts tested (fp32, CPU):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -35,11 +36,13 @@ from meshtrain.lower.materialise import materialise
 from meshtrain.models import GroupedExperts, MoEConfig, Router, build_moe, moe_layers, moe_stats
 from meshtrain.models.moe import MoE, default_rules
 from meshtrain.models.moe_hf import (
+    check_moe_config,
     hf_config_from_moe,
     moe_config_from_hf,
     moe_hf_sources,
     moe_to_hf,
 )
+from meshtrain.recipes.pretrained import _export_target, load_pretrained
 from meshtrain.spec import P
 from meshtrain.spec.mesh import Mesh
 from meshtrain.train.hf.load import load_hf
@@ -452,3 +455,32 @@ def test_what_qwen3_moe_cannot_hold_is_refused_by_name() -> None:
         moe_config_from_hf({**_tiny_qwen3_moe(2).config.to_dict(), "attention_bias": True})
     with pytest.raises(CheckpointError, match="not a parameter of meshtrain's MoE"):
         moe_to_hf(MoEConfig.debug(), "layers.1.feed_forward.w1.weight", torch.ones(1))
+
+
+def test_init_from_a_qwen3_moe_directory_and_export_back(tmp_path: Path) -> None:
+    """What a recipe's ``init_from`` and ``meshtrain export`` use: a bias-balanced MoE loads a
+    Qwen3-MoE directory (its biases start at zero) and computes the same logits; a model of
+    another shape is refused by field; the export target is Qwen3-MoE's config and names."""
+    hf = _tiny_qwen3_moe(2)
+    _save_fused(hf, tmp_path)
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    config = dataclasses.replace(moe_config_from_hf(hf_config), balance="bias")
+    model = build_moe(config, seed=5)
+    load_pretrained(tmp_path, model)
+    tokens = _tokens(seed=9)
+    with torch.no_grad():
+        assert float((hf(tokens).logits - model(tokens)).abs().max()) <= 2e-6
+    assert all(not ffn.router.expert_bias.any() for ffn in moe_layers(model).values())
+    other = build_moe(dataclasses.replace(config, n_experts=16), device="meta")
+    with pytest.raises(CheckpointError, match="n_experts = 16 here but 8 there"):
+        load_pretrained(tmp_path, other)
+    check_moe_config(config, hf_config, "config.json")  # balancing may differ
+    table = {"name": "moe", "preset": "debug", "n_shared_experts": 0, "qk_norm": True}
+    exported, rename, _ = _export_target({"model": table}, tmp_path)
+    assert exported["model_type"] == "qwen3_moe" and exported["mlp_only_layers"] == [0]
+    assert rename is not None
+    assert [
+        name for name, _ in rename("layers.2.feed_forward.experts.gate_up_proj", torch.ones(1))
+    ] == ["model.layers.2.mlp.experts.gate_up_proj"]
+    with pytest.raises(CheckpointError, match="n_shared_experts=1"):
+        _export_target({"model": {"name": "moe", "preset": "debug"}}, tmp_path)

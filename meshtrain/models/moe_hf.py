@@ -51,7 +51,13 @@ from meshtrain.errors import CheckpointError
 from meshtrain.models.llama_hf import hf_sources, llama_to_hf, rotary_rows
 from meshtrain.models.moe import MoEConfig
 
-__all__ = ["hf_config_from_moe", "moe_config_from_hf", "moe_hf_sources", "moe_to_hf"]
+__all__ = [
+    "check_moe_config",
+    "hf_config_from_moe",
+    "moe_config_from_hf",
+    "moe_hf_sources",
+    "moe_to_hf",
+]
 
 _ATTENTION = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
               "attention.wo.weight", "attention_norm.weight", "ffn_norm.weight")  # fmt: skip
@@ -229,3 +235,40 @@ def moe_config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Mo
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
     )  # fmt: skip
+
+
+#: MoEConfig fields that are training settings, not the function a checkpoint computes.
+_TRAINING_FIELDS = frozenset({"balance", "aux_loss_coef", "bias_update_rate", "kernel"})
+
+
+def check_moe_config(config: MoEConfig, hf: Mapping[str, Any], source: str) -> None:
+    """Refuse (:class:`CheckpointError`) a transformers ``config.json`` (``hf``, read from
+    ``source``) that is not a Qwen3-MoE meshtrain's MoE computes, or not the same model as
+    ``config``: each differing field with both values. Balancing settings may differ (a
+    checkpoint's routers train on under any balance).
+
+    Example:
+        >>> config = MoEConfig.debug(n_shared_experts=0, qk_norm=True)
+        >>> check_moe_config(config, hf_config_from_moe(config), "config.json")
+        >>> check_moe_config(MoEConfig.debug(n_shared_experts=0, qk_norm=True, top_k=3),
+        ...                  hf_config_from_moe(config), "ckpt/config.json")
+        Traceback (most recent call last):
+        ...
+        meshtrain.errors.CheckpointError: the model differs from the one 'ckpt/config.json' describes: top_k = 3 here but 2 there. Set [model] top_k to match, or give another init_from, or use [model] hf = DIR to train the transformers model itself.
+    """
+    theirs = moe_config_from_hf(hf, source)
+    differ = [
+        field
+        for field in MoEConfig.__dataclass_fields__
+        if field not in _TRAINING_FIELDS and getattr(config, field) != getattr(theirs, field)
+    ]
+    if differ:
+        values = "; ".join(
+            f"{name} = {getattr(config, name)!r} here but {getattr(theirs, name)!r} there"
+            for name in differ
+        )
+        raise CheckpointError(
+            f"the model differs from the one {source!r} describes: {values}. Set [model] "
+            f"{', '.join(differ)} to match, or give another init_from, or use [model] hf = DIR "
+            "to train the transformers model itself."
+        )

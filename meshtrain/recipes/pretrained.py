@@ -7,13 +7,16 @@ For meshtrain's Llama it picks the name and rotary mapping
 (:mod:`meshtrain.models.llama_hf`) when the checkpoint uses transformers' names, and checks that
 ``config.json`` describes a Llama, and the same one (also what shapes cannot tell: ``rope_theta``,
 ``rms_norm_eps``; :func:`~meshtrain.recipes.model_check.check_llama_config`); any other model
-loads by its own names. :func:`initialise_from` is what a run calls once its model is applied: it
+loads by its own names. meshtrain's mixture of experts reads transformers' Qwen3-MoE names and
+fused expert layout the same way (:mod:`meshtrain.models.moe_hf`; a config.json describing
+another model is refused by field). :func:`initialise_from` is what a run calls once its model is applied: it
 loads ``init_from``, unless the run resumes from a checkpoint of its own (then ``init_from`` is
 not read at all).
 
 Out: :func:`export_run` writes the newest intact checkpoint of a run as a transformers
 directory (:func:`meshtrain.train.hf.export.export_hf`): for meshtrain's Llama a
-``LlamaForCausalLM`` config.json and transformers' names and layout; for ``[model] hf`` the
+``LlamaForCausalLM`` config.json and transformers' names and layout (for its mixture of
+experts a ``Qwen3MoeForCausalLM``'s, where Qwen3-MoE can hold it); for ``[model] hf`` the
 original config.json (and tokenizer files) with the weights under their own names.
 
 Example::
@@ -37,6 +40,13 @@ from meshtrain.errors import CheckpointError, MeshtrainError
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.models.llama import LlamaConfig
 from meshtrain.models.llama_hf import hf_config_from_llama, hf_sources, llama_to_hf
+from meshtrain.models.moe import MoEConfig
+from meshtrain.models.moe_hf import (
+    check_moe_config,
+    hf_config_from_moe,
+    moe_hf_sources,
+    moe_to_hf,
+)
 from meshtrain.recipes.model_check import check_llama_config
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.schema import model_section
@@ -77,6 +87,8 @@ def load_pretrained(
     modules = model.modules if isinstance(model, PipelinedModel) else [model]
     adapters = _adapter_fqns(modules)
     config = getattr(modules[0], "config", None)
+    if isinstance(config, MoEConfig):
+        return _load_moe(path, model, config, adapters, progress)
     if not isinstance(config, LlamaConfig):
         return load_hf(path, modules, exclude=adapters, progress=progress)
     weights = weight_files(path)
@@ -91,6 +103,35 @@ def load_pretrained(
         tied = "lm_head.weight" not in weights.files
     sources = hf_sources(config, tied=tied)
     return load_hf(path, modules, sources=sources, exclude=adapters, progress=progress)
+
+
+def _load_moe(
+    path: str | Path,
+    model: nn.Module | PipelinedModel,
+    config: MoEConfig,
+    exclude: set[str],
+    progress: Callable[[int, int], None] | None,
+) -> LoadReport:
+    """meshtrain's MoE: its own names, or transformers' Qwen3-MoE names and fused expert layout
+    (:mod:`meshtrain.models.moe_hf`), whose config.json must describe the same model. The
+    routers' balancing biases are not in a transformers checkpoint: they start at zero."""
+    modules = model.modules if isinstance(model, PipelinedModel) else [model]
+    weights = weight_files(path)
+    own_names = {canonical_fqn(fqn) for fqn, _ in model.named_parameters()}
+    if own_names & set(weights.files) and "model.embed_tokens.weight" not in weights.files:
+        return load_hf(path, modules, exclude=exclude, progress=progress)
+    hf_config = read_config(path) if Path(path).is_dir() else None
+    if hf_config is not None:
+        check_moe_config(config, hf_config, str(Path(path) / "config.json"))
+    tied = bool((hf_config or {}).get("tie_word_embeddings", "lm_head.weight" not in weights.files))
+    biases = {
+        canonical_fqn(fqn)
+        for module in modules
+        for fqn, _ in module.named_buffers()
+        if fqn.endswith("router.expert_bias")
+    }
+    sources = moe_hf_sources(config, tied=tied)
+    return load_hf(path, modules, sources=sources, exclude=exclude | biases, progress=progress)
 
 
 def _adapter_fqns(modules: list[nn.Module]) -> set[str]:
@@ -241,6 +282,8 @@ def _export_target(
             Path(model.hf) / name for name in COPIED_FILES if (Path(model.hf) / name).is_file()
         ]
         return config, None, copied
+    if model.moe is not None:
+        return hf_config_from_moe(model.moe), partial(moe_to_hf, model.moe), []
     if model.config is None:
         raise CheckpointError(
             f"the run's model is a factory ({model.factory!r}): meshtrain does not know its "
