@@ -365,6 +365,9 @@ def test_default_rules_send_experts_to_ep_when_the_mesh_has_it() -> None:
     without = Mesh(("dp", "tp"), (2, 2), abstract=True)
     specs = default_rules(mesh=without).resolve(model, without).specs
     assert specs[fqn] == P() and specs["layers.1.feed_forward.shared_expert.w1.weight"] == P("tp")
+    no_tp = Mesh(("dp", "ep"), (2, 2), abstract=True)
+    specs = default_rules(mesh=no_tp).resolve(model, no_tp).specs
+    assert specs[fqn] == P("ep") and set(specs.values()) == {P(), P("ep")}
 
 
 # --- transformers' Qwen3-MoE -------------------------------------------------------------------

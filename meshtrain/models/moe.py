@@ -463,7 +463,8 @@ def default_rules(
     """The Llama's rules (:func:`meshtrain.models.llama.default_rules`) plus the experts' dim:
     ``"expert"`` → ``ep`` (with ``mesh`` given and ``ep`` not, its ``ep`` axis when it has one),
     otherwise replicated, so FSDP shards expert weights like any other. ``"expert_mlp"`` stays
-    unsharded: ``gate_up_proj`` fuses gate and up along it.
+    unsharded: ``gate_up_proj`` fuses gate and up along it. With ``mesh`` given, a ``tp`` axis
+    it lacks is left out too (no tensor parallelism).
 
     Example:
         >>> default_rules(tp=None, ep="ep").logical[-2:]
@@ -471,8 +472,9 @@ def default_rules(
     """
     from meshtrain.spec.rules import Rules
 
-    if ep is None and mesh is not None and "ep" in mesh.axis_names:
-        ep = "ep"
+    if mesh is not None:
+        ep = "ep" if ep is None and "ep" in mesh.axis_names else ep
+        tp = tp if tp in mesh.axis_names else None
     base = llama_rules(tp, fsdp, sequence_parallel=sequence_parallel)
     logical = (*base.logical, ("expert", ep), ("expert_mlp", None))
     return Rules(logical=logical, fsdp=fsdp)
