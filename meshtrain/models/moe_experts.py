@@ -59,7 +59,9 @@ class Router(_Initialised):
 
     Counts of tokens per expert (``tokens_per_expert``: the last forward; ``pending_tokens``: every
     forward since the last :meth:`update_bias`) are kept for statistics and balancing; a forward
-    re-run in backward (activation checkpointing) does not count twice.
+    re-run in backward (activation checkpointing) does not count twice. ``expert_bias``
+    (``bias_balancing``) is created in fp32; keep it there (``model.to(torch.bfloat16)`` casts
+    buffers too, and bf16 cannot resolve steps of 1e-3 around a bias of 1).
 
     Example:
         >>> router = Router(dim=8, num_experts=4, top_k=2)
