@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import meshtrain as mt
 from meshtrain.errors import PlanError
 from meshtrain.plan.expert_cost import (
     ExpertLayer,
@@ -108,3 +109,19 @@ def test_worst_case_bounds_uniform_and_conserves_rows(
     # memory: every expert weight is on exactly one ep rank (efsdp 1, ZeRO 3)
     memory = expert_memory([layer], ep=ep, efsdp=1, zero=3, optimizer_states=0, param_bytes=4)
     assert memory.params * ep == layer.numel * 4 == math.prod((experts, 3 * 2 * 4)) * 4
+
+
+def test_auto_chooses_expert_parallelism_when_only_it_fits() -> None:
+    from meshtrain.models.moe import MoEConfig, build_moe, default_rules
+    from meshtrain.plan.auto_experts import expert_degrees
+
+    config = MoEConfig.debug(n_experts=64, moe_inter=256, n_layers=1, first_dense_layers=0)
+    model = build_moe(config, device="meta")
+    assert expert_degrees(model, 2) == (2,) and expert_degrees(model, 12) == (2, 4)
+    mesh = mt.make_mesh(dp=2, world_size=2, abstract=True)
+    rules = default_rules(tp="tp", fsdp="dp", ep="ep")
+    # 40 MiB: no dense plan fits (the layer's 64 experts gathered whole), ep 2 does (37.4 MiB)
+    plan = mt.plan(model, mesh, rules, global_batch=4, seq_len=32, strategy="auto",
+                   device_memory=40 * 2**20)  # fmt: skip
+    assert plan.mesh.shape == {"pp": 1, "dp": 1, "ep": 2, "tp": 1} and plan.expert_axis == "ep"
+    assert plan.memory.total <= 40 * 2**20 and "ep 2" in plan.notes[0]

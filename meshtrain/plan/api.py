@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from meshtrain.plan.auto import choose_plan
+from meshtrain.plan.auto_experts import choose_expert_plan, has_experts
 from meshtrain.plan.build import build_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.options import AutoSearch, PlanOptions
@@ -50,13 +51,16 @@ def plan(
     ``strategy="auto"`` (with ``device_memory``, bytes or "80GiB", and ``node_size``) chooses the
     mesh's pp/dp/tp degrees over ``mesh.world_size`` ranks, the ZeRO stage, accumulation or
     pipeline micro-batches and checkpointing so the plan fits at the least modelled step
-    overhead (:mod:`meshtrain.plan.auto`); it needs ``global_batch`` and ``seq_len``. The
-    returned plan's mesh is the chosen one and ``explain()`` says why.
+    overhead (:mod:`meshtrain.plan.auto`); it needs ``global_batch`` and ``seq_len``. For a
+    model with experts the expert-parallel degree (an ``ep`` axis) joins the search
+    (:mod:`meshtrain.plan.auto_experts`). The returned plan's mesh is the chosen one and
+    ``explain()`` says why.
     """
     search_keys = {key: overrides.pop(key) for key in AutoSearch.KEYS if key in overrides}
     options = (options or PlanOptions()).with_overrides(**overrides)
     search = AutoSearch.from_overrides(search_keys)
     if search is None:
         return build_plan(model, mesh, rules, options)
-    return choose_plan(model, mesh.world_size, rules, options, search=search,
-                       device_type=mesh.device_type, abstract=mesh.is_abstract).plan  # fmt: skip
+    choose = choose_expert_plan if has_experts(model) else choose_plan
+    return choose(model, mesh.world_size, rules, options, search=search,
+                  device_type=mesh.device_type, abstract=mesh.is_abstract).plan  # fmt: skip

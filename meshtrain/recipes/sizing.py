@@ -26,6 +26,7 @@ from typing import Any
 from meshtrain.errors import MeshError, PlanError
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.auto import choose_plan
+from meshtrain.plan.auto_experts import choose_expert_plan, has_experts
 from meshtrain.plan.footprint import Footprint, footprint
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.options import AutoSearch, PlanOptions
@@ -95,8 +96,9 @@ def size_recipe(
             checkpoint_every=chosen.checkpoint_every, pipeline=None,
             microbatches=chosen.microbatches,
         )  # fmt: skip
-        choice = choose_plan(model, world, recipe.rules(), request,
-                             search=AutoSearch(memory, node_size), device_type="cuda")  # fmt: skip
+        choose = choose_expert_plan if has_experts(model) else choose_plan
+        choice = choose(model, world, recipe.rules(), request,
+                        search=AutoSearch(memory, node_size), device_type="cuda")  # fmt: skip
         plan, used, note = choice.plan, global_batch, ""
     elif strategy == "recipe":
         mesh = _mesh(recipe, world)
