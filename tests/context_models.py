@@ -20,6 +20,7 @@ from transformers import (
 import meshtrain as mt
 from meshtrain.models import LlamaConfig as OwnLlamaConfig
 from meshtrain.models import build_llama
+from meshtrain.models.llama import LOGICAL_RULES
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -55,6 +56,16 @@ MODELS = {"llama": own_llama, "hf_llama": hf_llama, "qwen2": hf_qwen2, "mistral"
 def rules(fsdp: tuple[str, ...] = ("dp",)) -> mt.Rules:
     """Every parameter replicated; FSDP over ``fsdp``; the sequence over ``cp``."""
     return mt.Rules({".*": mt.P()}, fsdp=fsdp, logical=[("seq", "cp")])
+
+
+def tp_rules(name: str, fsdp: tuple[str, ...] = ()) -> mt.Rules:
+    """Tensor parallelism over ``tp`` (meshtrain's Llama: its logical rules; transformers:
+    their own tensor-parallel plan) with sequence parallelism inside each context chunk."""
+    seq = ("seq", ("cp", "tp"))
+    if name == "llama":
+        return mt.Rules(logical=[*LOGICAL_RULES, seq], fsdp=fsdp)
+    base = mt.Rules.from_hf(MODELS[name](), fsdp=fsdp, tp="tp")
+    return mt.Rules(base.patterns, logical=[seq], fsdp=fsdp, gathered=base.gathered)
 
 
 def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from context_models import MODELS, SEQ, batches, rules
+from context_models import MODELS, SEQ, batches, rules, tp_rules
 
 import meshtrain as mt
 from meshtrain.lower import full_tensor
@@ -151,6 +151,15 @@ def test_bf16_trains_like_one_device_on_dp2_cp2(name: str) -> None:
 )
 def test_compositions_train_like_one_device(name: str, options: dict[str, Any]) -> None:
     _equivalent(name, DP2_CP2, **options)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_tensor_and_sequence_parallel_compose_on_cp2_tp2(name: str) -> None:
+    report = assert_equivalent(MODELS[name], {"cp": 2, "tp": 2},
+                               {"rules": tp_rules(name), "seq_len": SEQ},
+                               batches=batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed and "sequence-parallel" in report.contract.describe()
 
 
 def _tail_off_by_one(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:

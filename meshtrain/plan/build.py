@@ -34,6 +34,7 @@ from meshtrain.plan.adapters import (
 from meshtrain.plan.context import (
     check_context,
     check_context_model,
+    check_context_sequence_parallel,
     context_axis_of,
     param_axes,
 )
@@ -177,6 +178,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
     if sequence_parallel and options.seq_len is not None and tp_axis is not None:
         check_sequence_length(options.seq_len, tp_axis, mesh)
+        if context_axis is not None:
+            check_context_sequence_parallel(options.seq_len, context_axis, tp_axis, mesh)
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
     notes += getattr(rules, "notes", ())
     if not active and not context and not ep:

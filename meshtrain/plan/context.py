@@ -73,12 +73,11 @@ def check_context(
     tp_axis: str | None,
 ) -> None:
     """What context parallelism composes with in this version: data parallelism (FSDP over one
-    data axis, any ZeRO stage), activation checkpointing, bf16/fp16. Tensor or pipeline
-    parallelism, HSDP, compile and a sequence that does not split into ``2·cp`` chunks are
-    refused, naming the combination."""
+    data axis, any ZeRO stage), tensor parallelism (with or without sequence parallelism, on its
+    own axis), activation checkpointing, bf16/fp16. Pipelines, HSDP, compile and a sequence that
+    does not split into ``2·cp`` chunks are refused, naming the combination."""
     ways = mesh.size(axis)
     combos = [
-        (tp_axis is not None, f"tensor parallelism over '{tp_axis}'"),
         (options.pipeline is not None, "a pipeline"),
         (len(data_axes) > 1, f"HSDP over {list(data_axes)}"),
         (options.compile, "torch.compile"),
@@ -89,7 +88,8 @@ def check_context(
                 f"context parallelism over '{axis}' (size {ways}) on mesh {mesh} does not "
                 f"compose with {what} in this version of meshtrain: it would not be proven to "
                 "train like one device. Drop one of them (context parallelism composes with "
-                "FSDP over one data axis, activation checkpointing and bf16).",
+                "FSDP over one data axis, tensor and sequence parallelism, activation "
+                "checkpointing and bf16).",
                 mesh=mesh,
             )
     check_context_length(options.seq_len, axis, mesh, options.context_balance)
@@ -106,6 +106,20 @@ def check_context_length(seq_len: int | None, axis: str, mesh: Mesh, balance: st
             f"parallelism over '{axis}' (cp={ways}, balance={balance!r}) gives its ranks on mesh "
             f"{mesh}. Use a sequence length that is a multiple of {chunks} (e.g. "
             f"{seq_len + chunks - seq_len % chunks}).",
+            mesh=mesh,
+        )
+
+
+def check_context_sequence_parallel(
+    seq_len: int | None, axis: str, tp_axis: str, mesh: Mesh
+) -> None:
+    """Sequence parallelism splits each context rank's share of a sequence over ``tp_axis``."""
+    ways, tp = mesh.size(axis), mesh.size(tp_axis)
+    if seq_len is not None and (seq_len // ways) % tp:
+        raise PlanError(
+            f"seq_len={seq_len} leaves each of the cp={ways} ranks of '{axis}' {seq_len // ways} "
+            f"tokens, which sequence parallelism cannot split over '{tp_axis}' (size {tp}) on "
+            f"mesh {mesh}. Use a sequence length that is a multiple of {2 * ways * tp}.",
             mesh=mesh,
         )
 
