@@ -127,12 +127,6 @@ def test_every_family_trains_like_one_device_on_cp4(name: str) -> None:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", ["hf_llama", "qwen2"])
-def test_hf_llama_and_qwen2_train_like_one_device_on_dp2_cp2(name: str) -> None:
-    _equivalent(name, DP2_CP2)
-
-
-@pytest.mark.extended
 @pytest.mark.parametrize("name", ["llama", "hf_llama", "qwen2", "mistral"])
 def test_bf16_trains_like_one_device_on_dp2_cp2(name: str) -> None:
     _equivalent(name, DP2_CP2, optimizer="sgd", precision="bf16")
