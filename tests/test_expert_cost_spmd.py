@@ -7,12 +7,18 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import meshtrain as mt
 from meshtrain.lower.expert_parallel import apply_expert_parallel
+from meshtrain.models.moe import MoEConfig, build_moe, default_rules
 from meshtrain.models.moe_experts import GroupedExperts
-from meshtrain.plan.expert_cost import ExpertLayer, all_to_all_collectives
+from meshtrain.plan.expert_cost import (
+    ExpertLayer,
+    all_to_all_collectives,
+    estimate_expert_collectives,
+)
 from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
 
@@ -84,3 +90,42 @@ def test_a_skewed_routing_meets_its_max_load_bound_on_the_busiest_rank() -> None
     assert results[1] == predicted("uniform")
     # the dropless bound (every row to rank 0: 32) is above both
     assert predicted("worst")[1] > results[0][1]
+
+
+def measure_moe_step() -> tuple[dict, dict, dict, tuple[int, int]]:
+    """On every rank of dp 2 × ep 2: meshtrain's debug MoE, one counted step (after a warm-up)
+    with its own router; the counts and bytes measured, the plan's, and the worst case's."""
+    model = build_moe(MoEConfig.debug(), seed=0)
+    mesh = mt.make_mesh(dp=2, ep=2)
+    plan = mt.plan(model, mesh, default_rules(tp=None, fsdp="dp", ep="ep"), zero=3,
+                   batch_size=2, seq_len=8)  # fmt: skip
+    mt.apply(plan, model)
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+
+    def step() -> None:
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten(), reduction="sum").backward()
+
+    step()
+    model.zero_grad()
+    counter = CollectiveCounter(mesh)
+    with counter:
+        step()
+    worst = estimate_expert_collectives(plan.experts, plan.params, "ep", 2, plan.options,
+                                        routing="worst")  # fmt: skip
+    return (dict(counter.counts), dict(counter.bytes), plan.collective_totals(),
+            (sum(c.count for c in worst), sum(c.bytes for c in worst)))  # fmt: skip
+
+
+def test_an_moe_step_on_dp2_ep2_meets_the_plan() -> None:
+    for counts, sent, plan, worst in get_pool(4).run(measure_moe_step):
+        key = ("all_to_all", "ep")
+        # FSDP: experts units over dp, the rest over dp+ep, exactly as planned
+        assert {k: (counts[k], sent[k]) for k in counts if k != key} == {
+            k: v for k, v in plan.items() if k != key
+        }
+        # the router's own routing: as many all-to-alls as planned; each payload is the larger
+        # of the rank's send (its T·k rows, the uniform figure) and receive buffers, so the
+        # bytes lie between the uniform prediction and the dropless worst case
+        assert counts[key] == plan[key][0] == worst[0]
+        assert plan[key][1] <= sent[key] <= worst[1]

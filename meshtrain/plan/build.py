@@ -46,7 +46,11 @@ from meshtrain.plan.context_cost import (
 )
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
-from meshtrain.plan.expert_cost import estimate_expert_collectives, expert_notes
+from meshtrain.plan.expert_cost import (
+    estimate_expert_collectives,
+    expert_data_collectives,
+    expert_notes,
+)
 from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
 from meshtrain.plan.infer import (
     check_sequence_length,
@@ -236,7 +240,11 @@ def cost_flat(
             (mode, profile.peak(mode, layout.blocks if mode != "none" else ()))
             for mode in ("none", "full", "selective")
         )
-    collectives = estimate_collectives(layout.params, layout.units, layout.data_axes, options)
+    if layout.expert_axis is not None and layout.experts:  # experts units over the data axes
+        collectives = expert_data_collectives(layout.params, layout.units, layout.data_axes,
+                                              layout.expert_axis, layout.experts, options)  # fmt: skip
+    else:
+        collectives = estimate_collectives(layout.params, layout.units, layout.data_axes, options)
     collectives += estimate_tp_collectives(
         layout.styles, layout.params, layout.tp_axis, options,
         sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),

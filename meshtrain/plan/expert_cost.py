@@ -43,11 +43,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.ir import Collective, ExpertGroup, Memory, ParamLayout
+from meshtrain.plan.cost import estimate_collectives
+from meshtrain.plan.decisions import fsdp_decisions
+from meshtrain.plan.ir import Collective, ExpertGroup, FSDPUnit, Memory, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.sizes import format_bytes
 
@@ -362,6 +364,36 @@ def expert_notes(
     return tuple(notes)
 
 
+def expert_data_collectives(
+    params: Sequence[ParamLayout],
+    units: Sequence[FSDPUnit],
+    data_axes: tuple[str, ...],
+    expert_axis: str,
+    groups: Sequence[ExpertGroup],
+    options: PlanOptions,
+) -> tuple[Collective, ...]:
+    """The data-parallel collectives of an expert-parallel plan, as the lowering wraps it: each
+    experts module is an FSDP unit of its own over the data axes (none when they are all of
+    size 1: its weights stay expert-sharded), every other unit (its experts taken out) over the
+    data axes and the expert axis as one group (``"dp+ep"``).
+
+    Example:
+        >>> from meshtrain.spec.partition import P
+        >>> w = ParamLayout("b.experts.w", (4, 2, 2), P("ep"), "", (2, 2, 2), (1, 2, 2))
+        >>> n = ParamLayout("b.norm", (2,), P(), "", (2,), (1,))
+        >>> rows = expert_data_collectives([w, n], [FSDPUnit("b", (w.fqn, n.fqn))], ("dp",), "ep",
+        ...                                [ExpertGroup("b.experts", 4, 2, (w.fqn,), 1)], PlanOptions())
+        >>> sorted({(c.kind, c.axis) for c in rows})
+        [('all_gather', 'dp'), ('all_gather', 'dp+ep'), ('reduce_scatter', 'dp'), ('reduce_scatter', 'dp+ep')]
+    """
+    expert = {fqn for group in groups for fqn in group.params}
+    decided = fsdp_decisions(options.zero, root=False, offload=options.offload)
+    own = tuple(FSDPUnit(group.fqn, group.params, decided) for group in groups)
+    rest = tuple(replace(u, params=tuple(p for p in u.params if p not in expert)) for u in units)
+    rows = estimate_collectives(params, rest, ("+".join((*data_axes, expert_axis)),), options)
+    return rows + (estimate_collectives(params, own, data_axes, options) if data_axes else ())
+
+
 def _itemsize(dtype: str) -> int:
     return {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
 
@@ -376,6 +408,7 @@ __all__ = [
     "Routing",
     "all_to_all_collectives",
     "estimate_expert_collectives",
+    "expert_data_collectives",
     "expert_layers",
     "expert_memory",
     "expert_notes",
