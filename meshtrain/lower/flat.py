@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from meshtrain.lower.balance import install_count_reducer
 from meshtrain.lower.batch_norm import sync_batch_norms
 from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
 from meshtrain.lower.context_parallel import apply_context_parallel
@@ -32,6 +33,7 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
     apply_expert_parallel(plan, model)
     apply_context_parallel(plan, model)
+    install_count_reducer(plan, model)  # MoE balance statistics over the token ranks
     sync_batch_norms(plan, model)
     # every parameter on one mesh, so a user's own loop runs; not under compile, where torch
     # 2.13 retraces the swapping hooks and trips on the vocab-parallel embedding's cached mask

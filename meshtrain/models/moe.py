@@ -22,10 +22,19 @@ Balancing (``MoEConfig.balance``):
   The logits are unchanged. ``scale`` (:meth:`MoE.set_aux_loss_scale`, default 1) is what a loop
   multiplies its loss by before backward beyond the mean: ``1/N`` for ``N`` accumulated
   micro-batches each backpropagating ``loss/N``, a loss scaler's scale, and ``1/dp`` where
-  data-parallel gradients are summed. :meth:`MoE.aux_loss` gives the last forward's total.
+  data-parallel gradients are summed (meshtrain's train step sets it every step).
+  :meth:`MoE.aux_loss` gives the last forward's total.
 - ``"bias"``: DeepSeek-V3's loss-free balancing: a per-expert bias added to the scores for the
   choice only, moved after each optimizer step by :meth:`MoE.update_expert_bias` from global
-  counts (all-reduce :meth:`MoE.expert_load` first).
+  counts (meshtrain's train step calls it after each optimizer step).
+
+Under data or expert parallelism each rank routes its own share of the batch, while one device
+computes the balance statistics over the whole batch. ``mt.apply`` installs a count reducer
+(:data:`~meshtrain.models.moe_experts.CountReducer`, summing over the plan's token ranks) on
+every MoE layer, and all three statistics use it: the balance loss's token fractions (one
+all-reduce of ``experts + 2`` integers per layer and forward, only while the loss trains; see
+:func:`load_balance_loss` for why the gradient is then one device's), the loss-free bias update's
+counts, and :func:`moe_stats`. Without a reducer (one process) everything is local.
 
 Example:
     >>> model = build_moe(MoEConfig.debug(), seed=0)
@@ -63,6 +72,7 @@ from meshtrain.models.llama import default_rules as llama_rules
 from meshtrain.models.moe_experts import (
     KERNELS,
     SCORE_FUNCS,
+    CountReducer,
     GroupedExperts,
     Router,
     load_balance_loss,
@@ -83,6 +93,7 @@ __all__ = [
     "default_rules",
     "moe_layers",
     "moe_stats",
+    "reduce_counts",
 ]
 
 BALANCES = ("none", "aux_loss", "bias")
@@ -257,7 +268,11 @@ class MoEFeedForward(nn.Module):
 
     ``forward(x [..., dim])``: ``experts(x, *router(x)) + shared_expert(x)``. The last forward's
     balance loss (:func:`load_balance_loss`, computed under every ``balance``; it carries a
-    gradient when ``balance="aux_loss"``) is ``last_aux_loss``.
+    gradient when ``balance="aux_loss"``) is ``last_aux_loss``: with a ``count_reducer``
+    installed (:meth:`set_count_reducer`) and the loss training, this rank's share of the
+    whole batch's loss (their mean over the ranks is it; see :func:`load_balance_loss`),
+    otherwise this process's tokens' loss. ``last_prob_sums`` keeps the last forward's
+    probabilities summed over its tokens per expert (no gradient), for :func:`moe_stats`.
     """
 
     def __init__(self, config: MoEConfig, out_std: float) -> None:
@@ -274,6 +289,13 @@ class MoEFeedForward(nn.Module):
         shared = config.n_shared_experts * config.moe_inter
         self.shared_expert = FeedForward(config.llama(shared), out_std) if shared else None
         self.last_aux_loss: Tensor | None = None
+        self.last_prob_sums: Tensor | None = None
+        self.count_reducer: CountReducer | None = None
+
+    def set_count_reducer(self, reducer: CountReducer | None) -> None:
+        """Sum the balance statistics over the ranks that split the batch with ``reducer``
+        (lowering installs it; ``None``: this process's tokens alone)."""
+        self.count_reducer = reducer
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -282,9 +304,12 @@ class MoEFeedForward(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(flat)
         train_aux = self.balance == "aux_loss" and torch.is_grad_enabled()
+        reduce = self.count_reducer if train_aux else None
         with torch.set_grad_enabled(train_aux):
-            aux = load_balance_loss(scores, top_k_index, self.num_experts)
+            aux = load_balance_loss(scores, top_k_index, self.num_experts, reduce)
         self.last_aux_loss = aux
+        with torch.no_grad():
+            self.last_prob_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
         weight = self.aux_loss_coef * self.aux_loss_scale
         if train_aux and aux.requires_grad and weight:
             out = _AuxLossGrad.apply(out, aux, weight)
@@ -416,25 +441,52 @@ class MoE(_Initialised):
             ffn.aux_loss_scale = float(scale)
 
     def expert_load(self) -> Tensor:
-        """Tokens routed to each expert since the last bias update, ``[moe layers, experts]``
-        (int64, layers in :func:`moe_layers` order): all-reduce it (sum) over the ranks that
-        share the batch, then pass it to :meth:`update_expert_bias`."""
+        """Tokens this process routed to each expert since the last bias update,
+        ``[moe layers, experts]`` (int64, layers in :func:`moe_layers` order)."""
         counts = [ffn.router.pending_tokens for ffn in moe_layers(self).values()]
         return torch.stack(counts) if counts else torch.zeros(0, self.config.n_experts)
 
-    def update_expert_bias(self, global_counts: Tensor) -> None:
+    def update_expert_bias(self, global_counts: Tensor | None = None) -> None:
         """Loss-free balancing step after an optimizer step, from GLOBAL counts
-        ``[moe layers, experts]`` (:meth:`expert_load` summed over every rank that routed part of
-        the batch); see :meth:`Router.update_bias`."""
+        ``[moe layers, experts]``: by default :meth:`expert_load` summed by the layers' count
+        reducer over every rank that routed part of the batch (a collective on those ranks when
+        lowering installed one), or the counts given; see :meth:`Router.update_bias`."""
         layers = moe_layers(self)
+        if global_counts is None:
+            global_counts = reduce_counts(self, self.expert_load())
         if global_counts.shape != (len(layers), self.config.n_experts):
             raise PlanError(
                 f"update_expert_bias got counts of shape {tuple(global_counts.shape)}; this model "
                 f"has {len(layers)} MoE layers ({sorted(layers)}) of {self.config.n_experts} "
-                "experts. Pass expert_load() summed over the data-parallel ranks."
+                "experts. Pass expert_load() summed over the data-parallel ranks, or nothing."
             )
         for counts, ffn in zip(global_counts, layers.values()):
             ffn.router.update_bias(counts, self.config.bias_update_rate)
+
+    def after_optimizer_step(self) -> None:
+        """What a train loop calls after each optimizer step it takes (meshtrain's train step
+        does): :meth:`update_expert_bias` under ``balance="bias"``, nothing otherwise."""
+        if self.config.balance == "bias":
+            self.update_expert_bias()
+
+
+def reduce_counts(model: nn.Module, tensor: Tensor) -> Tensor:
+    """``tensor`` summed by the count reducer of ``model``'s MoE layers over the ranks that split
+    the batch (itself without one: one process). A collective when a reducer is installed.
+
+    Example:
+        >>> reduce_counts(build_moe(MoEConfig.debug(), device="meta"), torch.ones(2)).tolist()
+        [1.0, 1.0]
+    """
+    reducers = {id(ffn.count_reducer): ffn.count_reducer for ffn in moe_layers(model).values()}
+    reducer = next(iter(reducers.values()), None)
+    if len(reducers) > 1:
+        raise PlanError(
+            f"{type(model).__name__}'s MoE layers carry {len(reducers)} different count reducers; "
+            "install one for all of them (set_count_reducer on every MoEFeedForward, as mt.apply "
+            "does)."
+        )
+    return reducer(tensor) if reducer is not None else tensor
 
 
 def build_moe(config: MoEConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> MoE:
@@ -497,11 +549,14 @@ def moe_layers(model: nn.Module) -> dict[str, MoEFeedForward]:
 
 
 def moe_stats(model: nn.Module) -> dict[str, Any]:
-    """Router statistics of the last forward, for metrics: per MoE layer the tokens per expert
-    (``moe/tokens_per_expert/<layer>``, a list) and the max/mean load ratio
+    """Router statistics of the last forward over the whole batch, for metrics: per MoE layer the
+    tokens per expert (``moe/tokens_per_expert/<layer>``, a list) and the max/mean load ratio
     (``moe/load_ratio/<layer>``, 1.0 when balanced); overall the worst ratio
-    (``moe/load_ratio``) and the balance loss summed over layers (``moe/balance_loss``).
-    Counts are this process's tokens: sum them over data-parallel ranks for the global view.
+    (``moe/load_ratio``) and the balance loss summed over layers (``moe/balance_loss``, the
+    value :func:`load_balance_loss` gives on the whole batch under any ``balance``). Counts and
+    probabilities are summed by the layers' count reducer (:func:`reduce_counts`: one
+    collective over the ranks that split the batch, when lowering installed one; call it on
+    every one of them alike).
 
     Example:
         >>> model = build_moe(MoEConfig.debug())
@@ -509,17 +564,26 @@ def moe_stats(model: nn.Module) -> dict[str, Any]:
         >>> sum(moe_stats(model)["moe/tokens_per_expert/layers.1"])
         16
     """
+    layers = moe_layers(model)
+    rows = []
+    for ffn in layers.values():
+        counts = ffn.router.tokens_per_expert.detach().double()
+        sums = ffn.last_prob_sums
+        sums = sums.detach().double() if sums is not None else torch.zeros_like(counts)
+        rows.append(torch.cat([counts, sums.to(counts.device)]))
+    total = reduce_counts(model, torch.stack(rows)).cpu() if rows else torch.zeros(0, 0)
     stats: dict[str, Any] = {}
     ratios, losses = [], []
-    for layer, ffn in moe_layers(model).items():
-        counts = ffn.router.tokens_per_expert.detach().cpu()
-        mean = float(counts.float().mean())
+    for (layer, ffn), row in zip(layers.items(), total):
+        counts, sums = row[: ffn.num_experts], row[ffn.num_experts :]
+        tokens = float(counts.sum()) / ffn.router.top_k
+        mean = float(counts.mean())
         ratio = float(counts.max()) / mean if mean > 0 else 0.0
-        stats[f"moe/tokens_per_expert/{layer}"] = counts.tolist()
+        stats[f"moe/tokens_per_expert/{layer}"] = [round(n) for n in counts.tolist()]
         stats[f"moe/load_ratio/{layer}"] = ratio
         ratios.append(ratio)
-        if ffn.last_aux_loss is not None:
-            losses.append(float(ffn.last_aux_loss.detach()))
+        if tokens > 0:
+            losses.append(ffn.num_experts * float((counts * sums).sum()) / tokens**2)
     stats["moe/load_ratio"] = max(ratios, default=0.0)
     stats["moe/balance_loss"] = sum(losses)
     return stats

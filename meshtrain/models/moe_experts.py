@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,7 +39,14 @@ from meshtrain.errors import PlanError
 from meshtrain.models.llama import _Init, _Initialised
 from meshtrain.spec.logical import annotate
 
-__all__ = ["KERNELS", "GroupedExperts", "Router", "grouped_mm_supported", "load_balance_loss"]
+__all__ = [
+    "KERNELS",
+    "CountReducer",
+    "GroupedExperts",
+    "Router",
+    "grouped_mm_supported",
+    "load_balance_loss",
+]
 
 #: The expert kernels :class:`GroupedExperts` takes.
 KERNELS: tuple[str, ...] = ("auto", "grouped_mm", "loop")
@@ -154,22 +162,47 @@ class Router(_Initialised):
                 buffer.zero_()
 
 
-def load_balance_loss(scores: Tensor, top_k_index: Tensor, num_experts: int) -> Tensor:
+#: Sums a tensor elementwise over the ranks that split the batch (a collective: every one of
+#: them calls it alike) and returns the sum; installed by lowering (``set_count_reducer``), or
+#: ``None`` for one process.
+CountReducer = Callable[[Tensor], Tensor]
+
+
+def load_balance_loss(
+    scores: Tensor, top_k_index: Tensor, num_experts: int, reduce: CountReducer | None = None
+) -> Tensor:
     """Switch Transformer's balance loss for one layer, as transformers computes it for one:
     ``num_experts · Σₑ fₑ · Pₑ``, where ``fₑ`` is the fraction of tokens whose top-k includes
     expert ``e`` (so ``Σₑ fₑ = k``) and ``Pₑ`` the mean probability of ``e`` (scores
     renormalised to sum to 1 per token; softmax scores already do). ``k`` under uniform routing.
     Only ``Pₑ`` carries a gradient.
 
+    With the batch split over ``R`` ranks, ``reduce`` (a :data:`CountReducer` over them) sums
+    the counts and token numbers first, and each rank returns its *share*
+    ``aᵣ = num_experts · Σₑ fₑᵍ · Sₑʳ · R / Tᵍ``: ``fₑᵍ`` the global fraction (a count: no
+    gradient), ``Sₑʳ`` the sum of ``e``'s probabilities over this rank's ``Tʳ`` tokens, ``Tᵍ``
+    the global tokens. Then ``(1/R) Σᵣ aᵣ = num_experts · Σₑ fₑᵍ · (Σᵣ Sₑʳ / Tᵍ)``, one device's
+    loss on the whole batch, and since ``fₑᵍ`` is a constant, ``(1/R) Σᵣ ∂aᵣ/∂θ`` is its
+    gradient: the data-parallel mean of each rank's gradient of its share is exactly one
+    device's. With equal shares (``Tʳ = Tᵍ/R``) ``aᵣ = num_experts · Σₑ fₑᵍ · Pₑʳ``, the
+    global fractions against the local mean probabilities.
+
     Example:
         >>> scores = torch.full((4, 2), 0.5)
         >>> float(load_balance_loss(scores, torch.tensor([[0], [1], [0], [1]]), 2))
         1.0
+        >>> float(load_balance_loss(scores, torch.tensor([[0], [1], [0], [1]]), 2, lambda c: 2 * c))
+        1.0
     """
     probs = scores / scores.sum(-1, keepdim=True)
     counts = torch.bincount(top_k_index.flatten(), minlength=num_experts)
-    fraction = counts.to(probs.dtype) / top_k_index.shape[0]
-    return num_experts * (fraction * probs.mean(0)).sum()
+    if reduce is None:
+        fraction = counts.to(probs.dtype) / top_k_index.shape[0]
+        return num_experts * (fraction * probs.mean(0)).sum()
+    summed = reduce(torch.cat([counts, counts.new_tensor([top_k_index.shape[0], 1])]))
+    tokens, ranks = summed[-2].to(probs.dtype), summed[-1].to(probs.dtype)
+    fraction = summed[:-2].to(probs.dtype) / tokens
+    return num_experts * (fraction * probs.sum(0)).sum() * (ranks / tokens)
 
 
 class GroupedExperts(_Initialised):

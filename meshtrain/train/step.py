@@ -38,6 +38,7 @@ from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.tensor_parallel import loss_parallel
 from meshtrain.plan.ir import Plan
+from meshtrain.train.balance import after_optimizer_step, set_aux_scale
 from meshtrain.train.batch import Batch
 from meshtrain.train.clip import global_grad_norm, scale_grads_
 from meshtrain.train.loss import (
@@ -131,6 +132,7 @@ class TrainStep:
             )
         if finite:
             self.optimizer.step()
+            after_optimizer_step(state.model)  # MoE loss-free balancing from global counts
         self.optimizer.zero_grad(set_to_none=True)
         metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": tokens,
                    "skipped": float(not finite)}  # fmt: skip
@@ -180,6 +182,8 @@ def forward_backward(
         )
     tokens = StepTokens(plan, loss_tokens(targets))
     scale = loss_scale * backward_factor(plan)
+    # an MoE's balance loss: its share on each token rank and micro-batch (train/balance.py)
+    set_aux_scale(model, scale / (data_parallel_size(plan) * micro))
     if plan.pipeline is None:
         summed = _accumulate(plan, model, inputs.chunk(micro), targets.chunk(micro), loss_fn,
                              tokens, scale)  # fmt: skip
