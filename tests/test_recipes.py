@@ -37,6 +37,9 @@ FINETUNE = {"debug_lora": "debug", "llama3_8b_lora": "llama3_8b", "llama3_70b_ql
 PRETRAIN = sorted(AT_SCALE)
 #: The long-context recipes (docs/long-context.md): their preset and the world they plan on.
 LONG_CONTEXT = {"llama3_8b_128k": ("llama3_8b", 16), "long_debug": ("debug", 4)}
+#: The mixture-of-experts recipes (docs/moe.md; tests/test_moe_recipes.py): their preset.
+MOE = {"moe_debug": "debug", "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b",
+       "deepseek_v3_671b": "deepseek_v3_671b"}  # fmt: skip
 
 BASE = """
 [model]
@@ -61,7 +64,9 @@ def _plan(recipe: Recipe, world: int) -> mt.Plan:
 
 
 def test_the_shipped_recipes_are_the_four_llama_presets_and_their_fine_tuning() -> None:
-    assert sorted([*PRETRAIN, *FINETUNE, *LONG_CONTEXT]) == SHIPPED
+    assert sorted([*PRETRAIN, *FINETUNE, *LONG_CONTEXT, *MOE]) == SHIPPED
+    for name, preset in MOE.items():
+        assert load_recipe(name).model.kind == "moe" and load_recipe(name).model.preset == preset
     for name, preset in FINETUNE.items():
         recipe = load_recipe(name)
         assert recipe.model.preset == preset and recipe.lora is not None
@@ -302,6 +307,9 @@ def _check_shrunk(recipe: Recipe, small: Recipe, world: int) -> None:
         if axis != first_data and original[axis] > 0:
             assert size <= original[axis], (axis, sizes)
     tp = sizes[par.tp] if par.tp else 1
+    if small.model.moe is not None:  # the debug MoE, its experts split over the expert axis
+        assert small.model.moe.n_experts % sizes.get("ep", 1) == 0
+        return
     config = small.model.config
     assert config.head_dim == 16 and config.n_heads == max(4, 2 * tp)
     assert config.n_kv_heads % tp == 0 and config.vocab_size % tp == 0
