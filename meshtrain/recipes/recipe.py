@@ -507,7 +507,14 @@ def describe_shrink(recipe: Recipe, small: Recipe) -> str:
     pipe = small.parallel.pipeline
     micro = (pipe.microbatches or 1) if pipe is not None else small.parallel.microbatches
     before, after = recipe.model.config, small.model.config
-    if before is None or after is None:
+    moe, small_moe = recipe.model.moe, small.model.moe
+    if moe is not None and small_moe is not None:
+        model = (
+            f"MoE {_count(moe.num_params())} → {_count(small_moe.num_params())} parameters "
+            f"({small_moe.n_layers} layers, dim {small_moe.dim}, {small_moe.n_experts} experts, "
+            f"top-{small_moe.top_k})"
+        )
+    elif before is None or after is None:
         model = f"{small.model.kind} {small.model.factory or small.model.hf!r} (kept as it is)"
     else:
         model = (
