@@ -76,6 +76,7 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import block_fqns, plain_under_compile_note, resolve_compile_scope
+from meshtrain.plan.router_logits import refuse_router_logits
 from meshtrain.plan.sequence import place_sequence_split
 from meshtrain.plan.styles import infer_styles
 from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
@@ -89,6 +90,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     expert_axis = expert_axis_of(resolve_with_adapters(rules, model, mesh), model)
     options = resolve_options(mesh, rules, options, expert_axis=expert_axis)
     layout = infer_layout(model, mesh, rules, options)
+    refuse_router_logits(model, mesh, (*layout.data_axes, layout.expert_axis, layout.context_axis))
     pipeline_plan: PipelinePlan | None = None
     if options.pipeline is None:
         memory, collectives, notes, estimates = cost_flat(context_data_axes(layout, mesh), options)
