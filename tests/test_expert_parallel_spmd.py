@@ -44,10 +44,13 @@ def test_qwen3_moe_trains_like_one_device_on_ep4() -> None:
 
 
 @pytest.mark.extended
-def test_mixtral_trains_like_one_device_on_ep2_in_bf16() -> None:
-    report = assert_equivalent(mixtral, {"ep": 2},
+def test_mixtral_trains_like_one_device_on_pp2_ep2_in_bf16() -> None:
+    """A 1F1B pipeline whose stages dispatch their own layers' tokens over ep, with full
+    activation checkpointing, in bf16."""
+    report = assert_equivalent(mixtral, {"pp": 2, "ep": 2},
                                {"rules": ep_rules(fsdp=()), "precision": "bf16",
-                                "activation_checkpointing": "full"},
+                                "activation_checkpointing": "full",
+                                "pipeline": mt.Pipeline(axis="pp", microbatches=2)},
                                batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
     assert report.passed and report.contract.level == "approximate"
 

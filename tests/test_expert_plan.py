@@ -59,6 +59,14 @@ def test_expert_axis_alone_is_the_whole_batch_split() -> None:
     assert {p.fqn: p.shard_shape for p in plan.params}[f"{EXPERTS}.down_proj"] == (2, 32, 16)
 
 
+def test_a_pipeline_keeps_each_stage_s_experts_expert_parallel() -> None:
+    plan = mt.plan(_meta(qwen3_moe), _mesh(pp=2, ep=2), ep_rules(fsdp=()),
+                   pipeline=mt.Pipeline(axis="pp", microbatches=2))  # fmt: skip
+    assert plan.expert_axis == "ep" and plan.batch_axes == ("ep",)
+    stages = {fqn for stage in plan.pipeline.stages for fqn in stage.params if "experts" in fqn}
+    assert stages == {fqn for group in plan.experts for fqn in group.params}
+
+
 def test_the_contract_counts_every_batch_rank_and_the_dispatch() -> None:
     plan = mt.plan(_meta(qwen3_moe), _mesh(dp=2, ep=2), ep_rules())
     contract = contract_for(plan)
@@ -124,14 +132,12 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
         (_Tiny(_OddForward()), {"ep": 2}, RULES, {}, ["layers.0.experts", "_OddForward", "forward"]),
         (_Tiny(_Experts()), {"ep": 2, "tp": 2},
          {"proj.weight": mt.P("tp", None), **RULES}, {}, ["tensor parallelism over 'tp'"]),
-        (_Tiny(_Experts()), {"pp": 2, "ep": 2}, RULES, {"pipeline": mt.Pipeline(axis="pp")},
-         ["pipeline over 'pp'"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": True}, ["compile=True"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"zero": 0}, ["zero=0"]),
         (_Tiny(_Experts()), {"rep": 2, "dp": 2, "ep": 2}, RULES, {"fsdp": ("rep", "dp")}, ["HSDP"]),
     ],
-    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "tp", "pp", "compile",
-         "zero0", "hsdp"],
+    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "tp", "compile", "zero0",
+         "hsdp"],
 )  # fmt: skip
 def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options, names) -> None:  # type: ignore[no-untyped-def]
     fsdp = options.pop("fsdp", ())

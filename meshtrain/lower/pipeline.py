@@ -200,6 +200,7 @@ def _stage_plan(plan: Plan, stage: StagePlan, body: nn.Module) -> Plan:
         params=tuple(p for p in plan.params if p.fqn in kept),
         styles=tuple(s for s in plan.styles if s.fqn in present),
         units=tuple(u for u in plan.units if u.fqn in present),
+        experts=tuple(g for g in plan.experts if g.fqn in present),
         pipeline=None,
     )
 
