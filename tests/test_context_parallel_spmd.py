@@ -1,6 +1,7 @@
 """Context parallelism trains like one device on gloo ranks (tier 2): meshtrain's Llama and tiny
 ``transformers`` Llama, Qwen2 and Mistral (sliding window 12 < sequence 32), built locally, under
-cp 2 and 4, alone and with FSDP over dp, fp32 within the contract
+cp 2 and 4, alone, with FSDP over dp, with tensor + sequence parallelism (cp 2 x tp 2) and with
+pipelines (pp 2 x cp 2), fp32 within the contract
 (:func:`meshtrain.testing.contract.context_reordering`) and bf16; against a plain one-process
 PyTorch loop; a planted fault (a chunk's positions off by one) is caught; a DCP checkpoint saved
 under dp 2 x cp 2 loads under dp 4. All on the 4-rank pool the other tier-2 tests share."""
@@ -154,6 +155,13 @@ def test_tensor_and_sequence_parallel_compose_on_cp2_tp2(name: str) -> None:
                                {"rules": tp_rules(name), "seq_len": SEQ},
                                batches=batches, steps=2, optimizer="adamw")  # fmt: skip
     assert report.passed and "sequence-parallel" in report.contract.describe()
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(("name", "schedule"), [("llama", "1F1B"), ("hf_llama", "GPipe")])
+def test_pipelines_compose_on_pp2_cp2(name: str, schedule: str) -> None:
+    pipeline = mt.Pipeline(axis="pp", schedule=schedule, microbatches=2)
+    _equivalent(name, {"pp": 2, "cp": 2}, pipeline=pipeline)
 
 
 def _tail_off_by_one(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:

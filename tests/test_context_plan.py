@@ -71,7 +71,12 @@ def test_a_sequence_that_does_not_split_into_chunks_is_refused(
 @pytest.mark.parametrize(
     ("mesh", "fsdp", "options", "what"),
     [
-        ({"cp": 2, "pp": 2}, (), {"pipeline": mt.Pipeline(axis="pp")}, "a pipeline"),
+        (
+            {"cp": 2, "pp": 2},
+            (),
+            {"pipeline": mt.Pipeline(axis="pp", schedule="ZBVZeroBubble", stages_per_rank=2)},
+            "the pipeline schedule 'ZBVZeroBubble', which splits backward",
+        ),
         ({"dp": 2, "cp": 2}, ("dp",), {"compile": True}, "torch.compile"),
     ],
 )

@@ -74,11 +74,17 @@ def check_context(
 ) -> None:
     """What context parallelism composes with in this version: data parallelism (FSDP over one
     data axis, any ZeRO stage), tensor parallelism (with or without sequence parallelism, on its
-    own axis), activation checkpointing, bf16/fp16. Pipelines, HSDP, compile and a sequence that
-    does not split into ``2·cp`` chunks are refused, naming the combination."""
+    own axis), pipelines whose schedule runs backward whole, activation checkpointing,
+    bf16/fp16. Schedules that split backward into input and weight halves, HSDP, compile and a
+    sequence that does not split into ``2·cp`` chunks are refused, naming the combination."""
     ways = mesh.size(axis)
+    pipeline = options.pipeline
     combos = [
-        (options.pipeline is not None, "a pipeline"),
+        (
+            pipeline is not None and pipeline.splits_backward,
+            f"the pipeline schedule {pipeline.schedule if pipeline else ''!r}, which splits "
+            "backward into input and weight halves",
+        ),
         (len(data_axes) > 1, f"HSDP over {list(data_axes)}"),
         (options.compile, "torch.compile"),
     ]
@@ -88,8 +94,8 @@ def check_context(
                 f"context parallelism over '{axis}' (size {ways}) on mesh {mesh} does not "
                 f"compose with {what} in this version of meshtrain: it would not be proven to "
                 "train like one device. Drop one of them (context parallelism composes with "
-                "FSDP over one data axis, tensor and sequence parallelism, activation "
-                "checkpointing and bf16).",
+                "FSDP over one data axis, tensor and sequence parallelism, pipelines such as "
+                "1F1B or GPipe, activation checkpointing and bf16).",
                 mesh=mesh,
             )
     check_context_length(options.seq_len, axis, mesh, options.context_balance)
