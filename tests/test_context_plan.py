@@ -149,3 +149,14 @@ def test_unknown_balance_or_method_is_refused() -> None:
         mt.PlanOptions(context_balance="ptrr")  # type: ignore[arg-type]
     with pytest.raises(mt.PlanError, match="context_method='alltoall'"):
         mt.PlanOptions(context_method="alltoall")  # type: ignore[arg-type]
+
+
+def test_the_contract_counts_the_context_merge_and_the_token_sum() -> None:
+    from meshtrain.testing.contract import contract_for
+
+    contract = contract_for(_plan(_own(), dp=2, cp=4, seq_len=32))
+    merges = [r for r in contract.reorderings if r.what.startswith("context-parallel attention")]
+    assert [(r.ways, r.levels) for r in merges] == [(4, 10)]  # 3 merges of 3 roundings, +1
+    sums = [r for r in contract.reorderings if r.what.startswith("data-parallel")]
+    assert [r.ways for r in sums] == [8]  # gradients and loss tokens over dp x cp
+    assert contract.level == "reduction-order"
