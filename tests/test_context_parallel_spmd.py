@@ -3,8 +3,9 @@
 cp 2 and 4, alone, with FSDP over dp, with tensor + sequence parallelism (cp 2 x tp 2) and with
 pipelines (pp 2 x cp 2), fp32 within the contract
 (:func:`meshtrain.testing.contract.context_reordering`) and bf16; against a plain one-process
-PyTorch loop; a planted fault (a chunk's positions off by one) is caught; a DCP checkpoint saved
-under dp 2 x cp 2 loads under dp 4. All on the 4-rank pool the other tier-2 tests share."""
+PyTorch loop; planted faults (a chunk's positions off by one, the mask on the chunks in the wrong
+order) are caught; a DCP checkpoint saved under dp 2 x cp 2 loads under dp 4. All on the 4-rank
+pool the other tier-2 tests share."""
 
 from __future__ import annotations
 
@@ -177,12 +178,27 @@ def tail_chunk_positions_off_by_one() -> Iterator[None]:
         yield
 
 
+def _tail_first(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
+    positions = chunk_positions(seq_len, cp, rank, balance)  # type: ignore[arg-type]
+    half = len(positions) // 2
+    return torch.cat([positions[half:], positions[:half]])
+
+
+@contextlib.contextmanager
+def chunks_in_the_wrong_order() -> Iterator[None]:
+    """The causal mask and rotary tables take each rank's two chunks tail first, while its
+    tokens are head first."""
+    with mock.patch("meshtrain.lower.context_parallel._positions", _tail_first):
+        yield
+
+
 @pytest.mark.extended
-def test_a_chunk_off_by_one_position_is_caught() -> None:
+@pytest.mark.parametrize("fault", [tail_chunk_positions_off_by_one, chunks_in_the_wrong_order])
+def test_planted_position_faults_are_caught(fault: Any) -> None:
     with pytest.raises(mt.EquivalenceError):
         assert_equivalent(MODELS["llama"], DP2_CP2, {"rules": rules(), "seq_len": SEQ},
                           batches=batches, steps=1, optimizer="adamw",
-                          rank_context=tail_chunk_positions_off_by_one)  # fmt: skip
+                          rank_context=fault)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- resume
