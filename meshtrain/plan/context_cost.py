@@ -6,8 +6,10 @@ ways, so the planner traces the model's forward on ``seq_len / cp`` tokens
 query, keys, values and log-sum-exp are then one rank's. On top of that trace
 (:func:`context_profile`, per attention call):
 
-- ``"ring"`` saves its merged output in fp32 (the accumulation dtype) where SDPA saves it in the
-  compute dtype: ``(4 - itemsize)`` bytes more per output element under bf16, none under fp32;
+- ``"ring"`` saves its merged output in fp32 (the accumulation dtype), and returns it laid out
+  ``[B, Hq, S, D]``, so the model's transpose back to ``[B, S, Hq·D]`` copies it for the output
+  projection (SDPA returns its output in that layout already, and the projection saves a view
+  of it): 4 bytes more per output element, whatever the compute dtype;
 - ``"allgather"`` saves, per layer, what its plain attention over the whole sequence keeps for
   backward: the gathered keys and values in fp32 (``cp·E·4``), the softmax and the masked
   probabilities (two fp32 ``[B, Hq, S_local, S]``) and the boolean mask (``[B, S_local, S]``):
@@ -200,7 +202,7 @@ def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockAc
         if method == "allgather":
             extra = allgather_saved(call, cp)
         else:
-            extra = math.prod(call.query) * max(0, ACC_BYTES - call.element_bytes)
+            extra = math.prod(call.query) * ACC_BYTES
         in_tp, rest = (in_tp + extra, rest) if call.in_tp else (in_tp, rest + extra)
     if not in_tp and not rest:
         return block
