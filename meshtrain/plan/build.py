@@ -51,7 +51,7 @@ from meshtrain.plan.expert_cost import (
     expert_data_collectives,
     expert_notes,
 )
-from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
+from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts, whole_experts
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -213,7 +213,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     _check_tied(tied, blocks)
     batch_norms = _batch_norms(model, options)
     partial_grads, unproven = prove_plan(
-        model, layouts, styles, tp_axis=tp_axis, blocks=blocks,
+        model, whole_experts(layouts, experts), styles, tp_axis=tp_axis, blocks=blocks,
         tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
@@ -290,8 +290,15 @@ def cost_pipelined(
         f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
         f"{costs.busiest}); inside the schedule gradients are reduced once per step"
     )
-    return (pipeline_plan, costs.memory, costs.collectives, (*layout.notes, note),
-            costs.estimates)  # fmt: skip
+    collectives, notes = costs.collectives, (*layout.notes, note)
+    kept = {fqn for stage in pipeline_plan.local_stages(costs.busiest) for fqn in stage.params}
+    groups = tuple(g for g in layout.experts if set(g.params) & kept)
+    if layout.expert_axis is not None and groups:  # the busiest rank's MoE layers' all-to-alls
+        ep, checkpointed = mesh.size(layout.expert_axis), options.checkpointed_blocks(layout.blocks)
+        collectives += estimate_expert_collectives(groups, layout.params, layout.expert_axis, ep,
+                                                   options, checkpointed)  # fmt: skip
+        notes += expert_notes(groups, layout.params, layout.expert_axis, ep, options, checkpointed)
+    return pipeline_plan, costs.memory, collectives, notes, costs.estimates
 
 
 def _decided(units: tuple[FSDPUnit, ...], options: PlanOptions) -> tuple[FSDPUnit, ...]:
