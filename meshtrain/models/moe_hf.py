@@ -14,11 +14,11 @@ meshtrain                                             transformers (Qwen3-MoE la
 ====================================================  ==============================================
 
 Expert weights have the same fused layout on both sides, so they map whole. That fused layout is
-what a transformers model holds in memory (its ``state_dict()``) and what ``from_pretrained``
-reads; ``save_pretrained`` (and the published Qwen3-MoE checkpoints) store one 2-D tensor per
-expert instead (``mlp.experts.<e>.gate_proj.weight``, ...), which :func:`moe_hf_sources` does not
-read: load such a directory through transformers once and save its ``state_dict()`` as
-safetensors, or train it as ``[model] hf = "DIR"``. The rotary row order
+what a transformers model holds in memory (its ``state_dict()``); ``save_pretrained`` (and the
+published Qwen3-MoE checkpoints) store one 2-D tensor per expert instead
+(``mlp.experts.<e>.gate_proj.weight``, ...): the loader finds those for a fused name the
+checkpoint lacks and assembles the fused weight from them, each rank reading only the experts it
+holds (:mod:`meshtrain.train.hf.experts`). The rotary row order
 of ``wq``/``wk`` (:func:`~meshtrain.models.llama_hf.rotary_rows`) also permutes the per-head
 ``q_norm``/``k_norm`` weights (they scale the same head dims before the rotation). The dense first
 layers are Qwen3-MoE's ``mlp_only_layers``.

@@ -48,6 +48,7 @@ from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import CheckpointError, format_shape
 from meshtrain.lower.materialise import held
 from meshtrain.train.checkpoint.files import canonical_fqn, format_names
+from meshtrain.train.hf.experts import ExpertPiece, expert_pieces, fill_pieces, renamed
 from meshtrain.train.hf.files import WeightFiles, weight_files
 
 __all__ = ["LoadReport", "Sources", "load_hf", "local_indices"]
@@ -73,6 +74,7 @@ class _Target:
     local: Tensor  # this rank's part of it (the tensor itself when not a DTensor)
     name: str  # in the checkpoint
     indices: list[Tensor]  # per dim, the checkpoint indices of the local elements
+    pieces: tuple[ExpertPiece, ...] = ()  # a fused expert weight stored per expert (experts.py)
 
 
 def load_hf(
@@ -101,8 +103,10 @@ def load_hf(
     targets, aliases = _model_tensors(modules)
     targets = {fqn: tensor for fqn, tensor in targets.items() if fqn not in exclude}
     problems: list[str] = []
-    plan = _plan(weights, targets, aliases, sources, problems, strict=strict)
+    pieced: set[str] = set()  # per-expert checkpoint tensors a fused weight reads (or would)
+    plan = _plan(weights, targets, aliases, sources, problems, pieced, strict=strict)
     claimed = {source[0] for source in (sources or {}).values()} if sources else set(targets)
+    claimed |= {target.name for target in plan} | pieced
     gathered = _all_gather((problems, sorted(claimed & set(weights.files))))
     used = {name for _, names in gathered for name in names}
     used |= {alias for alias in aliases if sources is None}
@@ -128,11 +132,15 @@ def load_hf(
     if progress is not None:
         progress(0, len(plan))
     with contextlib.ExitStack() as stack, torch.no_grad():
-        for done, target in enumerate(plan, start=1):
-            file = weights.files[target.name]
+
+        def read_slice(name: str, indices: list[Tensor]) -> tuple[Tensor, int]:
+            file = weights.files[name]
             if file not in handles:
                 handles[file] = stack.enter_context(safe_open(str(file), "pt", device="cpu"))
-            read += _fill(target, handles[file].get_slice(target.name))
+            return _read(handles[file].get_slice(name), indices)
+
+        for done, target in enumerate(plan, start=1):
+            read += _fill(target, read_slice)
             if progress is not None:
                 progress(done, len(plan))
     return LoadReport(len(plan), read, weights.total_bytes())
@@ -174,10 +182,12 @@ def _plan(
     aliases: dict[str, str],
     sources: Sources | None,
     problems: list[str],
+    pieced: set[str],
     *,
     strict: bool,
 ) -> list[_Target]:
-    """What each model tensor reads, and the problems found on the way (from headers only)."""
+    """What each model tensor reads, and the problems found on the way (from headers only);
+    the per-expert tensors fused weights read are added to ``pieced``."""
     plan: list[_Target] = []
     missing: list[str] = []
     for fqn, tensor in targets.items():
@@ -189,6 +199,13 @@ def _plan(
         else:
             names = [fqn, *(alias for alias, main in aliases.items() if main == fqn)]
             name, rows = next((n for n in names if n in weights.files), fqn), None
+        name = name if name in weights.files else renamed(name, weights.shapes) or name
+        if name not in weights.files and not tensor.is_meta and rows is None:
+            pieces = expert_pieces(name, tuple(tensor.shape), weights.shapes)
+            if pieces is not None:
+                pieced.update(piece.name for piece in pieces)
+                plan.extend(_pieced(fqn, tensor, name, pieces, weights, problems, missing))
+                continue
         if tensor.is_meta:
             problems.append(
                 f"{fqn!r} is on the meta device: materialise the model first "
@@ -217,6 +234,38 @@ def _plan(
     return plan
 
 
+def _pieced(
+    fqn: str,
+    tensor: Tensor,
+    name: str,
+    pieces: tuple[ExpertPiece, ...],
+    weights: WeightFiles,
+    problems: list[str],
+    missing: list[str],
+) -> list[_Target]:
+    """The target of a fused expert weight read from its per-expert pieces (none on a problem,
+    which is recorded: pieces missing or mis-shaped)."""
+    absent = [piece.name for piece in pieces if piece.name not in weights.files]
+    missing.extend(absent)
+    cols = tuple(tensor.shape)[2]
+    misshaped = [
+        f"{piece.name!r} is {format_shape(weights.shapes[piece.name])} in "
+        f"{weights.where(piece.name)} but {fqn!r} {format_shape(tuple(tensor.shape))} needs "
+        f"{format_shape((piece.rows, cols))} per expert (fused as {name!r})"
+        for piece in pieces
+        if piece.name not in absent and weights.shapes[piece.name] != (piece.rows, cols)
+    ]
+    problems.extend(misshaped)
+    if absent or misshaped:
+        return []
+    try:
+        indices = _checkpoint_indices(fqn, tensor, None)
+    except CheckpointError as err:
+        problems.append(err.message)
+        return []
+    return [_Target(fqn, tensor, held(tensor), name, indices, pieces)]
+
+
 def _checkpoint_indices(fqn: str, tensor: Tensor, rows: Tensor | None) -> list[Tensor]:
     """Per dim, the checkpoint indices of the elements this rank holds of ``tensor``."""
     if isinstance(tensor, DTensor):
@@ -237,9 +286,12 @@ def _checkpoint_indices(fqn: str, tensor: Tensor, rows: Tensor | None) -> list[T
     return indices
 
 
-def _fill(target: _Target, stored: Any) -> int:
-    """Copy this rank's part of ``target`` from the checkpoint slice ``stored``; bytes read."""
-    data, read = _read(stored, target.indices)
+def _fill(target: _Target, read_slice: Callable[[str, list[Tensor]], tuple[Tensor, int]]) -> int:
+    """Copy this rank's part of ``target`` from the checkpoint (its tensor, or its per-expert
+    pieces); bytes read."""
+    if target.pieces:
+        return fill_pieces(target.local, target.indices, target.pieces, read_slice)
+    data, read = read_slice(target.name, target.indices)
     if is_nf4(target.local):
         write_nf4(target.local, data, _whole_scale_mean(target.tensor, data, target.local.dtype))
     else:
