@@ -10,8 +10,9 @@ unsharded gradients), plus activations: the planner's trace does not run through
 routing on fake tensors (data-dependent shapes), so activations are estimated analytically —
 the block inputs full checkpointing keeps (layers × tokens × dim, bf16) plus one MoE layer's
 dispatch working set on the busiest rank (:func:`~meshtrain.plan.expert_cost.moe_working_set`)
-under uniform and under the dropless worst-case routing. Pipelines (``pp`` > 1) with expert
-parallelism are refused while planning; those rows say so.
+under uniform and under the dropless worst-case routing. With a pipeline (``pp`` 4, 1F1B over 8
+micro-batches: 8 sequences per batch rank per step) the figures are the pipeline rank's with the
+most MoE layers: its layers' all-to-alls and the block inputs of its micro-batches in flight.
 
 Usage::
 
@@ -60,9 +61,10 @@ def row(model: Any, world: int, ep: int, pp: int) -> dict[str, Any]:
     except MeshtrainError as error:
         return {"refused": error.message.split(". ")[0], "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
-    layers = expert_layers(plan.experts, plan.params)
+    groups, kept_blocks = _busiest(plan, model.config.n_layers)
+    layers = expert_layers(groups, plan.params)
     tokens, dim = SEQ_LEN, model.config.dim
-    kept = model.config.n_layers * tokens * dim * 2
+    kept = kept_blocks * tokens * dim * 2
     memory = plan.memory
     base = memory.at_rest + memory.gathered_params + memory.unsharded_grads + kept
     result: dict[str, Any] = {
@@ -74,15 +76,29 @@ def row(model: Any, world: int, ep: int, pp: int) -> dict[str, Any]:
     for routing in ("uniform", "worst"):
         working = moe_working_set(layers[0], tokens=tokens, ep=ep, activation_bytes=2,
                                   routing=routing)  # fmt: skip
-        collectives = estimate_expert_collectives(plan.experts, plan.params, "ep", ep,
-                                                  plan.options, plan.checkpointed,
-                                                  routing=routing)  # fmt: skip
+        collectives = estimate_expert_collectives(groups, plan.params, "ep", ep, plan.options,
+                                                  plan.checkpointed, routing=routing)  # fmt: skip
         payload = sum(c.bytes for c in collectives)
         result[f"{routing}_peak_gib"] = (base + working) / GiB
         result[f"{routing}_fits"] = base + working <= DEVICE
         result[f"{routing}_all_to_all_gib"] = payload / GiB
         result[f"{routing}_sent_gib"] = ring_bytes("all_to_all", payload, ep) / GiB
     return result
+
+
+def _busiest(plan: Any, n_layers: int) -> tuple[tuple[Any, ...], int]:
+    """The expert groups of the pipeline rank with the most MoE layers (all of them without a
+    pipeline) and the block inputs it keeps: its blocks × the micro-batches in flight."""
+    if plan.pipeline is None:
+        return plan.experts, n_layers
+    best: tuple[tuple[Any, ...], int] = ((), 0)
+    for rank in range(plan.mesh.size(plan.pipeline.axis)):
+        stages = plan.pipeline.local_stages(rank)
+        kept = {fqn for stage in stages for fqn in stage.params}
+        groups = tuple(g for g in plan.experts if set(g.params) & kept)
+        blocks = sum(sum(m.startswith("layers.") for m in s.modules) * s.in_flight for s in stages)
+        best = max(best, (groups, blocks), key=lambda pair: (len(pair[0]), pair[1]))
+    return best
 
 
 def main() -> None:
