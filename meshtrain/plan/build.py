@@ -51,7 +51,7 @@ from meshtrain.plan.expert_cost import (
     expert_data_collectives,
     expert_notes,
 )
-from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts, whole_experts
+from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -213,7 +213,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     _check_tied(tied, blocks)
     batch_norms = _batch_norms(model, options)
     partial_grads, unproven = prove_plan(
-        model, whole_experts(layouts, experts), styles, tp_axis=tp_axis, blocks=blocks,
+        model, layouts, styles, tp_axis=tp_axis, blocks=blocks,
         tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
         sequence_parallel=sequence_parallel,
     )  # fmt: skip
