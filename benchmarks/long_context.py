@@ -86,17 +86,29 @@ def _count(modules: list[torch.nn.Module], pack: Any) -> list[Any]:
     return handles
 
 
+def _plan(model: torch.nn.Module, seq_len: int, cp: int, abstract: bool = False) -> mt.Plan:
+    mesh = mt.make_mesh(dp=WORLD // cp, cp=cp, world_size=WORLD if abstract else None,
+                        abstract=abstract)  # fmt: skip
+    logical = (("seq", "cp"), *default_rules(tp=None).logical) if cp > 1 else default_rules(
+        tp=None).logical  # fmt: skip
+    return mt.plan(model, mesh, mt.Rules(logical=logical, fsdp="dp"), batch_size=1,
+                   seq_len=seq_len, zero=3)  # fmt: skip
+
+
+def predicted_saved(seq_len: int, cp: int) -> int:
+    """The plan's saved bytes per rank: its activations without checkpointing, less the ring's
+    in-flight buffers (not saved tensors)."""
+    config = LlamaConfig.preset("debug", max_seq_len=seq_len)
+    plan = _plan(build_llama(config, device="meta"), seq_len, cp, abstract=True)
+    return dict(plan.activation_estimates)["none"] - _in_flight(config, seq_len, cp)
+
+
 def measure(seq_len: int, cp: int, steps: int) -> dict[str, Any]:
     """Runs on every rank: the plan for ``cp``, its step time and saved bytes."""
     config = LlamaConfig.preset("debug", max_seq_len=seq_len)
     model = build_llama(config, seed=0)
-    dp = WORLD // cp
-    mesh = mt.make_mesh(dp=dp, cp=cp)
-    logical = (("seq", "cp"), *default_rules(tp=None).logical) if cp > 1 else default_rules(
-        tp=None).logical  # fmt: skip
-    plan = mt.plan(model, mesh, mt.Rules(logical=logical, fsdp="dp"), batch_size=1,
-                   seq_len=seq_len, zero=3)  # fmt: skip
-    predicted_saved = dict(plan.activation_estimates)["none"]
+    plan = _plan(model, seq_len, cp)
+    mesh = plan.mesh
     model = mt.apply(plan, model)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     tokens = torch.randint(0, config.vocab_size, (1, seq_len + 1),
@@ -127,7 +139,7 @@ def measure(seq_len: int, cp: int, steps: int) -> dict[str, Any]:
         "tokens_per_s_per_rank": seq_len / cp / statistics.median(times),
         "saved_bytes": whole.total,
         "attention_saved_bytes": attention.total,
-        "predicted_saved_bytes": predicted_saved - _in_flight(config, seq_len, cp),
+        "predicted_saved_bytes": predicted_saved(seq_len, cp),
         "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
 
@@ -149,7 +161,17 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--replan", type=Path, default=None,
+                        help="recompute the predictions of a stored run (no ranks) and print it")  # fmt: skip
     args = parser.parse_args()
+    if args.replan is not None:
+        record = json.loads(args.replan.read_text())
+        for key, row in record["results"].items():
+            seq_len, cp = map(int, key.split("@"))
+            row["predicted_saved_bytes"] = predicted_saved(seq_len, cp)
+        args.replan.write_text(json.dumps(record, indent=1) + "\n")
+        print(table(record["results"], sorted({int(k.split("@")[0]) for k in record["results"]})))
+        return
     results: dict[str, Any] = {}
     with SPMDPool(WORLD, timeout_s=1800.0) as pool:
         for seq_len in args.lengths:
