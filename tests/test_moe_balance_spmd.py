@@ -35,15 +35,19 @@ CASES: dict[str, tuple[dict[str, int], dict[str, Any], str]] = {
     "dp2": ({"dp": 2}, dict(tp=None, fsdp="dp"), "aux_loss"),
     "ep2": ({"ep": 2}, dict(tp=None, fsdp=(), ep="ep"), "aux_loss"),
     "dp2-bias": ({"dp": 2}, dict(tp=None, fsdp="dp"), "bias"),
+    "dp2-accumulate": ({"dp": 2}, dict(tp=None, fsdp="dp"), "aux_loss"),
     "dp2-per-rank-statistics": ({"dp": 2}, dict(tp=None, fsdp="dp"), "aux_loss"),
 }
+MICRO = {"dp2-accumulate": 2}  # micro-batches per step (1 elsewhere)
 
 
 def _reference_step(
-    model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor, balance: str
+    model: torch.nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]], balance: str
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """The plain loop's step on the whole batch: mean cross-entropy plus COEF times each MoE
-    layer's balance loss as transformers computes it from the router logits; its gradients."""
+    """The plain loop's step on the whole batch, accumulated over its micro-batches: each one's
+    summed cross-entropy over the step's tokens plus COEF times the mean over micro-batches of
+    each MoE layer's balance loss as transformers computes it from the router logits; the mean
+    loss, the gradients and the last micro-batch's balance loss."""
     logits_of: list[torch.Tensor] = []
     hooks = [
         module.register_forward_hook(
@@ -52,15 +56,33 @@ def _reference_step(
         for module in model.modules()
         if isinstance(module, Router)
     ]
-    logits = model(inputs)
+    tokens = sum(targets.numel() for _, targets in micro)
+    experts, top_k = model.config.n_experts, model.config.top_k
+    total = 0.0
+    for inputs, targets in micro:
+        logits_of.clear()
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="sum") / tokens
+        aux = sum(load_balancing_loss_func((layer,), experts, top_k) for layer in logits_of)
+        (loss + COEF * aux / len(micro) if balance == "aux_loss" else loss).backward()
+        total += float(loss.detach())
     for hook in hooks:
         hook.remove()
-    loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
-    experts, top_k = model.config.n_experts, model.config.top_k
-    aux = sum(load_balancing_loss_func((layer,), experts, top_k) for layer in logits_of)
-    (loss + COEF * aux if balance == "aux_loss" else loss).backward()
     grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters() if p.grad is not None}
-    return float(loss.detach()), {**grads, "aux": torch.as_tensor(float(aux.detach()))}
+    return total, {**grads, "aux": torch.as_tensor(float(aux.detach()))}
+
+
+def _micro_batches(
+    inputs: torch.Tensor, targets: torch.Tensor, ranks: int, micro: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One device's micro-batches of a step: micro-batch ``m`` is every rank's ``m``-th."""
+    shares = [
+        (x.chunk(micro), y.chunk(micro)) for x, y in zip(inputs.chunk(ranks), targets.chunk(ranks))
+    ]
+    return [
+        (torch.cat([x[m] for x, _ in shares]), torch.cat([y[m] for _, y in shares]))
+        for m in range(micro)
+    ]
 
 
 def balance_case(case: str, steps: int) -> dict[str, float]:
@@ -72,7 +94,8 @@ def balance_case(case: str, steps: int) -> dict[str, float]:
     model = build_moe(MoEConfig.debug(**SHAPE, balance=balance), seed=0)
     # the reference's own loop adds the balance loss: its layers must not inject it again
     reference = build_moe(MoEConfig.debug(**SHAPE, balance="bias" if balance == "bias" else "none"))
-    plan = mt.plan(model, mt.make_mesh(axes), moe_rules(**rule_args))
+    micro = MICRO.get(case, 1)
+    plan = mt.plan(model, mt.make_mesh(axes), moe_rules(**rule_args), microbatches=micro)
     applied = mt.apply(plan, model)
     if case.endswith("per-rank-statistics"):  # the fault: each rank's fractions its own
         for ffn in moe_layers(applied).values():
@@ -85,7 +108,8 @@ def balance_case(case: str, steps: int) -> dict[str, float]:
         inputs, targets = token_batches(step)
         rows = slice(index * inputs.shape[0] // ranks, (index + 1) * inputs.shape[0] // ranks)
         loss, _ = forward_backward(plan, applied, Batch(inputs[rows], targets[rows]))
-        ref_loss, ref_grads = _reference_step(reference, inputs, targets, balance)
+        batches = _micro_batches(inputs, targets, ranks, micro)
+        ref_loss, ref_grads = _reference_step(reference, batches, balance)
         worst["loss"] = max(worst["loss"], abs(loss - ref_loss) / ref_loss)
         for fqn, param in applied.named_parameters():
             grad, ref = full_tensor(param.grad), ref_grads[fqn]
@@ -123,7 +147,7 @@ def balance_cases(steps: int) -> dict[str, dict[str, float]]:
 def test_balance_trains_like_one_device_under_data_and_expert_parallelism() -> None:
     results = get_pool(2).run(balance_cases, 2)
     for rank in results:
-        for case in ("dp2", "ep2", "dp2-bias"):
+        for case in ("dp2", "ep2", "dp2-bias", "dp2-accumulate"):
             worst = rank[case]
             bound = worst["tolerance"]
             assert worst["routing"] == 0, (case, worst)  # the same tokens, the same experts
