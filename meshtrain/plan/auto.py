@@ -364,8 +364,8 @@ class _Search:
     def evaluate_context(self) -> list[Evaluated]:
         """When nothing fits: context parallelism over ``cp`` = 2, 4, ... ranks (powers of two
         dividing the world whose ``2·cp`` chunks split the sequence), with data parallelism
-        over the rest and neither tensor nor pipeline parallelism (which it does not compose
-        with), every ZeRO stage and checkpointing mode."""
+        over the rest and (to keep the search small) neither tensor nor pipeline parallelism,
+        every ZeRO stage and checkpointing mode."""
         found: list[Evaluated] = []
         cp = 2
         while cp <= self.world_size and self.world_size % cp == 0:

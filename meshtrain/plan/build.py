@@ -40,7 +40,7 @@ from meshtrain.plan.context import (
 )
 from meshtrain.plan.context_cost import (
     context_collectives,
-    context_data_axes,
+    context_costing,
     context_profile,
     local_seq_len,
 )
@@ -92,18 +92,21 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     layout = infer_layout(model, mesh, rules, options)
     refuse_router_logits(model, mesh, (*layout.data_axes, layout.expert_axis, layout.context_axis))
     pipeline_plan: PipelinePlan | None = None
+    cost_layout, cost_options = context_costing(layout, mesh, options)
+    ring_blocks: tuple[str, ...] | None = None
     if options.pipeline is None:
-        memory, collectives, notes, estimates = cost_flat(context_data_axes(layout, mesh), options)
-        if layout.context_axis is not None and layout.profile is not None:
-            collectives += context_collectives(
-                layout.profile, options, axis=layout.context_axis,
-                cp=mesh.size(layout.context_axis),
-                checkpointed=options.checkpointed_blocks(layout.blocks),
-            )  # fmt: skip
+        memory, collectives, notes, estimates = cost_flat(cost_layout, cost_options)
     else:
         pipeline_plan, memory, collectives, notes, estimates = cost_pipelined(
-            model, mesh, layout, options
+            model, mesh, cost_layout, cost_options
         )
+        busiest = pipeline_costs(pipeline_plan, mesh, cost_layout, cost_options).busiest
+        ring_blocks = tuple(m for s in pipeline_plan.local_stages(busiest) for m in s.modules)
+    if layout.context_axis is not None and layout.profile is not None:
+        collectives += context_collectives(
+            layout.profile, options, axis=layout.context_axis, cp=mesh.size(layout.context_axis),
+            checkpointed=options.checkpointed_blocks(layout.blocks), blocks=ring_blocks,
+        )  # fmt: skip
     return Plan(
         mesh=mesh,
         options=options,

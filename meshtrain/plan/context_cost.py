@@ -176,6 +176,19 @@ def context_data_axes(layout: Inferred, mesh: Mesh) -> Inferred:
     return replace(layout, data_axes=(mesh.joined((*layout.data_axes, layout.context_axis)),))
 
 
+def context_costing(
+    layout: Inferred, mesh: Mesh, options: PlanOptions
+) -> tuple[Inferred, PlanOptions]:
+    """``layout`` and ``options`` as the costs see them under context parallelism: FSDP over the
+    data and context axes as one group (:func:`context_data_axes`) and each rank's share of a
+    sequence (``seq_len / cp``: the tensor-parallel, pipeline and expert payloads carry the
+    rank's own tokens). Unchanged without a context axis."""
+    if layout.context_axis is None:
+        return layout, options
+    local = local_seq_len(options.seq_len, mesh.size(layout.context_axis))
+    return context_data_axes(layout, mesh), replace(options, seq_len=local)
+
+
 def context_collectives(
     profile: ActivationProfile,
     options: PlanOptions,
@@ -183,15 +196,18 @@ def context_collectives(
     axis: str,
     cp: int,
     checkpointed: Sequence[str],
+    blocks: Sequence[str] | None = None,
 ) -> tuple[Collective, ...]:
-    """A flat plan's context-axis collectives per step: every traced attention call once per
-    micro-batch, those of ``checkpointed`` blocks again in forward when they are recomputed
-    (the block's forward reruns whole under full and selective checkpointing, ring included)."""
+    """A plan's context-axis collectives per step: every traced attention call (of ``blocks``
+    when given: a pipeline rank's) once per micro-batch, those of ``checkpointed`` blocks again
+    in forward when they are recomputed (the block's forward reruns whole under full and
+    selective checkpointing, ring included)."""
     again = options.activation_checkpointing != "none"
+    recomputed = [fqn for fqn in checkpointed if blocks is None or fqn in blocks]
     return attention_collectives(
-        attention_calls(profile), cp=cp, axis=axis, method=options.context_method,
+        attention_calls(profile, blocks), cp=cp, axis=axis, method=options.context_method,
         microbatches=options.microbatches,
-        recomputed=attention_calls(profile, checkpointed) if again else (),
+        recomputed=attention_calls(profile, recomputed) if again else (),
         tp_size=profile.tp_size,
     )  # fmt: skip
 
@@ -260,6 +276,7 @@ __all__ = [
     "attention_calls",
     "attention_collectives",
     "context_collectives",
+    "context_costing",
     "context_data_axes",
     "context_profile",
     "kv_bytes",
