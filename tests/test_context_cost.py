@@ -201,24 +201,35 @@ def test_predicted_bytes_are_the_kernels_measured_bytes(
 _CONTEXT_TRAFFIC = ("positions", "forward: keys", "backward: keys")
 
 
-def measure_step(cp: int, checkpointing: str, precision: str) -> tuple[dict, dict]:
-    """Runs on every rank: one training step of a tiny Llama under dp × cp, its context
-    attention's bytes counted, beside what its plan predicts for that traffic."""
+def measure_step(cp: int, checkpointing: str, precision: str, other: str = "") -> tuple[dict, dict]:
+    """Runs on every rank: one training step of a tiny Llama under dp × cp (or tp × cp, or
+    pp × cp with ``other``), its context attention's bytes counted, beside what its plan
+    predicts for that traffic."""
     from context_models import SEQ, batches, own_llama, rules
 
     from meshtrain.lower.ring_attention import count_bytes
     from meshtrain.train import Batch, forward_backward
 
     model = own_llama()
-    mesh = mt.make_mesh(dp=4 // cp, cp=cp)
-    plan = mt.plan(model, mesh, rules(), batch_size=cp, seq_len=SEQ,
-                   activation_checkpointing=checkpointing, precision=precision)  # fmt: skip
+    axes = {"pp": 4 // cp, "dp": 1} if other == "pp" else {"dp": 4 // cp}
+    if other == "tp":
+        axes = {"dp": 1, "tp": 4 // cp}
+    mesh = mt.make_mesh(**axes, cp=cp)
+    chosen = rules()
+    if other == "tp":
+        chosen = mt.Rules(logical=(("seq", "cp"), *default_rules(tp="tp").logical), fsdp="dp")
+    pipeline = {"pipeline": mt.Pipeline(axis="pp", schedule="1F1B")} if other == "pp" else {}
+    plan = mt.plan(model, mesh, chosen, global_batch=4, seq_len=SEQ,
+                   activation_checkpointing=checkpointing, precision=precision, **pipeline)  # fmt: skip
     model = mt.apply(plan, model)
     inputs, targets = batches(0)
     data_rank = mesh.coordinates(torch.distributed.get_rank())["dp"]
-    rows = slice(plan.options.batch_size * data_rank, plan.options.batch_size * (data_rank + 1))
+    per_rank = 4 // mesh.size("dp")
+    rows = slice(per_rank * data_rank, per_rank * (data_rank + 1))
+    batch = Batch(inputs[rows], targets[rows])
+    forward_backward(plan, model, batch)  # a pipeline's first step also infers its shapes
     with count_bytes() as sent:
-        forward_backward(plan, model, Batch(inputs[rows], targets[rows]))
+        forward_backward(plan, model, batch)
     predicted = {
         prefix: sum(c.bytes for c in plan.collectives if c.why.startswith(prefix))
         for prefix in _CONTEXT_TRAFFIC
@@ -228,13 +239,15 @@ def measure_step(cp: int, checkpointing: str, precision: str) -> tuple[dict, dic
 
 @pytest.mark.spmd
 @pytest.mark.parametrize(
-    ("cp", "checkpointing", "precision"), [(4, "full", "fp32"), (2, "selective", "bf16")]
-)
+    ("cp", "checkpointing", "precision", "other"),
+    [(4, "full", "fp32", ""), (2, "selective", "bf16", ""), (2, "none", "fp32", "tp"),
+     (2, "none", "fp32", "pp")],
+)  # fmt: skip
 def test_a_training_steps_context_bytes_are_the_plans(
-    cp: int, checkpointing: str, precision: str
+    cp: int, checkpointing: str, precision: str, other: str
 ) -> None:
     for rank, (predicted, counts) in enumerate(get_pool(4).run(measure_step, cp, checkpointing,
-                                                              precision)):  # fmt: skip
+                                                              precision, other)):  # fmt: skip
         measured = _measured(counts)
         assert predicted["forward: keys"] > 0
         assert measured == {
