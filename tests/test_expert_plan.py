@@ -130,13 +130,11 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
         (_Tiny(_Experts()), {"ep": 2}, {r".*gate_up_proj": mt.P("ep", None, None), ".*": mt.P()},
          {}, ["down_proj", "split alike"]),
         (_Tiny(_OddForward()), {"ep": 2}, RULES, {}, ["layers.0.experts", "_OddForward", "forward"]),
-        (_Tiny(_Experts()), {"ep": 2, "tp": 2},
-         {"proj.weight": mt.P("tp", None), **RULES}, {}, ["tensor parallelism over 'tp'"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": True}, ["compile=True"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"zero": 0}, ["zero=0"]),
         (_Tiny(_Experts()), {"rep": 2, "dp": 2, "ep": 2}, RULES, {"fsdp": ("rep", "dp")}, ["HSDP"]),
     ],
-    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "tp", "compile", "zero0",
+    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "compile", "zero0",
          "hsdp"],
 )  # fmt: skip
 def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options, names) -> None:  # type: ignore[no-untyped-def]

@@ -50,6 +50,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.errors import PlanError, format_shape
+from meshtrain.plan.abstract_experts import dense_forward
+from meshtrain.plan.experts import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim_of
 
@@ -85,10 +87,12 @@ def prove_plan(
     tp_size: int,
     sequence_parallel: bool,
     blocks: Sequence[str] = (),
+    unproven: str = "refuse",
 ) -> tuple[tuple[PartialGrad, ...], tuple[str, ...]]:
     """Run the abstract rank (see module doc): the partial gradients the lowering must reduce,
-    and notes (why nothing was proven, when the model's forward cannot run on fake tokens).
-    Raises :class:`~meshtrain.PlanError` for a module that would compute the wrong shard."""
+    and notes. Raises :class:`~meshtrain.PlanError` for a module that would compute the wrong
+    shard, and when the model's forward cannot run on fake tokens (nothing proven, and partial
+    gradients would go unreduced) unless ``unproven="note"`` (then a note says so)."""
     if tp_axis is None or tp_size == 1 or not styles:
         return (), ()
     key = (
@@ -99,7 +103,17 @@ def prove_plan(
     known = _PROVEN.setdefault(model, {})
     if key not in known:
         known[key] = _prove(model, params, styles, tp_axis, tp_size, sequence_parallel, blocks)
-    return known[key]
+    partial_grads, notes = known[key]
+    if notes and unproven == "refuse":
+        raise PlanError(
+            f"this tensor-parallel plan over '{tp_axis}' cannot be proven while planning: "
+            f"{notes[0].removeprefix('shards not proven at plan time: ')}. Without the proof, "
+            "replicated parameters computing on activations sharded over the axis (per-head "
+            "norms) would train with unreduced partial gradients. Make the module run on fake "
+            "tensors, drop tensor parallelism (tp=None), or plan with unproven_shards='note' "
+            "to train unproven.",
+        )
+    return partial_grads, notes
 
 
 #: model → proven results per plan layout, freed with the model (planning one model many ways,
@@ -127,7 +141,7 @@ def _prove(
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as fake, torch.no_grad():
             state = prover.fake_state()
-            tokens = torch.zeros(batch, seq, dtype=torch.long)
+            tokens = _probe_input(model, batch, seq)
             with prover:
                 torch.func.functional_call(model, state, (tokens,), _extra_inputs(model, tokens))
             del fake
@@ -139,7 +153,7 @@ def _prove(
         first = str(error).splitlines()[0] if str(error) else ""
         return (), (
             f"shards not proven at plan time: the abstract forward on a fake [{batch}, {seq}] token "
-            f"batch failed ({type(error).__name__}: {first[:200]})",
+            f"batch failed in {prover._where()} ({type(error).__name__}: {first[:200]})",
         )
     finally:
         quiet_log.disabled = was_disabled
@@ -176,6 +190,17 @@ def probe_batch(model: nn.Module, seq: int) -> int:
     """
     sizes = {n for t in (*model.parameters(), *model.buffers()) for n in t.shape} | {seq}
     return next(n for n in range(3, 1 << 12, 2) if n not in sizes)
+
+
+def _probe_input(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
+    """``[batch, seq]`` token ids, or a vision model's ``[batch, channels, size, size]`` images
+    (a transformers model whose forward takes ``pixel_values`` first, sized by its config)."""
+    config = getattr(model, "config", None)
+    first = next(iter(inspect.signature(model.forward).parameters), "")
+    size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
+    if first == "pixel_values" and isinstance(size, int) and isinstance(channels, int):
+        return torch.zeros(batch, channels, size, size)
+    return torch.zeros(batch, seq, dtype=torch.long)
 
 
 def _extra_inputs(model: nn.Module, tokens: torch.Tensor) -> dict[str, Any]:
@@ -274,6 +299,14 @@ class _Prover(TorchDispatchMode):
             module = self.model.get_submodule(fqn) if fqn else self.model
             if style.style in _LEAF_STYLES and "forward" not in vars(module):
                 module.forward = self._on_whole(module.forward, module, fqn)
+                self._patched.append(module)
+        for fqn, module in self.model.named_modules():
+            if (
+                is_experts_module(module)
+                and fqn not in self.styles
+                and "forward" not in vars(module)
+            ):
+                module.forward = dense_forward(module)  # routing's shapes are data-dependent
                 self._patched.append(module)
         self._skip_repeated([fqn for fqn in blocks if fqn not in self.styles])
         return handles
@@ -386,6 +419,8 @@ class _Prover(TorchDispatchMode):
     # -- every aten op --------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is _aten.bincount.default:
+            return _counts(*args, **kwargs)
         if self.quiet:
             return func(*args, **kwargs)
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -602,6 +637,19 @@ def _scaled_sizes(args: tuple[Any, ...], ways: int, cut: set[int]) -> list[tuple
                     (first if size in cut else then).append(
                         (*args[:index], scaled, *args[index + 1:]))  # fmt: skip
     return first + then
+
+
+def _counts(ids: torch.Tensor, weights: torch.Tensor | None = None,
+            minlength: int = 0) -> torch.Tensor:  # fmt: skip
+    """``bincount(ids, minlength=n)``'s shape for ids below ``n`` (a router's tokens per expert),
+    which fake tensors cannot know from the ids' values; without ``minlength``, unknowable."""
+    if minlength < 1:
+        raise RuntimeError(
+            f"bincount without minlength on {format_shape(tuple(ids.shape))} ids has "
+            "a data-dependent size the abstract run cannot know. Pass minlength."
+        )
+    dtype = torch.long if weights is None else weights.dtype
+    return torch.zeros(minlength, dtype=dtype, device=ids.device)
 
 
 def _gathered(prover: _Prover, x: torch.Tensor) -> torch.Tensor:

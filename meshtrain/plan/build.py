@@ -218,7 +218,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     partial_grads, unproven = prove_plan(
         model, layouts, styles, tp_axis=tp_axis, blocks=blocks,
         tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
-        sequence_parallel=sequence_parallel,
+        sequence_parallel=sequence_parallel, unproven=options.unproven_shards,
     )  # fmt: skip
     notes += unproven
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,

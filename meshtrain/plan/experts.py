@@ -81,7 +81,7 @@ def plan_experts(
     """The experts modules the specs shard over ``expert_axis``, checked: every parameter on
     that axis belongs to an experts module with the known forward, shards its experts dim (dim 0)
     and nothing else, over a divisor of ``num_experts``; the axes around it lower (one data axis
-    at most, no tensor-parallel axis, no compile, ZeRO 1 to 3). Raises :class:`PlanError` naming the module
+    at most, no compile, ZeRO 1 to 3; a tensor-parallel axis only outside the experts). Raises :class:`PlanError` naming the module
     or parameter and the fix."""
     mesh = resolution.mesh
     modules = dict(model.named_modules())
@@ -146,9 +146,10 @@ def _check_combination(
     axis: str, mesh: Mesh, data_axes: Sequence[str], tp_axis: str | None, options: PlanOptions
 ) -> None:
     """The combinations expert parallelism lowers with: data parallelism over one axis,
-    FSDP2's ZeRO 1 to 3, checkpointing, mixed precision and pipelines (each stage dispatches its
-    own layers' tokens over the expert ranks of its pipeline rank); no tensor parallelism or
-    compile yet."""
+    FSDP2's ZeRO 1 to 3, checkpointing, mixed precision, pipelines (each stage dispatches its
+    own layers' tokens over the expert ranks of its pipeline rank) and tensor parallelism on
+    another axis for the layers outside the experts (the ranks of one tensor-parallel index
+    dispatch among themselves; the experts stay whole over it); no compile yet."""
     if options.compile:
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with compile=True is not "
@@ -161,13 +162,6 @@ def _check_combination(
             f"expert parallelism over '{axis}' on mesh {mesh} with zero=0 is not supported: "
             "the experts are data-parallel under FSDP2 over the data ranks outside the expert "
             "axis. Use zero=1, 2 or 3.",
-            mesh=mesh,
-        )
-    if tp_axis is not None:
-        raise PlanError(
-            f"expert parallelism over '{axis}' with tensor parallelism over '{tp_axis}' on mesh "
-            f"{mesh} is not supported yet. Use '{tp_axis}' as another data axis "
-            f"(fsdp='{tp_axis}'), or drop the expert specs over '{axis}'.",
             mesh=mesh,
         )
     if len([a for a in data_axes if mesh.size(a) > 1]) > 1:

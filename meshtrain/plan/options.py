@@ -104,6 +104,8 @@ GradReduction = Literal["mean", "sum"]
 ContextBalance = Literal["headtail", "contiguous"]
 #: how its attention meets the other ranks' keys and values (circulated, or gathered at once)
 ContextMethod = Literal["ring", "allgather"]
+#: what a tensor-parallel plan does when the plan-time shard proof cannot run the model
+UnprovenShards = Literal["refuse", "note"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -134,6 +136,12 @@ class PlanOptions:
     ``context_balance`` and ``context_method``: under context parallelism (an activation rule
     ``("seq", "cp")``), which chunks of each sequence a rank holds and how its attention meets
     the other ranks' keys and values (see :mod:`meshtrain.plan.context`).
+
+    ``unproven_shards``: a tensor-parallel plan is proven while planning by running the model on
+    fake tensors (:mod:`meshtrain.plan.abstract`), which also finds the replicated parameters
+    whose gradients are partial sums over the tensor-parallel axis. When that run fails on the
+    model's own code, ``"refuse"`` (default) raises a PlanError naming the failure; ``"note"``
+    plans anyway with a note, and any such partial gradient then trains unreduced (wrong).
     """
 
     zero: int = 3
@@ -158,6 +166,7 @@ class PlanOptions:
     grad_reduction: GradReduction = "mean"
     context_balance: ContextBalance = "headtail"
     context_method: ContextMethod = "ring"
+    unproven_shards: UnprovenShards = "refuse"
 
     def __post_init__(self) -> None:
         if self.fsdp_units is not None and not isinstance(self.fsdp_units, tuple):
@@ -182,6 +191,10 @@ class PlanOptions:
                 "divided by the global token count)."
             )
         _check_context_options(self.context_balance, self.context_method)
+        if self.unproven_shards not in ("refuse", "note"):
+            raise PlanError(f"unproven_shards={self.unproven_shards!r} is not one of 'refuse' "
+                            "(default) or 'note' (plan a tensor-parallel plan the abstract run "
+                            "cannot prove, with a note).")  # fmt: skip
         if self.optimizer not in _OPTIMIZER_STATES:
             raise PlanError(
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
@@ -294,6 +307,8 @@ class PlanOptions:
                                 "split": split if isinstance(split, str) else list(split)}  # fmt: skip
         if self.fsdp_units is not None:
             data["fsdp_units"] = list(self.fsdp_units)
+        if self.unproven_shards == "refuse":  # the default: plans' JSON as before it existed
+            del data["unproven_shards"]
         return data
 
     @classmethod
