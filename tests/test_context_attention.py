@@ -5,6 +5,7 @@ SDPA call on the whole sequence, within the contract of ``tests/context_referenc
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ from context_reference import (
 from hypothesis import given
 from hypothesis import strategies as st
 
+import meshtrain.lower.attention_blocks as attention_blocks
 from meshtrain.errors import PlanError
 from meshtrain.lower.attention_blocks import (
     KVBlock,
+    Tile,
     Visibility,
     blockwise_attention,
     merge,
@@ -196,6 +199,69 @@ def test_blockwise_attention_equals_one_sdpa_forward_and_backward(case: dict) ->
     mags, logit_bound = magnitudes(q, k, v, grad, mask, d**-0.5)
     tol = {n: tolerance(m, seq, d, logit_bound, len(blocks)) for n, m in mags.items()}
     _check_within_contract(ours, ref, tol, case["dtype"] == torch.bfloat16)
+
+
+@given(problems(), st.integers(1, 6), st.integers(1, 6))
+def test_tiled_attention_equals_one_sdpa_with_a_merge_per_key_tile(
+    case: dict, rows: int, cols: int
+) -> None:
+    """Blocks spanning several tiles (fully masked ones skipped, partly masked ones merged):
+    the same contract, each key tile of a block one merge more."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    b, (hq, hkv), d, seq = case["batch"], case["heads"], case["dim"], case["seq"]
+    qpos, kpos = torch.arange(seq), torch.randperm(seq, generator=gen)
+    docs = torch.randint(0, 3, (b, seq), generator=gen).sort().values if case["documents"] else None
+    q = torch.randn(b, hq, seq, d, generator=gen, dtype=torch.float64) * case["logit_scale"]
+    k, v, grad = (torch.randn(b, n, seq, d, generator=gen, dtype=torch.float64)
+                  for n in (hkv, hkv, hq))  # fmt: skip
+    q, k, v = (t.float().requires_grad_() for t in (q, k, v))
+    cuts = torch.linspace(0, seq, case["blocks"] + 1).long().tolist()
+    pieces = [slice(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+    dk = None if docs is None else docs[:, kpos]
+    blocks = [KVBlock(k[:, :, s], v[:, :, s], kpos[s], None if dk is None else dk[:, s])
+              for s in pieces]  # fmt: skip
+    out = blockwise_attention(q, blocks, positions_q=qpos, documents_q=docs,
+                              causal=case["causal"], window=case["window"], tile=Tile(rows, cols))  # fmt: skip
+    ours = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad.float()),
+                    strict=True)) | {"out": out.detach()}  # fmt: skip
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    mask = reference_mask(qpos, kpos, b, case["causal"], case["window"], docs, dk)
+    ref_out = reference_attention(q64, k64, v64, mask, None)
+    ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (q64, k64, v64), grad),
+                   strict=True)) | {"out": ref_out.detach()}  # fmt: skip
+    merges = sum(-(-(s.stop - s.start) // cols) for s in pieces)
+    mags, logit_bound = magnitudes(q, k, v, grad, mask, d**-0.5)
+    tol = {n: tolerance(m, seq, d, logit_bound, merges) for n, m in mags.items()}
+    _check_within_contract(ours, ref, tol, bf16=False)
+
+
+def test_scores_live_one_tile_at_a_time_and_masked_tiles_are_skipped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """S_local = 40 in 16 x 8 tiles, causal: the largest score tensor is [B, Hkv, G, 16, 8], and
+    of the 3 x 5 tiles the 4 strictly above the diagonal (keys all after the queries) are never
+    computed, forward or backward."""
+    shapes: list[tuple[int, ...]] = []
+    original = attention_blocks._probabilities
+
+    def recorded(q5: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        p, lse = original(q5, *args)  # type: ignore[arg-type]
+        shapes.append(tuple(p.shape))
+        return p, lse
+
+    monkeypatch.setattr(attention_blocks, "_probabilities", recorded)
+    q = torch.randn(1, 4, 40, 8, requires_grad=True)
+    kv = torch.randn(1, 2, 40, 8, requires_grad=True)
+    pos = torch.arange(40)
+    out = blockwise_attention(q, [KVBlock(kv, kv, pos)], positions_q=pos, tile=Tile(16, 8))
+    out.sum().backward()
+    assert max(math.prod(s) for s in shapes) == 1 * 2 * 2 * 16 * 8
+    assert len(shapes) == 2 * (15 - 4)
+
+
+def test_a_tile_side_below_one_is_refused() -> None:
+    with pytest.raises(PlanError, match=r"attention tile 0 x 512"):
+        Tile(0, 512)
 
 
 def test_rows_that_see_nothing_are_zero_with_zero_gradients() -> None:

@@ -32,6 +32,14 @@ class Case:
     dtype: torch.dtype = torch.float32
     logit_scale: float = 1.0
     strided: bool = False  # cp groups {r, r + world/cp, ...} instead of consecutive ranks
+    tile: tuple[int, int] | None = None  # the kernel's tile (query rows, key columns)
+
+    @property
+    def merges(self) -> int:
+        """Tiles merged into a row: every rank's block, in key tiles of the kernel."""
+        if self.tile is None:
+            return self.cp
+        return self.cp * -(-(SEQ // self.cp) // self.tile[1])
 
 
 def inputs(case: Case) -> dict[str, torch.Tensor]:
@@ -71,6 +79,7 @@ def run_case(case: Case) -> dict[str, Any]:
     import torch.distributed as dist
 
     from meshtrain import make_mesh
+    from meshtrain.lower.attention_blocks import DEFAULT_TILE, Tile
     from meshtrain.lower.ring_attention import context_attention, count_bytes
     from meshtrain.testing.comms import CollectiveCounter
 
@@ -98,6 +107,7 @@ def run_case(case: Case) -> dict[str, Any]:
             causal=case.causal, window=case.window,
             documents=share(whole["documents"], 1) if case.documents else None,
             method=case.method,  # type: ignore[arg-type]
+            tile=DEFAULT_TILE if case.tile is None else Tile(*case.tile),
         )  # fmt: skip
         out.backward(share(whole["grad"]))
     return {
@@ -162,6 +172,7 @@ CASES = {
     "cp4-headtail-bidirectional-documents": Case(4, 4, causal=False, documents=True),
     "cp4-allgather-contiguous-documents": Case(4, 4, "contiguous", method="allgather", documents=True),
     "cp2-of-4-ranks-strided-headtail": Case(4, 2, strided=True, window=6),
+    "cp2-headtail-window-documents-tiles-3x2": Case(2, 2, window=5, documents=True, tile=(3, 2)),
 }  # fmt: skip
 
 
@@ -187,7 +198,7 @@ def _reference(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Ten
     mags, logit_bound = magnitudes(
         whole["q"], whole["k"], whole["v"], whole["grad"], mask, DIM**-0.5
     )
-    tol = {n: tolerance(m, SEQ, DIM, logit_bound, case.cp) for n, m in mags.items()}
+    tol = {n: tolerance(m, SEQ, DIM, logit_bound, case.merges) for n, m in mags.items()}
     if case.dtype == torch.bfloat16:
         tol = {n: t * (1 + U_BF16) + U_BF16 * ref[n].abs() for n, t in tol.items()}
     return ref, tol

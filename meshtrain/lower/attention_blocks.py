@@ -22,15 +22,23 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from meshtrain.errors import PlanError
+from meshtrain.plan.context_cost import TILE_K, TILE_Q
+
 __all__ = [
+    "DEFAULT_TILE",
+    "BlockMask",
     "KVBlock",
+    "Mask",
+    "Tile",
     "Visibility",
+    "attend",
     "block_backward",
     "block_forward",
     "blockwise_attention",
@@ -95,6 +103,60 @@ def visible(
     return mask
 
 
+@dataclass(frozen=True)
+class Tile:
+    """The query rows and key columns of one tile: a block's scores are computed ``q x k`` at a
+    time, so a rank holds ``[B, Hq, q, k]`` fp32 scores at once, whatever the block's length.
+
+    Example:
+        >>> Tile(256, 1024).k
+        1024
+    """
+
+    q: int = TILE_Q
+    k: int = TILE_K
+
+    def __post_init__(self) -> None:
+        if self.q < 1 or self.k < 1:
+            raise PlanError(f"attention tile {self.q} x {self.k}: both sides must be >= 1.")
+
+
+DEFAULT_TILE = Tile()
+
+
+@dataclass(frozen=True)
+class BlockMask:
+    """Who sees whom between a rank's queries and one block of keys, built tile by tile
+    (:meth:`tile`) rather than as a whole ``[B, Sq, Sk]`` mask.
+
+    Example:
+        >>> pos = torch.arange(4)
+        >>> BlockMask(pos, pos, Visibility()).tile(slice(2, 4), slice(0, 2)).int().tolist()
+        [[[1, 1], [1, 1]]]
+    """
+
+    positions_q: torch.Tensor
+    positions_kv: torch.Tensor
+    rule: Visibility
+    documents_q: torch.Tensor | None = None
+    documents_kv: torch.Tensor | None = None
+
+    def tile(self, rows: slice, cols: slice) -> torch.Tensor:
+        """The mask ``[B or 1, rows, cols]`` of one tile (:func:`visible`)."""
+        dq, dk = self.documents_q, self.documents_kv
+        return visible(
+            self.positions_q[rows],
+            self.positions_kv[cols],
+            self.rule,
+            None if dq is None else dq[:, rows],
+            None if dk is None else dk[:, cols],
+        )
+
+
+#: a block's visibility: a whole boolean ``[B or 1, Sq, Sk]`` mask, or built tile by tile
+Mask = torch.Tensor | BlockMask
+
+
 def _acc(t: torch.Tensor) -> torch.Tensor:
     """``t`` in its accumulation dtype: fp32, or fp64 for fp64 inputs."""
     return t.to(torch.promote_types(t.dtype, torch.float32))
@@ -109,7 +171,7 @@ def _grouped(q: torch.Tensor, heads_kv: int) -> torch.Tensor:
 def _probabilities(
     q5: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float, lse: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked, scaled scores' softmax against ``lse`` (this block's own when None), and the
+    """Masked, scaled scores' softmax against ``lse`` (this tile's own when None), and the
     log-sum-exp used; masked entries are exactly zero, rows that see nothing all zero."""
     scores = (q5 @ _acc(k)[:, :, None].transpose(-1, -2)) * scale
     scores = scores.masked_fill(~mask[:, None, None], -math.inf)
@@ -119,9 +181,48 @@ def _probabilities(
     return torch.exp(scores - finite[..., None]), lse
 
 
+def _tiles(
+    mask: Mask, rows: int, cols: int, tile: Tile
+) -> Iterator[tuple[slice, slice, torch.Tensor]]:
+    """Every ``tile.q x tile.k`` tile of a block that some query sees: its query rows, key
+    columns and mask ``[B or 1, tq, tk]`` (fully masked tiles skipped, never built whole)."""
+    for r in range(0, rows, tile.q):
+        for c in range(0, cols, tile.k):
+            rs, cs = slice(r, min(r + tile.q, rows)), slice(c, min(c + tile.k, cols))
+            part = mask.tile(rs, cs) if isinstance(mask, BlockMask) else mask[:, rs, cs]
+            if bool(part.any()):
+                yield rs, cs, part
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
+    out: torch.Tensor, lse: torch.Tensor, tile: Tile = DEFAULT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``out`` and ``lse`` (the running merge, fp32 ``[B, Hq, Sq, D]`` and ``[B, Hq, Sq]``)
+    with one block's keys merged in, tile by tile: each tile's attention and log-sum-exp
+    (online softmax, :func:`merge`) so only ``[B, Hq, tile.q, tile.k]`` scores live at once.
+
+    Example:
+        >>> x = torch.zeros(1, 1, 4, 3)
+        >>> out, lse = torch.zeros(1, 1, 4, 3), torch.full((1, 1, 4), -math.inf)
+        >>> mask = torch.ones(1, 4, 4, dtype=torch.bool)
+        >>> out, lse = attend(x, x, x, mask, 1.0, out, lse, Tile(2, 2))
+        >>> round(lse[0, 0, 0].item(), 4)  # log(4): four equal scores, two tiles merged
+        1.3863
+    """
+    q5 = _grouped(_acc(q), k.shape[1])
+    out5, lse5 = _grouped(out, k.shape[1]), _grouped(lse[..., None], k.shape[1])[..., 0]
+    for rs, cs, part in _tiles(mask, q.shape[2], k.shape[2], tile):
+        p, tile_lse = _probabilities(q5[..., rs, :], k[:, :, cs], part, scale, None)
+        tile_out = p @ _acc(v[:, :, cs])[:, :, None]
+        out5[..., rs, :], lse5[..., rs] = merge(out5[..., rs, :], lse5[..., rs], tile_out, tile_lse)
+    return out5.flatten(1, 2), lse5.flatten(1, 2)
+
+
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
+    tile: Tile = DEFAULT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One block's attention in fp32: the output ``[B, Hq, Sq, D]`` normalised over this block
     alone, and its log-sum-exp ``[B, Hq, Sq]`` (``-inf`` on rows that see none of it).
 
@@ -131,10 +232,9 @@ def block_forward(
         >>> round(lse[0, 0, 0].item(), 4)  # log(2): two equal scores
         0.6931
     """
-    q5 = _grouped(_acc(q), k.shape[1])
-    p, lse = _probabilities(q5, k, mask, scale, None)
-    out = p @ _acc(v)[:, :, None]
-    return out.flatten(1, 2), lse.flatten(1, 2)
+    out = torch.zeros_like(_acc(q))
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
+    return attend(q, k, v, mask, scale, out, lse, tile)
 
 
 def merge(
@@ -166,11 +266,12 @@ def block_backward(
     out: torch.Tensor,
     grad_out: torch.Tensor,
     lse: torch.Tensor,
-    mask: torch.Tensor,
+    mask: Mask,
     scale: float,
+    tile: Tile = DEFAULT_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block's share of dq and its dk, dv (fp32), recomputed from the final output and
-    log-sum-exp of every block merged (flash attention's backward).
+    """One block's share of dq and its dk, dv (fp32), recomputed tile by tile from the final
+    output and log-sum-exp of every block merged (flash attention's backward).
 
     Example:
         >>> x = torch.zeros(1, 1, 2, 3)
@@ -180,31 +281,34 @@ def block_backward(
         [2, 2, 2]
     """
     heads_kv = k.shape[1]
-    q5, out5 = _grouped(_acc(q), heads_kv), _grouped(_acc(out), heads_kv)
-    dout5 = _grouped(_acc(grad_out), heads_kv)
-    p, _ = _probabilities(q5, k, mask, scale, _grouped(lse[..., None], heads_kv)[..., 0])
+    q5, dout5 = _grouped(_acc(q), heads_kv), _grouped(_acc(grad_out), heads_kv)
+    lse5 = _grouped(lse[..., None], heads_kv)[..., 0]
+    delta = (dout5 * _grouped(_acc(out), heads_kv)).sum(-1, keepdim=True)
     k5, v5 = _acc(k)[:, :, None], _acc(v)[:, :, None]
-    grad_v = (p.transpose(-1, -2) @ dout5).sum(2)
-    delta = (dout5 * out5).sum(-1, keepdim=True)
-    grad_s = p * (dout5 @ v5.transpose(-1, -2) - delta) * scale
-    grad_q = (grad_s @ k5).flatten(1, 2)
-    grad_k = (grad_s.transpose(-1, -2) @ q5).sum(2)
-    return grad_q, grad_k, grad_v
+    grad_q = torch.zeros_like(q5)
+    grad_k, grad_v = torch.zeros_like(_acc(k)), torch.zeros_like(_acc(v))
+    for rs, cs, part in _tiles(mask, q.shape[2], k.shape[2], tile):
+        p, _ = _probabilities(q5[..., rs, :], k[:, :, cs], part, scale, lse5[..., rs])
+        dout = dout5[..., rs, :]
+        grad_v[:, :, cs] += (p.transpose(-1, -2) @ dout).sum(2)
+        grad_s = p * (dout @ v5[..., cs, :].transpose(-1, -2) - delta[..., rs, :]) * scale
+        grad_q[..., rs, :] += grad_s @ k5[..., cs, :]
+        grad_k[:, :, cs] += (grad_s.transpose(-1, -2) @ q5[..., rs, :]).sum(2)
+    return grad_q.flatten(1, 2), grad_k, grad_v
 
 
 class _Blockwise(torch.autograd.Function):
     """Attention over a list of blocks in one process, saving only q, the blocks, out and lse."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, masks: list[torch.Tensor], scale: float,
+    def forward(ctx: Any, q: torch.Tensor, masks: list[BlockMask], scale: float, tile: Tile,
                 *kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
         out = torch.zeros_like(_acc(q))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
         for i, mask in enumerate(masks):
-            if bool(mask.any()):
-                out, lse = merge(out, lse, *block_forward(q, kv[2 * i], kv[2 * i + 1], mask, scale))
+            out, lse = attend(q, kv[2 * i], kv[2 * i + 1], mask, scale, out, lse, tile)
         ctx.save_for_backward(q, out, lse, *kv)
-        ctx.masks, ctx.scale = masks, scale
+        ctx.masks, ctx.scale, ctx.tile = masks, scale, tile
         return out.to(q.dtype)
 
     @staticmethod
@@ -214,13 +318,10 @@ class _Blockwise(torch.autograd.Function):
         grads: list[torch.Tensor] = []
         for i, mask in enumerate(ctx.masks):
             k, v = kv[2 * i], kv[2 * i + 1]
-            if not bool(mask.any()):
-                grads += [torch.zeros_like(k), torch.zeros_like(v)]
-                continue
-            dq, dk, dv = block_backward(q, k, v, out, grad_out, lse, mask, ctx.scale)
+            dq, dk, dv = block_backward(q, k, v, out, grad_out, lse, mask, ctx.scale, ctx.tile)
             grad_q += dq
             grads += [dk.to(k.dtype), dv.to(v.dtype)]
-        return (grad_q.to(q.dtype), None, None, *grads)
+        return (grad_q.to(q.dtype), None, None, None, *grads)
 
 
 def blockwise_attention(
@@ -232,10 +333,11 @@ def blockwise_attention(
     causal: bool = True,
     window: int | None = None,
     scale: float | None = None,
+    tile: Tile = DEFAULT_TILE,
 ) -> torch.Tensor:
-    """Exact attention of ``q`` over every block, merged block by block (no communication);
+    """Exact attention of ``q`` over every block, merged tile by tile (no communication);
     differentiable with respect to ``q`` and each block's ``k`` and ``v``, the backward
-    recomputing each block's probabilities. Fully masked blocks are skipped.
+    recomputing each tile's probabilities. Fully masked tiles are skipped.
 
     Example:
         >>> q = torch.randn(1, 2, 4, 8)
@@ -249,6 +351,9 @@ def blockwise_attention(
     rule = Visibility(causal, window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     positions_q = positions_q.to(q.device)
-    masks = [visible(positions_q, b.positions, rule, documents_q, b.documents) for b in blocks]
+    masks = [
+        BlockMask(positions_q, b.positions.to(q.device), rule, documents_q, b.documents)
+        for b in blocks
+    ]
     kv = [t for b in blocks for t in (b.k, b.v)]
-    return _Blockwise.apply(q, masks, scale, *kv)
+    return _Blockwise.apply(q, masks, scale, tile, *kv)

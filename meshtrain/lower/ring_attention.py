@@ -149,9 +149,9 @@ class _Layout:
     documents_q: torch.Tensor | None
     rule: Visibility
 
-    def mask(self, source: int) -> torch.Tensor:
+    def mask(self, source: int) -> blocks.BlockMask:
         documents = None if self.documents_kv is None else self.documents_kv[source]
-        return blocks.visible(
+        return blocks.BlockMask(
             self.positions_q, self.positions_kv[source], self.rule, self.documents_q, documents
         )
 
@@ -179,7 +179,8 @@ class _Ring(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: ProcessGroup, layout: _Layout, scale: float) -> torch.Tensor:  # fmt: skip
+                group: ProcessGroup, layout: _Layout, scale: float,
+                tile: blocks.Tile) -> torch.Tensor:  # fmt: skip
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         out = torch.zeros_like(blocks._acc(q))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
@@ -187,14 +188,11 @@ class _Ring(torch.autograd.Function):
         for step in range(cp):
             works, arriving = _exchange(kv, group, "forward/kv") if step < cp - 1 else (None, kv)
             mask = layout.mask(_source(rank, step, cp))
-            if bool(mask.any()):
-                out, lse = blocks.merge(
-                    out, lse, *blocks.block_forward(q, kv[0], kv[1], mask, scale)
-                )
+            out, lse = blocks.attend(q, kv[0], kv[1], mask, scale, out, lse, tile)
             _wait(works)
             kv = arriving
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.layout, ctx.scale = group, layout, scale
+        ctx.group, ctx.layout, ctx.scale, ctx.tile = group, layout, scale, tile
         return out.to(q.dtype)
 
     @staticmethod
@@ -206,12 +204,12 @@ class _Ring(torch.autograd.Function):
         kv, travelling = torch.stack([k, v]), None
         for step in range(cp):
             works, arriving = _exchange(kv, group, "backward/kv") if step < cp - 1 else (None, kv)
-            grad_kv = torch.zeros((2, *k.shape), dtype=out.dtype, device=k.device)
             mask = layout.mask(_source(rank, step, cp))
-            if bool(mask.any()):
-                dq, dk, dv = blocks.block_backward(q, kv[0], kv[1], out, grad_out, lse, mask, scale)
-                grad_q += dq
-                grad_kv = torch.stack([dk, dv])
+            dq, dk, dv = blocks.block_backward(
+                q, kv[0], kv[1], out, grad_out, lse, mask, scale, ctx.tile
+            )
+            grad_q += dq
+            grad_kv = torch.stack([dk, dv])
             if travelling is not None:
                 grad_kv += travelling
             if cp > 1:  # the block's dk, dv go on with it; the last hop brings them home
@@ -226,6 +224,7 @@ class _Ring(torch.autograd.Function):
             grad_q.to(q.dtype),
             travelling[0].to(k.dtype),
             travelling[1].to(v.dtype),
+            None,
             None,
             None,
             None,
@@ -333,13 +332,15 @@ def context_attention(
     documents_kv: torch.Tensor | None = None,
     scale: float | None = None,
     method: Method = "ring",
+    tile: blocks.Tile = blocks.DEFAULT_TILE,
 ) -> torch.Tensor:
     """This rank's queries' attention over the keys and values of every rank of ``group``,
     equal to one device's attention on the whole sequence (``[B, Hq, S_local, D]``, q's dtype,
     computed in fp32). ``positions_q``: the true positions of this rank's tokens (the keys and
     values share them unless ``positions_kv`` is given); ``documents``: ``[B, S_local]`` document
     ids of packed sequences (``documents_kv`` for keys when they are other tokens); ``window``:
-    a sliding window (``p - window < s <= p``). Every rank of ``group`` must call it alike.
+    a sliding window (``p - window < s <= p``); ``tile``: the ring computes each block's
+    scores ``tile.q x tile.k`` at a time. Every rank of ``group`` must call it alike.
 
     Example (on every rank; ``x`` is ``[B, H, S, D]`` on every rank)::
 
@@ -372,4 +373,4 @@ def context_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if method == "allgather":
         return _allgather(q, k, v, group, layout, scale)
-    return _Ring.apply(q, k, v, group, layout, scale)
+    return _Ring.apply(q, k, v, group, layout, scale, tile)

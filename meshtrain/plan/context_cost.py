@@ -64,6 +64,8 @@ from meshtrain.spec.mesh import Mesh
 INDEX_BYTES = 8
 #: bytes of an element in the ring's accumulation dtype (its output, lse and gradients: fp32)
 ACC_BYTES = 4
+#: query rows and key columns of one tile of the ring's kernel (``attention_blocks.Tile``)
+TILE_Q = TILE_K = 512
 
 
 def local_seq_len(seq_len: int | None, cp: int) -> int | None:
