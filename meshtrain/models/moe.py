@@ -31,10 +31,13 @@ Balancing (``MoEConfig.balance``):
 Under data or expert parallelism each rank routes its own share of the batch, while one device
 computes the balance statistics over the whole batch. ``mt.apply`` installs a count reducer
 (:data:`~meshtrain.models.moe_experts.CountReducer`, summing over the plan's token ranks) on
-every MoE layer, and all three statistics use it: the balance loss's token fractions (one
-all-reduce of ``experts + 2`` integers per layer and forward, only while the loss trains; see
-:func:`load_balance_loss` for why the gradient is then one device's), the loss-free bias update's
-counts, and :func:`moe_stats`. Without a reducer (one process) everything is local.
+every MoE layer, and its router sums each forward's counts with it (one all-reduce of
+``experts + 2`` integers per layer and forward; none again when activation checkpointing
+recomputes the forward): the routers' count buffers (``tokens_per_expert``, ``pending_tokens``)
+then hold the whole batch's counts, equal to one device's, and the balance loss's token
+fractions (see :func:`load_balance_loss` for why the gradient is then one device's), the
+loss-free bias update and :func:`moe_stats` read them. Without a reducer (one process)
+everything is local.
 
 Example:
     >>> model = build_moe(MoEConfig.debug(), seed=0)
@@ -76,6 +79,7 @@ from meshtrain.models.moe_experts import (
     GroupedExperts,
     Router,
     load_balance_loss,
+    recomputing,
 )
 from meshtrain.spec.logical import annotate
 
@@ -293,9 +297,10 @@ class MoEFeedForward(nn.Module):
         self.count_reducer: CountReducer | None = None
 
     def set_count_reducer(self, reducer: CountReducer | None) -> None:
-        """Sum the balance statistics over the ranks that split the batch with ``reducer``
-        (lowering installs it; ``None``: this process's tokens alone)."""
+        """Sum the balance statistics and the router's counts over the ranks that split the batch
+        with ``reducer`` (lowering installs it; ``None``: this process's tokens alone)."""
         self.count_reducer = reducer
+        self.router.count_reducer = reducer
 
     def forward(self, x: Tensor) -> Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -305,11 +310,15 @@ class MoEFeedForward(nn.Module):
             out = out + self.shared_expert(flat)
         train_aux = self.balance == "aux_loss" and torch.is_grad_enabled()
         reduce = self.count_reducer if train_aux else None
+        # the router's counts of this forward, already summed by the same reducer (a recomputed
+        # forward's are not kept: it reduces again, as the forward it repeats did)
+        summed = self.router.last_batch_counts if reduce is not None and not recomputing() else None
         with torch.set_grad_enabled(train_aux):
-            aux = load_balance_loss(scores, top_k_index, self.num_experts, reduce)
+            aux = load_balance_loss(scores, top_k_index, self.num_experts, reduce, summed=summed)
         self.last_aux_loss = aux
-        with torch.no_grad():
-            self.last_prob_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
+        if not recomputing():
+            with torch.no_grad():
+                self.last_prob_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
         weight = self.aux_loss_coef * self.aux_loss_scale
         if train_aux and aux.requires_grad and weight:
             out = _AuxLossGrad.apply(out, aux, weight)
@@ -441,19 +450,20 @@ class MoE(_Initialised):
             ffn.aux_loss_scale = float(scale)
 
     def expert_load(self) -> Tensor:
-        """Tokens this process routed to each expert since the last bias update,
-        ``[moe layers, experts]`` (int64, layers in :func:`moe_layers` order)."""
+        """Tokens routed to each expert since the last bias update, ``[moe layers, experts]``
+        (int64, layers in :func:`moe_layers` order): the whole batch's, summed over the ranks
+        that split it by the routers' count reducer (this process's without one)."""
         counts = [ffn.router.pending_tokens for ffn in moe_layers(self).values()]
         return torch.stack(counts) if counts else torch.zeros(0, self.config.n_experts)
 
     def update_expert_bias(self, global_counts: Tensor | None = None) -> None:
         """Loss-free balancing step after an optimizer step, from GLOBAL counts
-        ``[moe layers, experts]``: by default :meth:`expert_load` summed by the layers' count
-        reducer over every rank that routed part of the batch (a collective on those ranks when
-        lowering installed one), or the counts given; see :meth:`Router.update_bias`."""
+        ``[moe layers, experts]``: by default :meth:`expert_load` (already summed over every
+        rank that routed part of the batch when lowering installed a count reducer; no
+        collective here), or the counts given; see :meth:`Router.update_bias`."""
         layers = moe_layers(self)
         if global_counts is None:
-            global_counts = reduce_counts(self, self.expert_load())
+            global_counts = self.expert_load()
         if global_counts.shape != (len(layers), self.config.n_experts):
             raise PlanError(
                 f"update_expert_bias got counts of shape {tuple(global_counts.shape)}; this model "
@@ -553,10 +563,10 @@ def moe_stats(model: nn.Module) -> dict[str, Any]:
     tokens per expert (``moe/tokens_per_expert/<layer>``, a list) and the max/mean load ratio
     (``moe/load_ratio/<layer>``, 1.0 when balanced); overall the worst ratio
     (``moe/load_ratio``) and the balance loss summed over layers (``moe/balance_loss``, the
-    value :func:`load_balance_loss` gives on the whole batch under any ``balance``). Counts and
-    probabilities are summed by the layers' count reducer (:func:`reduce_counts`: one
-    collective over the ranks that split the batch, when lowering installed one; call it on
-    every one of them alike).
+    value :func:`load_balance_loss` gives on the whole batch under any ``balance``). The counts
+    are the routers' (already the whole batch's); the probabilities are summed by the layers'
+    count reducer (:func:`reduce_counts`: one collective over the ranks that split the batch,
+    when lowering installed one; call it on every one of them alike).
 
     Example:
         >>> model = build_moe(MoEConfig.debug())
@@ -569,13 +579,13 @@ def moe_stats(model: nn.Module) -> dict[str, Any]:
     for ffn in layers.values():
         counts = ffn.router.tokens_per_expert.detach().double()
         sums = ffn.last_prob_sums
-        sums = sums.detach().double() if sums is not None else torch.zeros_like(counts)
-        rows.append(torch.cat([counts, sums.to(counts.device)]))
+        rows.append(sums.detach().double().to(counts.device) if sums is not None
+                    else torch.zeros_like(counts))  # fmt: skip
     total = reduce_counts(model, torch.stack(rows)).cpu() if rows else torch.zeros(0, 0)
     stats: dict[str, Any] = {}
     ratios, losses = [], []
-    for (layer, ffn), row in zip(layers.items(), total):
-        counts, sums = row[: ffn.num_experts], row[ffn.num_experts :]
+    for (layer, ffn), sums in zip(layers.items(), total):
+        counts = ffn.router.tokens_per_expert.detach().double().cpu()
         tokens = float(counts.sum()) / ffn.router.top_k
         mean = float(counts.mean())
         ratio = float(counts.max()) / mean if mean > 0 else 0.0

@@ -44,8 +44,10 @@ __all__ = [
     "CountReducer",
     "GroupedExperts",
     "Router",
+    "batch_counts",
     "grouped_mm_supported",
     "load_balance_loss",
+    "recomputing",
 ]
 
 #: The expert kernels :class:`GroupedExperts` takes.
@@ -66,8 +68,12 @@ class Router(_Initialised):
     rank that routes the same tokens with the same weights picks the same experts.
 
     Counts of tokens per expert (``tokens_per_expert``: the last forward; ``pending_tokens``: every
-    forward since the last :meth:`update_bias`) are kept for statistics and balancing; a forward
-    re-run in backward (activation checkpointing) does not count twice. ``expert_bias``
+    forward since the last :meth:`update_bias`) are kept for statistics and balancing. They are the
+    whole batch's: with a ``count_reducer`` (a :data:`CountReducer`, set by the MoE layer's
+    ``set_count_reducer``, which lowering installs) each forward sums its counts over the ranks
+    that split the batch (one all-reduce of ``experts + 2`` integers, kept with the token and rank
+    numbers in ``last_batch_counts``), so every rank holds what one device holds. A forward re-run
+    in backward (activation checkpointing) neither counts nor reduces again. ``expert_bias``
     (``bias_balancing``) is created in fp32; keep it there (``model.to(torch.bfloat16)`` casts
     buffers too, and bf16 cannot resolve steps of 1e-3 around a bias of 1).
 
@@ -82,6 +88,8 @@ class Router(_Initialised):
     tokens_per_expert: Tensor
     pending_tokens: Tensor
     expert_bias: Tensor | None
+    count_reducer: CountReducer | None
+    last_batch_counts: Tensor | None
 
     def __init__(
         self,
@@ -108,6 +116,8 @@ class Router(_Initialised):
                              persistent=False)  # fmt: skip
         bias = torch.zeros(num_experts, dtype=torch.float32) if bias_balancing else None
         self.register_buffer("expert_bias", bias)  # in checkpoints: a run resumes its balance
+        self.count_reducer = None
+        self.last_batch_counts = None
 
     def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = F.linear(hidden, self.weight).float()
@@ -122,10 +132,12 @@ class Router(_Initialised):
 
     @torch.no_grad()
     def _count(self, top_k_index: Tensor) -> None:
-        counts = torch.bincount(top_k_index.flatten(), minlength=self.num_experts)
-        self.tokens_per_expert.copy_(counts)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-            self.pending_tokens.add_(counts)
+        if recomputing():  # counted (and reduced) by the forward it repeats
+            return
+        summed = batch_counts(top_k_index, self.num_experts, self.count_reducer)
+        self.last_batch_counts = summed
+        self.tokens_per_expert.copy_(summed[:-2])
+        self.pending_tokens.add_(summed[:-2])
 
     @torch.no_grad()
     def update_bias(self, global_counts: Tensor, update_rate: float) -> None:
@@ -168,8 +180,40 @@ class Router(_Initialised):
 CountReducer = Callable[[Tensor], Tensor]
 
 
+def recomputing() -> bool:
+    """Whether this forward is a recomputation inside backward (activation checkpointing reruns
+    the forward while autograd's engine runs a graph task; an ordinary forward runs outside one).
+
+    Example:
+        >>> recomputing()
+        False
+    """
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+def batch_counts(top_k_index: Tensor, num_experts: int, reduce: CountReducer | None) -> Tensor:
+    """``[experts + 2]`` int64: the tokens routed to each expert, the number of tokens and the
+    number of ranks (1 per process), summed by ``reduce`` over the ranks that split the batch
+    (one collective; without ``reduce``, this process's alone).
+
+    Example:
+        >>> batch_counts(torch.tensor([[0, 2], [2, 1]]), 3, None).tolist()
+        [1, 1, 2, 2, 1]
+        >>> batch_counts(torch.tensor([[0, 2], [2, 1]]), 3, lambda c: 2 * c).tolist()
+        [2, 2, 4, 4, 2]
+    """
+    counts = torch.bincount(top_k_index.flatten(), minlength=num_experts)
+    local = torch.cat([counts, counts.new_tensor([top_k_index.shape[0], 1])])
+    return reduce(local) if reduce is not None else local
+
+
 def load_balance_loss(
-    scores: Tensor, top_k_index: Tensor, num_experts: int, reduce: CountReducer | None = None
+    scores: Tensor,
+    top_k_index: Tensor,
+    num_experts: int,
+    reduce: CountReducer | None = None,
+    *,
+    summed: Tensor | None = None,
 ) -> Tensor:
     """Switch Transformer's balance loss for one layer, as transformers computes it for one:
     ``num_experts · Σₑ fₑ · Pₑ``, where ``fₑ`` is the fraction of tokens whose top-k includes
@@ -185,7 +229,9 @@ def load_balance_loss(
     loss on the whole batch, and since ``fₑᵍ`` is a constant, ``(1/R) Σᵣ ∂aᵣ/∂θ`` is its
     gradient: the data-parallel mean of each rank's gradient of its share is exactly one
     device's. With equal shares (``Tʳ = Tᵍ/R``) ``aᵣ = num_experts · Σₑ fₑᵍ · Pₑʳ``, the
-    global fractions against the local mean probabilities.
+    global fractions against the local mean probabilities. ``summed``: these indices'
+    :func:`batch_counts` already reduced (a router's ``last_batch_counts``), taken instead of
+    calling ``reduce`` again.
 
     Example:
         >>> scores = torch.full((4, 2), 0.5)
@@ -195,11 +241,12 @@ def load_balance_loss(
         1.0
     """
     probs = scores / scores.sum(-1, keepdim=True)
-    counts = torch.bincount(top_k_index.flatten(), minlength=num_experts)
-    if reduce is None:
+    if reduce is None and summed is None:
+        counts = torch.bincount(top_k_index.flatten(), minlength=num_experts)
         fraction = counts.to(probs.dtype) / top_k_index.shape[0]
         return num_experts * (fraction * probs.mean(0)).sum()
-    summed = reduce(torch.cat([counts, counts.new_tensor([top_k_index.shape[0], 1])]))
+    if summed is None:
+        summed = batch_counts(top_k_index, num_experts, reduce)
     tokens, ranks = summed[-2].to(probs.dtype), summed[-1].to(probs.dtype)
     fraction = summed[:-2].to(probs.dtype) / tokens
     return num_experts * (fraction * probs.sum(0)).sum() * (ranks / tokens)

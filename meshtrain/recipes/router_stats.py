@@ -1,13 +1,15 @@
 """Router statistics of a mixture-of-experts model, every step, for the metrics sinks.
 
 For each MoE layer of meshtrain's model (:func:`~meshtrain.models.moe.moe_layers`) the tokens its
-router sent to each expert in the step's last forward, summed over the batch ranks
-(``Plan.batch_axes``: the data axes and the expert axis), and its balance loss, averaged over
-them. The metrics are ``moe/tokens_per_expert/<layer>`` (the counts as one string, expert 0
-first: sinks record numbers and strings, and the console shows numbers only), ``moe/load_ratio`` (the busiest expert's tokens over the mean, the
-largest over layers: 1.0 is perfectly balanced) and ``moe/balance_loss`` (summed over layers).
-One all-reduce per step of ``layers × (experts + 1)`` floats, on every rank alike. A pipeline
-stage reports its own layers.
+router sent to each expert in the step's last forward over the whole batch (the routers' counts,
+already summed over the token ranks by the count reducer lowering installs) and the whole
+batch's balance loss, exactly as :func:`~meshtrain.models.moe.moe_stats` computes them (one
+all-reduce per step of ``layers × experts`` probability sums over the token ranks, on every rank
+alike; under any ``balance``). The metrics are ``moe/tokens_per_expert/<layer>`` (the counts as
+one string, expert 0 first: sinks record numbers and strings, and the console shows numbers
+only), ``moe/load_ratio`` (the busiest expert's tokens over the mean, the largest over layers:
+1.0 is perfectly balanced) and ``moe/balance_loss`` (summed over layers). A pipeline stage
+reports its own layers.
 
 Example:
     >>> import torch
@@ -24,50 +26,40 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshtrain.lower import PipelinedModel
-from meshtrain.models.moe import moe_layers
+from meshtrain.models.moe import moe_layers, moe_stats
 
 __all__ = ["router_metrics"]
 
 
 def router_metrics(
-    model: nn.Module | PipelinedModel, group: dist.ProcessGroup | None
+    model: nn.Module | PipelinedModel, group: dist.ProcessGroup | None = None
 ) -> Callable[[], dict[str, Any]] | None:
-    """A function returning the step's router metrics (module docstring), reduced over
-    ``group`` (the batch ranks; None: this process alone); None for a model without MoE layers.
-    ``model`` may be this rank's pipeline stages."""
+    """A function returning the step's router metrics (module docstring); None for a model
+    without MoE layers. ``model`` may be this rank's pipeline stages. The sums run over the
+    token ranks through the count reducer of the layers (``mt.apply`` installs it), so
+    ``group`` is not needed; it is accepted for callers that pass the batch ranks."""
+    del group  # the layers' count reducer spans the token ranks (context ranks included)
     modules = model.modules if isinstance(model, PipelinedModel) else [model]
-    layers = {name: ffn for module in modules for name, ffn in moe_layers(module).items()}
-    if not layers:
+    modules = [module for module in modules if moe_layers(module)]
+    if not modules:
         return None
 
     def collect() -> dict[str, Any]:
-        ffns = list(layers.values())
-        counts = torch.stack([ffn.router.tokens_per_expert.detach().float() for ffn in ffns])
-        losses = torch.stack([
-            ffn.last_aux_loss.detach().float().reshape(()) if ffn.last_aux_loss is not None
-            else counts.new_zeros(())
-            for ffn in ffns
-        ])  # fmt: skip
-        packed = torch.cat([counts.flatten(), losses.to(counts.device)])
-        ranks = 1
-        if group is not None:
-            dist.all_reduce(packed, group=group)
-            ranks = dist.get_world_size(group)
-        packed = packed.cpu()
-        total = packed[: counts.numel()].view_as(counts)
         stats: dict[str, Any] = {}
-        ratios = []
-        for name, row in zip(layers, total):
-            mean = float(row.mean())
-            ratios.append(float(row.max()) / mean if mean > 0 else 0.0)
-            stats[f"moe/tokens_per_expert/{name}"] = " ".join(str(round(n)) for n in row.tolist())
+        ratios, loss = [], 0.0
+        for module in modules:
+            found = moe_stats(module)
+            for name, value in found.items():
+                if name.startswith("moe/tokens_per_expert/"):
+                    stats[name] = " ".join(str(n) for n in value)
+            ratios.append(found["moe/load_ratio"])
+            loss += found["moe/balance_loss"]
         stats["moe/load_ratio"] = max(ratios)
-        stats["moe/balance_loss"] = float(packed[counts.numel() :].sum()) / ranks
+        stats["moe/balance_loss"] = loss
         return stats
 
     return collect
