@@ -193,13 +193,23 @@ def probe_batch(model: nn.Module, seq: int) -> int:
 
 
 def _probe_input(model: nn.Module, batch: int, seq: int) -> torch.Tensor:
-    """``[batch, seq]`` token ids, or a vision model's ``[batch, channels, size, size]`` images
-    (a transformers model whose forward takes ``pixel_values`` first, sized by its config)."""
+    """``[batch, seq]`` token ids; a vision model's ``[batch, channels, size, size]`` images (a
+    transformers model whose forward takes ``pixel_values`` first, sized by its config); a model
+    without embeddings, ``[batch, seq, features]`` activations for its first Linear.
+
+    Example:
+        >>> _probe_input(nn.Sequential(nn.Linear(4, 8)), 3, 6).shape
+        torch.Size([3, 6, 4])
+    """
     config = getattr(model, "config", None)
     first = next(iter(inspect.signature(model.forward).parameters), "")
     size, channels = getattr(config, "image_size", None), getattr(config, "num_channels", None)
     if first == "pixel_values" and isinstance(size, int) and isinstance(channels, int):
         return torch.zeros(batch, channels, size, size)
+    modules = list(model.modules())
+    linear = next((m for m in modules if isinstance(m, nn.Linear)), None)
+    if linear is not None and not any(isinstance(m, nn.Embedding) for m in modules):
+        return torch.zeros(batch, seq, linear.in_features)
     return torch.zeros(batch, seq, dtype=torch.long)
 
 
