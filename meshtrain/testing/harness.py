@@ -48,6 +48,7 @@ from meshtrain.testing.contract import UNIT_ROUNDOFF, Contract, contract_for
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.terms import SummedTerms, element_bound
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
+from meshtrain.train.balance import after_optimizer_step
 from meshtrain.train.batch import Batch as StepBatch
 from meshtrain.train.loss import LossFn, data_parallel_rank, summed_cross_entropy
 from meshtrain.train.offload import offload_states
@@ -502,6 +503,7 @@ class _Run:
                              note=f"plan finite={finite}, one device finite={ref_finite}")  # fmt: skip
             if ref_finite:
                 self.ref_optimizer.step()
+                after_optimizer_step(self.reference)  # as the train step: MoE bias balancing
             if self.ref_scaler is not None:
                 self.ref_scaler.update()
             self.ref_optimizer.zero_grad()
