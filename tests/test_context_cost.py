@@ -3,6 +3,8 @@ for context attention are the bytes its kernel sends on gloo ranks, exactly."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -11,6 +13,8 @@ from meshtrain import Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan.activations import AttentionCall, trace_activations
 from meshtrain.plan.context_cost import (
+    TILE_K,
+    TILE_Q,
     allgather_saved,
     attention_collectives,
     kv_bytes,
@@ -51,6 +55,24 @@ def test_activations_per_rank_are_one_cp_th_plus_one_layers_ring(cp: int) -> Non
     for (mode, at_cp), (_, at_one) in zip(profile, whole.activation_estimates):
         assert at_one % cp == 0
         assert at_cp == at_one // cp + transient + layers[mode] * extra, mode
+
+
+@pytest.mark.parametrize("local", [16, 512, 2048])
+def test_the_rings_transient_holds_one_tile_of_scores_at_any_length(local: int) -> None:
+    """The kernel's default tile is the plan's; the scores the ring's transient counts are three
+    fp32 [B, Hq, tq, tk] tensors, the tile clipped to S_local: flat once S_local passes it."""
+    from meshtrain.lower.attention_blocks import DEFAULT_TILE
+
+    assert (DEFAULT_TILE.q, DEFAULT_TILE.k) == (TILE_Q, TILE_K) == (512, 512)
+    model = build_llama(replace(LlamaConfig.debug(), max_seq_len=local), device="meta")
+    profile = trace_activations(model, BLOCKS, batch_size=2, seq_len=local)
+    side = min(local, 512)
+    scores = ring_in_flight(profile, 4, "ring") - ring_in_flight(profile, 4, "ring", scores=False)
+    assert scores == 3 * 2 * 4 * side * side * 4
+    # besides: k, v stacked and arriving (fp32 debug model), three fp32 gradients of them, and
+    # the fp32 query gradient with one block's share of it
+    kv, q = 2 * 2 * 2 * local * 16 * 4, 2 * 4 * local * 16 * 4
+    assert ring_in_flight(profile, 4, "ring", scores=False) == 2 * kv + 3 * kv + 2 * q
 
 
 def test_allgather_keeps_each_layers_whole_sequence_attention() -> None:

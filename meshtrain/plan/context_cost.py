@@ -17,10 +17,11 @@ query, keys, values and log-sum-exp are then one rank's. On top of that trace
 
 While one layer's ring runs it holds besides (:func:`ring_in_flight`, a transient counted once):
 its stacked key/value block and the one arriving, and in backward the fp32 key/value gradients
-(its own, the travelling ones, the ones arriving) and the fp32 query gradient; and, because
-meshtrain's kernel computes each block's scores whole (on every device: torch's flash-based
-``context_parallel`` is not lowered), three fp32 ``[B, Hq, S_local, S_local]`` tensors of one
-block (``scores=False`` sizes a flash kernel per block, which keeps none).
+(its own, the travelling ones, the ones arriving), the fp32 query gradient and the block's share
+of it; and three fp32 ``[B, Hq, tq, tk]`` tensors of one tile (scores, probabilities and their
+gradient: meshtrain's kernel computes each block ``TILE_Q x TILE_K`` at a time, the tile clipped
+to ``S_local``; :func:`score_tile_bytes`), whatever the sequence's length (``scores=False``
+leaves them out, as a fused kernel that keeps none in memory would).
 
 **Traffic**, per attention call, per micro-batch, per rank (``E = 2·B·Hkv·S_local·D`` elements of
 keys and values, ``i`` their itemsize; exactly what
@@ -242,9 +243,25 @@ def allgather_saved(call: AttentionCall, cp: int) -> int:
     return cp * kv_elements(call) * ACC_BYTES + probabilities + batch * seq * whole
 
 
+def score_tile_bytes(
+    call: AttentionCall, tp_size: int = 1, tile: tuple[int, int] = (TILE_Q, TILE_K)
+) -> int:
+    """Three fp32 ``[B, Hq, tq, tk]`` tensors: one tile's scores, probabilities and their
+    gradient as meshtrain's kernel computes them (``tile`` clipped to the call's ``S_local``).
+
+    Example:
+        >>> score_tile_bytes(AttentionCall((1, 32, 8192, 128), (1, 8, 8192, 128),
+        ...                                (1, 8, 8192, 128), 2)) / 2**20
+        96.0
+    """
+    batch, heads, seq = call.query[:3]
+    rows, cols = min(tile[0], seq), min(tile[1], call.key[2])
+    return 3 * _per_rank(batch * heads * rows * cols, ACC_BYTES, call, tp_size)
+
+
 def score_block_bytes(call: AttentionCall, tp_size: int = 1) -> int:
     """Three fp32 ``[B, Hq, S_local, S_local]`` tensors: one block's scores, probabilities and
-    their gradient as meshtrain's kernel computes them whole (what a flash kernel avoids).
+    their gradient computed whole (the kernel before it was tiled; benchmarks compare with it).
 
     Example:
         >>> score_block_bytes(AttentionCall((1, 32, 8192, 128), (1, 8, 8192, 128),
@@ -258,15 +275,15 @@ def score_block_bytes(call: AttentionCall, tp_size: int = 1) -> int:
 def ring_in_flight(profile: ActivationProfile, cp: int, method: str, *, scores: bool = True) -> int:
     """Bytes one layer's ring holds beside the saved activations at its backward's peak (module
     docstring), for its largest call; with ``scores`` (meshtrain's kernel) three fp32
-    ``[B, Hq, S_local, S_local]`` tensors of one block more. 0 for one rank or the all-gather."""
+    ``[B, Hq, tq, tk]`` tensors of one tile more. 0 for one rank or the all-gather."""
     if cp <= 1 or method != "ring":
         return 0
     tp = profile.tp_size
 
     def held(call: AttentionCall) -> int:
         kv = 2 * kv_bytes(call, tp) + 3 * _per_rank(kv_elements(call), ACC_BYTES, call, tp)
-        grad_q = _per_rank(math.prod(call.query), ACC_BYTES, call, tp)
-        return kv + grad_q + (score_block_bytes(call, tp) if scores else 0)
+        grad_q = 2 * _per_rank(math.prod(call.query), ACC_BYTES, call, tp)  # total, this block's
+        return kv + grad_q + (score_tile_bytes(call, tp) if scores else 0)
 
     return max((held(call) for call in attention_calls(profile)), default=0)
 
@@ -287,4 +304,5 @@ __all__ = [
     "metadata_bytes",
     "ring_in_flight",
     "score_block_bytes",
+    "score_tile_bytes",
 ]
