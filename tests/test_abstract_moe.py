@@ -83,3 +83,15 @@ def test_unproven_shards_note_plans_with_the_note_and_round_trips() -> None:
 def test_without_tensor_parallelism_nothing_needs_proving() -> None:
     plan = mt.plan(_DataDependent(), _abstract(dp=4), mt.Rules({".*": mt.P()}, fsdp="dp"))
     assert not _unproven(plan)
+
+
+def test_the_abstract_run_leaves_no_fake_tensor_on_the_model() -> None:
+    """meshtrain's MoE keeps its last balance loss as an attribute: after planning it is what it
+    was before (the model is copied and trained after planning)."""
+    model = meshtrain_moe()
+    before = {name: getattr(m, "last_aux_loss", "absent") for name, m in model.named_modules()}
+    mt.plan(model, _abstract(dp=2, tp=2), moe_rules(fsdp="dp", tp="tp", ep=None))
+    after = {name: getattr(m, "last_aux_loss", "absent") for name, m in model.named_modules()}
+    assert after == before
+    assert not [t for m in model.modules() for t in vars(m).values()
+                if isinstance(t, torch._subclasses.fake_tensor.FakeTensor)]  # fmt: skip

@@ -8,9 +8,10 @@ from __future__ import annotations
 import math
 
 import pytest
-from moe_models import mixtral, qwen2_moe, qwen3_moe, token_batches
+from moe_models import meshtrain_moe, mixtral, qwen2_moe, qwen3_moe, token_batches
 
 import meshtrain as mt
+from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing import assert_equivalent
 
 pytestmark = pytest.mark.spmd
@@ -43,5 +44,16 @@ def test_qwen3_moe_trains_like_one_device_on_ep2_tp2() -> None:
     plan = mt.plan(qwen3_moe(), _abstract(ep=2, tp=2), rules)
     assert plan.expert_axis == "ep" and len(plan.partial_grads) == 4
     report = assert_equivalent(qwen3_moe, {"ep": 2, "tp": 2}, {"rules": rules},
+                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed
+
+
+def test_meshtrain_moe_trains_like_one_device_on_ep2_tp2() -> None:
+    """meshtrain's own MoE (grouped experts, a shared expert, a dense first layer): its
+    attention, dense MLP and shared expert over tp, its routed experts over ep."""
+    rules = moe_rules(tp="tp", fsdp=(), ep="ep")
+    plan = mt.plan(meshtrain_moe(), _abstract(ep=2, tp=2), rules)
+    assert plan.expert_axis == "ep" and not [note for note in plan.notes if "not proven" in note]
+    report = assert_equivalent(meshtrain_moe, {"ep": 2, "tp": 2}, {"rules": rules},
                                batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
     assert report.passed

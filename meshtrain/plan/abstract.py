@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -133,6 +133,7 @@ def _prove(
     blocks: Sequence[str],
 ) -> tuple[tuple[PartialGrad, ...], tuple[str, ...]]:
     prover = _Prover(model, params, styles, tp_axis, tp_size, sequence_parallel)
+    kept = _tensor_attributes(model)
     handles = prover.hook(blocks)
     seq = probe_length(model, tp_size)
     batch = probe_batch(model, seq)
@@ -160,7 +161,27 @@ def _prove(
         for handle in handles:
             handle.remove()
         prover.restore()
+        _drop_fake_attributes(model, kept)
     return prover.partial_grads(), ()
+
+
+def _tensor_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
+    """Every module's plain attributes by module and name: a forward may store a tensor in one
+    (an MoE layer's last balance loss)."""
+    return {(fqn, name): value for fqn, module in model.named_modules()
+            for name, value in vars(module).items()}  # fmt: skip
+
+
+def _drop_fake_attributes(model: nn.Module, kept: dict[tuple[str, str], Any]) -> None:
+    """Undo what the abstract forward stored on modules: each fake tensor attribute is given its
+    value from before the run back, or removed (the model is trained, copied and saved later)."""
+    for fqn, module in model.named_modules():
+        for name, value in list(vars(module).items()):
+            if isinstance(value, FakeTensor):
+                if (fqn, name) in kept:
+                    setattr(module, name, kept[fqn, name])
+                else:
+                    delattr(module, name)
 
 
 def probe_length(model: nn.Module, tp_size: int) -> int:
