@@ -68,9 +68,16 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", "site")
 
 
+#: every benchmark script ``nox -s bench`` runs, in order
+BENCHMARKS = (
+    "overhead", "peer", "planning", "compute", "harness", "gpu", "mutation",
+    "moe", "moe_parallel", "moe_planning", "context_sizing", "long_context", "attention_tiles",
+)  # fmt: skip
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Benchmarks under ``benchmarks/``: each prints a table and writes JSON to benchmarks/results."""
     session.install(*PIN, "-e", ".[test,bench]")
-    for name in ("overhead", "peer", "planning", "compute", "harness", "gpu", "mutation"):
+    for name in BENCHMARKS:
         session.run("python", f"benchmarks/{name}.py", "--out", f"benchmarks/results/{name}.json")
