@@ -210,9 +210,9 @@ def expert_memory(
     shard_dim: int = 0,
 ) -> Memory:
     """One rank's bytes for the experts of ``layers``: master copy, gradient and optimizer
-    states (``optimizer_states`` per parameter) of its ``1 / (ep · efsdp)`` share (``1 / ep``
-    under ZeRO 0), in the parameters' ``element_bytes``; during a step, the largest layer's
-    local experts gathered twice (the one computing and the one prefetched) in
+    states (``optimizer_states`` per parameter), each its ``1 / (ep · efsdp)`` share where the
+    ZeRO stage shards it at rest (:func:`fsdp_decisions`), else the ``1 / ep`` share, in the
+    parameters' ``element_bytes``; during a step, the largest layer's local experts gathered twice (the one computing and the one prefetched) in
     ``param_bytes`` and one layer's unsharded gradient in ``reduce_bytes`` — the peaks
     :mod:`meshtrain.plan.cost` gives an FSDP unit. FSDP2 splits dim ``shard_dim`` of each
     local weight ([E / ep, 2I, H] and [E / ep, H, I]) into ``efsdp`` chunks padded to the
@@ -225,17 +225,23 @@ def expert_memory(
         >>> expert_memory([layer], ep=4, efsdp=4, zero=3, optimizer_states=2, param_bytes=4).params
         24576
     """
-    ways = efsdp if zero >= 1 else 1
+    decided = fsdp_decisions(zero)
+    ways = efsdp if decided.wrapper == "fully_shard" else 1
     shard = sum(_fsdp_shard(shape, shard_dim, ways) for layer in layers
                 for shape in layer.local_shapes(ep))  # fmt: skip
     local = [sum(math.prod(shape) for shape in layer.local_shapes(ep)) for layer in layers]
+    whole = sum(local)
+
+    def at_rest(sharded: bool) -> int:
+        return (shard if sharded else whole) * element_bytes
+
     cast = param_bytes != element_bytes
     gathered = 2 * max(local, default=0) * param_bytes if ways > 1 or cast else 0
     unsharded = max(local, default=0) * reduce_bytes if ways > 1 else 0
     return Memory(
-        params=shard * element_bytes,
-        grads=shard * element_bytes,
-        optimizer_states=shard * element_bytes * optimizer_states,
+        params=at_rest(decided.shard_params),
+        grads=at_rest(decided.shard_grads),
+        optimizer_states=at_rest(decided.shard_optimizer_states) * optimizer_states,
         gathered_params=gathered,
         unsharded_grads=unsharded,
     )

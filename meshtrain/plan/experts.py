@@ -34,6 +34,7 @@ from dataclasses import replace
 from torch import nn
 
 from meshtrain.errors import PlanError
+from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import ExpertGroup, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
@@ -157,7 +158,7 @@ def _check_combination(
             "without the expert axis, or train the expert-parallel plan eagerly (compile=False).",
             mesh=mesh,
         )
-    if options.zero == 0:
+    if fsdp_decisions(options.zero).wrapper == "replicate":
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with zero=0 is not supported: "
             "the experts are data-parallel under FSDP2 over the data ranks outside the expert "
