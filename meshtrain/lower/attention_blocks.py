@@ -1,6 +1,8 @@
 """Exact attention over blocks of keys and values: each block's attention with its log-sum-exp,
 the online-softmax merge of two blocks, and the flash-attention backward of one block (pure
-torch: no process group). Context parallelism (``ring_attention``) runs these on blocks that
+torch: no process group). Inside a block the scores are computed one :class:`Tile` at a time
+(query rows x key columns, 512 x 512 by default), each tile merged into the running result with
+the same merge, so at most ``[B, Hq, tile.q, tile.k]`` fp32 scores are alive at once. Context parallelism (``ring_attention``) runs these on blocks that
 arrive from other ranks; :func:`blockwise_attention` runs them on a list in one process.
 
 Conventions: ``q`` is ``[B, Hq, Sq, D]``, a block's ``k`` and ``v`` ``[B, Hkv, Sk, D]`` with
