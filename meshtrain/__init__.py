@@ -33,16 +33,10 @@ from meshtrain.errors import (
 if TYPE_CHECKING:
     from meshtrain.adapters import LoRALinear, lora, merge_lora
     from meshtrain.launch import init_distributed
-    from meshtrain.lower import (
-        apply,
-        constrain,
-        distribute,
-        full_tensor,
-        loss_parallel,
-        materialise,
-        micro_batch,
-        shard_map,
-    )
+    from meshtrain.lower import constrain, full_tensor, loss_parallel, micro_batch, shard_map
+    from meshtrain.lower.apply import apply
+    from meshtrain.lower.distribute import distribute
+    from meshtrain.lower.materialise import materialise
     from meshtrain.plan import Pipeline, Plan, PlanOptions, plan
     from meshtrain.spec import Mesh, P, Resolution, Rules, annotate, make_mesh
     from meshtrain.train import TrainState, make_train_step

@@ -103,7 +103,10 @@ QWEN2_MOE_EP = HarnessCase(
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
 OFFLOAD_DP = HarnessCase(
-    DebugLlama(2), DP2, {"rules": default_rules(), "offload_optimizer": True}, {"optimizer": "adamw"}
+    DebugLlama(2),
+    DP2,
+    {"rules": default_rules(), "offload_optimizer": True},
+    {"optimizer": "adamw"},
 )
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
