@@ -35,8 +35,9 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,6 +45,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from meshtrain.plan.expert_activations import (
+    counts_shape,
+    restore_attributes,
+    tensor_attributes,
+    traced_experts,
+)
+from meshtrain.plan.experts import is_experts_module
 
 _aten = torch.ops.aten
 #: ops whose outputs selective checkpointing keeps (the expensive ones); the rest is recomputed.
@@ -183,6 +192,8 @@ def _trace(
     recorder = _Recorder(set(blocks), set(tp_modules))
     handles = _register(model, recorder)
     restore = _skip_repeated_blocks(model, blocks, recorder)
+    restore_experts = _stand_in_experts(model, recorder)
+    attributes = tensor_attributes(model)
     try:
         with FakeTensorMode(allow_non_fake_inputs=False) as fake:
             state = {
@@ -203,7 +214,25 @@ def _trace(
         for handle in handles:
             handle.remove()
         restore()
+        restore_experts()
+        restore_attributes(model, attributes)
     return recorder.profile(blocks, 1, False)
+
+
+def _stand_in_experts(model: nn.Module, recorder: _Recorder) -> Callable[[], None]:
+    """Experts modules traced by their dispatch's bytes (:mod:`meshtrain.plan.expert_activations`:
+    uniform routing), not by their data-dependent forward."""
+    patched = []
+    for fqn, module in model.named_modules():
+        if is_experts_module(module) and "forward" not in vars(module):
+            module.forward = traced_experts(module, fqn, recorder.report, recorder.paused)
+            patched.append(module)
+
+    def restore() -> None:
+        for module in patched:
+            del module.forward
+
+    return restore
 
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
@@ -281,12 +310,33 @@ class _Recorder(TorchDispatchMode):
         self.shape_preserving: set[str] = set()  # blocks whose output has their input's shape
         self.copies: dict[str, str] = {}  # block passed through → the block it copies
         self.attention: dict[str | None, list[AttentionCall]] = {}  # block → its attention ops
+        self.silent = False  # inside an experts stand-in: its own tensors are not counted
+        self.reported = 0  # stand-ins' reports so far (their table keys: -1, -2, ...)
 
     def ignore(self, tensors: Iterable[torch.Tensor]) -> None:
         self.ignored.update(_key(tensor) for tensor in tensors)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Count nothing inside (an experts stand-in reports its bytes itself)."""
+        self.silent = True
+        try:
+            yield
+        finally:
+            self.silent = False
+
+    def report(self, fqn: str, saved: int, kept: int) -> None:
+        """An experts stand-in's bytes: ``saved`` for backward, ``kept`` of them matmul outputs."""
+        for table, size in ((self.saved, saved), (self.kept, kept)):
+            self.reported += 1
+            table[-self.reported] = (size, self.block, self.tp_depth > 0)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is _aten.bincount.default:  # a router's counts: their shape, not their values
+            return counts_shape(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        if self.silent:
+            return out
         if func in SAVED_OPS:
             first = out[0] if isinstance(out, tuple) else out
             self._note(self.kept, first)
@@ -305,7 +355,8 @@ class _Recorder(TorchDispatchMode):
             self.alive.append(tensor)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._note(self.saved, tensor)
+        if not self.silent:
+            self._note(self.saved, tensor)
         return tensor
 
     def profile(self, blocks: Sequence[str], tp_size: int, sp: bool) -> ActivationProfile:
