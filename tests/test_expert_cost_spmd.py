@@ -120,10 +120,12 @@ def measure_moe_step() -> tuple[dict, dict, dict, tuple[int, int]]:
 def test_an_moe_step_on_dp2_ep2_meets_the_plan() -> None:
     for counts, sent, plan, worst in get_pool(4).run(measure_moe_step):
         key = ("all_to_all", "ep")
-        # FSDP: experts units over dp, the rest over dp+ep, exactly as planned
+        # FSDP: experts units over dp, the rest over dp+ep, and the routers' count all-reduces
+        # (one per MoE layer: 2 of 8 + 2 int64), exactly as planned
         assert {k: (counts[k], sent[k]) for k in counts if k != key} == {
             k: v for k, v in plan.items() if k != key
         }
+        assert plan[("all_reduce", "dp+ep")] == (2, 2 * 80)
         # the router's own routing: as many all-to-alls as planned; each payload is the larger
         # of the rank's send (its T·k rows, the uniform figure) and receive buffers, so the
         # bytes lie between the uniform prediction and the dropless worst case

@@ -76,6 +76,7 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import block_fqns, plain_under_compile_note, resolve_compile_scope
+from meshtrain.plan.router_counts import count_collectives, counting_routers
 from meshtrain.plan.router_logits import refuse_router_logits
 from meshtrain.plan.sequence import place_sequence_split
 from meshtrain.plan.styles import infer_styles
@@ -102,6 +103,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         )
         busiest = pipeline_costs(pipeline_plan, mesh, cost_layout, cost_options).busiest
         ring_blocks = tuple(m for s in pipeline_plan.local_stages(busiest) for m in s.modules)
+    collectives += _router_count_collectives(model, mesh, layout, options, ring_blocks)
     if layout.context_axis is not None and layout.profile is not None:
         collectives += context_collectives(
             layout.profile, options, axis=layout.context_axis, cp=mesh.size(layout.context_axis),
@@ -302,6 +304,23 @@ def cost_pipelined(
                                                    options, checkpointed)  # fmt: skip
         notes += expert_notes(groups, layout.params, layout.expert_axis, ep, options, checkpointed)
     return pipeline_plan, costs.memory, collectives, notes, costs.estimates
+
+
+def _router_count_collectives(
+    model: nn.Module, mesh: Mesh, layout: Inferred, options: PlanOptions,
+    modules: tuple[str, ...] | None,
+) -> tuple[Collective, ...]:
+    """The routers' count all-reduces over the token ranks (:mod:`meshtrain.plan.router_counts`),
+    of the busiest pipeline rank's ``modules`` when given."""
+    routers = counting_routers(model)
+    if modules is not None:
+        routers = tuple(r for r in routers
+                        if any(r.fqn == m or r.fqn.startswith(m + ".") for m in modules))  # fmt: skip
+    axes = (*layout.data_axes, layout.expert_axis, layout.context_axis)
+    return count_collectives(
+        routers, axis=mesh.joined(tuple(a for a in axes if a is not None)),
+        microbatches=options.microbatches, checkpointed=options.checkpointed_blocks(layout.blocks),
+    )  # fmt: skip
 
 
 def _decided(units: tuple[FSDPUnit, ...], options: PlanOptions) -> tuple[FSDPUnit, ...]:
