@@ -33,7 +33,14 @@ from meshtrain.errors import (
 if TYPE_CHECKING:
     from meshtrain.adapters import LoRALinear, lora, merge_lora
     from meshtrain.launch import init_distributed
-    from meshtrain.lower import constrain, full_tensor, loss_parallel, micro_batch, shard_map
+    from meshtrain.lower import (
+        constrain,
+        full_tensor,
+        loss_parallel,
+        micro_batch,
+        shard_batch,
+        shard_map,
+    )
     from meshtrain.lower.apply import apply
     from meshtrain.lower.distribute import distribute
     from meshtrain.lower.materialise import materialise
@@ -57,6 +64,7 @@ _LAZY = {
             "loss_parallel",
             "materialise",
             "micro_batch",
+            "shard_batch",
             "shard_map",
         ),
         "meshtrain.lower",
@@ -143,5 +151,6 @@ __all__ = [
     "merge_lora",
     "micro_batch",
     "plan",
+    "shard_batch",
     "shard_map",
 ]

@@ -119,6 +119,44 @@ def test_context_parallel_matches_a_plain_pytorch_loop() -> None:
             assert error <= tolerance * float(ref[f"bound.{fqn}"]) + 1e-7, (fqn, error)
 
 
+def _own_loop(name: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor], float]:
+    """On each of 4 ranks: dp 2 x cp 2, the one-device loop as it is, with ``mt.shard_batch``
+    before the forward: the mean token loss of this rank's chunks, backward, SGD. Every rank
+    holds as many tokens, so the mean over dp x cp of their mean gradients is one device's."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    plan = mt.plan(model, mt.make_mesh(DP2_CP2), rules(), seq_len=SEQ)
+    applied = mt.apply(plan, model)
+    optimizer = torch.optim.SGD(applied.parameters(), lr=LR)
+    index, ranks = data_parallel_rank(plan)
+    losses = []
+    for step in range(steps):
+        inputs, targets = batches(step)
+        rows = slice(index * len(inputs) // ranks, (index + 1) * len(inputs) // ranks)
+        inputs, targets = mt.shard_batch(plan, inputs[rows], targets[rows])
+        loss = F.cross_entropy(applied(inputs).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach() / torch.distributed.get_world_size()  # every rank's share alike
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean))
+    params = {fqn: full_tensor(p.detach()) for fqn, p in applied.named_parameters()}
+    return losses, params, contract_for(plan).tolerance
+
+
+def test_a_users_own_loop_with_shard_batch_matches_a_plain_pytorch_loop() -> None:
+    """The same plain loop on dp 2 x cp 2 (``mt.shard_batch`` its one addition): losses and
+    parameters after 2 SGD steps within the plan's contract, as above."""
+    ref_losses, ref = _plain_loop("hf_llama", 2)
+    for losses, params, tolerance in get_pool(4).run(_own_loop, "hf_llama", 2):
+        for loss, ref_loss in zip(losses, ref_losses[:2], strict=True):
+            assert abs(loss - ref_loss) <= tolerance * abs(ref_loss), (loss, ref_loss)
+        for fqn, value in params.items():
+            error = float((value - ref[fqn]).abs().max())
+            assert error <= tolerance * float(ref[f"bound.{fqn}"]) + 1e-7, (fqn, error)
+
+
 # ----------------------------------------------------------------------------- second tier
 
 

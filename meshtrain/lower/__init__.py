@@ -14,6 +14,7 @@ Example (on every rank, after ``mt.init_distributed()``)::
 
 from meshtrain.lower.apply import apply
 from meshtrain.lower.compute import CompileReport, compile_loss, compile_report
+from meshtrain.lower.context_parallel import shard_batch
 from meshtrain.lower.data_parallel import micro_batch
 from meshtrain.lower.distribute import distribute
 from meshtrain.lower.functional import constrain, shard_map
@@ -41,5 +42,6 @@ __all__ = [
     "micro_batch",
     "one_device_reference",
     "plan_device",
+    "shard_batch",
     "shard_map",
 ]

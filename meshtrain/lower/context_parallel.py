@@ -14,8 +14,9 @@ Three things change, none of them the model's code:
 - **positions**: a forward pre-hook passes the rank's true positions (``positions`` to
   meshtrain's Llama, ``position_ids`` to a ``transformers`` model), so rotary tables are those
   of the chunks the rank holds.
-- **the batch**: :func:`shard_batch` slices inputs and targets of a step along the sequence
-  into the rank's chunks (the train step calls it; see :mod:`meshtrain.train.step`).
+- **the batch**: :func:`shard_batch` (``mt.shard_batch``) slices inputs and targets of a step
+  along the sequence into the rank's chunks (the train step calls it, see
+  :mod:`meshtrain.train.step`; a loop of one's own calls it before the forward).
 
 Example (on every rank of a 4-rank job, inside :func:`~meshtrain.lower.apply`)::
 
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from meshtrain.errors import PlanError
+from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.context_layout import chunk_positions, shard_sequence
 from meshtrain.lower.groups import axis_group
 from meshtrain.lower.ring_attention import context_attention
@@ -132,13 +133,42 @@ class _PositionsHook:
         return args, {**kwargs, self.keyword: positions}
 
 
-def shard_batch(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's chunks of a ``[batch, seq]`` tensor (token ids, targets) under the plan's
-    context axis; the tensor itself without one."""
-    context = context_group(plan)
-    if context is None:
-        return tensor
-    return shard_sequence(tensor, 1, context.size, context.rank, context.balance)  # type: ignore[arg-type]
+def shard_batch(
+    plan: Plan, *tensors: torch.Tensor, rank: int | None = None
+) -> tuple[torch.Tensor, ...]:
+    """This rank's chunks of each ``[batch, seq, ...]`` tensor (token ids, targets, a loss
+    mask) under the plan's context axis, cut along dim 1 as the plan's balance says; the tensors
+    themselves without a context axis. The train step calls it; a loop of your own calls it on
+    every rank before the forward. ``rank`` (this rank's index on the context axis, taken from
+    the running group by default) makes it pure, e.g. to cut a batch ahead of time.
+
+    Example (an abstract plan: rank 1 of cp 2, head-tail chunks)::
+
+        >>> import meshtrain as mt
+        >>> from meshtrain.models import LlamaConfig, build_llama
+        >>> model = build_llama(LlamaConfig.debug(), device="meta")
+        >>> rules = mt.Rules({".*": mt.P()}, logical=[("seq", "cp")])
+        >>> plan = mt.plan(model, mt.make_mesh(cp=2, world_size=2, abstract=True), rules)
+        >>> inputs, targets = torch.arange(8).view(1, 8), torch.arange(1, 9).view(1, 8)
+        >>> [t.tolist() for t in mt.shard_batch(plan, inputs, targets, rank=1)]
+        [[[2, 3, 4, 5]], [[3, 4, 5, 6]]]
+    """
+    if plan.context_axis is None:
+        return tensors
+    for tensor in tensors:
+        if tensor.dim() < 2:
+            raise PlanError(
+                f"shard_batch cuts [batch, seq, ...] tensors along dim 1 over the context axis "
+                f"'{plan.context_axis}'; got one of shape {format_shape(tuple(tensor.shape))}: "
+                "pass batched sequences (unsqueeze(0) a single sequence)."
+            )
+    cp = plan.mesh.size(plan.context_axis)
+    if rank is None:
+        context = context_group(plan)
+        assert context is not None
+        rank = context.rank
+    balance = plan.options.context_balance
+    return tuple(shard_sequence(t, 1, cp, rank, balance) for t in tensors)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- transformers

@@ -94,7 +94,7 @@ def _flat_totals(plan: Plan, model: Any, batches: Iterable[Batch], loss_fn: Loss
             for batch in batches:
                 inputs, targets = batch.inputs.to(device), batch.targets.to(device)
                 # under context parallelism this rank's chunks of every sequence
-                inputs, targets = shard_batch(plan, inputs), shard_batch(plan, targets)
+                inputs, targets = shard_batch(plan, inputs, targets)
                 with loss_parallel(plan):
                     summed = plain_loss(loss_fn(model(inputs), targets))
                 totals[0] += summed.double()

@@ -171,7 +171,7 @@ def forward_backward(
     synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
     """
     # under context parallelism this rank computes its chunks of every sequence
-    inputs, targets = shard_batch(plan, batch.inputs), shard_batch(plan, batch.targets)
+    inputs, targets = shard_batch(plan, batch.inputs, batch.targets)
     micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.options.microbatches
     if inputs.shape[0] % micro or targets.shape[0] != inputs.shape[0]:
         raise TrainingError(
