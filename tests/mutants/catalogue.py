@@ -20,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
 from meshtrain.testing.strategies import DebugLlama
-from tests import lora_models, moe_models, zoo
+from tests import context_models, lora_models, moe_models, zoo
 from tests.mutants import plants
 
 
@@ -57,6 +59,19 @@ def frozen_query_llama() -> Any:
     for fqn, param in model.named_parameters():
         if "attention.wq" in fqn:
             param.requires_grad_(False)
+    return model
+
+
+def large_logit_llama() -> Any:
+    """The context tests' Llama (hidden 32, 2 layers, 4 query and 2 key/value heads) with its
+    query and key projections scaled by 45: attention logits past 88, where ``exp`` overflows
+    fp32 unless the blocks' merge subtracts the larger log-sum-exp first (logit growth of this
+    size is what query-key norms are added against in large runs)."""
+    model = context_models.own_llama()
+    with torch.no_grad():
+        for fqn, param in model.named_parameters():
+            if "attention.wq" in fqn or "attention.wk" in fqn:
+                param.mul_(45.0)
     return model
 
 
@@ -108,6 +123,13 @@ OFFLOAD_DP = HarnessCase(
     {"rules": default_rules(), "offload_optimizer": True},
     {"optimizer": "adamw"},
 )
+# cp 4: the ring's chunk order differs from its reverse only past two ranks
+CONTEXT_CP4 = HarnessCase(
+    large_logit_llama,
+    {"cp": 4},
+    {"rules": context_models.rules(fsdp=()), "seq_len": context_models.SEQ},
+    {"batches": context_models.batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -122,7 +144,6 @@ CLIP = "tests/test_clip.py"
 DATA_RANKS = "tests/test_data_ranks_spmd.py"
 CP_PURE = "tests/test_context_attention.py"
 CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_one_device_sdpa"
-NO_CP_PLAN = "no assert_equivalent case has a cp axis yet; the context-attention tests compare the kernel with one device directly"
 EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2"
 EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
@@ -200,14 +221,14 @@ _ALL = [
            plants.resharding_offset, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("context-chunk-off-by-one", "a context-parallel chunk's positions off by one",
            plants.context_chunk_off_by_one, (f"{CP_PURE}::test_every_position_is_on_exactly_one_rank_and_unsharding_inverts", f"{CP_SPMD}[cp2-headtail-causal-gqa]"),
-           None, why_not=NO_CP_PLAN),
+           CONTEXT_CP4),
     Mutant("context-merge-without-max", "the attention blocks' log-sum-exp merge without the max "
            "correction", plants.context_merge_without_max,
            (f"{CP_PURE}::test_merge_is_exact_for_logits_far_beyond_exp_range", f"{CP_SPMD}[cp4-headtail-causal-large-logits]"),
-           None, why_not=NO_CP_PLAN),
+           CONTEXT_CP4),
     Mutant("context-blocks-in-wrong-order", "the ring's causal mask applied in the wrong chunk "
            "order", plants.context_blocks_in_wrong_order, (f"{CP_SPMD}[cp4-headtail-causal-large-logits]",),
-           None, why_not=NO_CP_PLAN),
+           CONTEXT_CP4),
     Mutant("experts-permuted-across-ranks", "each expert rank holds the next rank's experts, "
            "tokens dispatched as if it held its own", plants.experts_permuted_across_ranks,
            (EP_SPMD, EP_LOOP), QWEN2_MOE_EP, r"experts\."),
