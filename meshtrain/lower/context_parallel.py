@@ -168,7 +168,7 @@ def shard_batch(
         assert context is not None
         rank = context.rank
     balance = plan.options.context_balance
-    return tuple(shard_sequence(t, 1, cp, rank, balance) for t in tensors)  # type: ignore[arg-type]
+    return tuple(shard_sequence(t, 1, cp, rank, balance) for t in tensors)
 
 
 # ----------------------------------------------------------------------------- transformers
