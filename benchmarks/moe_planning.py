@@ -6,11 +6,11 @@ Each row builds the ``deepseek_v3_671b`` preset on the meta device and plans it 
 one sequence of 4096 tokens per rank and micro-batch) on an abstract mesh ``{dp, ep}``; the
 time is the planning call's (the model build is timed once apart). Memory is the plan's at rest
 (master weights, gradients, optimizer states) and transient (gathered compute copies,
-unsharded gradients), plus activations: the planner's trace does not run through the MoE
-routing on fake tensors (data-dependent shapes), so activations are estimated analytically —
-the block inputs full checkpointing keeps (layers × tokens × dim, bf16) plus one MoE layer's
-dispatch working set on the busiest rank (:func:`~meshtrain.plan.expert_cost.moe_working_set`)
-under uniform and under the dropless worst-case routing. With a pipeline (``pp`` 4, 1F1B over 8
+unsharded gradients), plus the plan's traced activations (the block inputs full checkpointing
+keeps and one recomputed block, whose MoE layer's dispatch working set is counted for uniform
+routing: :mod:`meshtrain.plan.expert_activations`): the *uniform* peak is the plan's total; the
+*worst* adds the dropless worst case's working set over the uniform one
+(:func:`~meshtrain.plan.expert_cost.moe_working_set`). With a pipeline (``pp`` 4, 1F1B over 8
 micro-batches: 8 sequences per batch rank per step) the figures are the pipeline rank's with the
 most MoE layers: its layers' all-to-alls and the block inputs of its micro-batches in flight.
 
@@ -61,21 +61,20 @@ def row(model: Any, world: int, ep: int, pp: int) -> dict[str, Any]:
     except MeshtrainError as error:
         return {"refused": error.message.split(". ")[0], "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
-    groups, kept_blocks = _busiest(plan, model.config.n_layers)
+    groups, _ = _busiest(plan, model.config.n_layers)
     layers = expert_layers(groups, plan.params)
-    tokens, dim = SEQ_LEN, model.config.dim
-    kept = kept_blocks * tokens * dim * 2
     memory = plan.memory
-    base = memory.at_rest + memory.gathered_params + memory.unsharded_grads + kept
     result: dict[str, Any] = {
         "dp": world // (ep * pp), "seconds": seconds,
         "at_rest_gib": memory.at_rest / GiB,
         "transient_params_gib": (memory.gathered_params + memory.unsharded_grads) / GiB,
-        "kept_inputs_gib": kept / GiB,
+        "activations_gib": memory.activations / GiB,
     }  # fmt: skip
+    uniform = moe_working_set(layers[0], tokens=SEQ_LEN, ep=ep, activation_bytes=2)
+    base = memory.total
     for routing in ("uniform", "worst"):
-        working = moe_working_set(layers[0], tokens=tokens, ep=ep, activation_bytes=2,
-                                  routing=routing)  # fmt: skip
+        working = moe_working_set(layers[0], tokens=SEQ_LEN, ep=ep, activation_bytes=2,
+                                  routing=routing) - uniform  # fmt: skip
         collectives = estimate_expert_collectives(groups, plan.params, "ep", ep, plan.options,
                                                   plan.checkpointed, routing=routing)  # fmt: skip
         payload = sum(c.bytes for c in collectives)

@@ -13,9 +13,8 @@ twice, and the cheapest fitting plan of both wins (ties: the simpler plan, less 
    token all-to-alls (sized for uniform routing) included, over the intra-node link when ``ep``
    ranks are neighbours within a node.
 
-Activation memory is what the planner traces; its trace does not run through meshtrain's MoE
-router on fake tensors (data-dependent shapes), so such a model's candidates are compared
-without activations (the plan's notes say so).
+Activation memory is what the planner traces, the experts' dispatch counted for uniform routing
+(:mod:`meshtrain.plan.expert_activations`), so candidates are compared with their activations.
 
 Example:
     >>> from meshtrain.models.moe import MoEConfig, build_moe, default_rules

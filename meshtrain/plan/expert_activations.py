@@ -45,7 +45,7 @@ Report = Callable[[str, int, int], None]
 def expert_layer(module: nn.Module, fqn: str, *, top_k: int, hidden: int) -> ExpertLayer:
     """``module``'s experts as costing sees them (its own parameters' shapes, experts on dim 0)."""
     shapes = tuple(tuple(p.shape) for p in module.parameters(recurse=False))
-    return ExpertLayer(fqn, int(module.num_experts), top_k, hidden, shapes)
+    return ExpertLayer(fqn, shapes[0][0], top_k, hidden, shapes)  # experts: every dim 0
 
 
 def dispatch_bytes(layer: ExpertLayer, *, tokens: int, element_bytes: int) -> tuple[int, int]:

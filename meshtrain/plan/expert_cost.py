@@ -364,8 +364,8 @@ def expert_notes(
         f"({format_bytes(per_step('uniform'))} per step on each rank); routing is dropless and "
         "balancing bounds no single step, so the busiest rank's worst case (every rank sending it "
         f"all the rows its experts can take) is {format_bytes(per_step('worst'))} per step; one "
-        f"MoE layer's dispatch working set is {format_bytes(working[0])} (uniform) to "
-        f"{format_bytes(working[1])} (worst) per micro-batch, outside the activation estimate"
+        f"MoE layer's dispatch working set is {format_bytes(working[0])} (uniform: in the "
+        f"activation estimate) to {format_bytes(working[1])} (worst: beyond it) per micro-batch"
     )
     return tuple(notes)
 
