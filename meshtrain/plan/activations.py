@@ -21,6 +21,10 @@ for the same input, so only the first of each kind is traced; the others pass th
 (shape-preserving blocks only — a block whose output shape differs from its input's is traced
 every time). This keeps planning Llama 3 405B's 126 layers about as fast as planning two.
 
+Experts modules (mixtures of experts) route with data-dependent shapes: they run as a stand-in
+that reports one rank's dispatch bytes under uniform routing
+(:mod:`meshtrain.plan.expert_activations`), and a router's ``bincount`` gets its shape.
+
 Peak per rank for a checkpointing mode: the kept bytes of every block + ``other`` + the largest
 recomputed part of one block (its activations live again while its backward runs: all of them
 under full checkpointing, the non-matmul ones under selective).

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from meshtrain.plan.abstract_experts import dense_forward
 from meshtrain.plan.expert_cost import ExpertLayer, moe_working_set
@@ -98,11 +99,11 @@ def tensor_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
 
 
 def restore_attributes(model: nn.Module, kept: dict[tuple[str, str], Any]) -> None:
-    """Put back the tensor attributes a traced forward replaced or added (fake tensors must not
-    outlive the trace: the model is planned again, trained and saved later)."""
+    """Put back the attributes a traced forward set to fake tensors, or remove those it added
+    (fake tensors must not outlive the trace: the model is planned again, trained and saved)."""
     for fqn, module in model.named_modules():
         for name, value in list(vars(module).items()):
-            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+            if isinstance(value, FakeTensor):
                 if (fqn, name) not in kept:
                     delattr(module, name)
                 elif kept[fqn, name] is not value:
