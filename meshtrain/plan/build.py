@@ -307,7 +307,10 @@ def cost_pipelined(
 
 
 def _router_count_collectives(
-    model: nn.Module, mesh: Mesh, layout: Inferred, options: PlanOptions,
+    model: nn.Module,
+    mesh: Mesh,
+    layout: Inferred,
+    options: PlanOptions,
     modules: tuple[str, ...] | None,
 ) -> tuple[Collective, ...]:
     """The routers' count all-reduces over the token ranks (:mod:`meshtrain.plan.router_counts`),
