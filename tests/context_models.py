@@ -19,7 +19,7 @@ from transformers import (
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig as OwnLlamaConfig
-from meshtrain.models import build_llama
+from meshtrain.models import MoEConfig, build_llama, build_moe
 from meshtrain.models.llama import LOGICAL_RULES
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -50,7 +50,15 @@ def hf_mistral() -> MistralForCausalLM:
     return MistralForCausalLM(MistralConfig(**_SIZES, sliding_window=WINDOW))
 
 
-MODELS = {"llama": own_llama, "hf_llama": hf_llama, "qwen2": hf_qwen2, "mistral": hf_mistral}
+def own_moe() -> torch.nn.Module:
+    """meshtrain's MoE (Qwen3-style q/k norms, a dense first layer, a shared expert) with the
+    balance loss on, whose token counts are the whole batch's: every chunk of every sequence."""
+    config = MoEConfig.debug(dim=32, n_layers=2, vocab_size=VOCAB, balance="aux_loss")
+    return build_moe(config, seed=0)
+
+
+MODELS = {"llama": own_llama, "hf_llama": hf_llama, "qwen2": hf_qwen2, "mistral": hf_mistral,
+          "moe": own_moe}  # fmt: skip
 
 
 def rules(fsdp: tuple[str, ...] = ("dp",)) -> mt.Rules:

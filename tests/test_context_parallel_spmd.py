@@ -48,10 +48,10 @@ def _equivalent(name: str, mesh: dict[str, int], optimizer: str = "adamw", **opt
                                      else "approximate")  # fmt: skip
 
 
-def test_llama_and_mistral_train_like_one_device_on_dp2_cp2() -> None:
-    """meshtrain's Llama (its attention_fn and positions) and Mistral's sliding window
-    (transformers' attention interface)."""
-    for name in ("llama", "mistral"):
+def test_llama_moe_and_mistral_train_like_one_device_on_dp2_cp2() -> None:
+    """meshtrain's Llama and MoE (their attention_fn and positions; the MoE's balance loss from
+    the whole batch's counts) and Mistral's sliding window (transformers' attention interface)."""
+    for name in ("llama", "moe", "mistral"):
         _equivalent(name, DP2_CP2)
 
 
@@ -161,7 +161,7 @@ def test_a_users_own_loop_with_shard_batch_matches_a_plain_pytorch_loop() -> Non
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", ["llama", "hf_llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("name", ["llama", "hf_llama", "qwen2", "mistral", "moe"])
 def test_every_family_trains_like_one_device_on_cp4(name: str) -> None:
     _equivalent(name, {"cp": 4})
 

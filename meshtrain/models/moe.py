@@ -65,6 +65,7 @@ from meshtrain.models.llama import (
     LlamaConfig,
     RMSNorm,
     _apply_rope,
+    _causal_sdpa,
     _fill_,
     _fqn_seed,
     _Init,
@@ -247,9 +248,8 @@ class QKNormAttention(Attention):
         k = self.k_norm(self.wk(x).view(batch, seq, -1, self.head_dim))
         q, k = _apply_rope(q, rope_cos, rope_sin), _apply_rope(k, rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True
-        )
+        attend = self.attention_fn or _causal_sdpa  # a plan may replace it, as the Llama's
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -385,16 +385,22 @@ class MoE(_Initialised):
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self._reset_rope()
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits (or a stage's hidden states); ``positions`` (``[seq]``, default
+        ``0..seq-1``): the true positions of the tokens given, for a share of a longer sequence
+        (context parallelism), as :meth:`meshtrain.models.llama.Llama.forward`."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq = tokens.shape[1]
-        if self.tok_embeddings is not None and seq > self.config.max_seq_len:
+        last = int(positions.max()) + 1 if positions is not None else tokens.shape[1]
+        if self.tok_embeddings is not None and last > self.config.max_seq_len:
             raise PlanError(
-                f"sequence length {seq} exceeds MoEConfig.max_seq_len={self.config.max_seq_len}; "
+                f"sequence length {last} exceeds MoEConfig.max_seq_len={self.config.max_seq_len}; "
                 "build the model with a larger max_seq_len or feed shorter sequences."
             )
+        rope_cos, rope_sin = self.rope_cos, self.rope_sin
+        if positions is not None:
+            rope_cos, rope_sin = rope_cos[positions], rope_sin[positions]
         for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, rope_cos, rope_sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
