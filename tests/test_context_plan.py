@@ -77,7 +77,8 @@ def test_a_sequence_that_does_not_split_into_chunks_is_refused(
             {"pipeline": mt.Pipeline(axis="pp", schedule="ZBVZeroBubble", stages_per_rank=2)},
             "the pipeline schedule 'ZBVZeroBubble', which splits backward",
         ),
-        ({"dp": 2, "cp": 2}, ("dp",), {"compile": True}, "torch.compile"),
+        ({"dp": 2, "cp": 2}, ("dp",), {"compile": {"fullgraph": True}},
+         r"torch.compile with fullgraph=True"),
     ],
 )
 def test_combinations_not_proven_are_refused(
@@ -85,6 +86,11 @@ def test_combinations_not_proven_are_refused(
 ) -> None:
     with pytest.raises(mt.PlanError, match=rf"context parallelism over 'cp'.*compose with {what}"):
         _plan(_own(), fsdp=fsdp, **mesh, **options)
+
+
+def test_compile_without_fullgraph_plans_context_attention_as_an_eager_island() -> None:
+    plan = _plan(_own(), fsdp=("dp",), dp=2, cp=2, compile={"backend": "aot_eager"})
+    assert plan.context_axis == "cp" and plan.compile_scope is not None
 
 
 def test_tensor_and_sequence_parallelism_compose_on_their_own_axis() -> None:

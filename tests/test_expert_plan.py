@@ -130,11 +130,12 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
         (_Tiny(_Experts()), {"ep": 2}, {r".*gate_up_proj": mt.P("ep", None, None), ".*": mt.P()},
          {}, ["down_proj", "split alike"]),
         (_Tiny(_OddForward()), {"ep": 2}, RULES, {}, ["layers.0.experts", "_OddForward", "forward"]),
-        (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": True}, ["compile=True"]),
+        (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": {"fullgraph": True}},
+         ["fullgraph=True", "'fullgraph': False"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"zero": 0}, ["zero=0"]),
         (_Tiny(_Experts()), {"rep": 2, "dp": 2, "ep": 2}, RULES, {"fsdp": ("rep", "dp")}, ["HSDP"]),
     ],
-    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "compile", "zero0",
+    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "fullgraph", "zero0",
          "hsdp"],
 )  # fmt: skip
 def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options, names) -> None:  # type: ignore[no-untyped-def]
@@ -144,6 +145,11 @@ def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options
     assert isinstance(refusal.value, SpecError if "ep=4" in names else PlanError)
     for name in names:
         assert name in str(refusal.value)
+
+
+def test_compile_without_fullgraph_plans_the_dispatch_as_an_eager_island() -> None:
+    plan = mt.plan(_Tiny(_Experts()), _mesh(ep=2), mt.Rules(RULES), compile={"backend": "aot_eager"})
+    assert plan.expert_axis == "ep" and plan.compile_scope is not None
 
 
 def test_the_experts_interface_is_recognised() -> None:

@@ -12,7 +12,10 @@ FSDP2's module hooks (which stay outside the compiled code) are untouched.
 
 Graph breaks are not accepted silently: after the first forward of a compiled model a
 :class:`~meshtrain.errors.GraphBreakWarning` names their count and reasons, and
-:func:`compile_report` returns them.
+:func:`compile_report` returns them. Calls into functions marked ``torch.compiler.disable`` are
+deliberate eager islands, counted apart (``CompileReport.islands``) and not warned about:
+meshtrain marks the expert dispatch (its all-to-all sizes are the step's routing counts) and
+context attention (the ring's point-to-point sends).
 
 Example (inside ``parallelize``)::
 
@@ -44,10 +47,12 @@ from meshtrain.plan.ir import Plan, TPStyle
 
 @dataclass(frozen=True)
 class CompileReport:
-    """Graph breaks torch.compile hit in a model's compiled regions since ``mt.apply``."""
+    """Graph breaks torch.compile hit in a model's compiled regions since ``mt.apply``; calls
+    into ``torch.compiler.disable``'d functions (deliberate eager islands) counted apart."""
 
     graph_breaks: int
     reasons: tuple[str, ...]
+    islands: int = 0
 
 
 def apply_checkpointing(plan: Plan, model: nn.Module) -> None:
@@ -152,7 +157,14 @@ def compile_report(model: nn.Module) -> CompileReport:
     if before is None:
         return CompileReport(0, ())
     delta = _graph_breaks() - before
+    islands = {reason: n for reason, n in delta.items() if _ISLAND in reason}
+    breaks = {reason: n for reason, n in delta.items() if _ISLAND not in reason}
     return CompileReport(
-        sum(delta.values()),
-        tuple(f"{reason.strip().splitlines()[0]} (×{count})" for reason, count in delta.items()),
+        sum(breaks.values()),
+        tuple(f"{reason.strip().splitlines()[0]} (×{count})" for reason, count in breaks.items()),
+        sum(islands.values()),
     )
+
+
+#: what torch 2.13's graph-break reason says of a call into a ``torch.compiler.disable``'d function
+_ISLAND = "torch.compiler.disable()"

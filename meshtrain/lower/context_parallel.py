@@ -62,6 +62,8 @@ class ContextGroup:
         """The true positions of this rank's ``local_len`` tokens of a sequence."""
         return _positions(local_len * self.size, self.size, self.rank, self.balance).to(device)
 
+    # An eager island under torch.compile, the positions' cached lookup included.
+    @torch.compiler.disable
     def attend(
         self,
         q: torch.Tensor,

@@ -120,6 +120,8 @@ class ExpertDispatch:
         self.names = tuple(fqn.rpartition(".")[2] for fqn in group.params)
         self.last_counts: torch.Tensor | None = None
 
+    # An eager island under torch.compile: the all-to-all sizes are this step's routing counts.
+    @torch.compiler.disable
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -318,6 +318,8 @@ def _check(
         )
 
 
+# An eager island under torch.compile: point-to-point sends and a PlanError raised per call.
+@torch.compiler.disable
 def context_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -75,7 +75,8 @@ def check_context(
     """What context parallelism composes with in this version: data parallelism (FSDP over one
     data axis, any ZeRO stage), tensor parallelism (with or without sequence parallelism, on its
     own axis), pipelines whose schedule runs backward whole, activation checkpointing,
-    bf16/fp16. Schedules that split backward into input and weight halves, HSDP, compile and a
+    bf16/fp16 and torch.compile (context attention left eager between compiled graphs).
+    Schedules that split backward into input and weight halves, HSDP, compile with fullgraph and a
     sequence that does not split into ``2·cp`` chunks are refused, naming the combination."""
     ways = mesh.size(axis)
     pipeline = options.pipeline
@@ -86,7 +87,11 @@ def check_context(
             "backward into input and weight halves",
         ),
         (len(data_axes) > 1, f"HSDP over {list(data_axes)}"),
-        (options.compile, "torch.compile"),
+        (
+            options.compile and options.compile_fullgraph,
+            "torch.compile with fullgraph=True (context attention runs eagerly between "
+            "compiled graphs, a deliberate graph break; compile with {'fullgraph': False})",
+        ),
     ]
     for refused, what in combos:
         if refused:

@@ -82,8 +82,8 @@ def plan_experts(
     """The experts modules the specs shard over ``expert_axis``, checked: every parameter on
     that axis belongs to an experts module with the known forward, shards its experts dim (dim 0)
     and nothing else, over a divisor of ``num_experts``; the axes around it lower (one data axis
-    at most, no compile, ZeRO 1 to 3; a tensor-parallel axis only outside the experts). Raises :class:`PlanError` naming the module
-    or parameter and the fix."""
+    at most, compile without fullgraph, ZeRO 1 to 3; a tensor-parallel axis only outside the
+    experts). Raises :class:`PlanError` naming the module or parameter and the fix."""
     mesh = resolution.mesh
     modules = dict(model.named_modules())
     grouped: dict[str, list[str]] = {}
@@ -150,12 +150,14 @@ def _check_combination(
     FSDP2's ZeRO 1 to 3, checkpointing, mixed precision, pipelines (each stage dispatches its
     own layers' tokens over the expert ranks of its pipeline rank) and tensor parallelism on
     another axis for the layers outside the experts (the ranks of one tensor-parallel index
-    dispatch among themselves; the experts stay whole over it); no compile yet."""
-    if options.compile:
+    dispatch among themselves; the experts stay whole over it) and torch.compile, the dispatch
+    left eager between compiled graphs (so not with fullgraph=True)."""
+    if options.compile and options.compile_fullgraph:
         raise PlanError(
-            f"expert parallelism over '{axis}' on mesh {mesh} with compile=True is not "
-            "supported yet: the token dispatch exchanges data-dependent counts. Compile "
-            "without the expert axis, or train the expert-parallel plan eagerly (compile=False).",
+            f"expert parallelism over '{axis}' on mesh {mesh} with compile fullgraph=True is "
+            "not supported: the token dispatch exchanges data-dependent counts and runs eagerly "
+            "between compiled graphs (a deliberate graph break). Compile with "
+            "{'fullgraph': False}, or train the expert-parallel plan eagerly (compile=False).",
             mesh=mesh,
         )
     if fsdp_decisions(options.zero).wrapper == "replicate":
