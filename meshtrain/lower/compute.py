@@ -30,7 +30,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -43,6 +43,18 @@ from torch.utils.checkpoint import (
 from meshtrain.errors import GraphBreakWarning
 from meshtrain.plan.activations import SAVED_OPS
 from meshtrain.plan.ir import Plan, TPStyle
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def eager_island(fn: _F) -> _F:
+    """``fn`` left eager under torch.compile (``torch.compiler.disable``, its type kept): a
+    deliberate graph break, counted in :attr:`CompileReport.islands` rather than warned about.
+
+    >>> eager_island(lambda x: x + 1)(1)
+    2
+    """
+    return cast(_F, torch.compiler.disable(fn))
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from meshtrain.errors import PlanError, format_shape
+from meshtrain.lower.compute import eager_island
 from meshtrain.lower.context_layout import chunk_positions, shard_sequence
 from meshtrain.lower.groups import axis_group
 from meshtrain.lower.ring_attention import context_attention
@@ -63,7 +64,7 @@ class ContextGroup:
         return _positions(local_len * self.size, self.size, self.rank, self.balance).to(device)
 
     # An eager island under torch.compile, the positions' cached lookup included.
-    @torch.compiler.disable
+    @eager_island
     def attend(
         self,
         q: torch.Tensor,

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from meshtrain.lower.compute import eager_island
 from meshtrain.lower.groups import device_mesh, group_over
 from meshtrain.plan.ir import ExpertGroup, Plan
 
@@ -121,7 +122,7 @@ class ExpertDispatch:
         self.last_counts: torch.Tensor | None = None
 
     # An eager island under torch.compile: the all-to-all sizes are this step's routing counts.
-    @torch.compiler.disable
+    @eager_island
     def __call__(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -52,6 +52,7 @@ from torch.distributed import ProcessGroup
 import meshtrain.lower.attention_blocks as blocks
 from meshtrain.errors import PlanError
 from meshtrain.lower.attention_blocks import KVBlock, Visibility, blockwise_attention
+from meshtrain.lower.compute import eager_island
 
 __all__ = [
     "METHODS",
@@ -319,7 +320,7 @@ def _check(
 
 
 # An eager island under torch.compile: point-to-point sends and a PlanError raised per call.
-@torch.compiler.disable
+@eager_island
 def context_attention(
     q: torch.Tensor,
     k: torch.Tensor,
