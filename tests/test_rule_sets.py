@@ -62,5 +62,6 @@ def test_valid_rule_sets_fail_only_for_documented_reasons(rule_set: RuleSet, zer
             "is replicated: ranks would hold",  # a pair's Linear left replicated beside it
             "row-wise tensor-parallel partner",  # a row-wise Linear that cannot consume the output
             "which takes the local output of column-wise",  # abstract run: a row-wise input whole
+            "mixes tensors sharded over tensor-parallel axis",  # abstract run: shard + whole
         )
         assert any(reason in str(result) for reason in reasons), str(result)
