@@ -6,10 +6,15 @@ dp 2 x cp 2, both with the ``aot_eager`` backend, under ``assert_equivalent``.""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
+import torch
 from context_models import SEQ, batches, own_llama, rules
 from moe_models import ep_rules, qwen3_moe, token_batches
 
+from meshtrain.errors import GraphBreakWarning
+from meshtrain.lower.compute import _watch_graph_breaks, compile_report, eager_island
 from meshtrain.testing import assert_equivalent
 
 pytestmark = [pytest.mark.spmd, pytest.mark.extended]
@@ -33,3 +38,39 @@ def test_llama_compiled_trains_like_one_device_on_dp2_cp2() -> None:
                                batches=batches, steps=2, optimizer="adamw")  # fmt: skip
     assert report.passed
     print(report.contract.level, max(c.ratio for c in report.comparisons), report.losses)
+
+
+class _Island(torch.nn.Module):
+    def __init__(self, real_break: bool) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.real_break = real_break
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _eager_double(self.linear(x))
+        if self.real_break:
+            torch._dynamo.graph_break()
+        return self.linear(x)
+
+
+@eager_island
+def _eager_double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@pytest.mark.parametrize("real_break", [False, True])
+def test_an_eager_island_is_counted_apart_from_graph_breaks(real_break: bool) -> None:
+    """A call into an eager island is no GraphBreakWarning; any other break still warns."""
+    torch._dynamo.reset()
+    model = _Island(real_break)
+    model.forward = torch.compile(model.forward, backend="aot_eager", dynamic=False)  # type: ignore[method-assign]
+    _watch_graph_breaks(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(torch.ones(2, 4))
+    expected = model.linear(2 * model.linear(torch.ones(2, 4)))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    report = compile_report(model)
+    warned = [w for w in caught if issubclass(w.category, GraphBreakWarning)]
+    assert report.islands >= 1
+    assert (report.graph_breaks > 0, len(warned)) == ((True, 1) if real_break else (False, 0))
