@@ -77,8 +77,12 @@ def test_a_sequence_that_does_not_split_into_chunks_is_refused(
             {"pipeline": mt.Pipeline(axis="pp", schedule="ZBVZeroBubble", stages_per_rank=2)},
             "the pipeline schedule 'ZBVZeroBubble', which splits backward",
         ),
-        ({"dp": 2, "cp": 2}, ("dp",), {"compile": {"fullgraph": True}},
-         r"torch.compile with fullgraph=True"),
+        (
+            {"dp": 2, "cp": 2},
+            ("dp",),
+            {"compile": {"fullgraph": True}},
+            r"torch.compile with fullgraph=True",
+        ),
     ],
 )
 def test_combinations_not_proven_are_refused(

@@ -148,7 +148,9 @@ def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options
 
 
 def test_compile_without_fullgraph_plans_the_dispatch_as_an_eager_island() -> None:
-    plan = mt.plan(_Tiny(_Experts()), _mesh(ep=2), mt.Rules(RULES), compile={"backend": "aot_eager"})
+    plan = mt.plan(
+        _Tiny(_Experts()), _mesh(ep=2), mt.Rules(RULES), compile={"backend": "aot_eager"}
+    )
     assert plan.expert_axis == "ep" and plan.compile_scope is not None
 
 
