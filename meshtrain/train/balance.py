@@ -44,8 +44,9 @@ def set_aux_scale(model: Any, scale: float) -> None:
 
 
 def after_optimizer_step(model: Any) -> None:
-    """Call ``after_optimizer_step()`` on every root module that has it (a collective over the
-    token ranks for meshtrain's MoE under loss-free balancing: every rank calls it alike)."""
+    """Call ``after_optimizer_step()`` on every root module that has it (no collective: the
+    counts meshtrain's MoE moves its biases from were already summed over the token ranks by
+    the count reducer during the forward)."""
     for root in _roots(model):
         hook = getattr(root, "after_optimizer_step", None)
         if callable(hook):
