@@ -51,6 +51,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.abstract_experts import dense_forward
+from meshtrain.plan.expert_activations import counts_shape
 from meshtrain.plan.experts import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim_of
@@ -451,7 +452,7 @@ class _Prover(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is _aten.bincount.default:
-            return _counts(*args, **kwargs)
+            return counts_shape(*args, **kwargs)
         if self.quiet:
             return func(*args, **kwargs)
         inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -668,19 +669,6 @@ def _scaled_sizes(args: tuple[Any, ...], ways: int, cut: set[int]) -> list[tuple
                     (first if size in cut else then).append(
                         (*args[:index], scaled, *args[index + 1:]))  # fmt: skip
     return first + then
-
-
-def _counts(ids: torch.Tensor, weights: torch.Tensor | None = None,
-            minlength: int = 0) -> torch.Tensor:  # fmt: skip
-    """``bincount(ids, minlength=n)``'s shape for ids below ``n`` (a router's tokens per expert),
-    which fake tensors cannot know from the ids' values; without ``minlength``, unknowable."""
-    if minlength < 1:
-        raise RuntimeError(
-            f"bincount without minlength on {format_shape(tuple(ids.shape))} ids has "
-            "a data-dependent size the abstract run cannot know. Pass minlength."
-        )
-    dtype = torch.long if weights is None else weights.dtype
-    return torch.zeros(minlength, dtype=dtype, device=ids.device)
 
 
 def _gathered(prover: _Prover, x: torch.Tensor) -> torch.Tensor:

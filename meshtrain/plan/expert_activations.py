@@ -81,11 +81,11 @@ def traced_experts(module: nn.Module, fqn: str, report: Report,
 def counts_shape(ids: torch.Tensor, weights: torch.Tensor | None = None,
                  minlength: int = 0) -> torch.Tensor:  # fmt: skip
     """``bincount(ids, minlength=n)`` as zeros of its shape (ids below ``n``: a router's tokens
-    per expert); without ``minlength`` the size is the ids' values', which a trace cannot know."""
+    per expert); without ``minlength`` the size is the ids' values', which a shape-only run cannot know."""
     if minlength < 1:
         raise RuntimeError(
             f"bincount without minlength on ids of shape {list(ids.shape)} has a data-dependent "
-            "size the activation trace cannot know. Pass minlength."
+            "size a shape-only run (activation trace, abstract run) cannot know. Pass minlength."
         )
     dtype = torch.long if weights is None else weights.dtype
     return torch.zeros(minlength, dtype=dtype, device=ids.device)
