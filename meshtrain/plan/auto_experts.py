@@ -162,16 +162,15 @@ def _expert_candidates(
             c = ExpertCandidate(1, dp, 1, zero, "full", 1, ep=ep)
             try:
                 plan = _plan(model, c, rules, options, world_size, device_type, True, expert_axis)
-            except MeshtrainError as error:
-                found.append((Evaluated(c, None, None, error.message.split(". ")[0]), None))  # type: ignore[arg-type]
-                continue
+            except MeshtrainError:
+                continue  # refused for this ep and stage: not a candidate
             estimates = dict(plan.activation_estimates)
             other = plan.memory.total - plan.memory.activations
             for mode in MODES:
                 peak = other + estimates[mode] if estimates else plan.memory.total
                 cost = step_cost(plan, search.node_size, links, tokens, mode)
                 found.append((Evaluated(replace(c, checkpointing=mode), peak, cost), plan))
-    return [(e, plan) for e, plan in found if plan is not None]
+    return found
 
 
 def _plan(
