@@ -16,7 +16,7 @@ Example:
     >>> from meshtrain.models.moe import MoEConfig, build_moe
     >>> model = build_moe(MoEConfig.debug())
     >>> _ = model(torch.zeros(1, 8, dtype=torch.long))
-    >>> stats = router_metrics(model, None)()
+    >>> stats = router_metrics(model)()
     >>> sum(map(int, stats["moe/tokens_per_expert/layers.1"].split())), stats["moe/load_ratio"] >= 1
     (16, True)
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from meshtrain.lower import PipelinedModel
@@ -35,14 +34,11 @@ from meshtrain.models.moe import moe_layers, moe_stats
 __all__ = ["router_metrics"]
 
 
-def router_metrics(
-    model: nn.Module | PipelinedModel, group: dist.ProcessGroup | None = None
-) -> Callable[[], dict[str, Any]] | None:
+def router_metrics(model: nn.Module | PipelinedModel) -> Callable[[], dict[str, Any]] | None:
     """A function returning the step's router metrics (module docstring); None for a model
     without MoE layers. ``model`` may be this rank's pipeline stages. The sums run over the
-    token ranks through the count reducer of the layers (``mt.apply`` installs it), so
-    ``group`` is not needed; it is accepted for callers that pass the batch ranks."""
-    del group  # the layers' count reducer spans the token ranks (context ranks included)
+    token ranks (context ranks included) through the count reducer of the layers
+    (``mt.apply`` installs it)."""
     modules = model.modules if isinstance(model, PipelinedModel) else [model]
     modules = [module for module in modules if moe_layers(module)]
     if not modules:

@@ -35,7 +35,6 @@ from torch import nn
 
 from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
 from meshtrain.lower import PipelinedModel, apply, materialise
-from meshtrain.lower.groups import group_over
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.data import recipe_datasets
@@ -150,7 +149,7 @@ def _train(
     loop = _Loop(recipe, plan, fingerprint, checkpointer, guard, last_good, resume)
     loop.run_id = run_id(resume)
     loop.evaluator = Evaluator(recipe, plan, applied, validation, dp_rank, dp_size, sinks)
-    loop.router = router_metrics(applied, group_over(plan, plan.batch_axes))
+    loop.router = router_metrics(applied)
     if recipe.profile.steps:
         loop.profiler = StepProfiler(recipe.profile.steps, recipe.run_dir / "profile",
                                      rank=dist.get_rank(), memory=recipe.profile.memory)  # fmt: skip
