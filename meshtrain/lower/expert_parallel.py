@@ -197,15 +197,16 @@ def experts_ignored(plan: Plan, model: nn.Module) -> set[nn.Parameter]:
 
 
 def tokens_per_expert(plan: Plan, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Tokens routed to each expert in the last forward, summed over every batch rank: experts
-    module FQN → ``[num_experts]`` counts (a collective: every rank calls it alike).
+    """Tokens routed to each expert in the last forward, summed over every token rank
+    (the data, expert and context axes, as the count reducer sums): experts module FQN →
+    ``[num_experts]`` counts (a collective: every rank calls it alike).
 
     Example (on every rank, after a step)::
 
         load = tokens_per_expert(plan, model)   # {"model.layers.0.mlp.experts": tensor([...])}
     """
     found: dict[str, torch.Tensor] = {}
-    group = group_over(plan, plan.batch_axes)
+    group = group_over(plan, plan.token_axes)
     for spec in plan.experts:
         forward = model.get_submodule(spec.fqn).forward
         counts = getattr(forward, "last_counts", None)
