@@ -23,7 +23,7 @@ import abc
 import dataclasses
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -300,8 +300,11 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class Llama(_Initialised):
-    """Llama-3-style decoder; also a pipeline stage when parts are deleted.
+class Decoder(_Initialised):
+    """The decoder shell the Llama and the MoE share: token embeddings, ``layers`` (blocks taking
+    ``(h, rope_cos, rope_sin)``), the final norm, the output head and the rotary tables; a pipeline
+    stage when parts are deleted. Subclasses pass their blocks and say where the rotary tables'
+    shape comes from (:meth:`_rope_config`).
 
     ``forward`` takes token ids ``[batch, seq]`` and returns logits ``[batch, seq, vocab]``. A stage
     whose ``tok_embeddings`` is ``None`` takes float hidden states ``[batch, seq, dim]`` instead,
@@ -318,15 +321,13 @@ class Llama(_Initialised):
     rope_cos: Tensor
     rope_sin: Tensor
 
-    def __init__(self, config: LlamaConfig) -> None:
+    def __init__(self, config: Any, blocks: Mapping[str, nn.Module]) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings: nn.Embedding | None = annotate(
             nn.Embedding(config.vocab_size, config.dim), weight=("vocab", "embed")
         )
-        self.layers = nn.ModuleDict(
-            {str(index): TransformerBlock(index, config) for index in range(config.n_layers)}
-        )
+        self.layers = nn.ModuleDict(dict(blocks))
         self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
         self.output: nn.Linear | None = annotate(
             nn.Linear(config.dim, config.vocab_size, bias=False), weight=("vocab", "embed")
@@ -346,7 +347,7 @@ class Llama(_Initialised):
         last = int(positions.max()) + 1 if positions is not None else seq
         if self.tok_embeddings is not None and last > self.config.max_seq_len:
             raise PlanError(
-                f"sequence length {last} exceeds LlamaConfig.max_seq_len="
+                f"sequence length {last} exceeds {type(self.config).__name__}.max_seq_len="
                 f"{self.config.max_seq_len}; build the model with a larger max_seq_len or feed "
                 "shorter sequences."
             )
@@ -360,7 +361,7 @@ class Llama(_Initialised):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """(Re)initialise every parameter and the RoPE tables, reproducibly.
+        """(Re)initialise every parameter and the buffers (:meth:`_reset_buffers`), reproducibly.
 
         One base seed is drawn from ``generator`` (torch's default generator when ``None``); each
         parameter's values come from a CPU generator seeded with (base seed, FQN) and are then
@@ -386,10 +387,12 @@ class Llama(_Initialised):
         params = dict(self.named_parameters())
         missing = sorted(set(params) - set(table))
         if missing:
-            raise PlanError(f"Llama.init_weights has no initialiser for parameters {missing}.")
+            raise PlanError(
+                f"{type(self).__name__}.init_weights has no initialiser for parameters {missing}."
+            )
         for fqn in sorted(set(table) & set(params)):  # a pipeline stage holds some of them
             _fill_(params[fqn], table[fqn], _fqn_seed(base, fqn))
-        self._reset_rope()
+        self._reset_buffers()
 
     def _init_table(self) -> dict[str, _Init]:
         table: dict[str, _Init] = {}
@@ -399,13 +402,34 @@ class Llama(_Initialised):
             table["output.weight"] = _Init(std=self.config.dim**-0.5)
         return table
 
+    def _rope_config(self) -> LlamaConfig:
+        """The configuration the rotary tables are computed from."""
+        return self.config
+
+    def _reset_buffers(self) -> None:
+        """Buffers :meth:`init_weights` resets after the parameters: the rotary tables."""
+        self._reset_rope()
+
     def _reset_rope(self) -> None:
         if self.rope_cos.is_meta:
             return
-        cos, sin = _rope_tables(self.config)
+        cos, sin = _rope_tables(self._rope_config())
         with torch.no_grad():
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
+
+
+class Llama(Decoder):
+    """Llama-3-style decoder (:class:`Decoder` with :class:`TransformerBlock` layers).
+
+    Example:
+        >>> build_llama(LlamaConfig.debug()).layers["0"].feed_forward.w1.weight.shape
+        torch.Size([192, 64])
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        blocks = {str(index): TransformerBlock(index, config) for index in range(config.n_layers)}
+        super().__init__(config, blocks)
 
 
 def build_llama(config: LlamaConfig, *, seed: int = 0, device: str | torch.device = "cpu") -> Llama:

@@ -61,16 +61,12 @@ from meshtrain.errors import PlanError
 from meshtrain.models.llama import (
     _WRAPPER_SEGMENTS,
     Attention,
+    Decoder,
     FeedForward,
     LlamaConfig,
     RMSNorm,
     _apply_rope,
     _causal_sdpa,
-    _fill_,
-    _fqn_seed,
-    _Init,
-    _Initialised,
-    _rope_tables,
 )
 from meshtrain.models.llama import default_rules as llama_rules
 from meshtrain.models.moe_experts import (
@@ -82,7 +78,6 @@ from meshtrain.models.moe_experts import (
     load_balance_loss,
     recomputing,
 )
-from meshtrain.spec.logical import annotate
 
 if TYPE_CHECKING:
     from meshtrain.spec.mesh import Mesh
@@ -351,8 +346,9 @@ class MoEBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-class MoE(_Initialised):
-    """The mixture-of-experts decoder; a pipeline stage when parts are deleted (as the Llama).
+class MoE(Decoder):
+    """The mixture-of-experts decoder: :class:`~meshtrain.models.llama.Decoder` (a pipeline stage
+    when parts are deleted, as the Llama) with :class:`MoEBlock` layers.
 
     ``forward`` takes token ids ``[batch, seq]`` (or hidden states when ``tok_embeddings`` is
     ``None``) and returns logits ``[batch, seq, vocab]`` (hidden states when ``output`` is None).
@@ -364,83 +360,19 @@ class MoE(_Initialised):
         torch.Size([])
     """
 
-    rope_cos: Tensor
-    rope_sin: Tensor
-
     def __init__(self, config: MoEConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.tok_embeddings: nn.Embedding | None = annotate(
-            nn.Embedding(config.vocab_size, config.dim), weight=("vocab", "embed")
-        )
-        self.layers = nn.ModuleDict(
-            {str(index): MoEBlock(index, config) for index in range(config.n_layers)}
-        )
-        self.norm: RMSNorm | None = RMSNorm(config.dim, config.norm_eps)
-        self.output: nn.Linear | None = annotate(
-            nn.Linear(config.dim, config.vocab_size, bias=False), weight=("vocab", "embed")
-        )
-        table_shape = (config.max_seq_len, config.head_dim // 2)
-        self.register_buffer("rope_cos", torch.empty(table_shape), persistent=False)
-        self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
-        self._reset_rope()
+        blocks = {str(index): MoEBlock(index, config) for index in range(config.n_layers)}
+        super().__init__(config, blocks)
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits (or a stage's hidden states); ``positions`` (``[seq]``, default
-        ``0..seq-1``): the true positions of the tokens given, for a share of a longer sequence
-        (context parallelism), as :meth:`meshtrain.models.llama.Llama.forward`."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        last = int(positions.max()) + 1 if positions is not None else tokens.shape[1]
-        if self.tok_embeddings is not None and last > self.config.max_seq_len:
-            raise PlanError(
-                f"sequence length {last} exceeds MoEConfig.max_seq_len={self.config.max_seq_len}; "
-                "build the model with a larger max_seq_len or feed shorter sequences."
-            )
-        rope_cos, rope_sin = self.rope_cos, self.rope_sin
-        if positions is not None:
-            rope_cos, rope_sin = rope_cos[positions], rope_sin[positions]
-        for layer in self.layers.values():
-            h = layer(h, rope_cos, rope_sin)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+    def _rope_config(self) -> LlamaConfig:
+        return self.config.llama()
 
-    @torch.no_grad()
-    def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """(Re)initialise every parameter, the rotary tables and the routers' counts and biases,
-        reproducibly from (one base seed drawn from ``generator``, FQN), as
-        :meth:`meshtrain.models.llama.Llama.init_weights` does (DTensor shards included)."""
-        device = generator.device if generator is not None else "cpu"
-        base = int(torch.randint(0, 2**62, (), generator=generator, device=device).item())
-        table: dict[str, _Init] = {}
-        for prefix, module in self.named_modules():
-            if isinstance(module, _Initialised):
-                for name, init in module._init_table().items():
-                    table[f"{prefix}.{name}" if prefix else name] = init
+    def _reset_buffers(self) -> None:
+        """The rotary tables and the routers' counts and biases."""
+        for module in self.modules():
             if isinstance(module, Router):
                 module.reset_buffers()
-        params = dict(self.named_parameters())
-        missing = sorted(set(params) - set(table))
-        if missing:
-            raise PlanError(f"MoE.init_weights has no initialiser for parameters {missing}.")
-        for fqn in sorted(set(table) & set(params)):
-            _fill_(params[fqn], table[fqn], _fqn_seed(base, fqn))
         self._reset_rope()
-
-    def _init_table(self) -> dict[str, _Init]:
-        table: dict[str, _Init] = {}
-        if self.tok_embeddings is not None:
-            table["tok_embeddings.weight"] = _Init(std=1.0, truncated=False)
-        if self.output is not None:
-            table["output.weight"] = _Init(std=self.config.dim**-0.5)
-        return table
-
-    def _reset_rope(self) -> None:
-        if self.rope_cos.is_meta:
-            return
-        cos, sin = _rope_tables(self.config.llama())
-        with torch.no_grad():
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
 
     def aux_loss(self) -> Tensor:
         """The balance loss of the last forward summed over this model's MoE layers (with its
