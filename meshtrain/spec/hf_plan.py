@@ -179,7 +179,7 @@ def _entries(
     modules = dict(model.named_modules())
     params = [fqn for fqn, _ in model.named_parameters()]
     for module_pattern, style in plan.items():
-        regex = re.escape(module_pattern).replace(r"\*", r"\d+")
+        regex = _plan_regex(module_pattern)
         matched = [fqn for fqn in modules if re.fullmatch(regex, fqn)]
         known = HF_STYLES.get(style)
         refused = known is None or known.kind == "refused"
@@ -201,8 +201,18 @@ def _entries(
         yield regex, style, matched, modules[matched[0]]
 
 
+def _plan_regex(pattern: str) -> str:
+    """The regex of a transformers plan pattern, whose ``*`` stands for a layer index.
+
+    Example:
+        >>> _plan_regex("layers.*.mlp")
+        'layers\\\\.\\\\d+\\\\.mlp'
+    """
+    return re.escape(pattern).replace(r"\*", r"\d+")
+
+
 def _refuse(pattern: str, style: str, kind: str, why: str) -> None:
-    replicate = re.escape(pattern).replace(r"\*", r"\d+") + r"(\..*)?"
+    replicate = _plan_regex(pattern) + r"(\..*)?"
     reason = why.removeprefix("refused: ").removesuffix(f"; {_OVERRIDE}")
     raise RuleError(
         f"the model's tensor-parallel plan gives '{pattern}' ({kind}) the style {style!r}, which "
@@ -273,10 +283,10 @@ def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[s
     patterns: dict[str, P] = {}
     found: list[str] = []
     for module_pattern, style in entries:
-        regex = re.escape(module_pattern).replace(r"\*", r"\d+")
+        regex = _plan_regex(module_pattern)
         if style == "grouped_gemm":
             owner, _, name = module_pattern.rpartition(".")
-            experts = _experts_matching(modules, re.escape(owner).replace(r"\*", r"\d+"))
+            experts = _experts_matching(modules, _plan_regex(owner))
             if experts and axis is not None:
                 patterns[regex] = P(axis, *([None] * (getattr(experts[0], name).ndim - 1)))
             continue
