@@ -192,9 +192,11 @@ class Recipe:
         axis = self.parallel.context
         if not axis:
             return rules
-        return Rules(rules.patterns, logical=(("seq", axis), *rules.logical), fsdp=rules.fsdp,
-                     allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
-                     gathered=rules.gathered)  # fmt: skip
+        context = Rules(rules.patterns, logical=(("seq", axis), *rules.logical), fsdp=rules.fsdp,
+                        allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
+                        gathered=rules.gathered)  # fmt: skip
+        context.notes = rules.notes  # what from_hf noted still holds
+        return context
 
     def _rules(self) -> Rules:
         par = self.parallel
