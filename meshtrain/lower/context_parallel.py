@@ -14,6 +14,13 @@ Three things change, none of them the model's code:
 - **positions**: a forward pre-hook passes the rank's true positions (``positions`` to
   meshtrain's Llama, ``position_ids`` to a ``transformers`` model), so rotary tables are those
   of the chunks the rank holds.
+- **packed documents**: when the caller passes ``[batch, seq]`` positions (the rank's chunks
+  of positions that restart at each packed document, cut by :func:`shard_batch`), the hook
+  gathers the whole sequences' positions over the context group (one all-gather of
+  ``B·S`` int64 per forward), reads the document ids from them
+  (:func:`~meshtrain.spec.packing.document_ids`, the rule of ``transformers``) and passes this
+  rank's share to attention, which then sees keys only within each query's document: the
+  block-diagonal causal mask one device applies.
 - **the batch**: :func:`shard_batch` (``mt.shard_batch``) slices inputs and targets of a step
   along the sequence into the rank's chunks (the train step calls it, see
   :mod:`meshtrain.train.step`; a loop of one's own calls it before the forward).
@@ -28,24 +35,30 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed import ProcessGroup
 
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.compute import eager_island
-from meshtrain.lower.context_layout import chunk_positions, shard_sequence
+from meshtrain.lower.context_layout import chunk_positions, shard_sequence, unshard_sequence
 from meshtrain.lower.groups import axis_group
 from meshtrain.lower.ring_attention import context_attention
 from meshtrain.plan.context import check_context_model
 from meshtrain.plan.ir import Plan
+from meshtrain.spec.packing import document_ids
 
 #: the name the attention (and mask) function is registered under in ``transformers``
 HF_ATTENTION = "meshtrain_context"
+#: the keyword that carries a rank's document ids through a ``transformers`` model's forward
+#: to :func:`hf_context_attention` (its keyword arguments reach the attention function)
+HF_DOCUMENTS = "meshtrain_documents"
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,19 @@ class ContextGroup:
         """The true positions of this rank's ``local_len`` tokens of a sequence."""
         return _positions(local_len * self.size, self.size, self.rank, self.balance).to(device)
 
+    def documents(self, positions: torch.Tensor) -> torch.Tensor:
+        """The document ids ``[B, S_local]`` of this rank's tokens, from their positions
+        ``[B, S_local]`` (this rank's chunks of positions restarting at each document): the
+        whole sequences' positions are gathered, split into documents as one device does
+        (:func:`~meshtrain.spec.packing.document_ids`), and this rank's chunks kept."""
+        rows = positions.to(torch.int64).contiguous()
+        if self.size > 1:
+            gathered = funcol.wait_tensor(funcol.all_gather_single(rows, 0, self.group))
+            rows = gathered.view(self.size, *rows.shape).permute(1, 0, 2).flatten(1)
+        whole = unshard_sequence(rows, 1, self.size, self.balance)  # type: ignore[arg-type]
+        ids = document_ids(whole)
+        return shard_sequence(ids, 1, self.size, self.rank, self.balance)  # type: ignore[arg-type]
+
     # An eager island under torch.compile, the positions' cached lookup included.
     @eager_island
     def attend(
@@ -74,11 +100,14 @@ class ContextGroup:
         causal: bool = True,
         window: int | None = None,
         scale: float | None = None,
+        documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One device's attention for this rank's queries (``[B, H, S_local, D]``)."""
+        """One device's attention for this rank's queries (``[B, H, S_local, D]``); with
+        ``documents`` (``[B, S_local]`` ids, :meth:`documents`), within each document."""
         return context_attention(
             q, k, v, group=self.group, positions_q=self.positions(q.shape[2], q.device),
             causal=causal, window=window, scale=scale, method=self.method,  # type: ignore[arg-type]
+            documents=documents,
         )  # fmt: skip
 
 
@@ -108,26 +137,38 @@ def apply_context_parallel(plan: Plan, model: nn.Module) -> None:
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 setattr(module, "attention_fn", functools.partial(context.attend, causal=True))  # noqa: B010
-        model.register_forward_pre_hook(_PositionsHook(context, "positions"), with_kwargs=True)
+        model.register_forward_pre_hook(
+            _PositionsHook(context, "positions", "documents"), with_kwargs=True
+        )
         return
     register_hf_attention()
     model.config._attn_implementation = HF_ATTENTION  # type: ignore[union-attr]
     for module in model.modules():
         module._meshtrain_context = context  # type: ignore[assignment]
-    model.register_forward_pre_hook(_PositionsHook(context, "position_ids"), with_kwargs=True)
+    model.register_forward_pre_hook(
+        _PositionsHook(context, "position_ids", HF_DOCUMENTS), with_kwargs=True
+    )
 
 
 class _PositionsHook:
     """Adds the rank's true positions to the model's forward keywords (``[S_local]`` for
-    meshtrain's Llama, ``[B, S_local]`` position ids for ``transformers``)."""
+    meshtrain's Llama, ``[B, S_local]`` position ids for ``transformers``). Positions the caller
+    passes as ``[B, S_local]`` are kept (packed sequences: they restart at each document), and
+    the document ids read from them are added under ``documents_keyword``."""
 
-    def __init__(self, context: ContextGroup, keyword: str) -> None:
-        self.context, self.keyword = context, keyword
+    def __init__(self, context: ContextGroup, keyword: str, documents_keyword: str) -> None:
+        self.context, self.keyword, self.documents_keyword = context, keyword, documents_keyword
 
     def __call__(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         tokens = args[0] if args else kwargs.get("input_ids", kwargs.get("tokens"))
+        given = kwargs.get(self.keyword)
+        if isinstance(given, torch.Tensor) and given.dim() == 2:
+            if kwargs.get(self.documents_keyword) is not None:
+                return args, kwargs
+            documents = self.context.documents(given)
+            return args, {**kwargs, self.documents_keyword: documents}
         if not isinstance(tokens, torch.Tensor) or self.keyword in kwargs:
             return args, kwargs
         positions = self.context.positions(tokens.shape[1], tokens.device)
@@ -174,6 +215,28 @@ def shard_batch(
     return tuple(shard_sequence(t, 1, cp, rank, balance) for t in tensors)
 
 
+def positions_keyword(model: Any) -> str:
+    """The forward keyword that takes per-token positions: ``positions`` (meshtrain's
+    models) or ``position_ids`` (``transformers``); a :class:`PlanError` for a model with
+    neither, which cannot be given packed sequences' positions.
+
+    Example:
+        >>> from meshtrain.models import LlamaConfig, build_llama
+        >>> positions_keyword(build_llama(LlamaConfig.debug(), device="meta"))
+        'positions'
+    """
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("positions", "position_ids"):
+        if name in parameters:
+            return name
+    raise PlanError(
+        f"{type(model).__name__}.forward takes neither 'positions' (meshtrain's models) nor "
+        "'position_ids' (transformers), so the positions of packed documents cannot reach it: "
+        "train it without document positions (data.document_mask = false), or give its "
+        "forward one of those arguments."
+    )
+
+
 # ----------------------------------------------------------------------------- transformers
 
 
@@ -204,7 +267,8 @@ def hf_context_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """A ``transformers`` attention function (the signature of its SDPA one): this rank's
-    queries' attention over the whole sequence, ``[B, S_local, H, D]``."""
+    queries' attention over the whole sequence, ``[B, S_local, H, D]``; within each packed
+    document when the model's forward carried :data:`HF_DOCUMENTS` (see :class:`_PositionsHook`)."""
     context = _context_of(module)
     if attention_mask is not None or (dropout and module.training):
         raise PlanError(
@@ -214,8 +278,9 @@ def hf_context_attention(
             "sequences) and with attention_dropout=0."
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    documents = kwargs.get(HF_DOCUMENTS)
     out = context.attend(query, key, value, causal=bool(causal), window=sliding_window,
-                         scale=scaling)  # fmt: skip
+                         scale=scaling, documents=documents)  # fmt: skip
     return out.transpose(1, 2).contiguous(), None
 
 

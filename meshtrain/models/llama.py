@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import MeshtrainError, PlanError
 from meshtrain.spec.logical import annotate
+from meshtrain.spec.packing import document_ids, same_document_causal
 
 if TYPE_CHECKING:
     from meshtrain.spec.rules import Rules
@@ -225,6 +226,9 @@ class Attention(_Initialised):
     ``attention_fn`` (``None``: PyTorch's causal SDPA) computes causal attention from
     ``q [batch, heads, seq, head_dim]`` and ``k``/``v`` with fewer heads (grouped queries); a
     plan replaces it, e.g. context parallelism with attention over the whole sequence's keys.
+    ``documents`` (``[batch, seq]`` ids of packed documents, see
+    :mod:`meshtrain.spec.packing`) makes attention causal within each document only; it
+    reaches ``attention_fn`` as ``documents=``.
     """
 
     attention_fn: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None
@@ -239,14 +243,16 @@ class Attention(_Initialised):
         self.wv = annotate(nn.Linear(config.dim, kv_dim, bias=False), weight=("kv_heads", "embed"))
         self.wo = annotate(nn.Linear(config.dim, config.dim, bias=False), weight=("embed", "heads"))
 
-    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
         batch, seq, _ = x.shape  # the whole sequence, also when blocks pass sequence shards
-        rope_cos, rope_sin = rope_cos[:seq], rope_sin[:seq]
+        rope_cos, rope_sin = rope_cos[..., :seq, :], rope_sin[..., :seq, :]
         q = _apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         k = _apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        attend = self.attention_fn or _causal_sdpa
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = attend(self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     documents)  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _init_table(self) -> dict[str, _Init]:
@@ -256,6 +262,32 @@ class Attention(_Initialised):
 
 def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def attend(
+    attention_fn: Callable[..., Tensor] | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    documents: Tensor | None = None,
+) -> Tensor:
+    """Causal attention of ``q`` over ``k``, ``v`` (``[batch, heads, seq, head_dim]``, grouped
+    queries) by ``attention_fn`` (``None``: PyTorch's SDPA); with ``documents`` (``[batch, seq]``
+    ids), causal within each document only: SDPA with the exact boolean mask, or
+    ``attention_fn(q, k, v, documents=documents)``.
+
+    Example:
+        >>> q = torch.randn(1, 2, 3, 4)
+        >>> apart = attend(None, q, q, q, torch.tensor([[0, 0, 1]]))
+        >>> torch.allclose(apart[:, :, 2:], attend(None, q[:, :, 2:], q[:, :, 2:], q[:, :, 2:]))
+        True
+    """
+    if documents is None:
+        return (attention_fn or _causal_sdpa)(q, k, v)
+    if attention_fn is not None:
+        return attention_fn(q, k, v, documents=documents)
+    mask = same_document_causal(documents.to(q.device))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
 class FeedForward(_Initialised):
@@ -295,8 +327,10 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         self.feed_forward = FeedForward(config, out_std)
 
-    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(
+        self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -338,10 +372,24 @@ class Decoder(_Initialised):
         self.register_buffer("rope_sin", torch.empty(table_shape), persistent=False)
         self._reset_rope()
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor | None = None, documents: Tensor | None = None
+    ) -> Tensor:
         """Logits (or a stage's hidden states); ``positions`` (``[seq]``, default
         ``0..seq-1``): the true positions of the tokens given, for a share of a longer sequence
-        (context parallelism)."""
+        (context parallelism); ``[batch, seq]`` positions are each sequence's own, and where
+        they restart (packed documents, :func:`~meshtrain.spec.packing.document_ids`) each
+        token attends only within its document. ``documents`` (``[batch, seq]`` ids) gives the
+        documents instead of reading them from ``positions`` (context parallelism passes them:
+        a rank's positions are only chunks of each sequence).
+
+        Example (two documents packed in one row equal each document alone):
+            >>> model = build_llama(LlamaConfig.debug())
+            >>> tokens = torch.tensor([[5, 6, 7, 8, 9]])
+            >>> packed = model(tokens, positions=torch.tensor([[0, 1, 2, 0, 1]]))
+            >>> torch.allclose(packed[:, 3:], model(tokens[:, 3:]), atol=1e-5)
+            True
+        """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = tokens.shape[1]  # under sequence parallelism a later stage gets a sequence shard
         last = int(positions.max()) + 1 if positions is not None else seq
@@ -354,8 +402,11 @@ class Decoder(_Initialised):
         rope_cos, rope_sin = self.rope_cos, self.rope_sin
         if positions is not None:
             rope_cos, rope_sin = rope_cos[positions], rope_sin[positions]
+        if documents is None and positions is not None and positions.dim() == 2:
+            documents = document_ids(positions)
+        extra = () if documents is None else (documents,)
         for layer in self.layers.values():  # attention slices the tables to its sequence
-            h = layer(h, rope_cos, rope_sin)
+            h = layer(h, rope_cos, rope_sin, *extra)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -501,7 +552,8 @@ def _apply_rope(x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
     Adjacent pairs (not halves) match Meta's checkpoints and torchtitan's complex formulation.
     """
     x0, x1 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
-    cos, sin = rope_cos[None, :, None, :].float(), rope_sin[None, :, None, :].float()
+    # tables [seq, head_dim // 2], or [batch, seq, head_dim // 2] for per-sequence positions
+    cos, sin = rope_cos.unsqueeze(-2).float(), rope_sin.unsqueeze(-2).float()
     rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return rotated.flatten(-2).type_as(x)
 

@@ -66,7 +66,7 @@ from meshtrain.models.llama import (
     LlamaConfig,
     RMSNorm,
     _apply_rope,
-    _causal_sdpa,
+    attend,
 )
 from meshtrain.models.llama import default_rules as llama_rules
 from meshtrain.models.moe_experts import (
@@ -236,15 +236,18 @@ class QKNormAttention(Attention):
         self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
         self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
 
-    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+    def forward(
+        self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
         batch, seq, _ = x.shape
-        rope_cos, rope_sin = rope_cos[:seq], rope_sin[:seq]
+        rope_cos, rope_sin = rope_cos[..., :seq, :], rope_sin[..., :seq, :]
         q = self.q_norm(self.wq(x).view(batch, seq, -1, self.head_dim))
         k = self.k_norm(self.wk(x).view(batch, seq, -1, self.head_dim))
         q, k = _apply_rope(q, rope_cos, rope_sin), _apply_rope(k, rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        attend = self.attention_fn or _causal_sdpa  # a plan may replace it, as the Llama's
-        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        # a plan may replace attention_fn, as the Llama's; documents: packed sequences
+        out = attend(self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                     documents)  # fmt: skip
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -341,8 +344,10 @@ class MoEBlock(nn.Module):
             else FeedForward(llama, out_std)
         )
 
-    def forward(self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin)
+    def forward(
+        self, x: Tensor, rope_cos: Tensor, rope_sin: Tensor, documents: Tensor | None = None
+    ) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope_cos, rope_sin, documents)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -108,8 +108,10 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
         out = data_directory(recipe)
         validation = out / "validation" if data.validation > 0 else None
         _check_vocab(recipe, out / "train", vocab)
-        return (PackedWindows(out / "train", seq_len),
-                PackedWindows(validation, seq_len) if validation else None)  # fmt: skip
+        documents = data.document_mask
+        return (PackedWindows(out / "train", seq_len, document_positions=documents),
+                PackedWindows(validation, seq_len, document_positions=documents)
+                if validation else None)  # fmt: skip
     path = Path(data.path)
     if data.source == "corpus":
         if local_first:
@@ -134,7 +136,8 @@ def check_file_keys(recipe: Recipe) -> None:
     if data.source in FILE_SOURCES:
         return
     for key, value, default in (("validation", data.validation, 0.0),
-                                ("format", data.format, "text")):  # fmt: skip
+                                ("format", data.format, "text"),
+                                ("document_mask", data.document_mask, False)):  # fmt: skip
         if value != default:
             raise RecipeError(
                 f"{recipe.source}: data.{key} = {value!r} applies to data.source "

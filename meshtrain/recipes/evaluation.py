@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import CheckpointError, RecipeError
+from meshtrain.lower.context_parallel import positions_keyword
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.layers import main_output
 from meshtrain.recipes.data import data_directory, recipe_tokenizer
@@ -154,7 +155,11 @@ def evaluate_run(run: LoadedRun, *, batches: int | None = None) -> tuple[EvalRes
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():
         for batch in islice(loader.batches(), min(limit, loader.steps_per_epoch)):
-            logits = main_output(run.model(batch.inputs)).float()
+            # packed documents attending within themselves ([data] document_mask)
+            keywords: dict[str, torch.Tensor] = {}
+            if batch.token_positions is not None:
+                keywords = {positions_keyword(run.model): batch.token_positions}
+            logits = main_output(run.model(batch.inputs, **keywords)).float()
             loss_sum += float(
                 nn.functional.cross_entropy(
                     logits.flatten(0, -2), batch.targets.flatten(), reduction="sum"
@@ -170,8 +175,11 @@ def _held_out(recipe: Recipe) -> tuple[Any, str]:
     if data.source in FILE_SOURCES:
         directory = data_directory(recipe)
         if data.validation > 0 and (directory / "validation").is_dir():
-            return PackedWindows(directory / "validation", seq_len), "the validation split"
-        return PackedWindows(directory / "train", seq_len), "the training data (no split)"
+            validation = directory / "validation"
+            return (PackedWindows(validation, seq_len, document_positions=data.document_mask),
+                    "the validation split")  # fmt: skip
+        train = PackedWindows(directory / "train", seq_len, document_positions=data.document_mask)
+        return train, "the training data (no split)"
     if data.source in ("corpus", "tokens"):
         return TokenWindows(TokenFile(data.path), seq_len), "the training data (no split)"
     raise RecipeError(

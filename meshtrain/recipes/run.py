@@ -49,7 +49,7 @@ from meshtrain.recipes.router_stats import router_metrics
 from meshtrain.recipes.sections import TrainSection
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.train import heartbeat
-from meshtrain.train.batch import Batch, DataPosition
+from meshtrain.train.batch import DataPosition
 from meshtrain.train.checkpoint import (
     Checkpointer,
     export_safetensors,
@@ -210,7 +210,7 @@ class _Loop:
                 break
             self.tokens.check(batch, device)  # every rank alike, before the step's collectives
             if device.type != "cpu":
-                batch = Batch(batch.inputs.to(device), batch.targets.to(device), batch.position)
+                batch = batch.to(device)
             if self.profiler is not None:
                 self.profiler.before(state.step + 1)
             state, metrics = step_fn(state, batch)

@@ -434,7 +434,8 @@ class DataSection:
     ``path`` on first use), ``tokens`` (a prepared token directory at ``path``), ``synthetic``
     (``samples`` random sequences), or the user's files at ``path`` — ``jsonl``, ``text``,
     ``parquet``, ``hf-dataset`` (tokenised once into ``<run_dir>/data``, packed with document
-    boundaries masked, see [your data](data.md)); the tokenizer; shuffling and its seed."""
+    boundaries masked, see [your data](data.md)); the tokenizer; whether packed documents
+    attend only within themselves; shuffling and its seed."""
 
     source: DataSource = field(
         default="corpus", metadata=about("see [training](training.md#data)", "corpus")
@@ -489,6 +490,14 @@ class DataSection:
     )
     samples: int = field(
         default=4096, metadata=about("sequences of `synthetic` data", 4096, bound="positive")
+    )
+    document_mask: bool = field(
+        default=False,
+        metadata=about(
+            "file sources: each packed document attends only within itself (positions restart "
+            "at every document; [packed documents](data.md#packed-documents))",
+            True,
+        ),
     )
     shuffle: bool = field(default=True, metadata=about("shuffle each epoch", True))
     seed: int = field(default=0, metadata=about("the shuffle's seed", 0, bound="nonnegative"))

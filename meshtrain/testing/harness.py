@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.errors import EquivalenceError, PlanError
 from meshtrain.lower import apply, device_mesh, full_tensor, one_device_reference
+from meshtrain.lower.context_parallel import positions_keyword
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
@@ -56,7 +57,9 @@ from meshtrain.train.scaler import LossScaler
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import TrainStep, make_train_step
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+#: ``(inputs, targets)``, or ``(inputs, targets, token_positions)`` for packed documents
+#: (positions restarting at each document, passed to both models; see ``Batch.token_positions``)
+Batch = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 OptimizerSpec = str | Callable[..., torch.optim.Optimizer]
 
 
@@ -243,7 +246,8 @@ def assert_equivalent(
     before the call on every rank). ``mesh_shape`` names the axes and sizes (their product is the
     number of gloo ranks). ``rules_or_plan_options`` is a :class:`~meshtrain.Rules`, or a mapping
     of ``mt.plan`` keyword arguments with the rules under ``"rules"``. ``batches`` gives the
-    global batch of each step (``step -> (inputs, targets)`` or a sequence); by default
+    global batch of each step (``step -> (inputs, targets)`` or a sequence; a third tensor,
+    per-token positions restarting at each packed document, is passed to both models); by default
     :class:`TokenBatches` over the model's first embedding. ``loss_fn(output, targets)`` returns
     a *summed* loss; both runs divide it by the global target count. ``optimizer`` is 'sgd'
     (lr 0.1, momentum 0.9), 'adam', 'adamw' (lr 1e-3) or a picklable ``params -> Optimizer``.
@@ -489,10 +493,11 @@ class _Run:
     def train(self) -> _RankResult:
         for step in range(1, self.config.steps + 1):
             self.step = step
-            inputs, targets = _batch(self.config, step - 1)
+            inputs, targets, *rest = _batch(self.config, step - 1)
+            positions = rest[0] if rest else None
             self.terms.clear()
-            ref_loss, ref_finite = self._reference_backward(inputs, targets)
-            loss, norm, finite = self._plan_step(inputs, targets)
+            ref_loss, ref_finite = self._reference_backward(inputs, targets, positions)
+            loss, norm, finite = self._plan_step(inputs, targets, positions)
             self._compare_scalar(step, "loss", loss, ref_loss)
             ref_norm, ref_grads, old_states = self._reference_clip_and_capture()
             ref_finite = ref_finite and math.isfinite(ref_loss) and math.isfinite(ref_norm)
@@ -517,22 +522,28 @@ class _Run:
         return self.result
 
     def _reference_backward(
-        self, inputs: torch.Tensor, targets: torch.Tensor
+        self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         self.terms.loss_scale = scale
-        loss = self.config.loss_fn(self.reference(inputs), targets) / targets.numel()
+        keywords = {} if positions is None else {positions_keyword(self.reference): positions}
+        output = self.reference(inputs, **keywords)
+        loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
         return float(full_tensor(loss.detach())), bool(finite)
 
-    def _plan_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[float, float, bool]:
+    def _plan_step(
+        self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[float, float, bool]:
         """One step of the runtime's own ``TrainStep`` on this rank's slice: its loss, gradient
         norm and whether it stepped (its gradients are compared before its clipping, by
         :class:`_ObservedStep`)."""
         per_rank = inputs.shape[0] // self.data_ranks
         mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
-        self.state, metrics = self.train_step(self.state, StepBatch(inputs[mine], targets[mine]))
+        batch = StepBatch(inputs[mine], targets[mine],
+                          token_positions=None if positions is None else positions[mine])  # fmt: skip
+        self.state, metrics = self.train_step(self.state, batch)
         return metrics["loss"], metrics["grad_norm"], not metrics["skipped"]
 
     # ---------------------------------------------------------------- comparisons

@@ -38,9 +38,18 @@ class DataPosition:
 @dataclass(frozen=True)
 class Batch:
     """One optimizer step's data on this rank: ``inputs`` and ``targets`` (``[batch, seq]``
-    token ids; ``targets`` may hold ``ignore_index`` for tokens without a loss), and the stream
-    position after this batch."""
+    token ids; ``targets`` may hold ``ignore_index`` for tokens without a loss), the stream
+    position after this batch, and optionally ``token_positions`` (``[batch, seq]``, each
+    token's position in its document: packed documents, whose positions restart at each one,
+    attend only within themselves; ``None``: ``0..seq-1``, one causal sequence per row)."""
 
     inputs: torch.Tensor
     targets: torch.Tensor
     position: DataPosition = DataPosition()
+    token_positions: torch.Tensor | None = None
+
+    def to(self, device: torch.device | str) -> Batch:
+        """This batch with its tensors on ``device``."""
+        positions = self.token_positions
+        return Batch(self.inputs.to(device), self.targets.to(device), self.position,
+                     None if positions is None else positions.to(device))  # fmt: skip

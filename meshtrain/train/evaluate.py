@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from meshtrain.errors import TrainingError
 from meshtrain.lower import PipelinedModel
-from meshtrain.lower.context_parallel import shard_batch
+from meshtrain.lower.context_parallel import positions_keyword, shard_batch
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.lower.pipeline import INPUTS
 from meshtrain.lower.tensor_parallel import loss_parallel
@@ -92,11 +92,15 @@ def _flat_totals(plan: Plan, model: Any, batches: Iterable[Batch], loss_fn: Loss
     try:
         with torch.no_grad():
             for batch in batches:
-                inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+                batch = batch.to(device)
                 # under context parallelism this rank's chunks of every sequence
-                inputs, targets = shard_batch(plan, inputs, targets)
+                inputs, targets = shard_batch(plan, batch.inputs, batch.targets)
+                keywords: dict[str, torch.Tensor] = {}
+                if batch.token_positions is not None:  # packed documents, cut like the tokens
+                    (positions,) = shard_batch(plan, batch.token_positions)
+                    keywords = {positions_keyword(model): positions}
                 with loss_parallel(plan):
-                    summed = plain_loss(loss_fn(model(inputs), targets))
+                    summed = plain_loss(loss_fn(model(inputs, **keywords), targets))
                 totals[0] += summed.double()
                 totals[1] += loss_tokens(targets)
     finally:
@@ -140,6 +144,12 @@ def _pipelined_totals(
     try:
         with torch.no_grad():
             for batch in batches:
+                if batch.token_positions is not None:
+                    raise TrainingError(
+                        "the validation batches carry token positions (packed documents), "
+                        "which pipeline stages do not pass on yet: evaluate without document "
+                        "positions (data.document_mask = false) or without a pipeline."
+                    )
                 inputs, targets = batch.inputs.to(device), batch.targets.to(device)
                 for loss in _forward_only(model, schedule, inputs, targets):
                     totals[0] += loss.double()

@@ -22,6 +22,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +33,7 @@ import torch
 
 from meshtrain.errors import TrainingError, format_shape
 from meshtrain.lower.compute import compile_loss
-from meshtrain.lower.context_parallel import shard_batch
+from meshtrain.lower.context_parallel import positions_keyword, shard_batch
 from meshtrain.lower.data_parallel import data_parallel_size, micro_batch
 from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
@@ -169,9 +170,12 @@ def forward_backward(
     :func:`backward_factor` under the plan's ``grad_reduction``), so gradients equal one
     device's mean-loss gradients. Gradients are left in ``.grad`` (multiplied by ``loss_scale``),
     synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
+    The batch's ``token_positions`` (packed documents) reach the model as ``positions`` or
+    ``position_ids`` (:func:`~meshtrain.lower.context_parallel.positions_keyword`), cut like the
+    tokens.
     """
     # under context parallelism this rank computes its chunks of every sequence
-    inputs, targets = shard_batch(plan, batch.inputs, batch.targets)
+    inputs, targets, positions = _sharded(plan, batch)
     micro = plan.pipeline.microbatches if plan.pipeline is not None else plan.options.microbatches
     if inputs.shape[0] % micro or targets.shape[0] != inputs.shape[0]:
         raise TrainingError(
@@ -185,11 +189,47 @@ def forward_backward(
     # an MoE's balance loss: its share on each token rank and micro-batch (train/balance.py)
     set_aux_scale(model, scale / (data_parallel_size(plan) * micro))
     if plan.pipeline is None:
-        summed = _accumulate(plan, model, inputs.chunk(micro), targets.chunk(micro), loss_fn,
-                             tokens, scale)  # fmt: skip
+        forwards = _forwards(model, inputs.chunk(micro), positions, micro)
+        summed = _accumulate(plan, model, forwards, targets.chunk(micro), loss_fn, tokens, scale)
     else:
         summed = _pipelined(plan, model, inputs, targets, loss_fn, tokens, scale)
     return float(reduce_loss(plan, summed)), float(tokens.value)
+
+
+def _sharded(plan: Plan, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """This rank's inputs, targets and token positions (``None`` if the batch has none),
+    cut along the sequence under context parallelism."""
+    if batch.token_positions is None:
+        inputs, targets = shard_batch(plan, batch.inputs, batch.targets)
+        return inputs, targets, None
+    if plan.pipeline is not None:
+        raise TrainingError(
+            "the batch carries token positions (packed documents attending within themselves), "
+            "which pipeline stages do not pass on yet: train this plan without document "
+            "positions (data.document_mask = false) or without pipeline parallelism."
+        )
+    if batch.token_positions.shape != batch.inputs.shape:
+        raise TrainingError(
+            f"the batch's token positions {format_shape(tuple(batch.token_positions.shape))} "
+            f"must have the shape of its inputs {format_shape(tuple(batch.inputs.shape))}: one "
+            "position per token."
+        )
+    inputs, targets, positions = shard_batch(
+        plan, batch.inputs, batch.targets, batch.token_positions
+    )
+    return inputs, targets, positions
+
+
+def _forwards(
+    model: Any, inputs: Sequence[torch.Tensor], positions: torch.Tensor | None, micro: int
+) -> list[Callable[[], Any]]:
+    """One call of ``model`` per micro-batch, with its token positions when the batch has
+    them."""
+    if positions is None:
+        return [functools.partial(model, x) for x in inputs]
+    keyword = positions_keyword(model)
+    return [functools.partial(model, x, **{keyword: p})
+            for x, p in zip(inputs, positions.chunk(micro), strict=True)]  # fmt: skip
 
 
 def backward_factor(plan: Plan) -> float:
@@ -202,7 +242,7 @@ def backward_factor(plan: Plan) -> float:
 def _accumulate(
     plan: Plan,
     model: Any,
-    inputs: Sequence[torch.Tensor],
+    forwards: Sequence[Callable[[], Any]],
     targets: Sequence[torch.Tensor],
     loss_fn: LossFn,
     tokens: StepTokens,
@@ -210,9 +250,9 @@ def _accumulate(
 ) -> torch.Tensor:
     """Micro-batches one after another (gradient accumulation); this rank's summed loss."""
     summed = torch.zeros((), dtype=torch.float32, device=plan_device(plan))
-    for i, (x, y) in enumerate(zip(inputs, targets)):
-        with micro_batch(plan, model, last=i == len(inputs) - 1), loss_parallel(plan):
-            output = model(x)
+    for i, (forward, y) in enumerate(zip(forwards, targets)):
+        with micro_batch(plan, model, last=i == len(forwards) - 1), loss_parallel(plan):
+            output = forward()
             loss = loss_fn(output, y) / tokens.value
             (loss * loss_scale).backward()
         summed += plain_loss(loss)

@@ -512,13 +512,22 @@ class DistributedBatches:
                 samples = [self.dataset[index] for index in indices.tolist()]
                 inputs = torch.stack([inputs for inputs, _ in samples])
                 targets = torch.stack([targets for _, targets in samples])
+                positions = self._positions(indices.tolist())
                 after = (
                     DataPosition(epoch, current + 1)
                     if current + 1 < self.steps_per_epoch
                     else DataPosition(epoch + 1, 0)
                 )
-                yield Batch(inputs, targets, after)
+                yield Batch(inputs, targets, after, positions)
             epoch, step = epoch + 1, 0
+
+    def _positions(self, indices: list[int]) -> torch.Tensor | None:
+        """The samples' token positions when the dataset gives them (packed windows with
+        ``document_positions=True``), else ``None``."""
+        if not getattr(self.dataset, "document_positions", False):
+            return None
+        positions = self.dataset.positions  # type: ignore[attr-defined]
+        return torch.stack([positions(index) for index in indices])
 
     def _checked_position(self, position: DataPosition) -> tuple[int, int]:
         if position.epoch < 0 or not 0 <= position.step <= self.steps_per_epoch:

@@ -3,11 +3,15 @@ validation, and read back as windows that never learn across a document boundary
 
 Why: real data arrives as documents of every length. Packing them end to end (each followed by
 the end-of-document id) wastes no compute on padding, but a window then holds the end of one
-document and the start of the next. The models meshtrain trains attend causally over the whole
-window, so the loss masks the boundary instead: the first token of every document is never a
-target (it would be predicted from another document), and in the instruction format neither is
-any prompt token (the model learns to answer, not to ask). The mask lives beside the tokens
-(``loss_mask.bin``, one byte per token: 1 = a target that carries loss).
+document and the start of the next. The loss masks the boundary: the first token of every
+document is never a target (it would be predicted from another document), and in the
+instruction format neither is any prompt token (the model learns to answer, not to ask). The
+mask lives beside the tokens (``loss_mask.bin``, one byte per token: 1 = a target that carries
+loss). By default the models attend causally over the whole window, so a document's tokens
+also see the documents before it in the window; with ``document_positions=True`` (the recipe's
+``data.document_mask``) each sample also carries per-token positions that restart at every
+document (:meth:`PackedWindows.positions`), and the models then attend only within each
+document, as if it were alone (:mod:`meshtrain.spec.packing`).
 
 :func:`prepare_documents` writes ``<out>/train`` and, with ``validation > 0``, ``<out>/validation``
 (documents assigned by a seeded hash of their index, so the split is stable), and reuses them
@@ -60,7 +64,13 @@ from meshtrain.train.data.loader import (
 from meshtrain.train.data.pack_pool import default_workers, packed_chunks
 from meshtrain.train.data.tokenizer import Tokenizer
 
-__all__ = ["LOSS_MASK_BIN", "PackedWindows", "PreparedData", "prepare_documents"]
+__all__ = [
+    "LOSS_MASK_BIN",
+    "PackedWindows",
+    "PreparedData",
+    "prepare_documents",
+    "restarting_positions",
+]
 
 LOSS_MASK_BIN = "loss_mask.bin"
 _BATCH_DOCUMENTS = 512
@@ -289,15 +299,21 @@ class PackedWindows(TokenWindows):
 
     The windows of :class:`~meshtrain.train.data.TokenWindows` (sample ``i`` reads the
     ``seq_len + 1`` tokens from ``i × seq_len``); a target whose ``loss_mask.bin`` byte is 0 is
-    ``-100``.
+    ``-100``. ``document_positions=True`` makes
+    :class:`~meshtrain.train.data.DistributedBatches` attach each window's
+    :meth:`positions` to its batches (``Batch.token_positions``): attention then stays within
+    each document.
 
     Example::
 
-        windows = PackedWindows("runs/sft/data/train", seq_len=512)
+        windows = PackedWindows("runs/sft/data/train", seq_len=512, document_positions=True)
         inputs, targets = windows[0]      # targets == -100 at prompts and document starts
+        windows.positions(0)              # 0, 1, ... restarting after each end-of-document id
     """
 
-    def __init__(self, directory: str | os.PathLike[str], seq_len: int) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], seq_len: int, *, document_positions: bool = False
+    ) -> None:
         token_file = TokenFile(directory)
         mask_path = token_file.directory / LOSS_MASK_BIN
         if not mask_path.is_file() or mask_path.stat().st_size != len(token_file):
@@ -313,6 +329,7 @@ class PackedWindows(TokenWindows):
             )
         super().__init__(token_file, seq_len)
         self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(len(token_file),))
+        self.document_positions = document_positions
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = super().__getitem__(index)
@@ -320,8 +337,45 @@ class PackedWindows(TokenWindows):
         keep = torch.from_numpy(self.mask[start + 1 : start + self.seq_len + 1].astype(bool))
         return inputs, targets.masked_fill(~keep, -100)
 
+    def positions(self, index: int) -> torch.Tensor:
+        """Each input token's position in its document (int64, ``[seq_len]``): 0 at the
+        window's first token and after every end-of-document id, counting up in between. A
+        document cut by the window's start counts from 0 there (the window holds no earlier
+        token of it).
+
+        Example:
+            >>> import pathlib, tempfile
+            >>> from meshtrain.train.data.tokenizer import ByteTokenizer
+            >>> with tempfile.TemporaryDirectory() as tmp:
+            ...     source = pathlib.Path(tmp, "d.jsonl")
+            ...     _ = source.write_text('{"text": "abc"}\\n{"text": "de"}\\n')
+            ...     prepared = prepare_documents(DocumentSource("jsonl", str(source)),
+            ...                                  ByteTokenizer(), pathlib.Path(tmp, "out"))
+            ...     windows = PackedWindows(prepared.train, seq_len=6)
+            ...     windows[0][0].tolist(), windows.positions(0).tolist()
+            ([97, 98, 99, 0, 100, 101], [0, 1, 2, 3, 0, 1])
+        """
+        inputs, _ = super().__getitem__(index)
+        return restarting_positions(inputs, self.token_file.eos_id)
+
     def __repr__(self) -> str:
-        return f"PackedWindows('{self.token_file.directory}', seq_len={self.seq_len})"
+        documents = ", document_positions=True" if self.document_positions else ""
+        return f"PackedWindows('{self.token_file.directory}', seq_len={self.seq_len}{documents})"
+
+
+def restarting_positions(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Positions of ``tokens`` (``[seq]``) that restart at 0 after every ``eos_id`` (which ends
+    its document and keeps its position in it).
+
+    Example:
+        >>> restarting_positions(torch.tensor([7, 8, 0, 5, 0, 0, 6]), eos_id=0).tolist()
+        [0, 1, 2, 0, 1, 0, 0]
+    """
+    index = torch.arange(tokens.shape[-1])
+    starts = torch.zeros_like(index, dtype=torch.bool)
+    starts[1:] = tokens[:-1] == eos_id
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
 
 
 def _unit(seed: int, index: int) -> float:
