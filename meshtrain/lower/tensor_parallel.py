@@ -42,6 +42,7 @@ from torch.distributed.tensor.parallel import (
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.ir import ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
+from meshtrain.plan.styles import inside
 
 
 def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> None:
@@ -221,8 +222,13 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     """PyTorch's parallel style per module FQN, each from its entry of :data:`LOWERINGS`."""
     stream: Placement = Shard(1) if plan.sequence_parallel else Replicate()
     split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in plan.styles)
+    whole = tuple(s.fqn for s in plan.styles if s.style == TPStyle.SEQUENCE_GATHERED)
+
+    def at(style: ModuleStyle) -> Placement:  # inside a block run whole: replicated
+        return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
+
     return {
-        style.fqn: LOWERINGS[style.style](style, _context(style, stream, split_at_block))
+        style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block))
         for style in plan.styles
     }
 
@@ -410,6 +416,38 @@ class _PrepareActivation(ParallelStyle):
         return dtensor.to_local() if self.local else dtensor
 
 
+class _GatherSequence(ParallelStyle):
+    """A block run on the whole sequence under sequence parallelism (a MoE feed-forward): its
+    activation input all-gathered from sequence shards, its output sliced back to this rank's
+    shard. Inside, every rank computes the same whole-sequence result (its tensor-parallel pairs
+    reduce as without sequence parallelism), so the input's gradient is the same on every rank
+    and is sliced, and the output's gradient is all-gathered.
+    """
+
+    def __init__(self, fqn: str, argument: str) -> None:
+        super().__init__()
+        self.fqn, self.argument = fqn, argument
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gather = _PrepareActivation(self.fqn, self.argument, Shard(1), Replicate(), local=True)
+        module.register_forward_pre_hook(
+            functools.partial(gather._prepare, device_mesh), with_kwargs=True
+        )
+        module.register_forward_hook(functools.partial(self._slice, device_mesh))
+        return module
+
+    def _slice(self, device_mesh: DeviceMesh, module: nn.Module, args: Any, output: Any) -> Any:
+        if not isinstance(output, torch.Tensor):
+            raise PlanError(
+                f"'{self.fqn}' ({type(module).__name__}) runs on the whole sequence under "
+                f"sequence parallelism and must return one activation tensor to slice back to "
+                f"sequence shards; it returned {type(output).__name__}. Train it without "
+                "sequence parallelism (drop the ('seq', ...) activation rule)."
+            )
+        whole = DTensor.from_local(output, device_mesh, (Replicate(),), run_check=False)
+        return whole.redistribute(placements=(Shard(1),)).to_local()
+
+
 class _LossParallel:
     """Whether :func:`loss_parallel` is active (read by the head's output hook; a plain flag, not
     a context variable, so compiled code guards on it instead of breaking its graph)."""
@@ -475,4 +513,5 @@ LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]
     TPStyle.SEQUENCE_SPLIT_INPUT: lambda s, c: _PrepareActivation(
         s.fqn, s.argument, Replicate(), Shard(1), local=True
     ),
+    TPStyle.SEQUENCE_GATHERED: lambda s, c: _GatherSequence(s.fqn, s.argument),
 }

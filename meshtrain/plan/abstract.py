@@ -55,6 +55,7 @@ from meshtrain.plan.expert_activations import counts_shape
 from meshtrain.plan.experts import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim_of
+from meshtrain.plan.styles import inside
 
 _aten = torch.ops.aten
 _RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
@@ -255,8 +256,9 @@ _LEAF_STYLES = frozenset(
 #: styles the abstract run emulates at their module's input or output only (the module's own
 #: ops are checked); every :class:`TPStyle` is in one of the two sets (a test checks it)
 _REGION_STYLES = frozenset(
-    {TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_SPLIT_INPUT}
-)
+    {TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_SPLIT_INPUT,
+     TPStyle.SEQUENCE_GATHERED}
+)  # fmt: skip
 
 
 class _Prover(TorchDispatchMode):
@@ -277,6 +279,7 @@ class _Prover(TorchDispatchMode):
         self.styles = {s.fqn: s for s in styles}
         self.axis, self.ways, self.sp = tp_axis, tp_size, sequence_parallel
         self.split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in styles)
+        self.whole = tuple(s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED)
         self.shards: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.origin: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → parameter FQNs
         self.stack: list[str] = []
@@ -612,7 +615,7 @@ def _boundary_in(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:  # fmt: skip
     """A style's input as its lowering hands it to the module on a rank."""
     kind = style.style
-    if kind == TPStyle.PREPARE_INPUT:
+    if kind in (TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_GATHERED):
         if args and isinstance(args[0], torch.Tensor):
             return (_gathered(prover, args[0]), *args[1:]), kwargs
         if style.argument and isinstance(kwargs.get(style.argument), torch.Tensor):
@@ -646,11 +649,11 @@ def _boundary_out(prover: _Prover, style: ModuleStyle, output: Any) -> Any:
         kind == TPStyle.VOCAB_PARALLEL_EMBEDDING and not prover.split_at_block
     )
     if kind in _LEAF_STYLES:  # reduced or gathered: whole, or scattered to sequence shards
-        if prover.sp and scattered:
+        if prover.sp and scattered and not inside(style.fqn, prover.whole):
             return prover.shard(torch.empty(_cut(output.shape, 1, ways), dtype=output.dtype),
                                 1, output)  # fmt: skip
         return output
-    if kind == TPStyle.SEQUENCE_SPLIT and output not in prover.shards:
+    if kind in (TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_GATHERED) and output not in prover.shards:
         return prover.shard(torch.empty(_cut(output.shape, 1, ways), dtype=output.dtype), 1, output)
     return output
 

@@ -90,13 +90,17 @@ class AttentionCall:
 
 @dataclass(frozen=True)
 class Split:
-    """Bytes computed inside tensor-parallel modules (``tp``) and elsewhere (``rest``)."""
+    """Bytes computed inside tensor-parallel modules (``tp``), elsewhere (``rest``: sequence
+    shards under sequence parallelism) and, outside tensor-parallel modules, inside blocks that
+    run on the whole sequence even then (``whole``: MoE feed-forwards, ``sequence_gathered``)."""
 
     tp: int = 0
     rest: int = 0
+    whole: int = 0
 
     def per_rank(self, tp_size: int, sequence_parallel: bool) -> int:
-        return self.tp // tp_size + (self.rest // tp_size if sequence_parallel else self.rest)
+        rest = self.rest // tp_size if sequence_parallel else self.rest
+        return self.tp // tp_size + rest + self.whole
 
 
 @dataclass(frozen=True)
@@ -162,20 +166,22 @@ def trace_activations(
     tp_modules: Sequence[str] = (),
     tp_size: int = 1,
     sequence_parallel: bool = False,
+    whole_modules: Sequence[str] = (),
 ) -> ActivationProfile:
     """Trace ``model``'s forward on a fake ``[batch_size, seq_len]`` token batch (see module doc).
+    ``whole_modules``: blocks that run on the whole sequence under sequence parallelism.
 
     Raises whatever the model's forward raises on such an input (callers report it). Profiles are
     remembered per model (while it lives) for the same blocks, batch, dtype, tensor-parallel
     modules and parameter shapes, so planning one model many ways traces it once per batch shape.
     """
     key = (
-        tuple(blocks), batch_size, seq_len, dtype, frozenset(tp_modules),
+        tuple(blocks), batch_size, seq_len, dtype, frozenset(tp_modules), frozenset(whole_modules),
         tuple((fqn, tuple(p.shape), p.dtype) for fqn, p in model.named_parameters()),
     )  # fmt: skip
     known = _PROFILES.setdefault(model, {})
     if key not in known:
-        known[key] = _trace(model, blocks, batch_size, seq_len, dtype, tp_modules)
+        known[key] = _trace(model, blocks, batch_size, seq_len, dtype, tp_modules, whole_modules)
     return replace(known[key], tp_size=tp_size, sequence_parallel=sequence_parallel)
 
 
@@ -192,8 +198,9 @@ def _trace(
     seq_len: int,
     dtype: torch.dtype,
     tp_modules: Sequence[str],
+    whole_modules: Sequence[str] = (),
 ) -> ActivationProfile:
-    recorder = _Recorder(set(blocks), set(tp_modules))
+    recorder = _Recorder(set(blocks), set(tp_modules), set(whole_modules))
     handles = _register(model, recorder)
     restore = _skip_repeated_blocks(model, blocks, recorder)
     restore_experts = _stand_in_experts(model, recorder)
@@ -299,16 +306,17 @@ def _key(tensor: torch.Tensor) -> int:
 class _Recorder(TorchDispatchMode):
     """Attributes saved tensors and matmul outputs to the enclosing block and TP region."""
 
-    def __init__(self, blocks: set[str], tp_modules: set[str]) -> None:
+    def __init__(self, blocks: set[str], tp_modules: set[str], whole: set[str] = set()) -> None:  # noqa: B006
         super().__init__()
-        self.blocks, self.tp_modules = blocks, tp_modules
+        self.blocks, self.tp_modules, self.whole = blocks, tp_modules, whole
+        self.whole_depth = 0
         self.block: str | None = None
         self.outer: list[str | None] = []
         self.tp_depth = 0
         self.inputs: dict[str, int] = {}
         self.gathered: dict[str, int] = {}
-        self.kept: dict[int, tuple[int, str | None, bool]] = {}  # SAVED_OPS outputs
-        self.saved: dict[int, tuple[int, str | None, bool]] = {}
+        self.kept: dict[int, tuple[int, str | None, str]] = {}  # SAVED_OPS outputs, by region
+        self.saved: dict[int, tuple[int, str | None, str]] = {}
         self.alive: list[torch.Tensor] = []  # keeps storages (and their ids) alive while tracing
         self.ignored: set[int] = set()  # parameter and buffer storages
         self.shape_preserving: set[str] = set()  # blocks whose output has their input's shape
@@ -333,7 +341,7 @@ class _Recorder(TorchDispatchMode):
         """An experts stand-in's bytes: ``saved`` for backward, ``kept`` of them matmul outputs."""
         for table, size in ((self.saved, saved), (self.kept, kept)):
             self.reported += 1
-            table[-self.reported] = (size, self.block, self.tp_depth > 0)
+            table[-self.reported] = (size, self.block, self.region())
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func is _aten.bincount.default:  # a router's counts: their shape, not their values
@@ -351,11 +359,15 @@ class _Recorder(TorchDispatchMode):
             self.attention.setdefault(self.block, []).append(call)
         return out
 
-    def _note(self, table: dict[int, tuple[int, str | None, bool]], tensor: torch.Tensor) -> None:
+    def region(self) -> str:
+        """Where ops run now: ``"tp"``, ``"whole"`` or ``"rest"`` (the :class:`Split` fields)."""
+        return "tp" if self.tp_depth else "whole" if self.whole_depth else "rest"
+
+    def _note(self, table: dict[int, tuple[int, str | None, str]], tensor: torch.Tensor) -> None:
         key = _key(tensor)
         if key not in table and key not in self.ignored:
             size = tensor.untyped_storage().nbytes()
-            table[key] = (size, self.block, self.tp_depth > 0)
+            table[key] = (size, self.block, self.region())
             self.alive.append(tensor)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -364,12 +376,12 @@ class _Recorder(TorchDispatchMode):
         return tensor
 
     def profile(self, blocks: Sequence[str], tp_size: int, sp: bool) -> ActivationProfile:
-        def split(table: dict[int, tuple[int, str | None, bool]], block: str | None) -> Split:
-            tp = sum(size for size, owner, in_tp in table.values() if owner == block and in_tp)
-            rest = sum(
-                size for size, owner, in_tp in table.values() if owner == block and not in_tp
-            )
-            return Split(tp, rest)
+        def split(table: dict[int, tuple[int, str | None, str]], block: str | None) -> Split:
+            sizes = {"tp": 0, "rest": 0, "whole": 0}
+            for size, owner, region in table.values():
+                if owner == block:
+                    sizes[region] += size
+            return Split(**sizes)
 
         def block(fqn: str) -> BlockActivations:
             source = self.copies.get(fqn, fqn)
@@ -397,6 +409,9 @@ def _register(model: nn.Module, recorder: _Recorder) -> list[Any]:
         if fqn in recorder.blocks:
             handles.append(module.register_forward_pre_hook(_block_enter(recorder, fqn)))
             handles.append(module.register_forward_hook(_block_exit(recorder)))
+        elif fqn in recorder.whole:
+            handles.append(module.register_forward_pre_hook(_whole_enter(recorder)))
+            handles.append(module.register_forward_hook(_whole_exit(recorder)))
         elif fqn in recorder.tp_modules:
             handles.append(module.register_forward_pre_hook(_tp_enter(recorder)))
             handles.append(module.register_forward_hook(_tp_exit(recorder)))
@@ -436,10 +451,24 @@ def _block_exit(recorder: _Recorder) -> Any:
 
 def _tp_enter(recorder: _Recorder) -> Any:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-        if recorder.tp_depth == 0 and recorder.block is not None:
+        if recorder.tp_depth == 0 and recorder.whole_depth == 0 and recorder.block is not None:
             block = recorder.block
             recorder.gathered[block] = recorder.gathered.get(block, 0) + _first_bytes(args)
         recorder.tp_depth += 1
+
+    return hook
+
+
+def _whole_enter(recorder: _Recorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+        recorder.whole_depth += 1
+
+    return hook
+
+
+def _whole_exit(recorder: _Recorder) -> Any:
+    def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        recorder.whole_depth -= 1
 
     return hook
 

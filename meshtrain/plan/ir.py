@@ -91,6 +91,7 @@ class TPStyle(str, enum.Enum):
     SEQUENCE_PARALLEL = "sequence_parallel"  # a norm on sequence shards
     SEQUENCE_SPLIT = "sequence_split"  # a replicated embedding's output sliced to sequence shards
     SEQUENCE_SPLIT_INPUT = "sequence_split_input"  # the first block's input sliced to shards
+    SEQUENCE_GATHERED = "sequence_gathered"  # a block run whole: input gathered, output sliced
 
     def __str__(self) -> str:
         return self.value

@@ -79,15 +79,63 @@ def infer_styles(
             continue
         raw[fqn] = _style_of(fqn, module, own, tp_axis)
     raw = _mark_gathered(raw, modules, resolution.gathered)
-    styles = _resolve_pairs(raw, modules, loss_parallel, sequence_parallel)
+    whole = expert_blocks(modules) if sequence_parallel else ()
+    inner = {fqn: style for fqn, style in raw.items() if inside(fqn, whole)}
+    outer = {fqn: style for fqn, style in raw.items() if fqn not in inner}
+    styles = _resolve_pairs(outer, modules, loss_parallel, sequence_parallel)
+    styles += [s for s in _resolve_pairs(inner, modules, False, False) if s.fqn not in whole]
     _check_heads(styles, modules, resolution.mesh.size(tp_axis))
     if sequence_parallel:
+        styles += [_gathered_block(fqn, modules[fqn], tp_axis) for fqn in whole]
         styles = _add_sequence_styles(styles, modules, tp_axis)
     order = {fqn: index for index, fqn in enumerate(modules)}
     return tuple(sorted(styles, key=lambda style: order[style.fqn]))
 
 
 _GATHERED_NOTE = "output all-gathered: the model's code needs the full features"
+
+
+def expert_blocks(modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The modules that hold an experts module directly (a MoE feed-forward: its router, its
+    experts and any shared expert), in module order. Under sequence parallelism each runs on the
+    whole sequence (:attr:`TPStyle.SEQUENCE_GATHERED`): routing, the experts' dispatch and the
+    balance statistics are those of the tensor-parallel plan without sequence parallelism.
+
+    Example:
+        >>> import torch
+        >>> experts = nn.Module()
+        >>> experts.num_experts = 2
+        >>> experts.gate_up_proj = nn.Parameter(torch.ones(2, 4, 2))
+        >>> block = nn.ModuleDict({"mlp": nn.ModuleDict({"experts": experts})})
+        >>> expert_blocks(dict(block.named_modules()))
+        ('mlp',)
+    """
+    from meshtrain.plan.experts import is_experts_module
+
+    found = [_parent(fqn) for fqn, module in modules.items() if fqn and is_experts_module(module)]
+    return tuple(dict.fromkeys(block for block in found if block))
+
+
+def inside(fqn: str, blocks: Sequence[str]) -> bool:
+    """Whether ``fqn`` is one of ``blocks`` or inside one.
+
+    Example:
+        >>> inside("layers.1.mlp.gate", ("layers.1.mlp",)), inside("layers.1.norm", ("layers.1.mlp",))
+        (True, False)
+    """
+    return any(fqn == block or fqn.startswith(block + ".") for block in blocks)
+
+
+def _gathered_block(fqn: str, module: nn.Module, axis: str) -> ModuleStyle:
+    return ModuleStyle(
+        fqn,
+        type(module).__name__,
+        TPStyle.SEQUENCE_GATHERED,
+        axis,
+        "input all-gathered from sequence shards, output sliced back: routing and experts run "
+        "on the whole sequence, as without sequence parallelism",
+        activation_argument(module),
+    )
 
 
 def _mark_gathered(
@@ -307,7 +355,9 @@ def _add_sequence_styles(
 ) -> list[ModuleStyle]:
     """Norms on sequence shards; a replicated input embedding sliced into them."""
     styled = {style.fqn for style in styles}
-    pair_parents = {s.fqn for s in styles if s.style == TPStyle.PREPARE_INPUT}
+    pair_parents = {
+        s.fqn for s in styles if s.style in (TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_GATHERED)
+    }
     embeddings = [f for f, m in modules.items() if isinstance(m, nn.Embedding)]
     if not embeddings:
         raise PlanError(

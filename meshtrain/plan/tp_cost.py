@@ -46,6 +46,7 @@ from meshtrain.adapters.lora import ADAPTERS
 from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
 from meshtrain.plan.ir import Collective, FSDPUnit, ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.styles import inside
 
 _ROW_PARTIALS = "forward: partial sums of row-wise outputs"
 _GATHERED_OUTPUTS = "forward: gathered column-wise outputs"
@@ -84,10 +85,16 @@ class _StepCounts:
         self.transposed = {s.fqn for s in styles if s.module_type == "Conv1D"}  # weight [in, out]
         self.split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in styles)
         self.prepared = {s.fqn for s in styles if s.style == TPStyle.PREPARE_INPUT}
+        self.whole = tuple(s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED)
         self.partial_kind = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.input_grad, self.output_grad = _gradient_flow(layouts)
         self.rows: dict[tuple[str, str], list[int]] = {}
         self.replicated_grads: list[ParamLayout] = []  # sequence-parallel norms' parameters
+
+    def sp_at(self, fqn: str) -> bool:
+        """Whether activations at ``fqn`` are sequence shards (sequence parallelism, outside
+        the blocks run whole)."""
+        return self.sp and not inside(fqn, self.whole)
 
     def add(self, kind: str, why: str, width: int) -> None:
         """One collective per micro-batch over an activation ``width`` wide."""
@@ -112,8 +119,8 @@ class _StepCounts:
 
 def _rowwise(c: _StepCounts, style: ModuleStyle) -> None:
     width = c.shape(style.fqn)[0]
-    c.add(c.partial_kind, _ROW_PARTIALS, width)
-    if c.sp and c.output_grad(style.fqn):
+    c.add("reduce_scatter" if c.sp_at(style.fqn) else "all_reduce", _ROW_PARTIALS, width)
+    if c.sp_at(style.fqn) and c.output_grad(style.fqn):
         c.add("all_gather", "backward: output gradients of row-wise modules from sequence shards",
               width)  # fmt: skip
 
@@ -157,7 +164,7 @@ def _embedding_dim_parallel(c: _StepCounts, style: ModuleStyle) -> None:
 def _marked_input(c: _StepCounts, style: ModuleStyle, width: int) -> None:
     """A replicated input marked once: all-gathered from sequence shards in forward and
     reduce-scattered back in backward, else its gradient all-reduced."""
-    if c.sp:
+    if c.sp_at(style.fqn):
         c.add("all_gather", "forward: inputs of pair parents and the head from sequence shards",
               width)  # fmt: skip
         if c.input_grad(style.fqn):
@@ -189,6 +196,23 @@ def _sequence_parallel(c: _StepCounts, style: ModuleStyle) -> None:
     ]
 
 
+def _sequence_gathered(c: _StepCounts, style: ModuleStyle) -> None:
+    """A block run whole: its input all-gathered from sequence shards in forward (its input
+    gradient, the same on every rank, sliced back locally) and its output's gradient all-gathered
+    in backward (its output sliced locally). The width is the block's input width: its first
+    two-dimensional weight's input features (a router's)."""
+    width = next(
+        (layout.shape[-1] for fqn, layout in c.weights.items()
+         if fqn.startswith(style.fqn + ".") and len(layout.shape) == 2),
+        0,
+    )  # fmt: skip
+    c.add("all_gather", "forward: inputs of blocks run whole (MoE) from sequence shards", width)
+    if c.output_grad(style.fqn):
+        c.add("all_gather",
+              "backward: output gradients of blocks run whole (MoE) from sequence shards",
+              width)  # fmt: skip
+
+
 def _no_collective(c: _StepCounts, style: ModuleStyle) -> None:
     """A replicated output sliced into sequence shards locally."""
 
@@ -207,6 +231,7 @@ TP_COSTS: Mapping[TPStyle, Callable[[_StepCounts, ModuleStyle], None]] = {
     TPStyle.SEQUENCE_PARALLEL: _sequence_parallel,
     TPStyle.SEQUENCE_SPLIT: _no_collective,
     TPStyle.SEQUENCE_SPLIT_INPUT: _sequence_split_input,
+    TPStyle.SEQUENCE_GATHERED: _sequence_gathered,
 }
 
 

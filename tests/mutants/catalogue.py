@@ -24,6 +24,7 @@ import torch
 
 from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
+from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing.strategies import DebugLlama
 from tests import context_models, lora_models, moe_models, zoo
 from tests.mutants import plants
@@ -51,6 +52,13 @@ class Mutant:
     names: str = ""  # a regex the report's failing tensor names must match ("": any)
     equivalent: bool = False
     why_not: str = ""
+
+
+def balanced_moe() -> Any:
+    """meshtrain's tiny MoE trained with its balance loss (``balance="aux_loss"``)."""
+    from meshtrain.models import MoEConfig, build_moe
+
+    return build_moe(MoEConfig.debug(vocab_size=moe_models.VOCAB, balance="aux_loss"), seed=0)
 
 
 def frozen_query_llama() -> Any:
@@ -131,6 +139,18 @@ CONTEXT_CP4 = HarnessCase(
     {"rules": context_models.rules(fsdp=()), "seq_len": context_models.SEQ},
     {"batches": context_models.batches, "optimizer": "adamw"},
 )
+MOE_SP = HarnessCase(
+    moe_models.meshtrain_moe,
+    {"ep": 2, "tp": 2},
+    {"rules": moe_rules(tp="tp", fsdp=(), ep="ep", sequence_parallel=True)},
+    {"batches": moe_models.token_batches, "optimizer": "adamw"},
+)
+MOE_BALANCE_EP = HarnessCase(
+    balanced_moe,
+    {"dp": 2, "ep": 2},
+    {"rules": moe_rules(tp=None, fsdp="dp", ep="ep")},
+    {"batches": moe_models.token_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -147,6 +167,8 @@ CP_PURE = "tests/test_context_attention.py"
 CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_one_device_sdpa"
 EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2"
 EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
+MOE_SP_SPMD = "tests/test_moe_sequence_parallel_spmd.py::test_meshtrain_moe_with_sequence_parallelism_on_ep2_tp2"
+BALANCE_SPMD = "tests/test_moe_balance_spmd.py::test_balance_trains_like_one_device_under_data_and_expert_parallelism"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
@@ -239,6 +261,11 @@ _ALL = [
     Mutant("expert-grad-not-rescaled", "expert gradients divided by the data ranks only (the "
            "all-to-all already summed the expert ranks)", plants.expert_grad_not_rescaled,
            (EP_SPMD, EP_LOOP), QWEN2_MOE_EP, r"experts\."),
+    Mutant("moe-block-input-grad-summed", "a MoE block run on the whole sequence under "
+           "sequence parallelism reduce-scatters its input gradient, which every rank holds "
+           "whole", plants.moe_block_input_grad_summed, (MOE_SP_SPMD,), MOE_SP),
+    Mutant("balance-counts-per-rank", "MoE balance statistics left per rank (no count reducer)",
+           plants.balance_counts_per_rank, (BALANCE_SPMD,), MOE_BALANCE_EP, r"router"),
     Mutant("vocab-mask-off-by-one", "vocab-parallel mask off by one (embedding rows and "
            "loss-parallel targets)", plants.vocab_mask_off_by_one, (f"{EQ}[tp]",), LLAMA_TP,
            r"tok_embeddings|output|<global>"),

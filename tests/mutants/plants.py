@@ -708,3 +708,34 @@ def offload_order() -> Iterator[None]:
 
     with mock.patch.object(offload._HostStates, "step", step):
         yield
+
+
+@contextlib.contextmanager
+def moe_block_input_grad_summed() -> Iterator[None]:
+    """A MoE block run on the whole sequence under sequence parallelism treats its gathered
+    input's gradient as partial sums (reduce-scattered), though every tensor-parallel rank holds
+    the same whole gradient: the block's input gradient comes back multiplied by tp."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    def summed(self: Any, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def gather(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            local = DTensor.from_local(args[0], device_mesh, (Shard(1),), run_check=False)
+            whole = local.redistribute(placements=(Replicate(),))
+            return (whole.to_local(grad_placements=(Partial(),)), *args[1:])
+
+        module.register_forward_pre_hook(gather)
+        module.register_forward_hook(lambda m, a, out: self._slice(device_mesh, m, a, out))
+        return module
+
+    with mock.patch.object(tensor_parallel._GatherSequence, "_apply", summed):
+        yield
+
+
+@contextlib.contextmanager
+def balance_counts_per_rank() -> Iterator[None]:
+    """The MoE balance statistics (tokens per expert, router probability sums) left per rank:
+    no count reducer installed, so each rank's balance loss sees only its own tokens."""
+    flat = importlib.import_module("meshtrain.lower.flat")
+    with mock.patch.object(flat, "install_count_reducer", lambda plan, model: None):
+        yield
