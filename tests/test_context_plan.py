@@ -109,10 +109,20 @@ def test_tensor_and_sequence_parallelism_compose_on_their_own_axis() -> None:
                 seq_len=6, context_balance="contiguous")  # fmt: skip
 
 
-def test_hsdp_with_context_is_refused() -> None:
+def test_hsdp_with_context_shards_over_the_shard_and_context_axes() -> None:
+    """Replicated over 'rep', sharded over 'dp' and 'cp' together (four ranks)."""
     mesh = mt.make_mesh(rep=2, dp=2, cp=2, world_size=8, abstract=True)
     hsdp = mt.Rules({".*": mt.P()}, fsdp=("rep", "dp"), logical=[("seq", "cp")])
-    with pytest.raises(mt.PlanError, match=r"compose with HSDP over \['rep', 'dp'\]"):
+    plan = mt.plan(_own(), mesh, hsdp)
+    assert (plan.data_axes, plan.context_axis) == (("rep", "dp"), "cp")
+    embeddings = {p.fqn: p for p in plan.params}["tok_embeddings.weight"]
+    assert embeddings.shard_shape == (embeddings.local_shape[0] // 4, embeddings.local_shape[1])
+
+
+def test_hsdp_with_context_needs_the_replicate_axis_first() -> None:
+    mesh = mt.make_mesh(dp=2, rep=2, cp=2, world_size=8, abstract=True)
+    hsdp = mt.Rules({".*": mt.P()}, fsdp=("rep", "dp"), logical=[("seq", "cp")])
+    with pytest.raises(mt.PlanError, match=r"HSDP over \['rep', 'dp'\].*'rep' must come before"):
         mt.plan(_own(), mesh, hsdp)
 
 

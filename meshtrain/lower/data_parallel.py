@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -29,20 +30,17 @@ from torch.distributed.fsdp import (
 
 from meshtrain.errors import PlanError
 from meshtrain.lower.expert_parallel import experts_ignored, experts_of
-from meshtrain.lower.groups import device_mesh, mesh_over
+from meshtrain.lower.groups import device_mesh, hsdp_mesh_over, mesh_over
 from meshtrain.lower.tensor_parallel import PartialGradSync
 from meshtrain.plan.ir import Plan
 
 
 def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     """FSDP2 (``replicate`` under zero 0) on every unit of the plan, blocks first, root last,
-    over the data axes (or the size-1 axes that carry the mixed-precision policy); gradients are
-    summed over data-parallel ranks."""
-    dp_mesh = (
-        mesh_over(plan, plan.token_axes)
-        if plan.expert_axis or plan.context_axis
-        else device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
-    )
+    over :func:`data_parallel_mesh`; the experts, each its own unit, over the data axes (the
+    ranks outside the expert axis: two under HSDP); gradients averaged over the token ranks (or
+    summed under ``grad_reduction="sum"``)."""
+    dp_mesh = data_parallel_mesh(plan)
     options = plan.options
     mp_policy = MixedPrecisionPolicy(
         param_dtype=getattr(torch, options.param_dtype),
@@ -80,6 +78,26 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
             module.set_force_sum_reduction_for_comms(True)
     # "mean" is FSDP2's and replicate's own default. (torch 2.13's replicate divides twice when
     # given a divide factor other than 1 with forced sums, so the mean is left to them.)
+
+
+def data_parallel_mesh(plan: Plan) -> DeviceMesh:
+    """The mesh FSDP2 wraps the parameters outside the experts over: the data axes (two: HSDP,
+    replicated over the first, sharded over the second), or the size-1 axes that carry the
+    mixed-precision policy; under expert or context parallelism the shard axis and the expert or
+    context axis together, one flattened dim (torchtitan's ``dp_shard_cp``), beside the
+    replicate axis under HSDP. FSDP2 averages over every rank of it: all the token ranks.
+
+    Example (on every rank of an 8-rank job)::
+
+        plan = mt.plan(model, mt.make_mesh(rep=2, dp=2, cp=2), rules)  # fsdp=("rep", "dp")
+        data_parallel_mesh(plan).mesh_dim_names                        # ('rep', 'dp+cp')
+    """
+    if not (plan.expert_axis or plan.context_axis):
+        return device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
+    if len(plan.data_axes) == 2:
+        replicate = plan.data_axes[0]
+        return hsdp_mesh_over(plan, replicate, [a for a in plan.token_axes if a != replicate])
+    return mesh_over(plan, plan.token_axes)
 
 
 def _offload_policy(offload: bool) -> OffloadPolicy:

@@ -74,7 +74,7 @@ def group_over(plan: Plan, axes: Sequence[str]) -> ProcessGroup | None:
     several are the ``DeviceMesh`` flattened over them (created by every rank on first use, then
     cached on the mesh by torch), named as :meth:`~meshtrain.spec.mesh.Mesh.joined` names it.
     ``DeviceMesh._flatten`` is private in torch 2.13 (FSDP2's HSDP and torchtitan use it too);
-    this is meshtrain's only call of it.
+    :func:`mesh_over` is meshtrain's only call of it.
     """
     name = plan.mesh.joined(tuple(axes))
     if not name:
@@ -91,6 +91,23 @@ def mesh_over(plan: Plan, axes: Sequence[str]) -> DeviceMesh:
     if len(names) == 1:
         return bound[names[0]]
     return bound[names]._flatten(name)
+
+
+def hsdp_mesh_over(plan: Plan, replicate: str, shard_axes: Sequence[str]) -> DeviceMesh:
+    """The two-dimensional ``DeviceMesh`` FSDP2 runs HSDP over: ``replicate`` (dim 0), then
+    ``shard_axes`` flattened into one dim (dim 1, :func:`mesh_over`), as torchtitan's
+    ``dp_replicate`` × ``dp_shard_cp``. It is put together the way FSDP2 puts its own HSDP mesh
+    together (``DeviceMesh._concatenate``, private in torch 2.13: slicing a flattened dim off the
+    root mesh is deprecated), and the plan has put ``replicate`` before ``shard_axes`` in the
+    mesh (:func:`meshtrain.plan.experts.check_hsdp_order`).
+
+    Example (on every rank of an 8-rank job)::
+
+        plan = mt.plan(model, mt.make_mesh(rep=2, dp=2, ep=2), rules)  # fsdp=("rep", "dp")
+        hsdp_mesh_over(plan, "rep", ("dp", "ep")).mesh_dim_names        # ('rep', 'dp+ep')
+    """
+    replicated = device_mesh(plan.mesh)[replicate]
+    return DeviceMesh._concatenate([replicated, mesh_over(plan, shard_axes)])
 
 
 def plan_device(plan: Plan) -> torch.device:

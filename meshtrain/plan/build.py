@@ -182,7 +182,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
     if experts and fsdp_decisions(options.zero).shard_params:
-        layouts = expert_shards(layouts, experts, math.prod(mesh.size(a) for a in active))
+        efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active))  # HSDP: the shard axis
+        layouts = expert_shards(layouts, experts, efsdp)
     sharded = fsdp_decisions(options.zero).shard_params
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis, context_axis)
@@ -193,6 +194,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
             check_context_sequence_parallel(options.seq_len, context_axis, tp_axis, mesh)
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
     notes += getattr(rules, "notes", ())
+    if len(active) == 2 and (context or ep):
+        notes.append(_hsdp_note(mesh, active, context + ep, bool(experts)))
     if not active and not context and not ep:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = _decided(infer_units(model, options.fsdp_units), options)
@@ -324,6 +327,26 @@ def _router_count_collectives(
         routers, axis=mesh.joined(tuple(a for a in axes if a is not None)),
         microbatches=options.microbatches, checkpointed=options.checkpointed_blocks(layout.blocks),
     )  # fmt: skip
+
+
+def _hsdp_note(mesh: Mesh, active: tuple[str, ...], beside: tuple[str, ...], experts: bool) -> str:
+    """What HSDP beside an expert or context axis shards over: the parameters (outside the
+    experts) over the shard axis and ``beside`` flattened, replicated over the replicate axis;
+    the experts over the shard axis, replicated over the replicate axis.
+
+    Example:
+        >>> _hsdp_note(Mesh(("rep", "dp", "ep"), (2, 2, 2)), ("rep", "dp"), ("ep",), True)
+        "HSDP: parameters outside the experts replicated over 'rep' and sharded over 'dp+ep' (4 ranks); the experts sharded over 'ep', then FSDP-sharded over 'dp' and replicated over 'rep'"
+    """
+    replicate, shard = active
+    flat = mesh.joined((shard, *beside))
+    ways = math.prod(mesh.size(axis) for axis in (shard, *beside))
+    what = "parameters outside the experts" if experts else "parameters"
+    note = f"HSDP: {what} replicated over '{replicate}' and sharded over '{flat}' ({ways} ranks)"
+    if experts:
+        note += (f"; the experts sharded over '{beside[0]}', then FSDP-sharded over '{shard}' and "
+                 f"replicated over '{replicate}'")  # fmt: skip
+    return note
 
 
 def _decided(units: tuple[FSDPUnit, ...], options: PlanOptions) -> tuple[FSDPUnit, ...]:

@@ -8,7 +8,8 @@ load-balanced share of each sequence (``context_balance``: "headtail" gives rank
 circulates keys and values around the group (``context_method="ring"``) or gathers them
 (``"allgather"``). Parameters stay replicated over the axis and their gradients are reduced over
 the data axes and the context axis together (FSDP shards over both, as torchtitan's
-``dp_shard_cp``); the loss counts the tokens of every rank of both.
+``dp_shard_cp``; under HSDP the shard axis and the context axis, replicated over the replicate
+axis); the loss counts the tokens of every rank of both.
 
 Pure: reads rules, the mesh and the model's modules; raises :class:`PlanError` while planning.
 
@@ -27,6 +28,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshtrain.errors import PlanError
+from meshtrain.plan.experts import check_hsdp_order
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Resolution, Rules
@@ -73,10 +75,11 @@ def check_context(
     tp_axis: str | None,
 ) -> None:
     """What context parallelism composes with in this version: data parallelism (FSDP over one
-    data axis, any ZeRO stage), tensor parallelism (with or without sequence parallelism, on its
-    own axis), pipelines whose schedule runs backward whole, activation checkpointing,
+    data axis, or HSDP over two: replicated over the first, sharded over the second and the
+    context axis together, the replicate axis first in the mesh; any ZeRO stage), tensor
+    parallelism (with or without sequence parallelism, on its own axis), pipelines whose schedule runs backward whole, activation checkpointing,
     bf16/fp16 and torch.compile (context attention left eager between compiled graphs).
-    Schedules that split backward into input and weight halves, HSDP, compile with fullgraph and a
+    Schedules that split backward into input and weight halves, compile with fullgraph and a
     sequence that does not split into ``2·cp`` chunks are refused, naming the combination."""
     ways = mesh.size(axis)
     pipeline = options.pipeline
@@ -86,7 +89,6 @@ def check_context(
             f"the pipeline schedule {pipeline.schedule if pipeline else ''!r}, which splits "
             "backward into input and weight halves",
         ),
-        (len(data_axes) > 1, f"HSDP over {list(data_axes)}"),
         (
             options.compile and options.compile_fullgraph,
             "torch.compile with fullgraph=True (context attention runs eagerly between "
@@ -99,10 +101,11 @@ def check_context(
                 f"context parallelism over '{axis}' (size {ways}) on mesh {mesh} does not "
                 f"compose with {what} in this version of meshtrain: it would not be proven to "
                 "train like one device. Drop one of them (context parallelism composes with "
-                "FSDP over one data axis, tensor and sequence parallelism, pipelines such as "
-                "1F1B or GPipe, activation checkpointing and bf16).",
+                "FSDP over one data axis or HSDP over two, tensor and sequence parallelism, "
+                "pipelines such as 1F1B or GPipe, activation checkpointing and bf16).",
                 mesh=mesh,
             )
+    check_hsdp_order(axis, mesh, data_axes, "context")
     check_context_length(options.seq_len, axis, mesh, options.context_balance)
 
 

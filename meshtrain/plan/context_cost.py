@@ -166,17 +166,24 @@ def context_profile(
 def context_data_axes(layout: Inferred, mesh: Mesh) -> Inferred:
     """``layout`` as the data-parallel cost sees it: FSDP shards and reduces over the data axes
     and the context axis together, one group (``"dp+cp"``; parameters are replicated over the
-    context axis and each of its ranks holds other tokens, as torchtitan's ``dp_shard_cp``).
+    context axis and each of its ranks holds other tokens, as torchtitan's ``dp_shard_cp``);
+    under HSDP the replicate axis stays apart (``("rep", "dp+cp")``: FSDP reduce-scatters over
+    ``dp+cp`` and all-reduces over ``rep``).
 
     Example:
         >>> layout = Inferred((), None, False, (), (), (), (), (), None, 0, None, (),
         ...                   context_axis="cp")
         >>> context_data_axes(layout, Mesh(("dp", "cp"), (1, 8))).data_axes
         ('cp',)
+        >>> hsdp = replace(layout, data_axes=("rep", "dp"))
+        >>> context_data_axes(hsdp, Mesh(("rep", "dp", "cp"), (2, 2, 2))).data_axes
+        ('rep', 'dp+cp')
     """
     if layout.context_axis is None:
         return layout
-    return replace(layout, data_axes=(mesh.joined((*layout.data_axes, layout.context_axis)),))
+    replicate = layout.data_axes[:-1]  # HSDP: the replicate axis stays a dim of its own
+    shard = mesh.joined((*layout.data_axes[len(replicate) :], layout.context_axis))
+    return replace(layout, data_axes=(*replicate, shard))
 
 
 def context_costing(

@@ -174,7 +174,8 @@ def estimate_collectives(
     result.append(Collective("reduce_scatter", shard_axis, reducing * syncs, grad_bytes,
                              "gradients, one per unit with trainable parameters per sync"))  # fmt: skip
     if replicate_axis is not None:
-        shard_total = sum(p.shard_numel for p in layouts if p.trainable)
+        owned = {fqn for unit in units for fqn in unit.params}
+        shard_total = sum(p.shard_numel for p in layouts if p.trainable and p.fqn in owned)
         result.append(Collective("all_reduce", replicate_axis, reducing * syncs,
                                  shard_total * reduce_bytes * syncs,
                                  "HSDP: gradient shards across replicas"))  # fmt: skip

@@ -381,7 +381,9 @@ def expert_data_collectives(
     """The data-parallel collectives of an expert-parallel plan, as the lowering wraps it: each
     experts module is an FSDP unit of its own over the data axes (none when they are all of
     size 1: its weights stay expert-sharded), every other unit (its experts taken out) over the
-    data axes and the expert axis as one group (``"dp+ep"``).
+    data axes and the expert axis as one group (``"dp+ep"``). Under HSDP (two data axes) the
+    experts shard over the second and all-reduce over the first, and the other units shard over
+    the second and the expert axis together (``"dp+ep"``) and all-reduce over the first.
 
     Example:
         >>> from meshtrain.spec.partition import P
@@ -396,7 +398,9 @@ def expert_data_collectives(
     decided = fsdp_decisions(options.zero, root=False, offload=options.offload)
     own = tuple(FSDPUnit(group.fqn, group.params, decided) for group in groups)
     rest = tuple(replace(u, params=tuple(p for p in u.params if p not in expert)) for u in units)
-    rows = estimate_collectives(params, rest, ("+".join((*data_axes, expert_axis)),), options)
+    replicate = data_axes[:-1]  # HSDP: the replicate axis stays a dim of its own
+    shard = "+".join((*data_axes[len(replicate) :], expert_axis))
+    rows = estimate_collectives(params, rest, (*replicate, shard), options)
     return rows + (estimate_collectives(params, own, data_axes, options) if data_axes else ())
 
 

@@ -1,0 +1,128 @@
+"""HSDP (``fsdp=("rep", "dp")``) beside an expert or a context axis, planned (pure: meta-device
+models, abstract meshes): the plan accepts it; the parameters outside the experts shard over the
+shard axis and the expert or context axis together, the experts over the shard axis only, none
+over the replicate axis; the costs reduce-scatter over those ranks and all-reduce the shards over
+the replicate axis; a rank holds what it holds without the replicate axis; explain() says so;
+a mesh whose replicate axis does not come first is refused naming the axes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from context_models import rules
+from moe_models import ep_rules, qwen3_moe
+
+import meshtrain as mt
+from meshtrain.models import LlamaConfig, build_llama
+from meshtrain.plan.ir import Plan
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def _mesh(**axes: int) -> mt.Mesh:
+    world = 1
+    for size in axes.values():
+        world *= size
+    return mt.make_mesh(axes, world_size=world, abstract=True)
+
+
+def _moe(mesh: mt.Mesh, fsdp: tuple[str, ...]) -> Plan:
+    with torch.device("meta"):
+        model = qwen3_moe()
+    return mt.plan(model, mesh, ep_rules(fsdp=fsdp), batch_size=1, seq_len=8)
+
+
+def _llama(mesh: mt.Mesh, fsdp: tuple[str, ...]) -> Plan:
+    return mt.plan(build_llama(LlamaConfig.debug(), device="meta"), mesh, rules(fsdp),
+                   batch_size=1, seq_len=32)  # fmt: skip
+
+
+def _rows(plan: Plan) -> dict[tuple[str, str], int]:
+    """Payload bytes per (kind, axis) of the data-parallel collectives."""
+    return {key: payload for key, (_, payload) in plan.collective_totals().items()
+            if key[0] in ("all_gather", "reduce_scatter", "all_reduce")}  # fmt: skip
+
+
+def test_hsdp_with_experts_shards_over_the_shard_and_expert_axes() -> None:
+    plan = _moe(_mesh(rep=2, dp=2, ep=2), ("rep", "dp"))
+    assert (plan.data_axes, plan.expert_axis, plan.batch_axes) == (
+        ("rep", "dp"), "ep", ("rep", "dp", "ep"))  # fmt: skip
+    layouts = {p.fqn: p for p in plan.params}
+    # the rest: 64 rows over dp × ep (4), not over rep
+    assert layouts["model.embed_tokens.weight"].shard_shape == (16, 32)
+    # experts: 8 over ep (4 each), then FSDP over dp only (2 each), not over rep
+    assert layouts[f"{EXPERTS}.gate_up_proj"].local_shape == (4, 32, 32)
+    assert layouts[f"{EXPERTS}.gate_up_proj"].shard_shape == (2, 32, 32)
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_hsdp_with_experts_costs_reduce_over_the_right_ranks() -> None:
+    """The rest reduce-scatters over 'dp+ep' and the experts over 'dp'; both all-reduce their
+    shards over 'rep'; nothing else gathers or reduces over 'rep'."""
+    plan = _moe(_mesh(rep=2, dp=2, ep=2), ("rep", "dp"))
+    rows = _rows(plan)
+    expert = {fqn for group in plan.experts for fqn in group.params}
+    local = sum(p.local_numel for p in plan.params if p.fqn not in expert) * 4
+    local_experts = sum(p.local_numel for p in plan.params if p.fqn in expert) * 4
+    shards = sum(p.shard_numel for p in plan.params) * 4
+    assert rows[("reduce_scatter", "dp+ep")] == local
+    assert rows[("reduce_scatter", "dp")] == local_experts
+    assert rows[("all_reduce", "rep")] == shards  # every shard once across the replicas
+    assert not any(axis == "rep" for kind, axis in rows if kind != "all_reduce")
+    counts = {key: count for key, (count, _) in plan.collective_totals().items()}
+    # one all-reduce per unit: the rest's units, then each experts module's own
+    assert counts[("all_reduce", "rep")] == len(plan.units) + len(plan.experts)
+
+
+def test_hsdp_with_experts_holds_per_rank_what_the_plan_without_replicas_holds() -> None:
+    """Replicas add ranks, not shards: memory per rank equals dp 2 × ep 2's."""
+    hsdp = _moe(_mesh(rep=2, dp=2, ep=2), ("rep", "dp"))
+    plain = _moe(_mesh(dp=2, ep=2), ("dp",))
+    assert hsdp.memory == plain.memory
+    assert {p.fqn: p.shard_shape for p in hsdp.params} == {
+        p.fqn: p.shard_shape for p in plain.params
+    }
+
+
+def test_hsdp_with_context_shards_over_the_shard_and_context_axes() -> None:
+    plan = _llama(_mesh(rep=2, dp=2, cp=2), ("rep", "dp"))
+    plain = _llama(_mesh(dp=2, cp=2), ("dp",))
+    assert (plan.data_axes, plan.context_axis, plan.token_axes) == (
+        ("rep", "dp"), "cp", ("rep", "dp", "cp"))  # fmt: skip
+    assert {p.fqn: p.shard_shape for p in plan.params} == {
+        p.fqn: p.shard_shape for p in plain.params
+    }
+    assert plan.memory == plain.memory
+    rows, plain_rows = _rows(plan), _rows(plain)
+    assert rows[("reduce_scatter", "dp+cp")] == plain_rows[("reduce_scatter", "dp+cp")]
+    assert rows[("all_gather", "dp+cp")] == plain_rows[("all_gather", "dp+cp")]
+    assert rows[("all_reduce", "rep")] == sum(p.shard_numel for p in plan.params) * 4
+
+
+@pytest.mark.parametrize(
+    ("plan_fn", "mesh", "says"),
+    [
+        (_moe, _mesh(rep=2, dp=2, ep=2),
+         "parameters outside the experts replicated over 'rep' and sharded over 'dp+ep' (4 ranks); "
+         "the experts sharded over 'ep', then FSDP-sharded over 'dp' and replicated over 'rep'"),
+        (_llama, _mesh(rep=2, dp=2, cp=2),
+         "HSDP: parameters replicated over 'rep' and sharded over 'dp+cp' (4 ranks)"),
+    ],
+    ids=["experts", "context"],
+)  # fmt: skip
+def test_explain_says_what_hsdp_shards_over(plan_fn, mesh: mt.Mesh, says: str) -> None:  # type: ignore[no-untyped-def]
+    text = plan_fn(mesh, ("rep", "dp")).explain()
+    assert "data axes ['rep', 'dp']" in text and says in text
+    assert "all_reduce     rep " in text and "HSDP: gradient shards across replicas" in text
+
+
+@pytest.mark.parametrize(
+    ("plan_fn", "mesh", "axis"),
+    [(_moe, _mesh(dp=2, rep=2, ep=2), "ep"), (_llama, _mesh(cp=2, rep=2, dp=2), "cp")],
+    ids=["experts-after-dp", "context-first"],
+)  # fmt: skip
+def test_a_replicate_axis_not_first_is_refused_naming_the_axes(plan_fn, mesh, axis) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(mt.PlanError) as refusal:
+        plan_fn(mesh, ("rep", "dp"))
+    message = str(refusal.value)
+    assert "HSDP over ['rep', 'dp']" in message and f"('rep', 'dp', '{axis}', ...)" in message
