@@ -16,7 +16,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
-from context_models import MODELS, SEQ, rules
+from context_models import MODELS, SEQ, rules, tp_rules
 from packed_batches import packed_batches
 
 import meshtrain as mt
@@ -38,6 +38,12 @@ def _equivalent(name: str, mesh: dict[str, int], steps: int = 2, **options: Any)
 @pytest.mark.parametrize("name", ["llama", "hf_llama"])
 def test_packed_documents_train_like_one_device_on_dp2_cp2(name: str) -> None:
     _equivalent(name, DP2_CP2)
+
+
+@pytest.mark.parametrize("name", ["llama", "hf_llama"])
+def test_packed_documents_train_like_one_device_on_cp4(name: str) -> None:
+    """Chunks of 4 tokens: most documents span several ranks, some chunks hold several."""
+    _equivalent(name, {"cp": 4})
 
 
 # ----------------------------------------------------------------------------- a planted fault
@@ -70,8 +76,8 @@ def test_ignoring_the_documents_under_cp_is_caught() -> None:
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("name", ["llama", "hf_llama", "qwen2", "mistral", "moe"])
-def test_packed_documents_train_like_one_device_on_cp4(name: str) -> None:
+@pytest.mark.parametrize("name", ["qwen2", "mistral", "moe"])
+def test_more_families_train_like_one_device_on_cp4(name: str) -> None:
     _equivalent(name, {"cp": 4})
 
 
@@ -87,3 +93,12 @@ def test_packed_documents_train_like_one_device_on_cp4(name: str) -> None:
 )
 def test_packed_documents_compose_on_dp2_cp2(name: str, options: dict[str, Any]) -> None:
     _equivalent(name, DP2_CP2, **options)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_packed_documents_compose_with_tensor_and_sequence_parallel(name: str) -> None:
+    report = assert_equivalent(MODELS[name], {"cp": 2, "tp": 2},
+                               {"rules": tp_rules(name), "seq_len": SEQ},
+                               batches=packed_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed

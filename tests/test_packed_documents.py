@@ -111,7 +111,10 @@ def test_packed_windows_give_positions_to_batches_on_request_only(tmp_path: Path
     assert "document_positions=True" in repr(documents)
 
 
-def test_the_recipe_key_is_refused_without_document_files() -> None:
+def test_the_recipe_key_is_refused_without_document_files_or_with_a_pipeline() -> None:
     with pytest.raises(RecipeError, match=r"data\.document_mask"):
         check_file_keys(load_recipe("debug", ["data.document_mask=true"]))
     assert load_recipe("debug").data.document_mask is False
+    with pytest.raises(RecipeError, match=r"pipeline stages do not pass positions"):
+        pipelined = load_recipe("llama3_70b", ["data.source=jsonl", "data.document_mask=true"])
+        check_file_keys(pipelined)

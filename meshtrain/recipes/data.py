@@ -122,8 +122,9 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
 
 
 def check_file_keys(recipe: Recipe) -> None:
-    """``data.validation`` and ``data.format`` apply to file sources only: refuse them elsewhere
-    rather than ignore them.
+    """``data.validation``, ``data.format`` and ``data.document_mask`` apply to file sources
+    only: refuse them elsewhere rather than ignore them; and ``data.document_mask`` with a
+    pipeline, whose stages do not pass positions on.
 
     Example:
         >>> from meshtrain.recipes import load_recipe
@@ -133,6 +134,12 @@ def check_file_keys(recipe: Recipe) -> None:
         meshtrain.errors.RecipeError: ...data.validation = 0.1 applies to data.source jsonl, text, parquet or hf-dataset; data.source = 'corpus' reads no document files. Remove it, or train on files.
     """
     data = recipe.data
+    if data.document_mask and recipe.parallel.pipeline is not None:
+        raise RecipeError(
+            f"{recipe.source}: data.document_mask = true needs each token's position in its "
+            "document at every layer, and pipeline stages do not pass positions on: remove "
+            "[parallel.pipeline] or set data.document_mask = false."
+        )
     if data.source in FILE_SOURCES:
         return
     for key, value, default in (("validation", data.validation, 0.0),
