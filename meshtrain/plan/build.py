@@ -433,6 +433,7 @@ def _activation_profile(
     if options.batch_size is None or options.seq_len is None:
         return None
     tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]
+    whole = [s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED]
     cp = mesh.size(context_axis) if context_axis is not None else 1
     try:
         profile = trace_activations(
@@ -442,6 +443,7 @@ def _activation_profile(
             seq_len=local_seq_len(options.seq_len, cp) or options.seq_len,
             dtype=getattr(torch, options.param_dtype),
             tp_modules=tp_modules,
+            whole_modules=whole,
             tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
             sequence_parallel=sequence_parallel,
         )

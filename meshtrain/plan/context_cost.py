@@ -55,7 +55,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from meshtrain.plan.activations import ActivationProfile, AttentionCall, BlockActivations, Split
+from meshtrain.plan.activations import ActivationProfile, AttentionCall, BlockActivations
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import Collective
 from meshtrain.plan.options import PlanOptions
@@ -232,7 +232,8 @@ def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockAc
         in_tp, rest = (in_tp + extra, rest) if call.in_tp else (in_tp, rest + extra)
     if not in_tp and not rest:
         return block
-    return replace(block, saved=Split(block.saved.tp + in_tp, block.saved.rest + rest))
+    saved = replace(block.saved, tp=block.saved.tp + in_tp, rest=block.saved.rest + rest)
+    return replace(block, saved=saved)
 
 
 def allgather_saved(call: AttentionCall, cp: int) -> int:
