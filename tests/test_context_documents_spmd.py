@@ -4,9 +4,11 @@ edges, a single-document row, a row whose first document began before the window
 derives its tokens' document ids from the whole sequences' positions and its attention sees
 keys only within each query's document. meshtrain's Llama and MoE and ``transformers``' Llama,
 Qwen2 and Mistral (sliding window), under dp 2 x cp 2 (head-tail chunks), cp 4, the all-gather
-method and contiguous chunks; the one-device side is the same model with the same positions
-(meshtrain's document mask, ``transformers``' packed-sequence mask). A planted fault — the
-ranks' attention ignoring the document ids — fails the comparison."""
+method, contiguous chunks, checkpointing and cp x tp with sequence parallelism, and FSDP alone
+(no context axis); the one-device side is the same model with the same positions (meshtrain's
+document mask, ``transformers``' packed-sequence mask). Evaluation under dp 2 x cp 2 gives one
+device's loss. A planted fault — the ranks' attention ignoring the document ids — fails the
+comparison."""
 
 from __future__ import annotations
 
@@ -16,12 +18,19 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import torch
+import torch.nn.functional as F
 from context_models import MODELS, SEQ, rules, tp_rules
 from packed_batches import packed_batches
 
 import meshtrain as mt
-from meshtrain.lower.context_parallel import ContextGroup
+from meshtrain.lower.context_parallel import ContextGroup, positions_keyword
 from meshtrain.testing import assert_equivalent
+from meshtrain.testing.contract import contract_for
+from meshtrain.testing.runner import get_pool
+from meshtrain.train.batch import Batch
+from meshtrain.train.evaluate import evaluate
+from meshtrain.train.loss import data_parallel_rank
 
 pytestmark = pytest.mark.spmd
 
@@ -44,6 +53,49 @@ def test_packed_documents_train_like_one_device_on_dp2_cp2(name: str) -> None:
 def test_packed_documents_train_like_one_device_on_cp4(name: str) -> None:
     """Chunks of 4 tokens: most documents span several ranks, some chunks hold several."""
     _equivalent(name, {"cp": 4})
+
+
+@pytest.mark.parametrize("name", ["llama", "hf_llama"])
+def test_packed_documents_train_like_one_device_without_cp(name: str) -> None:
+    """No context axis (FSDP over dp 2): the positions reach the model as they are."""
+    report = assert_equivalent(MODELS[name], {"dp": 2}, mt.Rules({".*": mt.P()}, fsdp=("dp",)),
+                               batches=packed_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed
+
+
+def _one_device_loss(name: str, positions: bool) -> float:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    inputs, targets, token_positions = packed_batches(9)
+    keywords = {positions_keyword(model): token_positions} if positions else {}
+    with torch.no_grad():
+        out = model(inputs, **keywords)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return float(F.cross_entropy(logits.flatten(0, 1), targets.flatten()))
+
+
+def _evaluated(name: str) -> tuple[float, float]:
+    """On each of 4 ranks (dp 2 x cp 2): ``evaluate`` of this rank's rows of a packed batch."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    plan = mt.plan(model, mt.make_mesh(DP2_CP2), rules(), seq_len=SEQ)
+    applied = mt.apply(plan, model)
+    inputs, targets, positions = packed_batches(9)
+    index, ranks = data_parallel_rank(plan)
+    rows = slice(index * len(inputs) // ranks, (index + 1) * len(inputs) // ranks)
+    batch = Batch(inputs[rows], targets[rows], token_positions=positions[rows])
+    return evaluate(plan, applied, [batch]).loss, contract_for(plan).tolerance
+
+
+@pytest.mark.parametrize("name", ["llama", "hf_llama"])
+def test_evaluation_on_packed_documents_matches_one_device(name: str) -> None:
+    """``mt.train.evaluate`` under dp 2 x cp 2 gives one device's loss with document masking
+    (relatively within the plan's contract), which attending across documents misses."""
+    reference = _one_device_loss(name, positions=True)
+    across = _one_device_loss(name, positions=False)
+    for loss, tolerance in get_pool(4).run(_evaluated, name):
+        assert abs(loss - reference) <= tolerance * abs(reference), (loss, reference)
+        assert abs(across - reference) > tolerance * abs(reference)  # outside the contract
 
 
 # ----------------------------------------------------------------------------- a planted fault
