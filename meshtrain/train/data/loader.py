@@ -411,7 +411,9 @@ class DistributedBatches:
     ``dp_rank``/``dp_size`` are the data-parallel coordinates (ranks that differ only along
     tensor or pipeline axes pass the same ones and get the same batch); nothing here issues a
     collective. Each :class:`~meshtrain.train.batch.Batch` carries the position after it, and
-    ``batches(start=position)`` resumes exactly where that position left off.
+    ``batches(start=position)`` resumes exactly where that position left off. A dataset whose
+    ``document_positions`` is true (:class:`~meshtrain.train.data.packed.PackedWindows` asked for
+    them) also gives each batch its samples' ``positions(index)`` as ``token_positions``.
 
     Example:
         >>> data = SyntheticTokens(vocab_size=256, seq_len=4, n_samples=10, seed=0)
