@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -21,14 +22,16 @@ import torch
 from context_models import MODELS
 from transformers.masking_utils import find_packed_sequence_indices
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import RecipeError, TrainingError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.data import check_file_keys
 from meshtrain.spec.packing import document_ids
+from meshtrain.train.batch import Batch
 from meshtrain.train.data import DistributedBatches
 from meshtrain.train.data.documents import DocumentSource
 from meshtrain.train.data.packed import PackedWindows, prepare_documents, restarting_positions
 from meshtrain.train.data.tokenizer import ByteTokenizer
+from meshtrain.train.step import forward_backward
 
 #: fp32 unit roundoff; the bound on |packed - alone| is 64 u x max |logits|
 UNIT = 2.0**-24
@@ -118,3 +121,14 @@ def test_the_recipe_key_is_refused_without_document_files_or_with_a_pipeline() -
     with pytest.raises(RecipeError, match=r"pipeline stages do not pass positions"):
         pipelined = load_recipe("llama3_70b", ["data.source=jsonl", "data.document_mask=true"])
         check_file_keys(pipelined)
+
+
+def test_the_train_step_refuses_positions_it_cannot_pass_on() -> None:
+    """Before any forward: positions under a pipeline, and positions not shaped like the inputs."""
+    tokens = torch.zeros(2, 4, dtype=torch.long)
+    pipelined = SimpleNamespace(pipeline=object(), context_axis=None)
+    with pytest.raises(TrainingError, match="pipeline stages do not pass"):
+        forward_backward(pipelined, None, Batch(tokens, tokens, token_positions=tokens))  # type: ignore[arg-type]
+    flat = SimpleNamespace(pipeline=None, context_axis=None)
+    with pytest.raises(TrainingError, match="one position per token"):
+        forward_backward(flat, None, Batch(tokens, tokens, token_positions=tokens[:, :3]))  # type: ignore[arg-type]
