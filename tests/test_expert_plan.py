@@ -133,11 +133,8 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": {"fullgraph": True}},
          ["fullgraph=True", "'fullgraph': False"]),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"zero": 0}, ["zero=0"]),
-        (_Tiny(_Experts()), {"ep": 2, "rep": 2, "dp": 2}, RULES, {"fsdp": ("rep", "dp")},
-         ["HSDP over ['rep', 'dp']", "'rep' must come before", "('rep', 'dp', 'ep', ...)"]),
     ],
-    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "fullgraph", "zero0",
-         "hsdp-replicate-axis-last"],
+    ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "fullgraph", "zero0"],
 )  # fmt: skip
 def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options, names) -> None:  # type: ignore[no-untyped-def]
     fsdp = options.pop("fsdp", ())

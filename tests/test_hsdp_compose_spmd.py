@@ -1,12 +1,14 @@
-"""HSDP composes with expert and with context parallelism and trains like one device (tier 2:
+"""HSDP composes with expert and with context parallelism and trains like one device (tier 2,
 8 gloo ranks). On {rep: 2, dp: 2, ep: 2} with ``fsdp=("rep", "dp")`` the parameters outside the
 experts are replicated over ``rep`` and sharded over ``dp+ep`` (one flattened dim, torchtitan's
 ``dp_replicate`` × ``dp_shard_cp``), the experts sharded over ``ep`` and FSDP-sharded over
 ``dp``, replicated over ``rep``: meshtrain's MoE and transformers' Qwen3-MoE. On
 {rep: 2, dp: 2, cp: 2} the parameters are replicated over ``rep`` and sharded over ``dp+cp``:
 meshtrain's Llama and transformers' Llama. fp32, AdamW, 2 steps each, gradients averaged (and
-summed under ``grad_reduction="sum"`` for meshtrain's models); the run's worst error over its
-bound and its wall time are printed. Last, a sharded checkpoint saved under HSDP × ep loads
+summed under ``grad_reduction="sum"`` for meshtrain's models), also with the replicate axis
+after the expert or context axis in the mesh; the run's worst error over its bound and its wall
+time are printed. Plain HSDP on {dp: 2, rep: 2} (the replicate axis last; 4 ranks, first tier)
+under ZeRO 3 and ZeRO 0. Last, a sharded checkpoint saved under HSDP × ep loads
 with the same values on a plain ep mesh."""
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from meshtrain.train.loss import data_parallel_rank, summed_cross_entropy
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import make_train_step
 
-pytestmark = [pytest.mark.spmd, pytest.mark.extended]
+pytestmark = pytest.mark.spmd
 
 HSDP = ("rep", "dp")
 HSDP_EP = {"rep": 2, "dp": 2, "ep": 2}
@@ -65,35 +67,54 @@ def _moe_rules() -> mt.Rules:
     return moe_rules(tp=None, fsdp=HSDP, ep="ep")
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
-    ("name", "model_fn", "rules_fn", "options"),
+    ("name", "model_fn", "rules_fn", "mesh", "options"),
     [
-        ("meshtrain-moe", meshtrain_moe, _moe_rules, {}),
-        ("meshtrain-moe-summed", meshtrain_moe, _moe_rules, {"grad_reduction": "sum"}),
-        ("qwen3-moe", qwen3_moe, lambda: ep_rules(fsdp=HSDP), {}),
+        ("meshtrain-moe", meshtrain_moe, _moe_rules, HSDP_EP, {}),
+        ("meshtrain-moe-summed", meshtrain_moe, _moe_rules, HSDP_EP, {"grad_reduction": "sum"}),
+        ("meshtrain-moe-ep-first", meshtrain_moe, _moe_rules, {"ep": 2, "rep": 2, "dp": 2}, {}),
+        ("qwen3-moe", qwen3_moe, lambda: ep_rules(fsdp=HSDP), HSDP_EP, {}),
     ],
 )
 def test_moe_trains_like_one_device_on_rep2_dp2_ep2(
     name: str,
     model_fn: Callable[[], torch.nn.Module],
     rules_fn: Callable[[], mt.Rules],
+    mesh: dict[str, int],
     options: dict[str, Any],
 ) -> None:
-    plan = _equivalent(name, model_fn, HSDP_EP, {"rules": rules_fn(), **options}, token_batches)
+    plan = _equivalent(name, model_fn, mesh, {"rules": rules_fn(), **options}, token_batches)
     assert plan["expert_axis"] == "ep"
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
-    ("name", "options"),
-    [("llama", {}), ("llama-summed", {"grad_reduction": "sum"}), ("hf_llama", {})],
+    ("name", "mesh", "options"),
+    [
+        ("llama", HSDP_CP, {}),
+        ("llama-summed", HSDP_CP, {"grad_reduction": "sum"}),
+        ("llama-cp-first", {"cp": 2, "rep": 2, "dp": 2}, {}),
+        ("llama-zero0", HSDP_CP, {"zero": 0}),
+        ("hf_llama", HSDP_CP, {}),
+    ],
 )
 def test_context_parallel_trains_like_one_device_on_rep2_dp2_cp2(
-    name: str, options: dict[str, Any]
+    name: str, mesh: dict[str, int], options: dict[str, Any]
 ) -> None:
-    model_fn = MODELS[name.removesuffix("-summed")]
-    plan = _equivalent(name, model_fn, HSDP_CP,
-                       {"rules": rules(HSDP), "seq_len": SEQ, **options}, batches)  # fmt: skip
+    model_fn = MODELS[name.split("-")[0]]
+    plan = _equivalent(name, model_fn, mesh, {"rules": rules(HSDP), "seq_len": SEQ, **options},
+                       batches)  # fmt: skip
     assert plan["context_axis"] == "cp"
+
+
+@pytest.mark.parametrize("zero", [3, 0])
+def test_plain_hsdp_trains_like_one_device_with_the_replicate_axis_last(zero: int) -> None:
+    """{dp: 2, rep: 2} (4 ranks): FSDP2's mesh [rep, dp] is not a slice of this mesh in its
+    order; it is put together dim by dim."""
+    rules_hsdp = mt.Rules({".*": mt.P()}, fsdp=HSDP)
+    _equivalent("llama", MODELS["llama"], {"dp": 2, "rep": 2}, {"rules": rules_hsdp, "zero": zero},
+                batches)  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- checkpoint
@@ -137,6 +158,7 @@ def _full(params: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> 
     return values
 
 
+@pytest.mark.extended
 def test_a_checkpoint_saved_under_hsdp_and_ep_loads_under_ep8(tmp_path: Path) -> None:
     start = time.perf_counter()
     saved = get_pool(8).run(_trained_and_saved, str(tmp_path))[0]

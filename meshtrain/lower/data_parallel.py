@@ -32,6 +32,7 @@ from meshtrain.errors import PlanError
 from meshtrain.lower.expert_parallel import experts_ignored, experts_of
 from meshtrain.lower.groups import device_mesh, hsdp_mesh_over, mesh_over
 from meshtrain.lower.tensor_parallel import PartialGradSync
+from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import Plan
 
 
@@ -48,7 +49,7 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
     )
     modules = dict(model.named_modules())
     wrapped: list[FSDPModule] = []
-    expert_mesh = device_mesh(plan.mesh)[plan.data_axes] if plan.data_axes else None
+    expert_mesh = _experts_mesh(plan)
     ignored = experts_ignored(plan, model) if plan.expert_axis and expert_mesh is None else None
     for unit in plan.units:
         module = modules[unit.fqn]
@@ -82,22 +83,34 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
 
 def data_parallel_mesh(plan: Plan) -> DeviceMesh:
     """The mesh FSDP2 wraps the parameters outside the experts over: the data axes (two: HSDP,
-    replicated over the first, sharded over the second), or the size-1 axes that carry the
-    mixed-precision policy; under expert or context parallelism the shard axis and the expert or
-    context axis together, one flattened dim (torchtitan's ``dp_shard_cp``), beside the
-    replicate axis under HSDP. FSDP2 averages over every rank of it: all the token ranks.
+    replicated over the first, sharded over the second, whatever their order in the mesh), or the
+    size-1 axes that carry the mixed-precision policy; under expert or context parallelism the
+    shard axis and the expert or context axis together, one flattened dim (torchtitan's
+    ``dp_shard_cp``), beside the replicate axis under HSDP. Under ZeRO 0 (``replicate``, which
+    takes one dim and shards nothing) two data axes are one flattened dim with the rest. FSDP2
+    averages over every rank of it: all the token ranks.
 
     Example (on every rank of an 8-rank job)::
 
         plan = mt.plan(model, mt.make_mesh(rep=2, dp=2, cp=2), rules)  # fsdp=("rep", "dp")
         data_parallel_mesh(plan).mesh_dim_names                        # ('rep', 'dp+cp')
     """
-    if not (plan.expert_axis or plan.context_axis):
-        return device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
+    if len(plan.data_axes) == 2 and fsdp_decisions(plan.options.zero).wrapper == "replicate":
+        return mesh_over(plan, plan.token_axes)  # nothing sharded: one flat dim, as DDP
     if len(plan.data_axes) == 2:
         replicate = plan.data_axes[0]
         return hsdp_mesh_over(plan, replicate, [a for a in plan.token_axes if a != replicate])
+    if not (plan.expert_axis or plan.context_axis):
+        return device_mesh(plan.mesh)[plan.data_axes or plan.cast_axes]
     return mesh_over(plan, plan.token_axes)
+
+
+def _experts_mesh(plan: Plan) -> DeviceMesh | None:
+    """The mesh FSDP2 wraps each experts module over: the data axes (the ranks outside the
+    expert axis; under HSDP replicated over the first, sharded over the second), or none."""
+    if len(plan.data_axes) == 2:
+        return hsdp_mesh_over(plan, plan.data_axes[0], plan.data_axes[1:])
+    return device_mesh(plan.mesh)[plan.data_axes] if plan.data_axes else None
 
 
 def _offload_policy(offload: bool) -> OffloadPolicy:

@@ -98,8 +98,8 @@ def hsdp_mesh_over(plan: Plan, replicate: str, shard_axes: Sequence[str]) -> Dev
     ``shard_axes`` flattened into one dim (dim 1, :func:`mesh_over`), as torchtitan's
     ``dp_replicate`` × ``dp_shard_cp``. It is put together the way FSDP2 puts its own HSDP mesh
     together (``DeviceMesh._concatenate``, private in torch 2.13: slicing a flattened dim off the
-    root mesh is deprecated), and the plan has put ``replicate`` before ``shard_axes`` in the
-    mesh (:func:`meshtrain.plan.experts.check_hsdp_order`).
+    root mesh is deprecated), so the axes may come in any order in the mesh (a slice of the root
+    mesh must keep the mesh's order: ``{dp, rep}`` could not give ``[rep, dp]``).
 
     Example (on every rank of an 8-rank job)::
 

@@ -28,7 +28,6 @@ from collections.abc import Sequence
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.experts import check_hsdp_order
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Resolution, Rules
@@ -76,11 +75,12 @@ def check_context(
 ) -> None:
     """What context parallelism composes with in this version: data parallelism (FSDP over one
     data axis, or HSDP over two: replicated over the first, sharded over the second and the
-    context axis together, the replicate axis first in the mesh; any ZeRO stage), tensor
-    parallelism (with or without sequence parallelism, on its own axis), pipelines whose schedule runs backward whole, activation checkpointing,
-    bf16/fp16 and torch.compile (context attention left eager between compiled graphs).
-    Schedules that split backward into input and weight halves, compile with fullgraph and a
-    sequence that does not split into ``2·cp`` chunks are refused, naming the combination."""
+    context axis together; any ZeRO stage), tensor parallelism (with or without sequence
+    parallelism, on its own axis), pipelines whose schedule runs backward whole, activation
+    checkpointing, bf16/fp16 and torch.compile (context attention left eager between compiled
+    graphs). Schedules that split backward into input and weight halves, compile with fullgraph
+    and a sequence that does not split into ``2·cp`` chunks are refused, naming the
+    combination."""
     ways = mesh.size(axis)
     pipeline = options.pipeline
     combos = [
@@ -105,7 +105,6 @@ def check_context(
                 "pipelines such as 1F1B or GPipe, activation checkpointing and bf16).",
                 mesh=mesh,
             )
-    check_hsdp_order(axis, mesh, data_axes, "context")
     check_context_length(options.seq_len, axis, mesh, options.context_balance)
 
 

@@ -82,9 +82,8 @@ def plan_experts(
     """The experts modules the specs shard over ``expert_axis``, checked: every parameter on
     that axis belongs to an experts module with the known forward, shards its experts dim (dim 0)
     and nothing else, over a divisor of ``num_experts``; the axes around it lower (one or two
-    data axes, the replicate one first in the mesh; compile without fullgraph, ZeRO 1 to 3; a
-    tensor-parallel axis only outside the experts). Raises :class:`PlanError` naming the module
-    or parameter and the fix."""
+    data axes, compile without fullgraph, ZeRO 1 to 3; a tensor-parallel axis only outside the
+    experts). Raises :class:`PlanError` naming the module or parameter and the fix."""
     mesh = resolution.mesh
     modules = dict(model.named_modules())
     grouped: dict[str, list[str]] = {}
@@ -154,8 +153,7 @@ def _check_combination(
     the expert ranks of its pipeline rank) and tensor parallelism on another axis for the layers
     outside the experts (the ranks of one tensor-parallel index dispatch among themselves; the
     experts stay whole over it) and torch.compile, the dispatch left eager between compiled
-    graphs (so not with fullgraph=True). Under HSDP the replicate axis comes first in the mesh
-    (:func:`check_hsdp_order`)."""
+    graphs (so not with fullgraph=True)."""
     if options.compile and options.compile_fullgraph:
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with compile fullgraph=True is "
@@ -169,37 +167,6 @@ def _check_combination(
             f"expert parallelism over '{axis}' on mesh {mesh} with zero=0 is not supported: "
             "the experts are data-parallel under FSDP2 over the data ranks outside the expert "
             "axis. Use zero=1, 2 or 3.",
-            mesh=mesh,
-        )
-    check_hsdp_order(axis, mesh, data_axes, "expert")
-
-
-def check_hsdp_order(axis: str, mesh: Mesh, data_axes: Sequence[str], parallelism: str) -> None:
-    """Under HSDP beside an expert or context ``axis``, the parameters outside the experts shard
-    over the shard axis and ``axis`` flattened into one mesh dim, beside the replicate axis
-    (torchtitan's ``dp_replicate`` × ``dp_shard_cp``), and the experts over the two data axes.
-    The replicate axis must come first in the mesh, so that every one of these is a mesh slice
-    in the mesh's order; a PlanError naming the axes otherwise.
-
-    Example:
-        >>> check_hsdp_order("ep", Mesh(("rep", "dp", "ep"), (2, 2, 2)), ("rep", "dp"), "expert")
-        >>> check_hsdp_order("ep", Mesh(("ep", "rep", "dp"), (2, 2, 2)), ("rep", "dp"), "expert")
-        Traceback (most recent call last):
-        ...
-        meshtrain.errors.PlanError: expert parallelism over 'ep' with HSDP over ['rep', 'dp'] on mesh ...
-    """
-    sized = [a for a in data_axes if mesh.size(a) > 1]
-    if len(sized) < 2:
-        return
-    replicate, shard = sized
-    order = mesh.axis_names
-    if order.index(replicate) > min(order.index(shard), order.index(axis)):
-        raise PlanError(
-            f"{parallelism} parallelism over '{axis}' with HSDP over {sized} on mesh {mesh}: the "
-            f"replicate axis '{replicate}' must come before the shard axis '{shard}' and "
-            f"'{axis}' in the mesh, so that '{shard}' and '{axis}' flatten into the one dim the "
-            f"parameters shard over beside '{replicate}'. Order the mesh ('{replicate}', "
-            f"'{shard}', '{axis}', ...).",
             mesh=mesh,
         )
 
