@@ -83,12 +83,18 @@ def test_rules_from_hf_read_the_expert_parallel_plan(factory) -> None:  # type: 
     assert plan.specs["model.layers.0.self_attn.q_proj.weight"] == mt.P()
 
 
-def test_rules_from_hf_with_tp_and_no_ep_keep_experts_whole_with_a_note() -> None:
+def test_rules_from_hf_with_tp_and_no_ep_split_the_experts_inside() -> None:
+    """moe_tp_experts: each expert's intermediate features over tp (packed gate-up column-wise,
+    down row-wise), no expert axis; without tp the experts stay whole, with a note."""
     model = _meta(qwen3_moe)
     plan = mt.plan(model, _mesh(dp=2, tp=2), mt.Rules.from_hf(model, fsdp="dp", tp="tp"))
     assert plan.tp_axis == "tp" and plan.expert_axis is None
-    assert plan.specs[f"{EXPERTS}.gate_up_proj"] == mt.P()
-    assert any("kept whole (P())" in note and "ep='ep'" in note for note in plan.notes)
+    assert plan.specs[f"{EXPERTS}.gate_up_proj"] == mt.P(None, "tp", None)
+    assert plan.specs[f"{EXPERTS}.down_proj"] == mt.P(None, None, "tp")
+    assert not any("kept whole" in note for note in plan.notes)
+    whole = mt.plan(model, _mesh(dp=2), mt.Rules.from_hf(model, fsdp="dp", tp=None))
+    assert whole.specs[f"{EXPERTS}.gate_up_proj"] == mt.P()
+    assert any("kept whole (P())" in note and "ep='ep'" in note for note in whole.notes)
 
 
 class _Experts(nn.Module):
@@ -126,7 +132,7 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
         (_Tiny(_Experts()), {"ep": 2}, {"proj.weight": mt.P("ep", None), **RULES}, {},
          ["'proj.weight'", "not an experts module"]),
         (_Tiny(_Experts()), {"ep": 2, "tp": 2}, {r".*experts\..*": mt.P("ep", "tp", None), ".*": mt.P()},
-         {}, ["gate_up_proj", "tensor parallelism inside the experts"]),
+         {}, ["layers.0.experts.down_proj", "splits dim 2 alone", "P(e, None, 'tp')"]),
         (_Tiny(_Experts()), {"ep": 2}, {r".*gate_up_proj": mt.P("ep", None, None), ".*": mt.P()},
          {}, ["down_proj", "split alike"]),
         (_Tiny(_OddForward()), {"ep": 2}, RULES, {}, ["layers.0.experts", "_OddForward", "forward"]),

@@ -133,3 +133,37 @@ def test_each_expert_parallel_rank_reads_only_its_experts(tmp_path: Path) -> Non
         # every rank reads exactly what it holds: half the experts (and its FSDP shard of the rest)
         assert result["bytes_read"] == result["held"] < total, result
         assert result["held_experts"] == experts // 2, result
+
+
+def tensor_parallel_load(path: str) -> bool:
+    """On each rank of tp 2: meshtrain's MoE with its experts split inside over tp, loaded from
+    the per-expert checkpoint; whether each rank holds its half of every expert's gate rows and
+    of its up rows (packed), and its half of the down projection's columns."""
+    hf_config = moe_config_from_hf(qwen3_moe().config.to_dict())
+    model = build_moe(hf_config, seed=1)
+    rules = moe_rules(tp="tp", fsdp=(), expert_tp=True)
+    applied = mt.apply(mt.plan(model, mt.make_mesh({"tp": 2}), rules), model)
+    load_hf(path, applied, sources=moe_hf_sources(hf_config))
+    rank = torch.distributed.get_rank()
+    same = True
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as stored:
+        for layer in range(hf_config.n_layers):
+            experts = applied.get_submodule(f"layers.{layer}.feed_forward.experts")
+            gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+            half = down.shape[2]
+            mine = slice(rank * half, (rank + 1) * half)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            for expert in range(hf_config.n_experts):
+                gate, up, whole_down = (stored.get_tensor(f"{prefix}.{expert}.{p}_proj.weight")
+                                        for p in ("gate", "up", "down"))  # fmt: skip
+                same &= torch.equal(gate_up[expert], torch.cat([gate[mine], up[mine]]))
+                same &= torch.equal(down[expert], whole_down[:, mine])
+    return same
+
+
+@pytest.mark.spmd
+def test_experts_split_inside_over_tp_load_their_packed_halves(tmp_path: Path) -> None:
+    from meshtrain.testing.runner import get_pool
+
+    _saved(qwen3_moe, tmp_path)
+    assert get_pool(2).run(tensor_parallel_load, str(tmp_path)) == [True, True]

@@ -28,7 +28,6 @@ Example (inside :func:`~meshtrain.lower.apply`, before data parallelism)::
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +39,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from meshtrain.lower.compute import eager_island
+from meshtrain.lower.expert_tensor import (
+    LocalExperts,
+    local_intermediate,
+    sum_backward,
+    sum_forward,
+    tensor_placement,
+)
 from meshtrain.lower.groups import device_mesh, group_over
 from meshtrain.plan.ir import ExpertGroup, Plan
 
@@ -53,12 +59,16 @@ def apply_expert_parallel(plan: Plan, model: nn.Module) -> None:
     dtype = None if plan.options.precision == "fp32" else getattr(torch, plan.options.param_dtype)
     for group in plan.experts:
         module = model.get_submodule(group.fqn)
+        inside = group.tensor_axis
+        tensor_mesh = device_mesh(plan.mesh)[inside] if inside else None
+        mesh = device_mesh(plan.mesh)[(plan.expert_axis, inside)] if inside else ep_mesh
         for fqn in group.params:
             name = fqn.rpartition(".")[2]
             param = getattr(module, name)
-            shard = distribute_tensor(param.detach(), ep_mesh, [Shard(0)], src_data_rank=None)
+            placements = [Shard(0)] + ([tensor_placement(name)] if tensor_mesh else [])
+            shard = distribute_tensor(param.detach(), mesh, placements, src_data_rank=None)
             module.register_parameter(name, nn.Parameter(shard, param.requires_grad))
-        module.forward = ExpertDispatch(module, group, ep_mesh, scale, dtype)
+        module.forward = ExpertDispatch(module, group, ep_mesh, scale, dtype, tensor_mesh)
 
 
 def expert_grad_scale(plan: Plan) -> float:
@@ -83,22 +93,6 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class _Local:
-    """The experts module as its forward sees it on one rank: its local expert slice, the local
-    expert count, everything else the module's own."""
-
-    def __init__(self, module: nn.Module, overrides: dict[str, Any]) -> None:
-        self.__dict__.update(overrides)
-        self.__dict__["_module"] = module
-
-    def __getattr__(self, name: str) -> Any:
-        module = self.__dict__["_module"]
-        value = getattr(module, name)
-        if isinstance(value, types.MethodType) and value.__self__ is module:
-            return types.MethodType(value.__func__, self)  # its methods see the local slice too
-        return value
-
-
 class ExpertDispatch:
     """The experts module's forward under expert parallelism (see the module docstring); it
     keeps the tokens each local expert received in the last forward (``last_counts``, global
@@ -111,8 +105,11 @@ class ExpertDispatch:
         ep_mesh: DeviceMesh,
         grad_scale: float,
         dtype: torch.dtype | None,
+        tensor_mesh: DeviceMesh | None = None,
     ) -> None:
         self.module = module
+        self.tensor_mesh = tensor_mesh  # the axis that also splits each expert inside, if any
+        self.sizes = local_intermediate(module, tensor_mesh.size()) if tensor_mesh else {}
         self.group = group
         self.ep_mesh = ep_mesh
         self.grad_scale = grad_scale
@@ -169,7 +166,7 @@ class ExpertDispatch:
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, received: list[int]) -> torch.Tensor:
         """The module's own forward on this rank's received rows, with its local experts."""
-        overrides: dict[str, Any] = {"num_experts": self.group.local_experts}
+        overrides: dict[str, Any] = {"num_experts": self.group.local_experts, **self.sizes}
         for name in self.names:
             weight = getattr(self.module, name)
             weight = weight.to_local() if isinstance(weight, DTensor) else weight
@@ -177,10 +174,13 @@ class ExpertDispatch:
                 weight = weight.to(self.dtype)
             overrides[name] = _ScaleGrad.apply(weight, self.grad_scale)
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        y = self.own_forward(_Local(self.module, overrides), x, ids.view(-1, 1), ones)
+        tensor_group = self.tensor_mesh.get_group() if self.tensor_mesh is not None else None
+        if tensor_group is not None:  # the same rows on every tp rank, each a part of I
+            x = sum_backward(x, tensor_group)
+        y = self.own_forward(LocalExperts(self.module, overrides), x, ids.view(-1, 1), ones)
         if not sum(received):  # no rows: keep the local weights in the graph (zero gradients)
             y = y + sum(overrides[name].sum() for name in self.names) * 0
-        return y
+        return sum_forward(y, tensor_group) if tensor_group is not None else y
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshtrain.errors import PlanError, format_shape
+from meshtrain.lower.expert_tensor import ExpertsTensorParallel
 from meshtrain.plan.ir import ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
 from meshtrain.plan.styles import inside
@@ -227,9 +228,11 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     def at(style: ModuleStyle) -> Placement:  # inside a block run whole: replicated
         return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
 
+    dispatched = {group.fqn for group in plan.experts}  # split by the expert-parallel lowering
     return {
         style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block))
         for style in plan.styles
+        if style.fqn not in dispatched
     }
 
 
@@ -514,4 +517,5 @@ LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]
         s.fqn, s.argument, Replicate(), Shard(1), local=True
     ),
     TPStyle.SEQUENCE_GATHERED: lambda s, c: _GatherSequence(s.fqn, s.argument),
+    TPStyle.EXPERTS_TENSOR_PARALLEL: lambda s, c: ExpertsTensorParallel(),
 }

@@ -464,12 +464,15 @@ def default_rules(
     ep: str | None = None,
     mesh: Mesh | None = None,
     sequence_parallel: bool = False,
+    expert_tp: bool = False,
 ) -> Rules:
     """The Llama's rules (:func:`meshtrain.models.llama.default_rules`) plus the experts' dim:
     ``"expert"`` → ``ep`` (with ``mesh`` given and ``ep`` not, its ``ep`` axis when it has one),
-    otherwise replicated, so FSDP shards expert weights like any other. ``"expert_mlp"`` stays
-    unsharded: ``gate_up_proj`` fuses gate and up along it. With ``mesh`` given, a ``tp`` axis
-    it lacks is left out too (no tensor parallelism).
+    otherwise replicated, so FSDP shards expert weights like any other. ``"expert_mlp"`` (each
+    expert's intermediate features, which ``gate_up_proj`` packs for gate and up) stays whole
+    unless ``expert_tp``: then it goes to ``tp`` too, splitting every expert inside
+    (:mod:`meshtrain.plan.expert_tensor`). With ``mesh`` given, a ``tp`` axis it lacks is left
+    out too (no tensor parallelism).
 
     Example:
         >>> default_rules(tp=None, ep="ep").logical[-2:]
@@ -481,7 +484,7 @@ def default_rules(
         ep = "ep" if ep is None and "ep" in mesh.axis_names else ep
         tp = tp if tp in mesh.axis_names else None
     base = llama_rules(tp, fsdp, sequence_parallel=sequence_parallel)
-    logical = (*base.logical, ("expert", ep), ("expert_mlp", None))
+    logical = (*base.logical, ("expert", ep), ("expert_mlp", tp if expert_tp else None))
     return Rules(logical=logical, fsdp=fsdp)
 
 

@@ -248,7 +248,7 @@ _LEAF_STYLES = frozenset(
     {
         TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_REPLICATED_INPUT,
         TPStyle.COLWISE_GATHERED, TPStyle.LOSS_PARALLEL_HEAD, TPStyle.VOCAB_PARALLEL_EMBEDDING,
-        TPStyle.EMBEDDING_DIM_PARALLEL, TPStyle.SEQUENCE_PARALLEL,
+        TPStyle.EMBEDDING_DIM_PARALLEL, TPStyle.SEQUENCE_PARALLEL, TPStyle.EXPERTS_TENSOR_PARALLEL,
     }
 )  # fmt: skip
 
@@ -333,7 +333,8 @@ class _Prover(TorchDispatchMode):
         for fqn, style in self.styles.items():
             module = self.model.get_submodule(fqn) if fqn else self.model
             if style.style in _LEAF_STYLES and "forward" not in vars(module):
-                module.forward = self._on_whole(module.forward, module, fqn)
+                own = dense_forward(module) if is_experts_module(module) else module.forward
+                module.forward = self._on_whole(own, module, fqn)
                 self._patched.append(module)
         for fqn, module in self.model.named_modules():
             if (

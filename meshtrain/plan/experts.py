@@ -82,8 +82,8 @@ def plan_experts(
     """The experts modules the specs shard over ``expert_axis``, checked: every parameter on
     that axis belongs to an experts module with the known forward, shards its experts dim (dim 0)
     and nothing else, over a divisor of ``num_experts``; the axes around it lower (one or two
-    data axes, compile without fullgraph, ZeRO 1 to 3; a tensor-parallel axis only outside the
-    experts). Raises :class:`PlanError` naming the module or parameter and the fix."""
+    data axes, compile without fullgraph, ZeRO 1 to 3; a tensor-parallel axis outside the
+    experts and, with its specs, inside them). Raises :class:`PlanError` naming the module or parameter and the fix."""
     mesh = resolution.mesh
     modules = dict(model.named_modules())
     grouped: dict[str, list[str]] = {}
@@ -91,7 +91,7 @@ def plan_experts(
         if expert_axis not in param.spec.axes:
             continue
         fqn = _owner(param.fqn)
-        _check_param(param, modules.get(fqn), fqn, expert_axis, mesh)
+        _check_param(param, modules.get(fqn), fqn, expert_axis, mesh, tp_axis)
         grouped.setdefault(fqn, []).append(param.fqn)
     _check_combination(expert_axis, mesh, data_axes, tp_axis, options)
     if context_axis is not None:
@@ -106,8 +106,9 @@ def plan_experts(
         module = modules[fqn]
         _check_module(fqn, module, names, specs, expert_axis, mesh)
         count = _count(module)
+        inside = tp_axis if any(tp_axis in specs[name].spec.axes for name in names) else None
         groups.append(ExpertGroup(fqn, count, count // mesh.size(expert_axis), tuple(names),
-                                  _top_k(model, module)))  # fmt: skip
+                                  _top_k(model, module), inside))  # fmt: skip
     return tuple(groups)
 
 
@@ -153,7 +154,7 @@ def _check_combination(
     the expert ranks of its pipeline rank) and tensor parallelism on another axis for the layers
     outside the experts (the ranks of one tensor-parallel index dispatch among themselves; the
     experts stay whole over it) and torch.compile, the dispatch left eager between compiled
-    graphs (so not with fullgraph=True)."""
+    graphs (so not with fullgraph=True). HSDP and a pipeline together are refused."""
     if options.compile and options.compile_fullgraph:
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with compile fullgraph=True is "
@@ -169,12 +170,28 @@ def _check_combination(
             "axis. Use zero=1, 2 or 3.",
             mesh=mesh,
         )
+    sized = [a for a in data_axes if mesh.size(a) > 1]
+    if options.pipeline is not None and len(sized) > 1:
+        raise PlanError(
+            f"expert parallelism over '{axis}' with HSDP over {sized} and a pipeline over "
+            f"'{options.pipeline.axis}' on mesh {mesh} is not supported in this version of "
+            "meshtrain: it would not be proven to train like one device. Drop one of them (a "
+            "pipeline with one data axis, fsdp='dp', or HSDP without the pipeline).",
+            mesh=mesh,
+        )
 
 
 def _check_param(
-    param: ParamSpec, module: nn.Module | None, fqn: str, axis: str, mesh: Mesh
+    param: ParamSpec,
+    module: nn.Module | None,
+    fqn: str,
+    axis: str,
+    mesh: Mesh,
+    tp_axis: str | None = None,
 ) -> None:
-    """A parameter on the expert axis: an experts module's, sharded on its experts dim only."""
+    """A parameter on the expert axis: an experts module's, sharded on its experts dim over it
+    (and inside, over the tensor-parallel axis alone, as :mod:`~meshtrain.plan.expert_tensor`
+    checks)."""
     if module is None or not is_experts_module(module):
         what = type(module).__name__ if module is not None else "the model"
         raise PlanError(
@@ -187,13 +204,16 @@ def _check_param(
         )
     spec = param.spec.padded(len(param.shape))
     count = _count(module)
-    whole = tuple(entry is None for entry in spec[1:])
+    whole = tuple(entry is None or (tp_axis is not None and entry == tp_axis) for entry in spec[1:])
     if spec[0] != axis or not all(whole) or param.shape[0] != count:
+        inside = (
+            f" and, inside each expert, the tensor-parallel axis '{tp_axis}'" if tp_axis else ""
+        )
         raise PlanError(
             f"parameter '{param.fqn}' {list(param.shape)} of experts module '{fqn}' has spec "
             f"{param.spec!r}: expert parallelism shards the experts dim (dim 0, "
-            f"{count} experts) over '{axis}' and nothing else (tensor parallelism inside the "
-            f"experts is not supported). Use P('{axis}', {', '.join(['None'] * (len(param.shape) - 1))}).",
+            f"{count} experts) over '{axis}'{inside}, nothing else. Use "
+            f"P('{axis}', {', '.join(['None'] * (len(param.shape) - 1))}).",
             fqn=param.fqn,
             mesh=mesh,
         )

@@ -92,6 +92,7 @@ class TPStyle(str, enum.Enum):
     SEQUENCE_SPLIT = "sequence_split"  # a replicated embedding's output sliced to sequence shards
     SEQUENCE_SPLIT_INPUT = "sequence_split_input"  # the first block's input sliced to shards
     SEQUENCE_GATHERED = "sequence_gathered"  # a block run whole: input gathered, output sliced
+    EXPERTS_TENSOR_PARALLEL = "experts_tensor_parallel"  # experts split inside, outputs reduced
 
     def __str__(self) -> str:
         return self.value
@@ -173,7 +174,9 @@ class ExpertGroup:
     """One experts module lowered with expert parallelism: its ``num_experts`` expert weights
     (``params``, 3-D, experts on dim 0) split over the plan's ``expert_axis`` so each rank holds
     ``local_experts`` of them, tokens dispatched to their expert's rank by all-to-all. ``top_k``:
-    experts per token when the model's config says it (0 when unknown).
+    experts per token when the model's config says it (0 when unknown). ``tensor_axis``: the
+    tensor-parallel axis that also splits each expert inside (its intermediate features), when
+    the specs say so (:mod:`meshtrain.plan.expert_tensor`).
 
     Example:
         >>> g = ExpertGroup("layers.0.mlp.experts", 8, 4, ("layers.0.mlp.experts.down_proj",), 2)
@@ -186,6 +189,7 @@ class ExpertGroup:
     local_experts: int
     params: tuple[str, ...]
     top_k: int = 0
+    tensor_axis: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {**vars(self), "params": list(self.params)}
@@ -197,8 +201,9 @@ class ExpertGroup:
     def describe(self) -> str:
         """One line for ``Plan.explain()``."""
         top_k = f"top-{self.top_k}" if self.top_k else "top-k unknown"
+        inside = f", split inside over '{self.tensor_axis}'" if self.tensor_axis else ""
         return (f"{self.fqn}: {self.num_experts} experts, {self.local_experts} per rank, {top_k}, "
-                f"{len(self.params)} parameters")  # fmt: skip
+                f"{len(self.params)} parameters{inside}")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from dataclasses import replace
 from torch import nn
 
 from meshtrain.errors import PlanError
+from meshtrain.plan.expert_tensor import expert_tensor_style
+from meshtrain.plan.experts import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, TPStyle
 from meshtrain.plan.layers import is_linear_like, is_transposed_linear, linear_widths, tied_groups
 from meshtrain.plan.pairs import Pair, find_pairs, untouched_consumers
@@ -77,7 +79,7 @@ def infer_styles(
         }
         if not any(tp_axis in spec.axes for spec in own.values()):
             continue
-        raw[fqn] = _style_of(fqn, module, own, tp_axis)
+        raw[fqn] = _style_of(fqn, module, own, tp_axis, resolution.mesh.size(tp_axis))
     raw = _mark_gathered(raw, modules, resolution.gathered)
     whole = expert_blocks(modules) if sequence_parallel else ()
     inner = {fqn: style for fqn, style in raw.items() if inside(fqn, whole)}
@@ -110,8 +112,6 @@ def expert_blocks(modules: dict[str, nn.Module]) -> tuple[str, ...]:
         >>> expert_blocks(dict(block.named_modules()))
         ('mlp',)
     """
-    from meshtrain.plan.experts import is_experts_module
-
     found = [_parent(fqn) for fqn, module in modules.items() if fqn and is_experts_module(module)]
     return tuple(dict.fromkeys(block for block in found if block))
 
@@ -160,8 +160,12 @@ def _is_layer(module: nn.Module) -> bool:
     return is_linear_like(module) or isinstance(module, nn.Embedding)
 
 
-def _style_of(fqn: str, module: nn.Module, own: dict[str, P], axis: str) -> ModuleStyle:
+def _style_of(
+    fqn: str, module: nn.Module, own: dict[str, P], axis: str, ways: int = 1
+) -> ModuleStyle:
     kind = type(module).__name__
+    if is_experts_module(module):
+        return expert_tensor_style(fqn, module, own, axis, ways)
     weight = own.get("weight", P())
     bias = own.get("bias")
     col, row = P(axis).padded(2), P(None, axis)

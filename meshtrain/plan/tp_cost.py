@@ -78,6 +78,7 @@ class _StepCounts:
         sequence_parallel: bool,
     ) -> None:
         self.styles, self.layouts, self.act_bytes = styles, layouts, act_bytes
+        self.by_fqn = by_fqn
         self.sp = sequence_parallel
         self.weights = {
             fqn.removesuffix(".weight"): p for fqn, p in by_fqn.items() if fqn.endswith(".weight")
@@ -90,6 +91,10 @@ class _StepCounts:
         self.input_grad, self.output_grad = _gradient_flow(layouts)
         self.rows: dict[tuple[str, str], list[int]] = {}
         self.replicated_grads: list[ParamLayout] = []  # sequence-parallel norms' parameters
+
+    def weights_of(self, fqn: str, name: str) -> tuple[int, ...]:
+        """The global shape of parameter ``name`` of module ``fqn``."""
+        return self.by_fqn[f"{fqn}.{name}" if fqn else name].shape
 
     def sp_at(self, fqn: str) -> bool:
         """Whether activations at ``fqn`` are sequence shards (sequence parallelism, outside
@@ -213,6 +218,16 @@ def _sequence_gathered(c: _StepCounts, style: ModuleStyle) -> None:
               width)  # fmt: skip
 
 
+def _experts_tensor_parallel(c: _StepCounts, style: ModuleStyle) -> None:
+    """An experts module split inside: its output's partial sums all-reduced in forward, its
+    input's gradient all-reduced in backward, each ``[tokens, hidden]`` (under expert
+    parallelism the rows each rank received, about ``top_k`` times as many, are what travel)."""
+    width = c.weights_of(style.fqn, "down_proj")[1]
+    c.add("all_reduce", _ROW_PARTIALS, width)
+    if c.input_grad(style.fqn):
+        c.add("all_reduce", _MARKED_INPUTS, width)
+
+
 def _no_collective(c: _StepCounts, style: ModuleStyle) -> None:
     """A replicated output sliced into sequence shards locally."""
 
@@ -232,6 +247,7 @@ TP_COSTS: Mapping[TPStyle, Callable[[_StepCounts, ModuleStyle], None]] = {
     TPStyle.SEQUENCE_SPLIT: _no_collective,
     TPStyle.SEQUENCE_SPLIT_INPUT: _sequence_split_input,
     TPStyle.SEQUENCE_GATHERED: _sequence_gathered,
+    TPStyle.EXPERTS_TENSOR_PARALLEL: _experts_tensor_parallel,
 }
 
 

@@ -253,12 +253,17 @@ def hf_ep_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
-def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[str, P]], list[str]]:
+def hf_expert_patterns(
+    model: nn.Module, axis: str | None, tp: str | None = None
+) -> tuple[list[tuple[str, P]], list[str]]:
     """Rules for the experts modules of the model's plans and notes about them: with ``axis``,
     their weights (``grouped_gemm`` parameters and the experts-dim parameters of
     ``ep_dispatch_experts`` / ``moe_tp_experts`` modules) split over it on dim 0; without it,
-    every parameter of those modules whole (``P()``), noted. A ``moe_tp_experts`` entry on a
-    module that is not an experts module is left for the tensor-parallel plan to refuse.
+    every parameter of those modules whole (``P()``), noted. With ``tp``, the experts modules
+    the tensor-parallel plan names ``moe_tp_experts`` are also split inside over it
+    (``gate_up_proj`` packed column-wise, ``down_proj`` row-wise:
+    :mod:`meshtrain.plan.expert_tensor`). A ``moe_tp_experts`` entry on a module that is not an
+    experts module is left for the tensor-parallel plan to refuse.
 
     Example:
         >>> import torch
@@ -279,7 +284,11 @@ def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[s
     """
     modules = dict(model.named_modules())
     entries = [(p, s) for p, s in hf_ep_plan(model).items() if s in EP_STYLES]
-    entries += [(p, s) for p, s in hf_tp_plan(model).items() if s == "moe_tp_experts"]
+    inside = [p for p, s in hf_tp_plan(model).items() if s == "moe_tp_experts"]
+    entries += [(p, "moe_tp_experts") for p in inside]
+    split = {
+        id(m) for p in inside if tp is not None for m in _experts_matching(modules, _plan_regex(p))
+    }
     patterns: dict[str, P] = {}
     found: list[str] = []
     for module_pattern, style in entries:
@@ -287,13 +296,19 @@ def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[s
         if style == "grouped_gemm":
             owner, _, name = module_pattern.rpartition(".")
             experts = _experts_matching(modules, _plan_regex(owner))
-            if experts and axis is not None:
+            if experts and id(experts[0]) in split and _splits_inside(experts[0]):
+                patterns[regex] = _INSIDE[name](axis, tp)
+            elif experts and axis is not None:
                 patterns[regex] = P(axis, *([None] * (getattr(experts[0], name).ndim - 1)))
             continue
         experts = _experts_matching(modules, regex)
         if not experts:
             continue
         found.append(module_pattern)
+        if id(experts[0]) in split and _splits_inside(experts[0]):
+            for name, spec_of in _INSIDE.items():
+                patterns.setdefault(rf"{regex}\.{name}", spec_of(axis, tp))
+            continue
         if axis is None:
             patterns.setdefault(rf"{regex}\..*", P())
             continue
@@ -302,12 +317,26 @@ def hf_expert_patterns(model: nn.Module, axis: str | None) -> tuple[list[tuple[s
             spec = P() if whole else P(axis, *([None] * (param.ndim - 1)))
             patterns.setdefault(rf"{regex}\.{re.escape(name)}", spec)
     notes = []
-    if found and axis is None:
+    if found and axis is None and not split:
         notes.append(
             f"experts modules {sorted(set(found))} kept whole (P()) on every rank: split them "
             "over an expert axis with Rules.from_hf(model, ep='ep') on a mesh with an 'ep' axis"
         )
     return list(patterns.items()), notes
+
+
+#: an experts weight's spec split inside over tensor-parallel ``tp`` (and over expert ``axis``)
+_INSIDE = {
+    "gate_up_proj": lambda axis, tp: P(axis, tp, None),
+    "down_proj": lambda axis, tp: P(axis, None, tp),
+}
+
+
+def _splits_inside(experts: nn.Module) -> bool:
+    """Whether an experts module has the layout tensor parallelism splits inside: exactly
+    ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], not transposed."""
+    names = {name for name, _ in experts.named_parameters(recurse=False)}
+    return names == {"gate_up_proj", "down_proj"} and not getattr(experts, "is_transposed", False)
 
 
 def _experts_matching(modules: Mapping[str, nn.Module], regex: str) -> list[nn.Module]:

@@ -177,14 +177,16 @@ class Rules:
         styles meshtrain does not lower; ``sequence_parallel`` adds the ``("seq", tp)`` rule.
         ``tp=None`` reads no tensor-parallel plan. Experts modules (``base_model_ep_plan``'s
         ``grouped_gemm``/``ep_dispatch_experts``, ``moe_tp_experts``) split over ``ep`` on their
-        experts dim (expert parallelism), or stay whole (``P()``, noted in the plan) without it.
+        experts dim (expert parallelism), or stay whole (``P()``, noted in the plan) without it;
+        with ``tp``, the ``moe_tp_experts`` modules are split inside over it too (each expert's
+        intermediate features, :mod:`meshtrain.plan.expert_tensor`).
 
         Example::
 
             rules = mt.Rules.from_hf(model, fsdp="dp")   # LlamaForCausalLM, Qwen2ForCausalLM, ...
         """
         first = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
-        experts, notes = hf_expert_patterns(model, ep)
+        experts, notes = hf_expert_patterns(model, ep, tp)
         first += experts
         covered = [re.compile(pattern) for pattern, _ in first]
         generated = hf_patterns(model, tp, covered=covered) if tp is not None else []

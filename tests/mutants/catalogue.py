@@ -151,6 +151,12 @@ MOE_BALANCE_EP = HarnessCase(
     {"rules": moe_rules(tp=None, fsdp="dp", ep="ep")},
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
+QWEN3_MOE_EXPERTS_TP = HarnessCase(
+    moe_models.qwen3_moe,
+    {"dp": 2, "tp": 2},
+    {"rules": Rules.from_hf(moe_models.qwen3_moe(), fsdp="dp", tp="tp")},
+    {"batches": moe_models.token_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -168,6 +174,7 @@ CP_SPMD = "tests/test_context_attention_spmd.py::test_context_attention_equals_o
 EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2"
 EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
 MOE_SP_SPMD = "tests/test_moe_sequence_parallel_spmd.py::test_meshtrain_moe_with_sequence_parallelism_on_ep2_tp2"
+EXPERTS_TP_SPMD = "tests/test_expert_tensor_parallel_spmd.py"
 BALANCE_SPMD = "tests/test_moe_balance_spmd.py::test_balance_trains_like_one_device_under_data_and_expert_parallelism"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
@@ -266,6 +273,13 @@ _ALL = [
            "whole", plants.moe_block_input_grad_summed, (MOE_SP_SPMD,), MOE_SP),
     Mutant("balance-counts-per-rank", "MoE balance statistics left per rank (no count reducer)",
            plants.balance_counts_per_rank, (BALANCE_SPMD,), MOE_BALANCE_EP, r"router"),
+    Mutant("experts-split-contiguously", "tensor parallelism inside the experts splits the "
+           "packed gate_up_proj in contiguous blocks (gate rows on one rank, up rows on the "
+           "other)", plants.experts_split_contiguously, (EXPERTS_TP_SPMD,), QWEN3_MOE_EXPERTS_TP,
+           r"experts\.|<global>"),
+    Mutant("experts-input-grad-not-summed", "tensor parallelism inside the experts leaves their "
+           "input gradient a per-rank partial sum", plants.experts_input_grad_not_summed,
+           (EXPERTS_TP_SPMD,), QWEN3_MOE_EXPERTS_TP),
     Mutant("vocab-mask-off-by-one", "vocab-parallel mask off by one (embedding rows and "
            "loss-parallel targets)", plants.vocab_mask_off_by_one, (f"{EQ}[tp]",), LLAMA_TP,
            r"tok_embeddings|output|<global>"),

@@ -739,3 +739,35 @@ def balance_counts_per_rank() -> Iterator[None]:
     flat = importlib.import_module("meshtrain.lower.flat")
     with mock.patch.object(flat, "install_count_reducer", lambda plan, model: None):
         yield
+
+
+@contextlib.contextmanager
+def experts_split_contiguously() -> Iterator[None]:
+    """Tensor parallelism inside the experts splits ``gate_up_proj`` in contiguous blocks
+    (``Shard(1)``) instead of each packed half alike: with tp 2 one rank holds every gate row
+    and the other every up row, and each forms ``act(gate) · up`` from the wrong rows."""
+    expert_tensor = importlib.import_module("meshtrain.lower.expert_tensor")
+    expert_parallel = importlib.import_module("meshtrain.lower.expert_parallel")
+    from torch.distributed.tensor import Shard
+
+    def contiguous(name: str) -> Any:
+        return Shard(1) if name == "gate_up_proj" else Shard(2)
+
+    with mock.patch.object(expert_tensor, "tensor_placement", contiguous), \
+            mock.patch.object(expert_parallel, "tensor_placement", contiguous):  # fmt: skip
+        yield
+
+
+@contextlib.contextmanager
+def experts_input_grad_not_summed() -> Iterator[None]:
+    """Tensor parallelism inside the experts leaves the experts' input gradient a partial sum
+    (each rank's part of the intermediate features only) instead of all-reducing it."""
+    expert_tensor = importlib.import_module("meshtrain.lower.expert_tensor")
+    expert_parallel = importlib.import_module("meshtrain.lower.expert_parallel")
+
+    def unsummed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        return tensor
+
+    with mock.patch.object(expert_tensor, "sum_backward", unsummed), \
+            mock.patch.object(expert_parallel, "sum_backward", unsummed):  # fmt: skip
+        yield

@@ -69,6 +69,7 @@ from meshtrain.train.checkpoint.integrity import (
     inspect_checkpoint,
     seal_state,
 )
+from meshtrain.train.checkpoint.packed import PackedLoadPlanner, PackedSavePlanner, checkpoint_view
 from meshtrain.train.checkpoint.state import (
     PreparedOptimizer,
     canonical_params,
@@ -193,6 +194,7 @@ class Checkpointer:
         directory = self.config.path
         problems: list[str] = []
         state_dict = state_dict_to_save(params, optimizer, problems)
+        described = {fqn: checkpoint_view(tensor) for fqn, tensor in state_dict.items()}
         state_text = state_json(step, _world_size(), optimizer, extra, problems)
         token = uuid.uuid4().hex[:8]
         final = directory / checkpoint_name(step)
@@ -212,7 +214,10 @@ class Checkpointer:
         if self.config.async_save and _distributed() and not wait:
             group = self._checkpoint_group()
             response = dcp.async_save(
-                state_dict, storage_writer=FileSystemWriter(scratch), process_group=group
+                described,
+                storage_writer=FileSystemWriter(scratch),
+                process_group=group,
+                planner=PackedSavePlanner(),
             )
             upload = response if isinstance(response, Future) else response.upload_completion
             self._pending = _PendingSave(step, scratch, final, upload, state_text)
@@ -220,7 +225,8 @@ class Checkpointer:
         written: Future[Any] = Future()
         try:
             with single_process_dcp():
-                metadata = dcp.save(state_dict, storage_writer=FileSystemWriter(scratch),
+                metadata = dcp.save(described, storage_writer=FileSystemWriter(scratch),
+                                    planner=PackedSavePlanner(),
                                     no_dist=not _distributed())  # fmt: skip
             written.set_result(metadata)
         except _FAILURES as err:  # DCP raises on every rank when any rank failed
@@ -371,7 +377,9 @@ def load_checkpoint(
     try:
         _raise_problems(f"cannot load checkpoint {str(path)!r}", gathered)
         with single_process_dcp():
-            dcp.load(targets, storage_reader=reader, no_dist=not _distributed())
+            described = {fqn: checkpoint_view(tensor) for fqn, tensor in targets.items()}
+            dcp.load(described, storage_reader=reader, planner=PackedLoadPlanner(),
+                     no_dist=not _distributed())  # fmt: skip
     except _FAILURES as err:
         if prepared is not None:
             prepared.undo()

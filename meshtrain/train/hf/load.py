@@ -48,6 +48,7 @@ from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import CheckpointError, format_shape
 from meshtrain.lower.materialise import held
 from meshtrain.train.checkpoint.files import canonical_fqn, format_names
+from meshtrain.train.checkpoint.packed import packed_dim
 from meshtrain.train.hf.experts import ExpertPiece, expert_pieces, fill_pieces, renamed
 from meshtrain.train.hf.files import WeightFiles, weight_files
 
@@ -328,9 +329,11 @@ def local_indices(tensor: DTensor) -> list[Tensor]:
         )
     shape = tuple(tensor.shape)
     splits = [1] * len(shape)
-    for placement, size in zip(placements, tensor.device_mesh.shape, strict=True):
+    packed = packed_dim(tensor)  # each rank holds several pieces of that dim
+    for index, (placement, size) in enumerate(zip(placements, tensor.device_mesh.shape,
+                                                  strict=True)):  # fmt: skip
         if isinstance(placement, Shard | _StridedShard):  # FSDP2 under TP: _StridedShard
-            splits[placement.dim] *= size
+            splits[placement.dim] *= size * (packed[2] if packed and packed[0] == index else 1)
     indices = []
     for dim, size in enumerate(shape):
         probe_shape = [size if other == dim else splits[other] for other in range(len(shape))]
