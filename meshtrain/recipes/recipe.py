@@ -212,7 +212,8 @@ class Recipe:
             )
         if self.explicit_rules is None and self.model.kind == "moe":  # experts over ep if any
             ep = "ep" if "ep" in self.mesh_axes() else None
-            return moe_rules(tp=tp, fsdp=par.fsdp, ep=ep, sequence_parallel=par.sequence_parallel)
+            return moe_rules(tp=tp, fsdp=par.fsdp, ep=ep, sequence_parallel=par.sequence_parallel,
+                             expert_tp=par.expert_tp and tp is not None)  # fmt: skip
         if self.explicit_rules is None:
             return default_rules(tp=tp, fsdp=par.fsdp, sequence_parallel=par.sequence_parallel)
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()

@@ -45,6 +45,7 @@ SAFE_KEYS = (
     "parallel.fsdp",
     "parallel.tp",
     "parallel.sequence_parallel",
+    "parallel.expert_tp",
     "parallel.activation_checkpointing",
     "parallel.compile",
     "parallel.microbatches",

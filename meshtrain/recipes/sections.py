@@ -214,6 +214,15 @@ class ParallelSection:
     sequence_parallel: bool = field(
         default=False, metadata=about('add the `("seq", tp)` activation rule', True)
     )
+    expert_tp: bool = field(
+        default=False,
+        metadata=about(
+            "split each expert of meshtrain's MoE inside over `tp` too (its intermediate "
+            "features; [mixture of experts](moe.md)); transformers models follow their own "
+            "`moe_tp_experts` plan",
+            True,
+        ),
+    )
     context: str = field(
         default="",
         metadata=about(
