@@ -132,3 +132,27 @@ def test_any_order_of_the_mesh_plans_alike(plan_fn, mesh: mt.Mesh, flat: str) ->
     assert plan.memory == ordered.memory
     assert ("reduce_scatter", flat) in plan.collective_totals()
     assert ("all_reduce", "rep") in plan.collective_totals()
+
+
+@pytest.mark.parametrize(
+    ("plan_fn", "axis"), [(_moe, "ep"), (_llama, "cp")], ids=["experts", "context"]
+)
+def test_hsdp_with_a_pipeline_is_refused_naming_the_axes(plan_fn, axis: str) -> None:  # type: ignore[no-untyped-def]
+    """Not proven (it takes 16 ranks): refused while planning, naming HSDP's axes and the
+    pipeline's."""
+    mesh = _mesh(**{"pp": 2, "rep": 2, "dp": 2, axis: 2})
+    rules_fn = ep_rules if axis == "ep" else rules
+    model = _meta_model(plan_fn)
+    with pytest.raises(mt.PlanError) as refusal:
+        mt.plan(model, mesh, rules_fn(fsdp=("rep", "dp")), seq_len=32,
+                pipeline=mt.Pipeline(axis="pp", microbatches=2))  # fmt: skip
+    message = str(refusal.value)
+    assert "HSDP over ['rep', 'dp']" in message and "pipeline over 'pp'" in message
+    assert f"parallelism over '{axis}'" in message
+
+
+def _meta_model(plan_fn):  # type: ignore[no-untyped-def]
+    if plan_fn is _moe:
+        with torch.device("meta"):
+            return qwen3_moe()
+    return build_llama(LlamaConfig.debug(), device="meta")

@@ -78,9 +78,9 @@ def check_context(
     context axis together; any ZeRO stage), tensor parallelism (with or without sequence
     parallelism, on its own axis), pipelines whose schedule runs backward whole, activation
     checkpointing, bf16/fp16 and torch.compile (context attention left eager between compiled
-    graphs). Schedules that split backward into input and weight halves, compile with fullgraph
-    and a sequence that does not split into ``2·cp`` chunks are refused, naming the
-    combination."""
+    graphs). Schedules that split backward into input and weight halves, HSDP together with a
+    pipeline, compile with fullgraph and a sequence that does not split into ``2·cp`` chunks are
+    refused, naming the combination."""
     ways = mesh.size(axis)
     pipeline = options.pipeline
     combos = [
@@ -88,6 +88,11 @@ def check_context(
             pipeline is not None and pipeline.splits_backward,
             f"the pipeline schedule {pipeline.schedule if pipeline else ''!r}, which splits "
             "backward into input and weight halves",
+        ),
+        (
+            pipeline is not None and len(data_axes) > 1,
+            f"HSDP over {list(data_axes)} together with a pipeline over "
+            f"'{pipeline.axis if pipeline else ''}'",
         ),
         (
             options.compile and options.compile_fullgraph,

@@ -219,19 +219,24 @@ def pipeline_step_scalars(
     """The two scalar sums a pipelined step makes besides its schedule's traffic: its loss tokens
     over the data-parallel ranks (the loss is divided by the global count) and its loss over the
     pipeline and data-parallel ranks (every rank returns the global loss). One all-reduce each,
-    of one float32, over the axes together.
+    of one float32, over the axes together (a data axis given as a group, ``"dp+cp"``, counts
+    each of its axes).
 
     Example:
         >>> [(c.axis, c.count, c.bytes) for c in pipeline_step_scalars(
         ...     Mesh(("pp", "dp"), (2, 4)), "pp", ("dp",))]
         [('dp', 1, 4), ('pp+dp', 1, 4)]
+        >>> [c.axis for c in pipeline_step_scalars(
+        ...     Mesh(("pp", "rep", "dp", "cp"), (2, 2, 2, 2)), "pp", ("rep", "dp+cp"))]
+        ['rep+dp+cp', 'pp+rep+dp+cp']
     """
     scalar = torch.float32.itemsize
-    tokens = mesh.joined(tuple(data_axes))
+    axes = tuple(axis for group in data_axes for axis in group.split("+"))  # "dp+cp": both
+    tokens = mesh.joined(axes)
     rows = [Collective("all_reduce", tokens, 1, scalar, "the step's loss tokens")] if tokens else []
     rows.append(
         Collective(
-            "all_reduce", mesh.joined((pipeline_axis, *data_axes)), 1, scalar,
+            "all_reduce", mesh.joined((pipeline_axis, *axes)), 1, scalar,
             "the step's loss, returned on every rank",
         )
     )  # fmt: skip
