@@ -14,6 +14,7 @@ from moe_models import ep_rules, qwen3_moe
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama
+from meshtrain.models.llama import LOGICAL_RULES
 from meshtrain.plan.ir import Plan
 
 EXPERTS = "model.layers.0.mlp.experts"
@@ -156,3 +157,20 @@ def _meta_model(plan_fn):  # type: ignore[no-untyped-def]
         with torch.device("meta"):
             return qwen3_moe()
     return build_llama(LlamaConfig.debug(), device="meta")
+
+
+@pytest.mark.parametrize(
+    ("plan_fn", "axis"), [(_moe, "ep"), (_llama, "cp")], ids=["experts", "context"]
+)
+def test_hsdp_with_tensor_parallelism_is_refused_naming_the_axes(plan_fn, axis: str) -> None:  # type: ignore[no-untyped-def]
+    """Not proven either (16 ranks): refused while planning, naming HSDP's axes and tp."""
+    mesh = _mesh(**{"rep": 2, "dp": 2, axis: 2, "tp": 2})
+    model = _meta_model(plan_fn)
+    hsdp = ("rep", "dp")
+    tp_rules = (mt.Rules.from_hf(model, fsdp=hsdp, tp="tp", ep="ep") if axis == "ep"
+                else mt.Rules(logical=[*LOGICAL_RULES, ("seq", "cp")], fsdp=hsdp))  # fmt: skip
+    with pytest.raises(mt.PlanError) as refusal:
+        mt.plan(model, mesh, tp_rules, seq_len=32)
+    message = str(refusal.value)
+    assert "HSDP over ['rep', 'dp']" in message and "tensor parallelism over 'tp'" in message
+    assert f"parallelism over '{axis}'" in message

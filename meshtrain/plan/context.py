@@ -79,8 +79,8 @@ def check_context(
     parallelism, on its own axis), pipelines whose schedule runs backward whole, activation
     checkpointing, bf16/fp16 and torch.compile (context attention left eager between compiled
     graphs). Schedules that split backward into input and weight halves, HSDP together with a
-    pipeline, compile with fullgraph and a sequence that does not split into ``2·cp`` chunks are
-    refused, naming the combination."""
+    pipeline or with tensor parallelism, compile with fullgraph and a sequence that does not
+    split into ``2·cp`` chunks are refused, naming the combination."""
     ways = mesh.size(axis)
     pipeline = options.pipeline
     combos = [
@@ -92,7 +92,12 @@ def check_context(
         (
             pipeline is not None and len(data_axes) > 1,
             f"HSDP over {list(data_axes)} together with a pipeline over "
-            f"'{pipeline.axis if pipeline else ''}'",
+            f"'{pipeline.axis if pipeline else ''}' (not proven: it takes 16 ranks)",
+        ),
+        (
+            tp_axis is not None and mesh.size(tp_axis) > 1 and len(data_axes) > 1,
+            f"HSDP over {list(data_axes)} together with tensor parallelism over '{tp_axis}' "
+            "(not proven: it takes 16 ranks)",
         ),
         (
             options.compile and options.compile_fullgraph,

@@ -154,7 +154,8 @@ def _check_combination(
     the expert ranks of its pipeline rank) and tensor parallelism on another axis for the layers
     outside the experts (the ranks of one tensor-parallel index dispatch among themselves; the
     experts stay whole over it) and torch.compile, the dispatch left eager between compiled
-    graphs (so not with fullgraph=True). HSDP and a pipeline together are refused."""
+    graphs (so not with fullgraph=True). HSDP together with a pipeline or with tensor
+    parallelism is refused."""
     if options.compile and options.compile_fullgraph:
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with compile fullgraph=True is "
@@ -171,12 +172,15 @@ def _check_combination(
             mesh=mesh,
         )
     sized = [a for a in data_axes if mesh.size(a) > 1]
-    if options.pipeline is not None and len(sized) > 1:
+    tp = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
+    beside = (f"a pipeline over '{options.pipeline.axis}'" if options.pipeline is not None
+              else f"tensor parallelism over '{tp}'" if tp is not None else None)  # fmt: skip
+    if beside is not None and len(sized) > 1:
         raise PlanError(
-            f"expert parallelism over '{axis}' with HSDP over {sized} and a pipeline over "
-            f"'{options.pipeline.axis}' on mesh {mesh} is not supported in this version of "
-            "meshtrain: it would not be proven to train like one device. Drop one of them (a "
-            "pipeline with one data axis, fsdp='dp', or HSDP without the pipeline).",
+            f"expert parallelism over '{axis}' with HSDP over {sized} and {beside} on mesh "
+            f"{mesh} is not supported in this version of meshtrain: it would not be proven to "
+            "train like one device (it takes 16 ranks). Drop one of them (one data axis, "
+            "fsdp='dp', beside the pipeline or tensor parallelism; or HSDP without them).",
             mesh=mesh,
         )
 
