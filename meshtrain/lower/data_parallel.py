@@ -106,11 +106,14 @@ def data_parallel_mesh(plan: Plan) -> DeviceMesh:
 
 
 def _experts_mesh(plan: Plan) -> DeviceMesh | None:
-    """The mesh FSDP2 wraps each experts module over: the data axes (the ranks outside the
-    expert axis; under HSDP replicated over the first, sharded over the second), or none."""
+    """The mesh FSDP2 wraps each experts module over: the data axes and the context axis (the
+    token ranks outside the expert axis, whose gradients the experts sum; under HSDP replicated
+    over the first data axis, sharded over the second and the context axis), or none."""
+    context = (plan.context_axis,) if plan.context_axis else ()
     if len(plan.data_axes) == 2:
-        return hsdp_mesh_over(plan, plan.data_axes[0], plan.data_axes[1:])
-    return device_mesh(plan.mesh)[plan.data_axes] if plan.data_axes else None
+        return hsdp_mesh_over(plan, plan.data_axes[0], (*plan.data_axes[1:], *context))
+    axes = (*plan.data_axes, *context)
+    return mesh_over(plan, axes) if axes else None
 
 
 def _offload_policy(offload: bool) -> OffloadPolicy:

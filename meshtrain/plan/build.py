@@ -182,7 +182,8 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
                             trainable=trainable(model), storage=storage(model))  # fmt: skip
     if experts and fsdp_decisions(options.zero).shard_params:
-        efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active))  # HSDP: the shard axis
+        # the experts' FSDP ranks: the shard axis (HSDP: the second) and the context axis
+        efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active) + context)
         layouts = expert_shards(layouts, experts, efsdp)
     sharded = fsdp_decisions(options.zero).shard_params
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
@@ -195,7 +196,7 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
     notes += getattr(rules, "notes", ())
     if len(active) == 2 and (context or ep):
-        notes.append(_hsdp_note(mesh, active, context + ep, bool(experts)))
+        notes.append(_hsdp_note(mesh, active, context + ep, expert_axis if experts else None))
     if not active and not context and not ep:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
     all_units = _decided(infer_units(model, options.fsdp_units), options)
@@ -329,23 +330,25 @@ def _router_count_collectives(
     )  # fmt: skip
 
 
-def _hsdp_note(mesh: Mesh, active: tuple[str, ...], beside: tuple[str, ...], experts: bool) -> str:
+def _hsdp_note(
+    mesh: Mesh, active: tuple[str, ...], beside: tuple[str, ...], expert_axis: str | None
+) -> str:
     """What HSDP beside an expert or context axis shards over: the parameters (outside the
     experts) over the shard axis and ``beside`` flattened, replicated over the replicate axis;
-    the experts over the shard axis, replicated over the replicate axis.
+    the experts (over ``expert_axis``) over the shard axis, replicated over the replicate axis.
 
     Example:
-        >>> _hsdp_note(Mesh(("rep", "dp", "ep"), (2, 2, 2)), ("rep", "dp"), ("ep",), True)
+        >>> _hsdp_note(Mesh(("rep", "dp", "ep"), (2, 2, 2)), ("rep", "dp"), ("ep",), "ep")
         "HSDP: parameters outside the experts replicated over 'rep' and sharded over 'dp+ep' (4 ranks); the experts sharded over 'ep', then FSDP-sharded over 'dp' and replicated over 'rep'"
     """
     replicate, shard = active
     flat = mesh.joined((shard, *beside))
     ways = math.prod(mesh.size(axis) for axis in (shard, *beside))
-    what = "parameters outside the experts" if experts else "parameters"
+    what = "parameters outside the experts" if expert_axis else "parameters"
     note = f"HSDP: {what} replicated over '{replicate}' and sharded over '{flat}' ({ways} ranks)"
-    if experts:
-        note += (f"; the experts sharded over '{beside[0]}', then FSDP-sharded over '{shard}' and "
-                 f"replicated over '{replicate}'")  # fmt: skip
+    if expert_axis:
+        note += (f"; the experts sharded over '{expert_axis}', then FSDP-sharded over '{shard}' "
+                 f"and replicated over '{replicate}'")  # fmt: skip
     return note
 
 

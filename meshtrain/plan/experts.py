@@ -94,12 +94,6 @@ def plan_experts(
         _check_param(param, modules.get(fqn), fqn, expert_axis, mesh, tp_axis)
         grouped.setdefault(fqn, []).append(param.fqn)
     _check_combination(expert_axis, mesh, data_axes, tp_axis, options)
-    if context_axis is not None:
-        raise PlanError(
-            f"expert parallelism over '{expert_axis}' with context parallelism over "
-            f"'{context_axis}' on mesh {mesh} is not supported yet. Use one of them.",
-            mesh=mesh,
-        )
     specs = {param.fqn: param for param in resolution.params}
     groups = []
     for fqn, names in grouped.items():

@@ -157,6 +157,14 @@ QWEN3_MOE_EXPERTS_TP = HarnessCase(
     {"rules": Rules.from_hf(moe_models.qwen3_moe(), fsdp="dp", tp="tp")},
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
+MOE_CP_EP = HarnessCase(
+    moe_models.meshtrain_moe,
+    {"cp": 2, "ep": 2},
+    {"rules": Rules(moe_rules(tp=None, fsdp=(), ep="ep").patterns,
+                    logical=(("seq", "cp"), *moe_rules(tp=None, fsdp=(), ep="ep").logical)),
+     "seq_len": 8},
+    {"batches": moe_models.token_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -175,6 +183,7 @@ EP_SPMD = "tests/test_expert_parallel_spmd.py::test_qwen2_moe_with_a_shared_expe
 EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_like_one_device_with_the_same_routing"
 MOE_SP_SPMD = "tests/test_moe_sequence_parallel_spmd.py::test_meshtrain_moe_with_sequence_parallelism_on_ep2_tp2"
 EXPERTS_TP_SPMD = "tests/test_expert_tensor_parallel_spmd.py"
+CP_EP_SPMD = "tests/test_context_experts_spmd.py::test_meshtrain_moe_on_cp2_ep2"
 BALANCE_SPMD = "tests/test_moe_balance_spmd.py::test_balance_trains_like_one_device_under_data_and_expert_parallelism"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
@@ -280,6 +289,9 @@ _ALL = [
     Mutant("experts-input-grad-not-summed", "tensor parallelism inside the experts leaves their "
            "input gradient a per-rank partial sum", plants.experts_input_grad_not_summed,
            (EXPERTS_TP_SPMD,), QWEN3_MOE_EXPERTS_TP),
+    Mutant("experts-not-reduced-over-context", "beside context parallelism, expert gradients "
+           "reduced over the data ranks only (missing the other context ranks' tokens)",
+           plants.experts_not_reduced_over_context, (CP_EP_SPMD,), MOE_CP_EP, r"experts\."),
     Mutant("vocab-mask-off-by-one", "vocab-parallel mask off by one (embedding rows and "
            "loss-parallel targets)", plants.vocab_mask_off_by_one, (f"{EQ}[tp]",), LLAMA_TP,
            r"tok_embeddings|output|<global>"),

@@ -771,3 +771,18 @@ def experts_input_grad_not_summed() -> Iterator[None]:
     with mock.patch.object(expert_tensor, "sum_backward", unsummed), \
             mock.patch.object(expert_parallel, "sum_backward", unsummed):  # fmt: skip
         yield
+
+
+@contextlib.contextmanager
+def experts_not_reduced_over_context() -> Iterator[None]:
+    """Beside context parallelism the experts' FSDP spans the data axes only, so their gradients
+    miss the other context ranks' tokens (the non-expert weights still reduce over cp)."""
+    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    groups = importlib.import_module("meshtrain.lower.groups")
+
+    def data_only(plan: Any) -> Any:
+        axes = plan.data_axes
+        return groups.mesh_over(plan, axes) if axes else None
+
+    with mock.patch.object(data_parallel, "_experts_mesh", data_only):
+        yield
