@@ -160,9 +160,13 @@ QWEN3_MOE_EXPERTS_TP = HarnessCase(
 MOE_CP_EP = HarnessCase(
     moe_models.meshtrain_moe,
     {"cp": 2, "ep": 2},
-    {"rules": Rules(moe_rules(tp=None, fsdp=(), ep="ep").patterns,
-                    logical=(("seq", "cp"), *moe_rules(tp=None, fsdp=(), ep="ep").logical)),
-     "seq_len": 8},
+    {
+        "rules": Rules(
+            moe_rules(tp=None, fsdp=(), ep="ep").patterns,
+            logical=(("seq", "cp"), *moe_rules(tp=None, fsdp=(), ep="ep").logical),
+        ),
+        "seq_len": 8,
+    },
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
 HSDP = HarnessCase(
