@@ -174,3 +174,17 @@ def test_hsdp_with_tensor_parallelism_is_refused_naming_the_axes(plan_fn, axis: 
     message = str(refusal.value)
     assert "HSDP over ['rep', 'dp']" in message and "tensor parallelism over 'tp'" in message
     assert f"parallelism over '{axis}'" in message
+
+
+def test_hsdp_with_experts_and_context_is_refused_naming_the_axes() -> None:
+    """Not proven (16 ranks): refused while planning, naming HSDP's axes, ep and cp."""
+    mesh = _mesh(rep=2, dp=2, cp=2, ep=2)
+    with torch.device("meta"):
+        model = qwen3_moe()
+    rules_cp = ep_rules(fsdp=("rep", "dp"))
+    rules_cp = mt.Rules(rules_cp.patterns, fsdp=("rep", "dp"), logical=[("seq", "cp")])
+    with pytest.raises(mt.PlanError) as refusal:
+        mt.plan(model, mesh, rules_cp, seq_len=32)
+    message = str(refusal.value)
+    assert "HSDP over ['rep', 'dp']" in message and "context parallelism over 'cp'" in message
+    assert "expert parallelism over 'ep'" in message

@@ -93,7 +93,7 @@ def plan_experts(
         fqn = _owner(param.fqn)
         _check_param(param, modules.get(fqn), fqn, expert_axis, mesh, tp_axis)
         grouped.setdefault(fqn, []).append(param.fqn)
-    _check_combination(expert_axis, mesh, data_axes, tp_axis, options)
+    _check_combination(expert_axis, mesh, data_axes, tp_axis, options, context_axis)
     specs = {param.fqn: param for param in resolution.params}
     groups = []
     for fqn, names in grouped.items():
@@ -139,7 +139,12 @@ def _owner(fqn: str) -> str:
 
 
 def _check_combination(
-    axis: str, mesh: Mesh, data_axes: Sequence[str], tp_axis: str | None, options: PlanOptions
+    axis: str,
+    mesh: Mesh,
+    data_axes: Sequence[str],
+    tp_axis: str | None,
+    options: PlanOptions,
+    context_axis: str | None = None,
 ) -> None:
     """The combinations expert parallelism lowers with: data parallelism over one axis or two
     (HSDP: the experts replicated over the first data axis and sharded over the second, the
@@ -148,7 +153,7 @@ def _check_combination(
     the expert ranks of its pipeline rank) and tensor parallelism on another axis for the layers
     outside the experts (the ranks of one tensor-parallel index dispatch among themselves; the
     experts stay whole over it) and torch.compile, the dispatch left eager between compiled
-    graphs (so not with fullgraph=True). HSDP together with a pipeline or with tensor
+    graphs (so not with fullgraph=True). HSDP together with a pipeline, tensor or context
     parallelism is refused."""
     if options.compile and options.compile_fullgraph:
         raise PlanError(
@@ -168,13 +173,15 @@ def _check_combination(
     sized = [a for a in data_axes if mesh.size(a) > 1]
     tp = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
     beside = (f"a pipeline over '{options.pipeline.axis}'" if options.pipeline is not None
-              else f"tensor parallelism over '{tp}'" if tp is not None else None)  # fmt: skip
+              else f"tensor parallelism over '{tp}'" if tp is not None
+              else f"context parallelism over '{context_axis}'" if context_axis else None)  # fmt: skip
     if beside is not None and len(sized) > 1:
         raise PlanError(
             f"expert parallelism over '{axis}' with HSDP over {sized} and {beside} on mesh "
             f"{mesh} is not supported in this version of meshtrain: it would not be proven to "
             "train like one device (it takes 16 ranks). Drop one of them (one data axis, "
-            "fsdp='dp', beside the pipeline or tensor parallelism; or HSDP without them).",
+            "fsdp='dp', beside the pipeline, tensor or context parallelism; or HSDP without "
+            "them).",
             mesh=mesh,
         )
 
