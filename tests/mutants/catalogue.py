@@ -26,7 +26,7 @@ from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
 from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing.strategies import DebugLlama
-from tests import context_models, lora_models, moe_models, zoo
+from tests import context_models, lora_models, moe_models, packed_batches, zoo
 from tests.mutants import plants
 
 
@@ -169,6 +169,12 @@ MOE_CP_EP = HarnessCase(
     },
     {"batches": moe_models.token_batches, "optimizer": "adamw"},
 )
+PACKED_DP2_CP2 = HarnessCase(
+    context_models.own_llama,
+    {"dp": 2, "cp": 2},
+    {"rules": context_models.rules(("dp",)), "seq_len": context_models.SEQ},
+    {"batches": packed_batches.packed_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
@@ -188,6 +194,9 @@ EP_LOOP = "tests/test_expert_parallel_spmd.py::test_a_plain_pytorch_loop_trains_
 MOE_SP_SPMD = "tests/test_moe_sequence_parallel_spmd.py::test_meshtrain_moe_with_sequence_parallelism_on_ep2_tp2"
 EXPERTS_TP_SPMD = "tests/test_expert_tensor_parallel_spmd.py"
 CP_EP_SPMD = "tests/test_context_experts_spmd.py::test_meshtrain_moe_on_cp2_ep2"
+PACKED_SPMD = (
+    "tests/test_context_documents_spmd.py::test_packed_documents_train_like_one_device_on_dp2_cp2"
+)
 BALANCE_SPMD = "tests/test_moe_balance_spmd.py::test_balance_trains_like_one_device_under_data_and_expert_parallelism"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
@@ -296,6 +305,9 @@ _ALL = [
     Mutant("experts-not-reduced-over-context", "beside context parallelism, expert gradients "
            "reduced over the data ranks only (missing the other context ranks' tokens)",
            plants.experts_not_reduced_over_context, (CP_EP_SPMD,), MOE_CP_EP, r"experts\."),
+    Mutant("context-documents-from-local-chunks", "packed documents under context parallelism: "
+           "document ids read from each rank's own chunks, not the whole sequences",
+           plants.context_documents_from_local_chunks, (PACKED_SPMD,), PACKED_DP2_CP2),
     Mutant("vocab-mask-off-by-one", "vocab-parallel mask off by one (embedding rows and "
            "loss-parallel targets)", plants.vocab_mask_off_by_one, (f"{EQ}[tp]",), LLAMA_TP,
            r"tok_embeddings|output|<global>"),

@@ -786,3 +786,18 @@ def experts_not_reduced_over_context() -> Iterator[None]:
 
     with mock.patch.object(data_parallel, "_experts_mesh", data_only):
         yield
+
+
+@contextlib.contextmanager
+def context_documents_from_local_chunks() -> Iterator[None]:
+    """Under context parallelism each rank reads its tokens' document ids from its own chunks'
+    positions alone (no gather of the whole sequences): ids disagree across ranks, so keys on
+    other ranks are matched to the wrong documents."""
+    context_parallel = importlib.import_module("meshtrain.lower.context_parallel")
+    packing = importlib.import_module("meshtrain.spec.packing")
+
+    def local(self: Any, positions: torch.Tensor) -> torch.Tensor:
+        return packing.document_ids(positions.to(torch.int64))
+
+    with mock.patch.object(context_parallel.ContextGroup, "documents", local):
+        yield
