@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from moe_models import qwen3_moe
 from torch import nn
 
@@ -93,3 +95,52 @@ def test_other_splits_inside_the_experts_are_refused(experts, rules, names) -> N
         mt.plan(_Block(experts), _mesh(tp=2), mt.Rules(rules))
     for name in names:
         assert name in str(refusal.value)
+
+
+@settings(deadline=None)
+@given(
+    dp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4]),
+    experts=st.sampled_from([4, 6, 8]), inter=st.sampled_from([8, 12, 16, 24]),
+    sequence_parallel=st.booleans(), expert_tp=st.booleans(), shared=st.sampled_from([0, 1]),
+)  # fmt: skip
+def test_moe_plans_split_the_experts_as_their_specs_say_or_refuse_with_the_reason(
+    dp: int, ep: int, tp: int, experts: int, inter: int, sequence_parallel: bool,
+    expert_tp: bool, shared: int,
+) -> None:  # fmt: skip
+    """Any MoE on any dp × ep × tp mesh, with or without sequence parallelism and a split inside
+    the experts: the plan's expert weights are split exactly over ep (dim 0) and, inside, over tp
+    (dims 1 and 2), each MoE block runs whole under sequence parallelism and nothing else does;
+    or planning refuses, for a reason the arithmetic gives (experts or intermediate features that
+    the axis does not divide)."""
+    from meshtrain.models.moe import MoEConfig, build_moe
+    from meshtrain.models.moe import default_rules as moe_rules
+
+    config = MoEConfig.debug(n_experts=experts, moe_inter=inter, n_shared_experts=shared,
+                             top_k=2, n_kv_heads=4)  # fmt: skip
+    with torch.device("meta"):
+        model = build_moe(config)
+    axes = {"dp": dp, "ep": ep, "tp": tp}
+    rules = moe_rules(tp="tp", fsdp="dp", ep="ep", sequence_parallel=sequence_parallel and tp > 1,
+                      expert_tp=expert_tp)  # fmt: skip
+    splits_inside = expert_tp and tp > 1
+    reasons = [experts % ep != 0, splits_inside and inter % tp != 0,
+               shared and (shared * inter) % tp != 0]  # fmt: skip
+    try:
+        plan = mt.plan(model, _mesh(**axes), rules, seq_len=16, batch_size=dp * ep * 2)
+    except MeshtrainError as refusal:
+        assert any(reasons), f"refused without an arithmetic reason: {refusal}"
+        return
+    assert not any(reasons[:2]), "planned what does not divide"
+    for layout in plan.params:
+        if ".experts." not in layout.fqn:
+            continue
+        expected = list(layout.shape)
+        expected[0] //= ep
+        if splits_inside:
+            expected[1 if layout.fqn.endswith("gate_up_proj") else 2] //= tp
+        assert list(layout.local_shape) == expected, layout
+    whole = {s.fqn for s in plan.styles if s.style == TPStyle.SEQUENCE_GATHERED}
+    blocks = {f"layers.{i}.feed_forward" for i in range(config.first_dense_layers, config.n_layers)}
+    assert whole == (blocks if plan.sequence_parallel else set())
+    inside = {s.fqn for s in plan.styles if s.style == TPStyle.EXPERTS_TENSOR_PARALLEL}
+    assert inside == ({f"{b}.experts" for b in blocks} if splits_inside else set())

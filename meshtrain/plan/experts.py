@@ -209,7 +209,8 @@ def _check_param(
         )
     spec = param.spec.padded(len(param.shape))
     count = _count(module)
-    whole = tuple(entry is None or (tp_axis is not None and entry == tp_axis) for entry in spec[1:])
+    inner = [_sized(entry, mesh) for entry in spec[1:]]  # size-1 axes split nothing
+    whole = tuple(not axes or (tp_axis is not None and axes == (tp_axis,)) for axes in inner)
     if spec[0] != axis or not all(whole) or param.shape[0] != count:
         inside = (
             f" and, inside each expert, the tensor-parallel axis '{tp_axis}'" if tp_axis else ""
@@ -222,6 +223,12 @@ def _check_param(
             fqn=param.fqn,
             mesh=mesh,
         )
+
+
+def _sized(entry: str | tuple[str, ...] | None, mesh: Mesh) -> tuple[str, ...]:
+    """The axes larger than 1 of a spec entry."""
+    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+    return tuple(axis for axis in axes if mesh.size(axis) > 1)
 
 
 def _check_module(
