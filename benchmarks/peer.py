@@ -17,7 +17,7 @@ Reported per configuration:
 torchtitan is not a meshtrain dependency: install it beside the project (the ``bench`` extra:
 ``pip install -c constraints/cpu.txt -e '.[bench]'``) to run this. On CPU four things need handling,
 all done here and none of them a change to what torchtitan computes: its ``triton`` import, its
-device type hard-wired to CUDA, FSDP2's ``PREMUL_SUM`` (gloo rejects it: force sum reduction, the
+device type hard-wired to CUDA, FSDP2's ``PREMUL_SUM`` (gloo rejects it: plain sums, divide factor 1, the
 loss is already divided by the global token count), and its FlexAttention (no CPU backward:
 ``ScaledDotProductAttention``, causal, instead). Its fused QKV projection is unfused
 (``fuse_qkv=False``) so both sides load one starting state through parameter names.
@@ -154,7 +154,8 @@ def _torchtitan(config: Any, parallelism: Any, full: nn.Module) -> tuple[nn.Modu
             else:
                 param.copy_(value)
     for module in model.modules():
-        if isinstance(module, FSDPModule):
+        if isinstance(module, FSDPModule):  # plain sums: the loss is divided by global tokens
+            module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
     return model, dims
 
@@ -196,7 +197,7 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     mesh = mt.make_mesh(dict(SETUPS[setup]["mesh"]))
     dp_size = mesh.size("dp")
     global_tokens = BATCH * SEQ * dp_size
-    plan = mt.plan(full, mesh, _rules(setup), zero=3,
+    plan = mt.plan(full, mesh, _rules(setup), zero=3, grad_reduction="sum",
                    global_batch=BATCH * dp_size, seq_len=SEQ)  # fmt: skip
     ours = copy.deepcopy(full)
     if SETUPS[setup]["tp"] > 1:
