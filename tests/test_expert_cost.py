@@ -39,20 +39,20 @@ def test_rows_uniform_and_dropless_worst_case_by_hand() -> None:
 def test_all_to_all_bytes_per_step_by_hand() -> None:
     # 2 layers, 3 micro-batches of 16 tokens, bf16 rows of 32: one token all-to-all moves
     # 16 × 2 × 32 × 2 = 2,048 B; forward 2 per layer per micro-batch, backward the same; the
-    # routing data: 4 int64 counts, then 32 int64 expert ids = 288 B per layer and micro-batch
+    # routing data: one int64 count per expert (TINY's 8) = 64 B per layer and micro-batch
     rows = all_to_all_collectives(
         [TINY, TINY], axis="ep", ep=4, tokens=16, microbatches=3, activation_bytes=2
     )
     assert [(c.kind, c.axis, c.count, c.bytes) for c in rows] == [
         ("all_to_all", "ep", 12, 12 * 2048),
-        ("all_to_all", "ep", 12, 6 * 288),
+        ("all_to_all", "ep", 6, 6 * 64),
         ("all_to_all", "ep", 12, 12 * 2048),
     ]
-    # one layer in a checkpointed block repeats its forward four in backward
+    # one layer in a checkpointed block repeats its forward three in backward
     recomputed = all_to_all_collectives(
         [TINY, TINY], axis="ep", ep=4, tokens=16, microbatches=3, activation_bytes=2, recomputed=1
     )
-    assert (recomputed[-1].count, recomputed[-1].bytes) == (12, 3 * (2 * 2048 + 288))
+    assert (recomputed[-1].count, recomputed[-1].bytes) == (9, 3 * (2 * 2048 + 64))
     # each rank sends 3/4 of a uniform payload to the other ranks
     assert ring_bytes("all_to_all", 2048, 4) == 1536
     assert all_to_all_collectives([TINY], axis="ep", ep=1, tokens=16) == ()

@@ -75,16 +75,17 @@ def predicted(routing: str, max_load: float | None = None) -> tuple[int, int]:
 
 def test_uniform_routing_sends_the_predicted_bytes_on_every_rank() -> None:
     results = get_pool(2).run(measure, "uniform")
-    # by hand: 16 rows of 8 fp32 = 512 B per token all-to-all, 4 of them; 2 counts + 16 ids
-    # in int64 = 144 B
-    assert predicted("uniform") == (6, 4 * 512 + 144)
+    # by hand: 16 rows of 8 fp32 = 512 B per token all-to-all, 4 of them; the tokens per
+    # expert, 4 int64 = 32 B
+    assert predicted("uniform") == (5, 4 * 512 + 32)
     assert results == [(predicted("uniform"), predicted("uniform"))] * 2
 
 
 def test_a_skewed_routing_meets_its_max_load_bound_on_the_busiest_rank() -> None:
     results = [measured for measured, _ in get_pool(2).run(measure, "skewed")]
-    # rank 0 receives 24 rows (payload: 24 of 8 fp32 = 768 B per token all-to-all; ids 24 int64)
-    assert predicted("worst", max_load=1.5) == (6, 4 * 768 + 8 * (2 + 24))
+    # rank 0 receives 24 rows (payload: 24 of 8 fp32 = 768 B per token all-to-all), and the
+    # tokens per expert (4 int64) as every rank
+    assert predicted("worst", max_load=1.5) == (5, 4 * 768 + 8 * 4)
     assert results[0] == predicted("worst", max_load=1.5)
     # rank 1 sends 16 and receives 8: its buffers are the uniform ones
     assert results[1] == predicted("uniform")

@@ -43,11 +43,11 @@ def test_deepseek_v3_plans_on_256_ranks_and_is_flagged_on_64() -> None:
     assert sized.footprint.fits
     assert sized.plan.expert_axis == "ep" and len(sized.plan.experts) == 58
     # 256 sequences over 16 dp × 16 ep batch ranks: one each (the traced activations of 8 at
-    # once do not fit); per MoE layer 4 all-to-alls in forward (counts, tokens, expert ids,
-    # results), 2 in backward and 4 again recomputing (full checkpointing), for 58 MoE layers
+    # once do not fit); per MoE layer 3 all-to-alls in forward (tokens per expert, tokens,
+    # results), 2 in backward and 3 again recomputing (full checkpointing), for 58 MoE layers
     kinds = sized.plan.collective_totals()
     count, _ = kinds[("all_to_all", "ep")]
-    assert count == 58 * (4 + 2 + 4)
+    assert count == 58 * (3 + 2 + 3)
     assert sized.plan.options.batch_size == 256 // 256
     small = size_recipe(recipe, world=64, device_memory="80GiB")
     assert small.footprint.fits is False

@@ -4,8 +4,9 @@
 For each token slot (token ``t``, choice ``j`` of its ``k`` experts) the wrapper:
 
 1. sorts the slots by expert (stable, so by destination rank, tokens in order within one expert),
-   exchanges the per-rank counts, then the tokens and their local expert indices, by all-to-all
-   over the expert axis (``all_to_all_single_autograd``: uneven splits, differentiable);
+   exchanges the tokens per expert (each rank learns how many rows every rank sends to each of
+   its local experts, so the rows' local expert ids follow), then the tokens, by all-to-all over
+   the expert axis (``all_to_all_single_autograd``: uneven splits, differentiable);
 2. on the owner rank calls the module's *own* forward on the received tokens, with its local
    expert slice, ``num_experts = E / ep``, one expert per row and combine weight 1;
 3. sends the results back by the reverse all-to-all, multiplies each by its combine weight (the
@@ -128,9 +129,7 @@ class ExpertDispatch:
         order = torch.argsort(experts, stable=True)
         per_expert = torch.bincount(experts, minlength=self.group.num_experts)
         self.last_counts = per_expert.detach()
-        local = self.group.local_experts
-        send = per_expert.view(-1, local).sum(1)
-        sent, received, x, ids = self._dispatch(hidden_states, experts, order, send, k)
+        sent, received, x, ids = self._dispatch(hidden_states, order, per_expert, k)
         y = self._compute(x, ids, received)
         back = funcol.all_to_all_single_autograd(y, sent, received, self._group())
         rows = back[_inverse(order)]
@@ -146,22 +145,20 @@ class ExpertDispatch:
         return self.ep_mesh.get_group()
 
     def _dispatch(
-        self,
-        hidden: torch.Tensor,
-        experts: torch.Tensor,
-        order: torch.Tensor,
-        send: torch.Tensor,
-        k: int,
+        self, hidden: torch.Tensor, order: torch.Tensor, per_expert: torch.Tensor, k: int
     ) -> tuple[list[int], list[int], torch.Tensor, torch.Tensor]:
-        """Counts first, then the tokens (differentiable) and their local expert ids."""
-        group = self._group()
-        counts = funcol.all_to_all_single(send, None, None, group)
-        counts = funcol.wait_tensor(counts) if isinstance(counts, torch.Tensor) else counts
-        sent, received = send.tolist(), counts.tolist()
-        rows = hidden[order // k]
-        x = funcol.all_to_all_single_autograd(rows, received, sent, group)
-        local_ids = (experts[order] % self.group.local_experts).contiguous()
-        ids = funcol.wait_tensor(funcol.all_to_all_single(local_ids, received, sent, group))
+        """The tokens per expert first (each rank receives, from every rank, how many rows go
+        to each of its local experts), then the rows (differentiable). A source's rows arrive
+        sorted by expert, so each row's local expert id follows from those counts."""
+        group, local = self._group(), self.group.local_experts
+        incoming = funcol.all_to_all_single(per_expert.contiguous(), None, None, group)
+        incoming = funcol.wait_tensor(incoming) if isinstance(incoming, torch.Tensor) else incoming
+        by_source = incoming.view(-1, local)  # [ep, local experts]
+        sent = per_expert.view(-1, local).sum(1).tolist()
+        received = by_source.sum(1).tolist()
+        x = funcol.all_to_all_single_autograd(hidden[order // k], received, sent, group)
+        experts = torch.arange(local, device=hidden.device).repeat(by_source.shape[0])
+        ids = experts.repeat_interleave(by_source.flatten().to(hidden.device))
         return sent, received, x, ids
 
     def _compute(self, x: torch.Tensor, ids: torch.Tensor, received: list[int]) -> torch.Tensor:

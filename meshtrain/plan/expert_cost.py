@@ -54,7 +54,7 @@ from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.sizes import format_bytes
 
 Routing = Literal["uniform", "worst"]
-_INDEX_BYTES = 8  # int64 counts and expert ids
+_INDEX_BYTES = 8  # int64 tokens per expert
 
 
 @dataclass(frozen=True)
@@ -156,16 +156,16 @@ def all_to_all_collectives(
 ) -> tuple[Collective, ...]:
     """The all-to-alls of one optimizer step over ``axis`` (``ep`` ranks), for one rank, as the
     lowering (:mod:`meshtrain.lower.expert_parallel`) issues them per MoE layer and micro-batch:
-    in forward the rows each rank sends to each rank (``ep`` int64), the tokens, each row's
-    local expert id (int64) and the results back; in backward the gradients of the tokens and
-    of the results. ``recomputed`` of the layers sit in checkpointed blocks and repeat their
-    forward four in backward. ``tokens``: tokens per rank per micro-batch;
+    in forward the tokens per expert (``E`` int64: each rank's rows for every expert), the
+    tokens and the results back; in backward the gradients of the tokens and of the results.
+    ``recomputed`` of the layers sit in checkpointed blocks and repeat their forward three in
+    backward. ``tokens``: tokens per rank per micro-batch;
     ``activation_bytes``: bytes per element of the dispatched rows (the compute dtype).
 
     Example:
         >>> layer = ExpertLayer.swiglu("e", num_experts=8, top_k=2, hidden=64, inter=32)
         >>> [(c.count, c.bytes) for c in all_to_all_collectives([layer], axis="ep", ep=2, tokens=16)]
-        [(2, 16384), (2, 272), (2, 16384)]
+        [(2, 16384), (1, 64), (2, 16384)]
     """
     if ep <= 1 or not layers:
         return ()
@@ -176,8 +176,8 @@ def all_to_all_collectives(
     def pair(layer: ExpertLayer) -> int:  # tokens out and results back, one micro-batch
         return 2 * rows(layer) * layer.hidden * activation_bytes
 
-    def routing_data(layer: ExpertLayer) -> int:  # the counts, then each row's local expert id
-        return _INDEX_BYTES * (ep + rows(layer))
+    def routing_data(layer: ExpertLayer) -> int:  # the tokens per expert, int64
+        return _INDEX_BYTES * layer.num_experts
 
     n, how, again = len(layers) * microbatches, f"{routing} routing", layers[:recomputed]
     tokens_forward = sum(pair(layer) for layer in layers) * microbatches
@@ -185,15 +185,14 @@ def all_to_all_collectives(
     result = [
         Collective("all_to_all", axis, 2 * n, tokens_forward,
                    f"tokens to their experts and the results back, forward, {how}"),
-        Collective("all_to_all", axis, 2 * n, routed,
-                   "rows per rank (int64), then each row's local expert (int64), forward"),
+        Collective("all_to_all", axis, n, routed, "tokens per expert (int64), forward"),
         Collective("all_to_all", axis, 2 * n, tokens_forward,
                    f"gradients of the results and of the tokens, backward, {how}"),
     ]  # fmt: skip
     if recomputed:
         repeated = sum(pair(layer) + routing_data(layer) for layer in again) * microbatches
-        result.append(Collective("all_to_all", axis, 4 * recomputed * microbatches, repeated,
-                                 f"the forward's four again, recomputing checkpointed blocks, {how}"))  # fmt: skip
+        result.append(Collective("all_to_all", axis, 3 * recomputed * microbatches, repeated,
+                                 f"the forward's three again, recomputing checkpointed blocks, {how}"))  # fmt: skip
     return tuple(result)
 
 
