@@ -197,11 +197,8 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     mesh = mt.make_mesh(dict(SETUPS[setup]["mesh"]))
     dp_size = mesh.size("dp")
     global_tokens = BATCH * SEQ * dp_size
-    # torchtitan's rotary embedding views x as x.reshape(*x.shape[:-1], -1, 2): sizes read off
-    # a rank's head shard, which the plan-time shape proof cannot tell from a global head count
-    # (it refuses); the losses below are checked against one process instead
     plan = mt.plan(full, mesh, _rules(setup), zero=3, grad_reduction="sum",
-                   global_batch=BATCH * dp_size, seq_len=SEQ, unproven_shards="note")  # fmt: skip
+                   global_batch=BATCH * dp_size, seq_len=SEQ)  # fmt: skip
     ours = copy.deepcopy(full)
     if SETUPS[setup]["tp"] > 1:
         _standard_embedding(ours)
