@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 from moe_models import meshtrain_moe, token_batches
-from torch.distributed.tensor import DTensor
 
 import meshtrain as mt
+from meshtrain.lower.gather import full_tensor
 from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import Batch, forward_backward
@@ -27,7 +27,10 @@ MESHES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "dp2-tp2-inside": ({"dp": 2, "tp": 2}, {"tp": "tp", "fsdp": "dp", "expert_tp": True}),
     "ep2-tp2-inside": ({"ep": 2, "tp": 2}, {"tp": "tp", "fsdp": (), "ep": "ep", "expert_tp": True}),
     "dp4": ({"dp": 4}, {"tp": None, "fsdp": "dp"}),
-}
+    "dp2-ep2-tp2-inside": ({"dp": 2, "ep": 2, "tp": 2},
+                           {"tp": "tp", "fsdp": "dp", "ep": "ep", "expert_tp": True}),
+    "dp8": ({"dp": 8}, {"tp": None, "fsdp": "dp"}),
+}  # fmt: skip
 
 
 def _trained(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -52,7 +55,7 @@ def _whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
         for key, value in optimizer.state[param].items():
             if isinstance(value, torch.Tensor) and value.ndim:
                 found[f"{fqn}.{key}"] = value
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).clone() for k, v in found.items()}
+    return {k: full_tensor(v).clone() for k, v in found.items()}
 
 
 def save_and_resume(directory: str, saved_on: str, loaded_on: str) -> list[str]:
@@ -81,3 +84,14 @@ def test_checkpoint_of_experts_split_inside_reshards_exactly(
 ) -> None:
     differing = get_pool(4).run(save_and_resume, str(tmp_path / "ckpt"), saved_on, loaded_on)
     assert differing == [[]] * 4
+
+
+@pytest.mark.extended
+def test_a_checkpoint_of_fsdp_experts_and_tensor_parallel_experts_reshards_exactly(
+    tmp_path: Path,
+) -> None:
+    """8 ranks: the packed weight FSDP-sharded over dp, split over ep and inside over tp, saved
+    and loaded on dp 8 (one whole copy of each expert's gate and up rows per 8 ranks)."""
+    differing = get_pool(8).run(save_and_resume, str(tmp_path / "ckpt"), "dp2-ep2-tp2-inside",
+                                "dp8")  # fmt: skip
+    assert differing == [[]] * 8

@@ -136,3 +136,56 @@ def _order_for(
         f"order of those axes on mesh {mesh}; they cannot be written as a P.",
         mesh=mesh,
     )
+
+
+def packed_placement(
+    placements: Sequence[Placement], sizes: Sequence[int]
+) -> tuple[int, int, int] | None:
+    """``(mesh dim, tensor dim, parts)`` of a *packed* placement among ``placements`` (one per
+    mesh dim of ``sizes``): a ``_StridedShard(d, split_factor=f)`` whose ``f`` is not the product
+    of the later mesh dims splitting ``d`` — each of ``f`` packed parts of ``d`` split over its
+    mesh dim alike, as transformers' ``packed_colwise`` lays out ``gate_up_proj`` (FSDP2's own
+    strided shards are such a product). A rank's data is then ``f`` pieces of the whole, which
+    torch 2.13's checkpointing and ``full_tensor`` do not handle.
+
+    Example:
+        >>> packed_placement((_StridedShard(1, split_factor=2),), (2,))
+        (0, 1, 2)
+        >>> packed_placement((_StridedShard(0, split_factor=2), Shard(0)), (2, 2)) is None
+        True
+    """
+    split_dims = [p.dim if isinstance(p, (Shard, _StridedShard)) else None for p in placements]
+    for index, placement in enumerate(placements):
+        if not isinstance(placement, _StridedShard):
+            continue
+        later = math.prod(
+            size for size, split in zip(sizes[index + 1 :], split_dims[index + 1 :])
+            if split == placement.dim
+        )  # fmt: skip
+        if later != placement.split_factor:
+            return index, placement.dim, int(placement.split_factor)
+    return None
+
+
+def unpacked_placements(
+    placements: Sequence[Placement], mesh_dim: int, dim: int
+) -> tuple[Placement, ...]:
+    """The placements of the same data viewed with packed dim ``dim`` unflattened into
+    ``(parts, size / parts)``: the packed placement a plain ``Shard(dim + 1)``, splits of later
+    dims one dim later.
+
+    Example:
+        >>> unpacked_placements((Shard(0), _StridedShard(1, split_factor=2), Shard(2)), 1, 1)
+        (Shard(dim=0), Shard(dim=2), Shard(dim=3))
+    """
+    result: list[Placement] = []
+    for index, placement in enumerate(placements):
+        if index == mesh_dim:
+            result.append(Shard(dim + 1))
+        elif isinstance(placement, _StridedShard) and placement.dim > dim:
+            result.append(_StridedShard(placement.dim + 1, split_factor=placement.split_factor))
+        elif isinstance(placement, Shard) and placement.dim > dim:
+            result.append(Shard(placement.dim + 1))
+        else:
+            result.append(placement)
+    return tuple(result)

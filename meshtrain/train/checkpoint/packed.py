@@ -24,29 +24,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor, Placement, Shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from meshtrain.spec.placements import packed_placement, unpacked_placements
 
 
 def packed_dim(tensor: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(mesh dim, tensor dim, parts)`` of ``tensor``'s packed placement, if it has one: a
-    ``_StridedShard`` whose split factor is not the product of the later mesh dims splitting
-    the same tensor dim (FSDP's strided shards are; DCP handles those)."""
+    """``(mesh dim, tensor dim, parts)`` of ``tensor``'s packed placement, if it is a DTensor
+    with one (:func:`~meshtrain.spec.placements.packed_placement`)."""
     if not isinstance(tensor, DTensor):
         return None
-    mesh, placements = tensor.device_mesh, tensor.placements
-    for index, placement in enumerate(placements):
-        if not isinstance(placement, _StridedShard):
-            continue
-        later = 1
-        for j in range(index + 1, len(placements)):
-            other = placements[j]
-            if isinstance(other, (Shard, _StridedShard)) and other.dim == placement.dim:
-                later *= mesh.size(j)
-        if later != placement.split_factor:
-            return index, placement.dim, int(placement.split_factor)
-    return None
+    return packed_placement(tensor.placements, tuple(tensor.device_mesh.shape))
 
 
 def checkpoint_view(tensor: Any) -> Any:
@@ -66,14 +55,7 @@ class PackedShards:
             raise ValueError(f"dim {dim} of {shape} does not split into {parts} packed parts")
         self.part = shape[dim] // parts
         viewed = [*shape[:dim], parts, self.part, *shape[dim + 1:]]  # fmt: skip
-        placements: list[Placement] = []
-        for index, placement in enumerate(tensor.placements):
-            if index == mesh_dim:
-                placements.append(Shard(dim + 1))
-            elif isinstance(placement, (Shard, _StridedShard)) and placement.dim > dim:
-                placements.append(_shifted(placement))
-            else:
-                placements.append(placement)
+        placements = unpacked_placements(tensor.placements, mesh_dim, dim)
         sizes, offsets = compute_local_shape_and_global_offset(
             torch.Size(viewed), tensor.device_mesh, placements
         )
@@ -156,11 +138,3 @@ class PackedLoadPlanner(DefaultLoadPlanner):
         if isinstance(found, PackedShards):
             return found.__get_tensor_shard__(index)
         return super().lookup_tensor(index)
-
-
-def _shifted(placement: Placement) -> Placement:
-    """A split of a dim after the packed one, one dim later in the unpacked view."""
-    if isinstance(placement, _StridedShard):
-        return _StridedShard(placement.dim + 1, split_factor=placement.split_factor)
-    assert isinstance(placement, Shard)
-    return Shard(placement.dim + 1)
