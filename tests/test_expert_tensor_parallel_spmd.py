@@ -80,3 +80,15 @@ def test_mixtral_experts_split_inside_over_ep2_tp2_in_bf16_with_checkpointing() 
                                batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
+
+
+def test_mixtral_experts_split_inside_in_a_pipeline_on_pp2_tp2() -> None:
+    """1F1B over pp 2, each stage's experts split inside over tp."""
+    rules = mt.Rules.from_hf(mixtral(), fsdp=(), tp="tp")
+    pipeline = mt.Pipeline("pp", "1F1B", microbatches=2)
+    plan = mt.plan(mixtral(), _abstract(pp=2, tp=2), rules, pipeline=pipeline)
+    assert _inside(plan) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    report = assert_equivalent(mixtral, {"pp": 2, "tp": 2}, {"rules": rules, "pipeline": pipeline},
+                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    assert report.passed
+    print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
