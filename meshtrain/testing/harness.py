@@ -387,6 +387,11 @@ def _mesh(axes: tuple[tuple[str, int], ...]) -> Mesh:
 
 
 def _run_rank(config: _Config) -> _RankResult:
+    # Each comparison compiles as a fresh training process would: a pool rank keeps torch's
+    # compile caches across tasks, and one plan's cached graphs have made AOT autograd's
+    # partitioner fail on the next plan's ("Node tangents_2 was invalid, but is output": a
+    # compiled LoopedBFS pipeline with tensor parallelism after other compiled plans).
+    torch._dynamo.reset()
     context = config.rank_context() if config.rank_context else contextlib.nullcontext()
     with context:
         return _Run(config).train()
