@@ -207,10 +207,8 @@ def shard_batch(
                 "pass batched sequences (unsqueeze(0) a single sequence)."
             )
     cp = plan.mesh.size(plan.context_axis)
-    if rank is None:
-        context = context_group(plan)
-        assert context is not None
-        rank = context.rank
+    if rank is None:  # a MeshError, naming the fix, without a process group
+        rank = dist.get_rank(axis_group(plan.mesh, plan.context_axis))
     balance = plan.options.context_balance
     return tuple(shard_sequence(t, 1, cp, rank, balance) for t in tensors)
 
