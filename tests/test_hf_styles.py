@@ -115,6 +115,24 @@ def test_a_refused_style_on_a_parent_without_parameters_is_refused() -> None:
     assert _spec(rules, "layers.0.up.weight") == P()
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+def test_overrides_may_shadow_the_generated_rules(family: str) -> None:
+    """An override that replicates every MLP shadows the expert and MLP rules from_hf wrote:
+    that is what overrides are for, so nothing is an unused rule; an override that matches no
+    parameter is still one (issue 43, point 5)."""
+    import moe_models
+
+    model = getattr(moe_models, family)()
+    rules = Rules.from_hf(model, tp="tp", fsdp="dp",
+                          overrides={r"model\.layers\.\d+\.mlp\..*": P()})  # fmt: skip
+    plan = mt.plan(model, _mesh(), rules)
+    specs = {p.fqn: p.spec for p in plan.params}
+    assert {s for f, s in specs.items() if ".mlp." in f} == {P()}
+    assert specs["model.layers.0.self_attn.q_proj.weight"] == P("tp", None)
+    with pytest.raises(RuleError, match=r"1 rule matched no parameter[\s\S]*r'nothing\\.here'"):
+        mt.plan(model, _mesh(), Rules.from_hf(model, tp="tp", overrides={r"nothing\.here": P()}))
+
+
 def test_the_docs_table_lists_every_style_as_the_code_handles_it() -> None:
     text = DOCS.read_text()
     for style, row in HF_STYLES.items():

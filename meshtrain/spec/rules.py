@@ -140,6 +140,7 @@ class Rules:
         allow_unmatched: bool = False,
         allow_unused: bool = False,
         gathered: Sequence[str] = (),
+        generated: Sequence[str] = (),
     ) -> None:
         items = list(patterns.items()) if isinstance(patterns, Mapping) else list(patterns)
         self.patterns: tuple[tuple[str, P], ...] = _check_patterns(items)
@@ -151,6 +152,9 @@ class Rules:
         # module FQN regexes whose column-wise output is all-gathered, never paired (HF's
         # colwise_gather_output): the model's code after them needs the full features
         self.gathered: tuple[str, ...] = tuple(gathered)
+        # patterns a helper wrote (from_hf's generated rules): the user's own rules may shadow
+        # them, so they never count as unused
+        self.generated: frozenset[str] = frozenset(generated)
         # what the plan should tell the user about how these rules were made (from_hf)
         self.notes: tuple[str, ...] = ()
 
@@ -174,7 +178,8 @@ class Rules:
         """Rules from a Hugging Face model's own tensor-parallel plan (``base_model_tp_plan``
         and ``_tp_plan``; see :mod:`meshtrain.spec.hf_plan`), over mesh axis ``tp``, everything
         else replicated. ``overrides`` (patterns tried first) cover what the plan leaves out or
-        styles meshtrain does not lower; ``sequence_parallel`` adds the ``("seq", tp)`` rule.
+        styles meshtrain does not lower, and may shadow the generated rules (only an override
+        that matches nothing is an unused rule); ``sequence_parallel`` adds the ``("seq", tp)`` rule.
         ``tp=None`` reads no tensor-parallel plan. Experts modules (``base_model_ep_plan``'s
         ``grouped_gemm``/``ep_dispatch_experts``, ``moe_tp_experts``) split over ``ep`` on their
         experts dim (expert parallelism), or stay whole (``P()``, noted in the plan) without it;
@@ -185,14 +190,16 @@ class Rules:
 
             rules = mt.Rules.from_hf(model, fsdp="dp")   # LlamaForCausalLM, Qwen2ForCausalLM, ...
         """
-        first = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
+        written = list(overrides.items()) if isinstance(overrides, Mapping) else list(overrides)
         experts, notes = hf_expert_patterns(model, ep, tp)
-        first += experts
-        covered = [re.compile(pattern) for pattern, _ in first]
+        covered = [re.compile(pattern) for pattern, _ in [*written, *experts]]
         generated = hf_patterns(model, tp, covered=covered) if tp is not None else []
         logical = [("seq", tp)] if sequence_parallel and tp is not None else []
-        rules = cls([*first, *generated, (r".*", P())], logical=logical, fsdp=fsdp,
-                    gathered=hf_gathered(model, covered=covered) if tp is not None else ())  # fmt: skip
+        made = [*experts, *generated, (r".*", P())]
+        own = {pattern for pattern, _ in written}
+        rules = cls([*written, *made], logical=logical, fsdp=fsdp,
+                    gathered=hf_gathered(model, covered=covered) if tp is not None else (),
+                    generated=[pattern for pattern, _ in made if pattern not in own])  # fmt: skip
         rules.notes = tuple(notes)
         return rules
 
@@ -272,7 +279,8 @@ class Rules:
             params.append(param)
         if unmatched and not self.allow_unmatched:
             raise self._unmatched_error(unmatched, shapes, names, mesh)
-        unused = [pattern for pattern, _ in self.patterns if pattern not in used_patterns]
+        unused = [pattern for pattern, _ in self.patterns
+                  if pattern not in used_patterns and pattern not in self.generated]  # fmt: skip
         if unused and not self.allow_unused:
             raise self._unused_error(unused, shapes, mesh)
         return Resolution(mesh, tuple(params), self.gathered)
