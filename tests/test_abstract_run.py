@@ -239,5 +239,5 @@ def test_every_tensor_parallel_style_has_an_abstract_boundary() -> None:
     from meshtrain.plan.ir import TPStyle
 
     abstract = importlib.import_module("meshtrain.plan.abstract")
-    assert set(TPStyle) == abstract._LEAF_STYLES | abstract._REGION_STYLES
-    assert not abstract._LEAF_STYLES & abstract._REGION_STYLES
+    assert set(TPStyle) == abstract.LEAF_STYLES | abstract.REGION_STYLES
+    assert not abstract.LEAF_STYLES & abstract.REGION_STYLES

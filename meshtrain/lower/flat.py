@@ -14,11 +14,13 @@ from __future__ import annotations
 from torch import nn
 
 from meshtrain.lower.balance import install_count_reducer
+from meshtrain.lower.batch_buffers import average_batch_buffers
 from meshtrain.lower.batch_norm import sync_batch_norms
 from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
 from meshtrain.lower.context_parallel import apply_context_parallel
 from meshtrain.lower.data_parallel import apply_data_parallel
 from meshtrain.lower.expert_parallel import apply_expert_parallel
+from meshtrain.lower.fresh_outputs import fresh_outputs
 from meshtrain.lower.functional import track
 from meshtrain.lower.groups import device_mesh
 from meshtrain.lower.replicated import mark_plain_parameters, replicate_whole_parameters
@@ -31,15 +33,17 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     parallelism also runs over size-1 axes that carry the mixed-precision policy."""
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
+        fresh_outputs(plan, model)
     apply_expert_parallel(plan, model)
     apply_context_parallel(plan, model)
     install_count_reducer(plan, model)  # MoE balance statistics over the token ranks
     sync_batch_norms(plan, model)
+    average_batch_buffers(plan, model)
     # every parameter on one mesh, so a user's own loop runs; not under compile, where torch
     # 2.13 retraces the swapping hooks and trips on the vocab-parallel embedding's cached mask
     # ("Mixing fake modes"): a compiling plan clips with meshtrain.train.clip_grad_norm_
     if plan.tp_axis is not None and plan.compile_scope is None:
-        replicate_whole_parameters(model, device_mesh(plan.mesh)[plan.tp_axis])
+        replicate_whole_parameters(model, device_mesh(plan.mesh)[plan.tp_axis], plan.readers)
     apply_checkpointing(plan, model)
     compile_blocks(plan, model)
     if plan.token_axes or plan.cast_axes:

@@ -32,7 +32,7 @@ Example (inside :func:`~meshtrain.lower.flat.parallelize`, after tensor parallel
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from meshtrain.errors import TrainingError
+from meshtrain.plan.ir import ParamReader
 
 #: The attribute naming, on a module, the parameters :class:`LocalParameters` swaps.
 _SWAPPED = "_meshtrain_local_parameters"
@@ -50,10 +51,14 @@ _PLAIN = "_meshtrain_plain_under_compile"
 _MARKED: list[tuple[str, str]] = []
 
 
-def replicate_whole_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def replicate_whole_parameters(
+    model: nn.Module, tp_mesh: DeviceMesh, readers: Sequence[ParamReader] = ()
+) -> None:
     """Make every plain parameter of ``model`` a DTensor replicated over ``tp_mesh`` (no
     collective: every rank holds the same weights) and hook its owner to compute on the local
-    tensor. Tied parameters stay one tensor (one DTensor shared by every owner)."""
+    tensor, and each of ``readers`` (a module reading another's replicated parameter in its own
+    forward: a tied head ``F.linear(h, embed.weight)``) too. Tied parameters stay one tensor (one
+    DTensor shared by every owner)."""
     converted: dict[int, nn.Parameter] = {}
     for module in model.modules():
         names = []
@@ -68,37 +73,69 @@ def replicate_whole_parameters(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             module.register_parameter(name, replicated)
             names.append(name)
         if names and not hasattr(module, _SWAPPED):
-            swap = LocalParameters(tuple(names))
-            setattr(module, _SWAPPED, swap)
-            module.register_forward_pre_hook(swap.to_local)
-            module.register_forward_hook(swap.restore, always_call=True)
+            _hook(module, LocalParameters(tuple((module, name) for name in names)))
+    _hook_readers(model, readers)
+
+
+def _hook(module: nn.Module, swap: LocalParameters) -> None:
+    setattr(module, _SWAPPED, swap)
+    module.register_forward_pre_hook(swap.to_local)
+    module.register_forward_hook(swap.restore, always_call=True)
+
+
+def _hook_readers(model: nn.Module, readers: Sequence[ParamReader]) -> None:
+    """Each reader swaps every slot holding the parameters it reads (all names of a tied one)."""
+    modules = dict(model.named_modules())
+    slots: dict[int, list[tuple[nn.Module, str]]] = {}
+    names: dict[str, int] = {}
+    for fqn, param in model.named_parameters(remove_duplicate=False):
+        owner, _, name = fqn.rpartition(".")
+        slots.setdefault(id(param), []).append((modules[owner], name))
+        names[fqn] = id(param)
+    wanted: dict[str, list[tuple[nn.Module, str]]] = {}
+    for reader in readers:
+        if reader.reader in modules and reader.param in names:
+            wanted.setdefault(reader.reader, []).extend(slots[names[reader.param]])
+    for fqn, found in wanted.items():
+        module = modules[fqn]
+        own = getattr(module, _SWAPPED, None)
+        if own is not None:  # the reader owns parameters too: one swap covers both
+            own.slots = tuple(dict.fromkeys((*own.slots, *found)))
+        else:
+            _hook(module, LocalParameters(tuple(dict.fromkeys(found))))
 
 
 class LocalParameters:
-    """Forward hooks that give a module its replicated parameters as local tensors for the
-    duration of its forward (so it computes exactly as on one device) and put the DTensors back
-    afterwards. Whatever holds the parameter slot at the time (FSDP2 swaps in its gathered
-    parameter before these hooks run and back after) is what is swapped and restored."""
+    """Forward hooks that give a module its replicated parameters (and those it reads of other
+    modules: ``slots`` are (module, name) pairs) as local tensors for the duration of its forward
+    (so it computes exactly as on one device) and put the DTensors back afterwards. Whatever
+    holds a slot at the time (FSDP2 swaps in its gathered parameter before these hooks run and
+    back after) is what is swapped and restored; a DTensor in several slots (tied) gets one local
+    tensor."""
 
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-        self.saved: list[dict[str, Any]] = []  # one frame per (re-entrant) call
+    def __init__(self, slots: tuple[tuple[nn.Module, str], ...]) -> None:
+        self.slots = slots
+        self.saved: list[list[tuple[nn.Module, str, Any]]] = []  # per (re-entrant) call
 
     def to_local(self, module: nn.Module, args: Any) -> None:
-        frame: dict[str, Any] = {}
-        for name in self.names:
-            param = module._parameters.get(name)
+        frame: list[tuple[nn.Module, str, Any]] = []
+        made: dict[int, torch.Tensor] = {}
+        for owner, name in self.slots:
+            param = owner._parameters.get(name)
             if isinstance(param, DTensor):
-                frame[name] = param
+                frame.append((owner, name, param))
                 # a plain tensor in the slot, for this forward only (autograd flows back to
                 # the DTensor parameter with the replicated gradient)
-                module._parameters[name] = param.to_local(grad_placements=(Replicate(),))
+                local = made.get(id(param))
+                if local is None:
+                    local = made[id(param)] = param.to_local(grad_placements=(Replicate(),))
+                owner._parameters[name] = local  # type: ignore[assignment]
         self.saved.append(frame)
 
     def restore(self, module: nn.Module, args: Any, output: Any) -> None:
-        frame = self.saved.pop() if self.saved else {}
-        for name, param in frame.items():
-            module._parameters[name] = param
+        frame = self.saved.pop() if self.saved else []
+        for owner, name, param in frame:
+            owner._parameters[name] = param
 
 
 def mark_plain_parameters(model: nn.Module, tp_axis: str) -> None:

@@ -53,6 +53,7 @@ import meshtrain.lower.attention_blocks as blocks
 from meshtrain.errors import PlanError
 from meshtrain.lower.attention_blocks import KVBlock, Visibility, blockwise_attention
 from meshtrain.lower.compute import eager_island
+from meshtrain.plan.context import attention_shape_error
 
 __all__ = [
     "METHODS",
@@ -292,15 +293,9 @@ def _check(
     where = f"context attention (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
     if method not in METHODS:
         raise PlanError(f"{where}: method {method!r} is not one of {METHODS}.")
-    if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise PlanError(f"{where}: q, k, v must be [B, H, S_local, D] and k, v alike.")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise PlanError(f"{where}: q and k must share the batch (dim 0) and head size (dim 3).")
-    if q.shape[1] % k.shape[1]:
-        raise PlanError(
-            f"{where}: {q.shape[1]} query heads are not a multiple of {k.shape[1]} key/value "
-            "heads (grouped-query attention): use a query head count divisible by it."
-        )
+    shapes = attention_shape_error(tuple(q.shape), tuple(k.shape), tuple(v.shape))
+    if shapes is not None:
+        raise PlanError(f"context attention: {shapes}")
     if positions_q.shape != (q.shape[2],) or positions_kv.shape != (k.shape[2],):
         raise PlanError(
             f"{where}: positions_q {tuple(positions_q.shape)} and positions_kv "

@@ -21,6 +21,7 @@ from meshtrain.plan.auto_experts import choose_expert_plan, has_experts
 from meshtrain.plan.build import build_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.options import AutoSearch, PlanOptions
+from meshtrain.plan.probe import example_inputs as probing
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -30,6 +31,8 @@ def plan(
     mesh: Mesh,
     rules: Rules,
     options: PlanOptions | None = None,
+    *,
+    example_inputs: Any = None,
     **overrides: Any,
 ) -> Plan:
     """Compile ``rules`` for ``model`` on ``mesh`` into a :class:`Plan` (pure; meta models work).
@@ -55,12 +58,20 @@ def plan(
     model with experts the expert-parallel degree (an ``ep`` axis) joins the search
     (:mod:`meshtrain.plan.auto_experts`). The returned plan's mesh is the chosen one and
     ``explain()`` says why.
+
+    ``example_inputs`` (a tensor, a tuple of positional inputs or a mapping of keyword inputs:
+    one batch the model's forward takes) feeds the plan-time proof
+    (:mod:`meshtrain.plan.abstract`); only shapes and dtypes are read. Without it meshtrain
+    builds token ids, images or features where the model's first module says which
+    (:mod:`meshtrain.plan.probe`), and a plan that needs the proof on any other model is a
+    ``PlanError`` asking for it.
     """
     search_keys = {key: overrides.pop(key) for key in AutoSearch.KEYS if key in overrides}
     options = (options or PlanOptions()).with_overrides(**overrides)
     search = AutoSearch.from_overrides(search_keys)
-    if search is None:
-        return build_plan(model, mesh, rules, options)
-    choose = choose_expert_plan if has_experts(model) else choose_plan
-    return choose(model, mesh.world_size, rules, options, search=search,
-                  device_type=mesh.device_type, abstract=mesh.is_abstract).plan  # fmt: skip
+    with probing(example_inputs):
+        if search is None:
+            return build_plan(model, mesh, rules, options)
+        choose = choose_expert_plan if has_experts(model) else choose_plan
+        return choose(model, mesh.world_size, rules, options, search=search,
+                      device_type=mesh.device_type, abstract=mesh.is_abstract).plan  # fmt: skip

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.abstract import prove_plan
+from meshtrain.plan import abstract_refusals as refusals
+from meshtrain.plan.abstract import Proof, Scope, prove_plan
 from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.adapters import (
     check_nf4_shards,
@@ -104,6 +105,7 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         busiest = pipeline_costs(pipeline_plan, mesh, cost_layout, cost_options).busiest
         ring_blocks = tuple(m for s in pipeline_plan.local_stages(busiest) for m in s.modules)
     collectives += _router_count_collectives(model, mesh, layout, options, ring_blocks)
+    collectives += _buffer_collectives(model, mesh, layout)
     if layout.context_axis is not None and layout.profile is not None:
         collectives += context_collectives(
             layout.profile, options, axis=layout.context_axis, cp=mesh.size(layout.context_axis),
@@ -133,6 +135,9 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
         context_axis=layout.context_axis,
         expert_axis=layout.expert_axis,
         experts=layout.experts,
+        readers=layout.readers,
+        fresh_outputs=layout.fresh_outputs,
+        averaged_buffers=layout.averaged_buffers,
     )
 
 
@@ -221,15 +226,48 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     tied = tied_groups(model)
     _check_tied(tied, blocks)
     batch_norms = _batch_norms(model, options)
-    partial_grads, unproven = prove_plan(
-        model, layouts, styles, tp_axis=tp_axis, blocks=blocks,
-        tp_size=mesh.size(tp_axis) if tp_axis is not None else 1,
-        sequence_parallel=sequence_parallel, unproven=options.unproven_shards,
+    proof = prove_plan(
+        model, layouts, styles, blocks=blocks, unproven=options.unproven_shards,
+        scope=Scope(tp_axis, mesh.size(tp_axis) if tp_axis is not None else 1, sequence_parallel,
+                    data_parallel=bool(active or context or ep), context=bool(context)),
     )  # fmt: skip
-    notes += unproven
+    notes += proof.notes
+    averaged = _batch_buffers(proof, options, [*active, *context, *ep])
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
                   compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
-                  partial_grads, context_axis, expert_axis, experts)  # fmt: skip
+                  proof.partial_grads, context_axis, expert_axis, experts, proof.readers,
+                  proof.fresh_outputs, averaged)  # fmt: skip
+
+
+def _batch_buffers(
+    proof: Proof, options: PlanOptions, axes: list[str]
+) -> tuple[tuple[str, str], ...]:
+    """The buffers the forward writes from the batch: refused under data parallelism (each
+    rank would update them from its own rows) unless averaged on request; nothing to do on one
+    data rank."""
+    if not proof.batch_buffers or not axes:
+        return ()
+    if options.batch_buffers == "refuse":
+        raise refusals.batch_buffers(dict(proof.batch_buffers), axes)
+    if proof.reread_buffers:
+        buffer = proof.reread_buffers[0]
+        raise PlanError(
+            f"buffer '{buffer}' is written from the batch and read again in the same forward: "
+            "averaging it over the data-parallel ranks after the forward cannot give the value "
+            "one device reads there. Read it before updating it, or keep batch_buffers='refuse' "
+            "and a model without such a buffer.",
+            fqn=buffer,
+        )
+    if options.microbatches > 1:
+        buffer = proof.batch_buffers[0][0]
+        raise PlanError(
+            f"buffer '{buffer}' is written from the batch in each forward, and with "
+            f"{options.microbatches} micro-batches a step runs several forwards where one device "
+            "runs one over the whole batch: averaging cannot make them agree. Use one "
+            "micro-batch, or batch_buffers='refuse' and a model without such a buffer.",
+            fqn=buffer,
+        )
+    return proof.batch_buffers
 
 
 def cost_flat(
@@ -328,6 +366,19 @@ def _router_count_collectives(
         routers, axis=mesh.joined(tuple(a for a in axes if a is not None)),
         microbatches=options.microbatches, checkpointed=options.checkpointed_blocks(layout.blocks),
     )  # fmt: skip
+
+
+def _buffer_collectives(model: nn.Module, mesh: Mesh, layout: Inferred) -> tuple[Collective, ...]:
+    """One all-reduce per averaged buffer per forward over the token ranks (one micro-batch)."""
+    if not layout.averaged_buffers:
+        return ()
+    buffers = dict(model.named_buffers())
+    axes = (*layout.data_axes, layout.expert_axis, layout.context_axis)
+    found = [buffers[fqn] for fqn, _ in layout.averaged_buffers if fqn in buffers]
+    payload = sum(b.numel() * b.element_size() for b in found)
+    return (Collective("all_reduce", mesh.joined(tuple(a for a in axes if a is not None)),
+                       len(found), payload, "buffers written from the batch, averaged after each "
+                       "forward (batch_buffers='average')"),)  # fmt: skip
 
 
 def _hsdp_note(

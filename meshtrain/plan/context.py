@@ -207,3 +207,26 @@ def _refuse_modules(model: nn.Module, axis: str) -> None:
                     "the ('seq', ...) context rule.",
                     fqn=fqn,
                 )
+
+
+def attention_shape_error(q: tuple[int, ...], k: tuple[int, ...], v: tuple[int, ...]) -> str | None:
+    """Why context attention cannot take queries, keys and values of these shapes (``[B, H, S,
+    D]``, keys and values alike, grouped-query heads), or None. The lowering's check
+    (:mod:`meshtrain.lower.ring_attention`) and the plan-time abstract run share it.
+
+    Example:
+        >>> attention_shape_error((2, 4, 8, 16), (2, 4, 8, 16), (2, 4, 8, 8))
+        'q (2, 4, 8, 16), k (2, 4, 8, 16), v (2, 4, 8, 8): q, k, v must be [B, H, S_local, D] and k, v alike (v holds 8 features per head, k 16).'
+    """
+    where = f"q {q}, k {k}, v {v}"
+    if len(q) != 4 or len(k) != 4 or k != v:
+        detail = f" (v holds {v[-1]} features per head, k {k[-1]})" if k[:-1] == v[:-1] else ""
+        return f"{where}: q, k, v must be [B, H, S_local, D] and k, v alike{detail}."
+    if q[0] != k[0] or q[-1] != k[-1]:
+        return f"{where}: q and k must share the batch (dim 0) and head size (dim 3)."
+    if q[1] % k[1]:
+        return (
+            f"{where}: {q[1]} query heads are not a multiple of {k[1]} key/value heads "
+            "(grouped-query attention): use a query head count divisible by it."
+        )
+    return None

@@ -11,7 +11,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from meshtrain.plan.activations import ActivationProfile
-from meshtrain.plan.ir import ExpertGroup, FSDPUnit, ModuleStyle, ParamLayout, PartialGrad
+from meshtrain.plan.ir import (
+    ExpertGroup,
+    FSDPUnit,
+    ModuleStyle,
+    ParamLayout,
+    ParamReader,
+    PartialGrad,
+)
 
 
 @dataclass(frozen=True)
@@ -37,3 +44,6 @@ class Inferred:
     context_axis: str | None = None
     expert_axis: str | None = None
     experts: tuple[ExpertGroup, ...] = ()
+    readers: tuple[ParamReader, ...] = ()
+    fresh_outputs: tuple[str, ...] = ()
+    averaged_buffers: tuple[tuple[str, str], ...] = ()

@@ -170,6 +170,22 @@ class PartialGrad:
 
 
 @dataclass(frozen=True)
+class ParamReader:
+    """A parameter replicated over the tensor-parallel axis that module ``reader`` reads in its
+    own forward although another module owns it (a tied head ``F.linear(h, embed.weight)``): the
+    lowering hands ``reader`` the parameter's local tensor for its forward, as it hands the owner
+    its own. Found by the plan-time abstract run (:mod:`meshtrain.plan.abstract`).
+
+    Example:
+        >>> ParamReader("embed.weight", "").reader
+        ''
+    """
+
+    param: str
+    reader: str
+
+
+@dataclass(frozen=True)
 class ExpertGroup:
     """One experts module lowered with expert parallelism: its ``num_experts`` expert weights
     (``params``, 3-D, experts on dim 0) split over the plan's ``expert_axis`` so each rank holds
@@ -349,7 +365,12 @@ class Plan:
     pipeline's are its busiest rank's, with the micro-batches its stages hold at once).
     ``tied``: names that share one parameter tensor (the first is the one ``params`` lists);
     lowering keeps each group one parameter. ``batch_norms``: BatchNorm modules, which lowering
-    makes compute their statistics over the global batch.
+    makes compute their statistics over the global batch. ``readers``: replicated parameters read
+    outside their module's forward (the lowering gives the reader local tensors);
+    ``fresh_outputs``: styled modules whose output the forward updates in place (the lowering
+    hands out a fresh tensor); ``averaged_buffers``: buffers the forward writes from the batch
+    and the module whose forward writes each, averaged over the token axes after that forward
+    (``batch_buffers="average"``).
     """
 
     mesh: Mesh
@@ -375,6 +396,9 @@ class Plan:
     expert_axis: str | None = None
     experts: tuple[ExpertGroup, ...] = ()
     context_axis: str | None = None
+    readers: tuple[ParamReader, ...] = ()
+    fresh_outputs: tuple[str, ...] = ()
+    averaged_buffers: tuple[tuple[str, str], ...] = ()
 
     @property
     def batch_axes(self) -> tuple[str, ...]:
@@ -471,6 +495,7 @@ class Plan:
             ]
             lines += [f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
                       for g in self.partial_grads]  # fmt: skip
+        lines += self._proof_lines()
         if self.experts:
             lines += ["", f"expert parallelism over '{self.expert_axis}' (tokens dispatched to "
                       "their expert's rank by all-to-all, dropless; the batch split over "
@@ -489,6 +514,23 @@ class Plan:
         if self.notes:
             lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
         return "\n".join(lines) + "\n"
+
+    def _proof_lines(self) -> list[str]:
+        """What the abstract run found that the lowering acts on (beside partial gradients)."""
+        lines = []
+        if self.readers:
+            lines += ["", "replicated parameters read outside their module (the reader computes "
+                      "on their local tensors):"]  # fmt: skip
+            lines += [f"  {r.param}: read by '{r.reader or '<root>'}'" for r in self.readers]
+        if self.fresh_outputs:
+            lines += ["", "outputs updated in place by the forward (handed out as fresh tensors): "
+                      + ", ".join(self.fresh_outputs)]  # fmt: skip
+        if self.averaged_buffers:
+            lines += ["", f"buffers written from the batch, averaged over {list(self.token_axes)} "
+                      "after the forward of the module writing each:"]  # fmt: skip
+            lines += [f"  {buffer}: after '{writer or '<root>'}'"
+                      for buffer, writer in self.averaged_buffers]  # fmt: skip
+        return lines
 
     def _compute_lines(self) -> list[str]:
         options = self.options
@@ -584,6 +626,11 @@ class Plan:
             expert_axis=data.get("expert_axis"),
             experts=tuple(ExpertGroup.from_json(g) for g in data.get("experts", ())),
             context_axis=data.get("context_axis"),
+            readers=tuple(ParamReader(**r) for r in data.get("readers", ())),
+            fresh_outputs=tuple(data.get("fresh_outputs", ())),
+            averaged_buffers=tuple(
+                (buffer, writer) for buffer, writer in data.get("averaged_buffers", ())
+            ),
         )
 
 
@@ -703,7 +750,21 @@ def _to_data(plan: Plan) -> dict[str, Any]:
         "expert_axis": plan.expert_axis,
         "experts": [group.to_json() for group in plan.experts],
         "context_axis": plan.context_axis,
+        **_proof_data(plan),
     }
+
+
+def _proof_data(plan: Plan) -> dict[str, Any]:
+    """The abstract run's findings the lowering acts on, each only when there is one (plans
+    without them keep their JSON)."""
+    data: dict[str, Any] = {}
+    if plan.readers:
+        data["readers"] = [vars(r) for r in plan.readers]
+    if plan.fresh_outputs:
+        data["fresh_outputs"] = list(plan.fresh_outputs)
+    if plan.averaged_buffers:
+        data["averaged_buffers"] = [list(pair) for pair in plan.averaged_buffers]
+    return data
 
 
 def _pipeline_data(pipeline: PipelinePlan) -> dict[str, Any]:

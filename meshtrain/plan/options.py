@@ -106,6 +106,8 @@ ContextBalance = Literal["headtail", "contiguous"]
 ContextMethod = Literal["ring", "allgather"]
 #: what a tensor-parallel plan does when the plan-time shard proof cannot run the model
 UnprovenShards = Literal["refuse", "note"]
+#: what a plan does with buffers its forward writes from the batch (refuse, or average them)
+BatchBuffers = Literal["refuse", "average"]
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd": 1, "sgd_nomomentum": 0}
 
@@ -142,6 +144,12 @@ class PlanOptions:
     whose gradients are partial sums over the tensor-parallel axis. When that run fails on the
     model's own code, ``"refuse"`` (default) raises a PlanError naming the failure; ``"note"``
     plans anyway with a note, and any such partial gradient then trains unreduced (wrong).
+
+    ``batch_buffers``: a buffer the forward writes from the batch (a hand-made running mean; the
+    abstract run finds it) would be updated from each data-parallel rank's own rows. ``"refuse"``
+    (default) raises a PlanError naming it; ``"average"`` averages it over the batch axes after
+    each forward, like SyncBatchNorm's statistics (exact for a statistic linear in the batch with
+    equal rows per rank, such as a running mean).
     """
 
     zero: int = 3
@@ -167,6 +175,7 @@ class PlanOptions:
     context_balance: ContextBalance = "headtail"
     context_method: ContextMethod = "ring"
     unproven_shards: UnprovenShards = "refuse"
+    batch_buffers: BatchBuffers = "refuse"
 
     def __post_init__(self) -> None:
         if self.fsdp_units is not None and not isinstance(self.fsdp_units, tuple):
@@ -195,6 +204,10 @@ class PlanOptions:
             raise PlanError(f"unproven_shards={self.unproven_shards!r} is not one of 'refuse' "
                             "(default) or 'note' (plan a tensor-parallel plan the abstract run "
                             "cannot prove, with a note).")  # fmt: skip
+        if self.batch_buffers not in ("refuse", "average"):
+            raise PlanError(f"batch_buffers={self.batch_buffers!r} is not one of 'refuse' "
+                            "(default) or 'average' (buffers written from the batch averaged over "
+                            "the data-parallel ranks after each forward).")  # fmt: skip
         if self.optimizer not in _OPTIMIZER_STATES:
             raise PlanError(
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
@@ -307,8 +320,9 @@ class PlanOptions:
                                 "split": split if isinstance(split, str) else list(split)}  # fmt: skip
         if self.fsdp_units is not None:
             data["fsdp_units"] = list(self.fsdp_units)
-        if self.unproven_shards == "refuse":  # the default: plans' JSON as before it existed
-            del data["unproven_shards"]
+        for name in ("unproven_shards", "batch_buffers"):
+            if data[name] == "refuse":  # the default: plans' JSON as before it existed
+                del data[name]
         return data
 
     @classmethod

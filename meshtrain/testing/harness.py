@@ -264,12 +264,13 @@ def assert_equivalent(
     with torch.random.fork_rng(devices=[]):  # the caller's random state is left alone
         torch.manual_seed(seed)
         probe = model_fn()
+    resolved = _resolve_batches(batches, probe)
+    first = resolved[0] if isinstance(resolved, tuple) else resolved(0)
+    plan_kwargs.setdefault("example_inputs", first[0])  # the plan-time proof runs on it
     abstract = make_plan(
         probe, make_mesh(dict(mesh_axes), world_size=world, abstract=True), **plan_kwargs
     )
     random_modules = random_in_training(probe)
-    resolved = _resolve_batches(batches, probe)
-    first = resolved[0] if isinstance(resolved, tuple) else resolved(0)
     _check_batch(abstract, first)
     config = _Config(
         model_fn=model_fn,
