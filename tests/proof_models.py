@@ -211,3 +211,36 @@ def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """8 sequences of 16 token ids and their next tokens."""
     tokens = torch.randint(0, VOCAB, (8, 17), generator=torch.Generator().manual_seed(700 + step))
     return tokens[:, :-1], tokens[:, 1:]
+
+
+def roberta_classifier() -> nn.Module:
+    from transformers import RobertaConfig, RobertaForSequenceClassification
+
+    return RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=80, num_labels=4, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, classifier_dropout=0.0))  # fmt: skip
+
+
+def megatron(attention: str, out: str, up: str, down: str, **extra: P) -> Rules:
+    """Column-wise q/k/v and MLP up, row-wise out and down (weights and biases)."""
+    return Rules({
+        **extra,
+        rf".*\.{attention}\.weight": P("tp", None), rf".*\.{attention}\.bias": P("tp"),
+        rf".*\.{out}\.weight": P(None, "tp"),
+        rf".*\.{up}\.weight": P("tp", None), rf".*\.{up}\.bias": P("tp"),
+        rf".*\.{down}\.weight": P(None, "tp"),
+        r".*": P(),
+    }, fsdp="dp", allow_unused=True)  # fmt: skip
+
+
+ROBERTA_RULES = megatron(r"attention\.self\.(query|key|value)", r"attention\.output\.dense",
+                         r"intermediate\.dense", r"layer\.\d+\.output\.dense")  # fmt: skip
+
+
+def label_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 sequences of 16 token ids (from 3: clear of special ids) and a label (0–3) each."""
+    generator = torch.Generator().manual_seed(900 + step)
+    return torch.randint(3, VOCAB, (8, 16), generator=generator), torch.randint(
+        0, 4, (8,), generator=generator
+    )

@@ -181,12 +181,16 @@ def test_olmo2_sequence_parallelism_is_refused_naming_the_gathered_projection() 
         mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
 
 
-def test_qwen3_sequence_parallelism_is_refused_naming_the_per_head_norm() -> None:
+def test_qwen3_sequence_parallelism_gathers_attention_input_once_beside_per_head_norms() -> None:
+    """Qwen3's q/k norms normalise q_proj's and k_proj's outputs (per-head, narrower than the
+    attention's input), so the attention gathers its input once for its column-wise Linears as
+    under plain tensor parallelism; the norms' gradients are partial and reduced (issue 43)."""
     model = zoo.qwen3()
-    with pytest.raises(
-        PlanError, match=r"'model\.layers\.0\.self_attn\.q_norm' \(Qwen3RMSNorm\).*without sequence"
-    ):
-        mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
+    plan = mt.plan(model, _mesh(), Rules.from_hf(model, fsdp="dp", sequence_parallel=True))
+    styles = {s.fqn: s.style for s in plan.styles}
+    assert styles["model.layers.0.self_attn"] == "prepare_input"
+    assert [g.param for g in plan.partial_grads][:2] == [
+        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]  # fmt: skip
 
 
 def test_replicated_with_grad_allreduce_ends_in_the_plan_s_partial_gradients() -> None:

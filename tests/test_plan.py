@@ -384,14 +384,20 @@ def test_bad_sequence_parallel_plans(rules: object, kwargs: dict, message: str) 
         mt.plan(MODEL, mesh(dp=2, tp=2), rules, **kwargs)
 
 
-def test_sequence_parallelism_needs_a_column_wise_head() -> None:
+def test_sequence_parallelism_gathers_before_a_replicated_head() -> None:
+    """No column-wise head: the sequence is gathered at the model's tail (its last module with
+    parameters outside the blocks), which runs whole; a model whose parameters after the blocks
+    are all tensor-parallel has no tail and is refused."""
     rules = Rules(
         {r"output\.weight": P(), r"tok_embeddings\.weight": P()},
         logical=default_rules(sequence_parallel=True).logical,
         fsdp="dp",
     )
-    with pytest.raises(PlanError, match=r"needs a column-wise output head"):
-        mt.plan(MODEL, mesh(dp=2, tp=2), rules)
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), rules)
+    styles = {s.fqn: s.style for s in plan.styles}
+    assert styles["output"] == "sequence_gathered_tail" and styles["norm"] == "sequence_parallel"
+    gathers = [c for c in plan.collectives if "tail" in c.why]
+    assert [(c.kind, c.axis, c.count) for c in gathers] == [("all_gather", "tp", 1)]
 
 
 def test_sequence_parallelism_needs_an_input_embedding() -> None:

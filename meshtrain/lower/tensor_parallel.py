@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import (
 
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.expert_tensor import ExpertsTensorParallel
-from meshtrain.plan.ir import ModuleStyle, Plan, TPStyle
+from meshtrain.plan.ir import WHOLE_SEQUENCE, ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
 from meshtrain.plan.styles import inside
 
@@ -223,7 +223,7 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
     """PyTorch's parallel style per module FQN, each from its entry of :data:`LOWERINGS`."""
     stream: Placement = Shard(1) if plan.sequence_parallel else Replicate()
     split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in plan.styles)
-    whole = tuple(s.fqn for s in plan.styles if s.style == TPStyle.SEQUENCE_GATHERED)
+    whole = tuple(s.fqn for s in plan.styles if s.style in WHOLE_SEQUENCE)
 
     def at(style: ModuleStyle) -> Placement:  # inside a block run whole: replicated
         return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
@@ -517,5 +517,8 @@ LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]
         s.fqn, s.argument, Replicate(), Shard(1), local=True
     ),
     TPStyle.SEQUENCE_GATHERED: lambda s, c: _GatherSequence(s.fqn, s.argument),
+    TPStyle.SEQUENCE_GATHERED_TAIL: lambda s, c: _PrepareActivation(
+        s.fqn, s.argument, Shard(1), Replicate(), local=True
+    ),
     TPStyle.EXPERTS_TENSOR_PARALLEL: lambda s, c: ExpertsTensorParallel(),
 }

@@ -40,7 +40,7 @@ LEAF_STYLES = frozenset(
 #: ops are checked)
 REGION_STYLES = frozenset(
     {TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_SPLIT_INPUT,
-     TPStyle.SEQUENCE_GATHERED}
+     TPStyle.SEQUENCE_GATHERED, TPStyle.SEQUENCE_GATHERED_TAIL}
 )  # fmt: skip
 
 
@@ -59,6 +59,8 @@ def boundary_in(
     kind = style.style
     if kind in (TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_GATHERED):
         return _prepared(prover, style, args, kwargs)
+    if kind == TPStyle.SEQUENCE_GATHERED_TAIL:
+        return _tail(prover, style, args, kwargs)
     if not args or not isinstance(args[0], torch.Tensor):
         return args, kwargs
     x, rest = args[0], args[1:]
@@ -86,6 +88,28 @@ def _prepared(
         x = prover.mark(gathered(prover, kwargs[style.argument]), style.fqn)
         return args, {**kwargs, style.argument: x}
     return args, kwargs
+
+
+def _tail(
+    prover: Prover, style: ModuleStyle, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The model's tail gathers a sequence shard; anything else there is no plan."""
+    positional = bool(args) and isinstance(args[0], torch.Tensor)
+    x = args[0] if positional else kwargs.get(style.argument)
+    shard = prover.shards.get(x) if isinstance(x, torch.Tensor) else None
+    if shard is None or shard.dim != 1:
+        what = prover.describe([x]) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise Refused(PlanError(
+            f"'{style.fqn}' ({style.module_type}) is where sequence parallelism gathers the "
+            f"sequence before the model's output (its last module with parameters), but on a rank "
+            f"it receives {what}, not a sequence shard: it does not run after the blocks. Shard "
+            f"the output head column-wise (P('{prover.axis}') on its weight), or drop the "
+            "('seq', ...) activation rule.",
+            fqn=style.fqn,
+        ))  # fmt: skip
+    if positional:
+        return (shard.whole, *args[1:]), kwargs
+    return args, {**kwargs, style.argument: shard.whole}
 
 
 def boundary_out(prover: Prover, style: ModuleStyle, output: Any) -> Any:

@@ -34,7 +34,7 @@ from meshtrain.plan.abstract_experts import dense_forward
 from meshtrain.plan.abstract_sizes import SizeProvenance
 from meshtrain.plan.expert_activations import counts_shape
 from meshtrain.plan.experts import is_experts_module
-from meshtrain.plan.ir import ModuleStyle, ParamLayout, PartialGrad, TPStyle
+from meshtrain.plan.ir import WHOLE_SEQUENCE, ModuleStyle, ParamLayout, PartialGrad, TPStyle
 from meshtrain.plan.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim_of
 
 _aten = torch.ops.aten
@@ -64,7 +64,7 @@ class Prover(TorchDispatchMode):
         self.styles = {s.fqn: s for s in styles}
         self.axis, self.ways, self.sp = tp_axis or "", tp_size, sequence_parallel
         self.split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in styles)
-        self.whole = tuple(s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED)
+        self.whole = tuple(s.fqn for s in styles if s.style in WHOLE_SEQUENCE)
         self.effects = effects
         self.shards: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.origin: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → parameter FQNs

@@ -64,6 +64,7 @@ from meshtrain.plan.infer import (
 )
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import (
+    WHOLE_SEQUENCE,
     Collective,
     FSDPUnit,
     Memory,
@@ -487,7 +488,7 @@ def _activation_profile(
     if options.batch_size is None or options.seq_len is None:
         return None
     tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]
-    whole = [s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED]
+    whole = [s.fqn for s in styles if s.style in WHOLE_SEQUENCE]
     cp = mesh.size(context_axis) if context_axis is not None else 1
     try:
         profile = trace_activations(

@@ -92,6 +92,7 @@ class TPStyle(str, enum.Enum):
     SEQUENCE_SPLIT = "sequence_split"  # a replicated embedding's output sliced to sequence shards
     SEQUENCE_SPLIT_INPUT = "sequence_split_input"  # the first block's input sliced to shards
     SEQUENCE_GATHERED = "sequence_gathered"  # a block run whole: input gathered, output sliced
+    SEQUENCE_GATHERED_TAIL = "sequence_gathered_tail"  # the model's tail on the whole sequence
     EXPERTS_TENSOR_PARALLEL = "experts_tensor_parallel"  # experts split inside, outputs reduced
 
     def __str__(self) -> str:
@@ -102,6 +103,11 @@ class TPStyle(str, enum.Enum):
 
     def __repr__(self) -> str:  # prints as the string it replaces (in a ModuleStyle, a dict)
         return repr(self.value)
+
+
+#: styles whose module runs on the whole sequence under sequence parallelism (inside them
+#: activations are not sequence shards)
+WHOLE_SEQUENCE = frozenset({TPStyle.SEQUENCE_GATHERED, TPStyle.SEQUENCE_GATHERED_TAIL})
 
 
 @dataclass(frozen=True)

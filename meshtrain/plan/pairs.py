@@ -145,7 +145,9 @@ def _prepare_point(
     """Where the pair's shared input is marked: the scope when nothing else there reads it,
     else the one projection group under the scope that holds every column-wise module (None
     when there is none: each column-wise module marks its own input)."""
-    if not cross and not untouched_consumers(scope, modules, raw):
+    others = [f for f in untouched_consumers(scope, modules, raw)
+              if not _per_head_norm(modules.get(f), colwise, modules)]  # fmt: skip
+    if not cross and not others:
         return scope
     children = {_child_of(scope, fqn) for fqn in colwise}
     if len(children) == 1:
@@ -153,6 +155,23 @@ def _prepare_point(
         if child not in colwise and is_projection_group(child, modules, raw):
             return child
     return None
+
+
+def _per_head_norm(
+    module: nn.Module | None, colwise: list[str], modules: dict[str, nn.Module]
+) -> bool:
+    """A norm (Qwen3's ``q_norm``) whose weight is narrower than the pair's input: it cannot take
+    the scope's input, only what the column-wise Linears make of it (per-head features; the
+    abstract run checks it, and finds its partial gradient)."""
+    if module is None or not _is_norm(module):
+        return False
+    widths = {w[0] for f in colwise if (w := linear_widths(modules[f])) is not None}
+    sizes = {p.shape[-1] for p in module.parameters(recurse=False) if p.dim() >= 1}
+    return bool(widths) and bool(sizes) and not sizes & widths
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
 
 
 def _child_of(scope: str, fqn: str) -> str:

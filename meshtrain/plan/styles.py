@@ -369,15 +369,10 @@ def _add_sequence_styles(
             f"where activations become sequence shards); {type(modules['']).__name__} has none. "
             "Drop the ('seq', ...) activation rule."
         )
-    if not any(s.style in (TPStyle.LOSS_PARALLEL_HEAD, TPStyle.COLWISE_GATHERED) for s in styles):
-        raise PlanError(
-            "sequence parallelism needs a column-wise output head (its weight sharded on dim 0, "
-            "e.g. P('" + axis + "') on the vocab) to gather the sequence shards before the loss; "
-            f"{type(modules['']).__name__} has none, so its output would stay a sequence shard. "
-            "Shard the head's weight over the tensor-parallel axis, or drop the ('seq', ...) "
-            "activation rule."
-        )
     extra = []
+    if not any(s.style in (TPStyle.LOSS_PARALLEL_HEAD, TPStyle.COLWISE_GATHERED) for s in styles):
+        extra.append(_tail_style(modules, axis, styled))
+        pair_parents.add(extra[0].fqn)  # the tail runs on whole activations
     for fqn in embeddings:
         if fqn not in styled:
             extra.append(
@@ -408,6 +403,35 @@ def _add_sequence_styles(
             )
         )
     return styles + extra
+
+
+def _tail_style(modules: dict[str, nn.Module], axis: str, styled: set[str]) -> ModuleStyle:
+    """Without a column-wise head, the sequence is gathered at the model's *tail*: the highest
+    module (below the root, holding no repeated blocks and no style) around the last module with
+    parameters — a classification head (RoBERTa's ``classifier`` on the first token), a
+    replicated LM head. It runs on the whole sequence, as every rank's copy of it."""
+    holders = [
+        f for f, m in modules.items() if f and any(True for _ in m.parameters(recurse=False))
+    ]
+    last = holders[-1] if holders else ""
+    tail = ""
+    for fqn in [*_ancestors(last)[::-1], last] if last else []:
+        module = modules[fqn]
+        blocks = any(isinstance(m, (nn.ModuleList, nn.ModuleDict)) for m in module.modules())
+        if not blocks and not any(inside(s, (fqn,)) for s in styled):
+            tail = fqn
+            break
+    if not tail or isinstance(modules[tail], nn.Embedding):
+        raise PlanError(
+            "sequence parallelism needs the sequence gathered before the model's output: by a "
+            "column-wise output head (its weight sharded on dim 0, e.g. P('" + axis + "') on the "
+            "vocab), or at the model's last module with parameters outside its blocks, which "
+            f"{type(modules['']).__name__} does not have apart from tensor-parallel ones. Shard the "
+            "head's weight over the tensor-parallel axis, or drop the ('seq', ...) activation rule."
+        )
+    return ModuleStyle(tail, type(modules[tail]).__name__, TPStyle.SEQUENCE_GATHERED_TAIL, axis,
+                       "input all-gathered from sequence shards: the model's tail runs on the "
+                       "whole sequence", activation_argument(modules[tail]))  # fmt: skip
 
 
 def _check_on_shards(fqn: str, module: nn.Module, modules: dict[str, nn.Module], axis: str) -> None:

@@ -44,7 +44,15 @@ import torch
 
 from meshtrain.adapters.lora import ADAPTERS
 from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
-from meshtrain.plan.ir import Collective, FSDPUnit, ModuleStyle, ParamLayout, PartialGrad, TPStyle
+from meshtrain.plan.ir import (
+    WHOLE_SEQUENCE,
+    Collective,
+    FSDPUnit,
+    ModuleStyle,
+    ParamLayout,
+    PartialGrad,
+    TPStyle,
+)
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.styles import inside
 
@@ -86,7 +94,7 @@ class _StepCounts:
         self.transposed = {s.fqn for s in styles if s.module_type == "Conv1D"}  # weight [in, out]
         self.split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in styles)
         self.prepared = {s.fqn for s in styles if s.style == TPStyle.PREPARE_INPUT}
-        self.whole = tuple(s.fqn for s in styles if s.style == TPStyle.SEQUENCE_GATHERED)
+        self.whole = tuple(s.fqn for s in styles if s.style in WHOLE_SEQUENCE)
         self.partial_kind = "reduce_scatter" if sequence_parallel else "all_reduce"
         self.input_grad, self.output_grad = _gradient_flow(layouts)
         self.rows: dict[tuple[str, str], list[int]] = {}
@@ -218,6 +226,18 @@ def _sequence_gathered(c: _StepCounts, style: ModuleStyle) -> None:
               width)  # fmt: skip
 
 
+def _sequence_gathered_tail(c: _StepCounts, style: ModuleStyle) -> None:
+    """The model's tail run whole (no column-wise head to gather the sequence): its input
+    all-gathered from sequence shards in forward; its input gradient, the same on every rank,
+    sliced back locally. The width is its first weight's input features."""
+    width = next(
+        (layout.shape[-1] for fqn, layout in c.weights.items()
+         if (fqn == style.fqn or fqn.startswith(style.fqn + ".")) and len(layout.shape) == 2),
+        0,
+    )  # fmt: skip
+    c.add("all_gather", "forward: the tail's input (run whole) from sequence shards", width)
+
+
 def _experts_tensor_parallel(c: _StepCounts, style: ModuleStyle) -> None:
     """An experts module split inside: its output's partial sums all-reduced in forward, its
     input's gradient all-reduced in backward, each ``[tokens, hidden]`` (under expert
@@ -247,6 +267,7 @@ TP_COSTS: Mapping[TPStyle, Callable[[_StepCounts, ModuleStyle], None]] = {
     TPStyle.SEQUENCE_SPLIT: _no_collective,
     TPStyle.SEQUENCE_SPLIT_INPUT: _sequence_split_input,
     TPStyle.SEQUENCE_GATHERED: _sequence_gathered,
+    TPStyle.SEQUENCE_GATHERED_TAIL: _sequence_gathered_tail,
     TPStyle.EXPERTS_TENSOR_PARALLEL: _experts_tensor_parallel,
 }
 
