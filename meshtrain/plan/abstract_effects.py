@@ -38,16 +38,8 @@ from meshtrain.plan.context import attention_shape_error
 
 _aten = torch.ops.aten
 
-#: scaled dot-product attention as the model's attention reaches aten (q, k, v first)
-ATTENTION_OPS = frozenset(
-    {
-        _aten._scaled_dot_product_flash_attention_for_cpu.default,
-        _aten._scaled_dot_product_efficient_attention.default,
-        _aten._scaled_dot_product_flash_attention.default,
-        _aten._scaled_dot_product_attention_math.default,
-        _aten.scaled_dot_product_attention.default,
-    }
-)
+#: scaled dot-product attention as the model calls it (q, k, v first)
+ATTENTION_CALLS = frozenset({torch.nn.functional.scaled_dot_product_attention})
 
 
 @dataclass
@@ -73,8 +65,6 @@ class Effects:
         """Called for every aten op the run looks at (outside styled modules)."""
         where = stack[-1] if stack else ""
         self._reads(inputs, stack)
-        if self.context and func in ATTENTION_OPS:
-            self._attention(args, where)
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         writes = mutated(func, args, kwargs)
         for tensor in inputs:
@@ -85,6 +75,13 @@ class Effects:
         for written in writes:
             self._write(written, inputs, where)
         self._follow(func, inputs, outs)
+
+    def on_call(self, func: Any, args: Any, kwargs: dict[str, Any], stack: Sequence[str]) -> None:
+        """Called for every torch function the model calls (outside styled modules)."""
+        if self.context and func in ATTENTION_CALLS:
+            q, k, v = (list(args) + [kwargs.get(n) for n in ("query", "key", "value")])[:3]
+            if all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+                self._attention((q, k, v), stack[-1] if stack else "")
 
     def _reads(self, inputs: list[torch.Tensor], stack: Sequence[str]) -> None:
         for tensor in inputs:

@@ -68,7 +68,7 @@ class Prover(TorchDispatchMode):
         self.effects = effects
         self.shards: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.origin: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → parameter FQNs
-        self.sizes = SizeProvenance(self._shard_size)
+        self.sizes = SizeProvenance(self._shard_size, self._watch)
         self.stack: list[str] = []
         self.quiet = 0
         self.first_input: dict[str, int | None] = {}
@@ -124,6 +124,10 @@ class Prover(TorchDispatchMode):
     def _shard_size(self, tensor: torch.Tensor) -> tuple[int, int] | None:
         shard = self.shards.get(tensor)
         return None if shard is None else (shard.dim, int(shard.whole.shape[shard.dim]))
+
+    def _watch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if not self.quiet:
+            self.effects.on_call(func, args, kwargs, self.stack)
 
     def hook(self, blocks: Sequence[str]) -> list[Any]:
         """Module hooks: the module stack, the styles' boundaries, repeated blocks skipped."""

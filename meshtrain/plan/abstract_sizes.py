@@ -141,17 +141,24 @@ def _tagged(value: Any) -> bool:
 class SizeProvenance(TorchFunctionMode):
     """Hands out :class:`LocalSize` for the sharded dim of a shard's shape and records, per
     torch call, the size lists and sizes that carry one (see module doc). ``shard_of(tensor)``
-    gives a shard's ``(dim, one device's size)`` or None."""
+    gives a shard's ``(dim, one device's size)`` or None; ``watch`` sees every other torch call
+    (the abstract run checks attention calls there)."""
 
-    def __init__(self, shard_of: Callable[[torch.Tensor], tuple[int, int] | None]) -> None:
+    def __init__(
+        self,
+        shard_of: Callable[[torch.Tensor], tuple[int, int] | None],
+        watch: Callable[[Any, Any, dict[str, Any]], None] | None = None,
+    ) -> None:
         super().__init__()
-        self.shard_of = shard_of
+        self.shard_of, self.watch = shard_of, watch
         self.frames: list[tuple[dict[tuple[int, ...], tuple[int, ...]], dict[int, int]]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func in _SHAPE_READS:
             return self._shape(func, args, kwargs)
+        if self.watch is not None:
+            self.watch(func, args, kwargs)
         if not (_tagged(args) or _tagged(tuple(kwargs.values()))):
             return func(*args, **kwargs)
         self.frames.append(_record(args, kwargs))
