@@ -69,6 +69,7 @@ __all__ = [
     "LEAF_STYLES",
     "REGION_STYLES",
     "Proof",
+    "kept_as_notes",
     "probe_batch",
     "probe_length",
     "prove_plan",
@@ -167,6 +168,11 @@ def refusals_as_notes() -> Iterator[None]:
         yield
     finally:
         _KEPT_AS_NOTES[0] = was
+
+
+def kept_as_notes() -> bool:
+    """Whether refusals are notes now (:func:`refusals_as_notes`)."""
+    return _KEPT_AS_NOTES[0]
 
 
 def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[ModuleStyle],

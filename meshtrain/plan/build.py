@@ -24,7 +24,7 @@ from torch import nn
 
 from meshtrain.errors import PlanError
 from meshtrain.plan import abstract_refusals as refusals
-from meshtrain.plan.abstract import Proof, Scope, prove_plan
+from meshtrain.plan.abstract import Proof, Scope, kept_as_notes, prove_plan
 from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.adapters import (
     check_nf4_shards,
@@ -233,7 +233,12 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
                     data_parallel=bool(active or context or ep), context=bool(context)),
     )  # fmt: skip
     notes += proof.notes
-    averaged = _batch_buffers(proof, options, [*active, *context, *ep])
+    try:
+        averaged = _batch_buffers(proof, options, [*active, *context, *ep])
+    except PlanError as refusal:
+        if not kept_as_notes():
+            raise
+        averaged, notes = (), [*notes, f"refused (kept as a note): {refusal}"]
     return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
                   compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
                   proof.partial_grads, context_axis, expert_axis, experts, proof.readers,
