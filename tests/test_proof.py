@@ -12,6 +12,7 @@ import math
 import sys
 from pathlib import Path
 
+import proof_models as pm
 import pytest
 import torch
 import zoo
@@ -20,9 +21,6 @@ from torch import nn
 import meshtrain as mt
 from meshtrain import P, Rules
 from meshtrain.plan.ir import ParamReader, Plan
-
-sys.path.insert(0, str(Path(__file__).parent))
-import proof_models as pm  # noqa: E402
 
 DP_TP = {"dp": 2, "tp": 2}
 
@@ -94,7 +92,9 @@ def test_a_forward_that_fails_on_the_probe_names_the_module_and_asks_for_example
                    r".*": P()}, fsdp="dp")  # fmt: skip
     with pytest.raises(mt.PlanError, match=r"failed in '<root>' \(Picky\).*example_inputs="):
         mt.plan(Picky(), mesh(**DP_TP), rules)
-    plan = mt.plan(Picky(), mesh(**DP_TP), rules, example_inputs=torch.zeros(2, 4, dtype=torch.long))
+    plan = mt.plan(
+        Picky(), mesh(**DP_TP), rules, example_inputs=torch.zeros(2, 4, dtype=torch.long)
+    )
     assert plan.styles
 
 

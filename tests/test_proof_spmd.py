@@ -8,20 +8,16 @@ sequence parallelism. Each is ``assert_equivalent`` against one device, 2 AdamW 
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
+import proof_models as pm
 import pytest
 import zoo
 
 import meshtrain as mt
 from meshtrain import P, Rules
 from meshtrain.testing import assert_equivalent
-
-sys.path.insert(0, str(Path(__file__).parent))
-import proof_models as pm  # noqa: E402
 
 pytestmark = pytest.mark.spmd
 
