@@ -410,9 +410,8 @@ def _tail_style(modules: dict[str, nn.Module], axis: str, styled: set[str]) -> M
     module (below the root, holding no repeated blocks and no style) around the last module with
     parameters — a classification head (RoBERTa's ``classifier`` on the first token), a
     replicated LM head. It runs on the whole sequence, as every rank's copy of it."""
-    holders = [
-        f for f, m in modules.items() if f and any(True for _ in m.parameters(recurse=False))
-    ]
+    holders = [f for f, m in modules.items() if f and not isinstance(m, nn.Embedding)
+               and any(True for _ in m.parameters(recurse=False))]  # fmt: skip
     last = holders[-1] if holders else ""
     tail = ""
     for fqn in [*_ancestors(last)[::-1], last] if last else []:
@@ -421,7 +420,7 @@ def _tail_style(modules: dict[str, nn.Module], axis: str, styled: set[str]) -> M
         if not blocks and not any(inside(s, (fqn,)) for s in styled):
             tail = fqn
             break
-    if not tail or isinstance(modules[tail], nn.Embedding):
+    if not tail:
         raise PlanError(
             "sequence parallelism needs the sequence gathered before the model's output: by a "
             "column-wise output head (its weight sharded on dim 0, e.g. P('" + axis + "') on the "
@@ -444,8 +443,8 @@ def _check_on_shards(fqn: str, module: nn.Module, modules: dict[str, nn.Module],
         raise PlanError(
             f"'{fqn}' ({type(module).__name__}) is not tensor-parallel, so under sequence "
             "parallelism it would compute on one shard of the sequence; meshtrain runs norms and "
-            "Linears there (per token), not other modules. Shard it over "
-            f"'{axis}', or drop the ('seq', ...) activation rule.",
+            "Linears there (per token), not other modules. Drop the ('seq', ...) activation "
+            "rule.",
             fqn=fqn,
         )
     in_block = any(
