@@ -26,7 +26,7 @@ from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
 from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing.strategies import DebugLlama
-from tests import context_models, lora_models, moe_models, packed_batches, zoo
+from tests import context_models, lora_models, moe_models, packed_batches, proof_models, zoo
 from tests.mutants import plants
 
 
@@ -175,11 +175,31 @@ PACKED_DP2_CP2 = HarnessCase(
     {"rules": context_models.rules(("dp",)), "seq_len": context_models.SEQ},
     {"batches": packed_batches.packed_batches, "optimizer": "adamw"},
 )
+PROOF_TOKENS = {"batches": proof_models.token_batches, "optimizer": "adamw"}
+MEAN_AVERAGED = HarnessCase(
+    proof_models.running_mean_mlp,
+    {"dp": 2, "tp": 2},
+    {"rules": proof_models.MLP_RULES, "batch_buffers": "average"},
+    PROOF_TOKENS,
+)
+TIED_READER = HarnessCase(
+    proof_models.tied_mlp, {"dp": 2, "tp": 2}, {"rules": proof_models.MLP_RULES}, PROOF_TOKENS
+)
+INPLACE_ROWWISE = HarnessCase(
+    proof_models.inplace_mlp, {"dp": 2, "tp": 2}, {"rules": proof_models.MLP_RULES}, PROOF_TOKENS
+)
+ROBERTA_TAIL_SP = HarnessCase(
+    proof_models.roberta_classifier,
+    {"dp": 2, "tp": 2},
+    {"rules": Rules(proof_models.ROBERTA_RULES.patterns, logical=[("seq", "tp")], fsdp="dp")},
+    {"batches": proof_models.label_batches, "optimizer": "adamw"},
+)
 HSDP = HarnessCase(
     DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1}, {"rules": default_rules(fsdp=("rep", "dp"))}
 )
 
 EQ = "tests/test_equivalence_spmd.py::test_plan_trains_like_one_device"
+PROOF = "tests/test_proof_spmd.py::test_trains_like_one_device"
 STEP = "tests/test_train_step_spmd.py::test_distributed_train_step_matches_one_device"
 LORA = "tests/test_lora_spmd.py::test_lora_trains_like_one_device"
 ZOO = "tests/test_zoo_spmd.py::test_third_party_model_trains_like_one_device"
@@ -267,6 +287,20 @@ _ALL = [
            r"running_var"),
     Mutant("batch-norm-not-synchronised", "BatchNorm statistics from the local batch",
            plants.batch_norm_not_synchronised, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP),
+    Mutant("batch-buffer-not-averaged", "a buffer written from the batch left as each rank "
+           "wrote it (batch_buffers='average')", plants.batch_buffer_not_averaged,
+           (f"{PROOF}[running-mean-averaged]",), MEAN_AVERAGED, r"running_mean"),
+    Mutant("batch-buffer-summed", "a buffer written from the batch summed over the data ranks",
+           plants.batch_buffer_summed, (f"{PROOF}[running-mean-averaged]",), MEAN_AVERAGED,
+           r"running_mean"),
+    Mutant("reader-not-hooked", "a replicated parameter read outside its module reaches the "
+           "reader as a DTensor", plants.reader_not_hooked, (f"{PROOF}[tied-head-f-linear]",),
+           TIED_READER),
+    Mutant("fresh-output-not-copied", "a row-wise output updated in place stays a to_local view",
+           plants.fresh_output_not_copied, (f"{PROOF}[in-place-into-row-wise]",), INPLACE_ROWWISE),
+    Mutant("tail-input-not-gathered", "the model's tail under sequence parallelism computes on "
+           "its rank's sequence shard", plants.tail_input_not_gathered,
+           (f"{PROOF}[roberta-classifier-sp]",), ROBERTA_TAIL_SP),
     Mutant("per-rank-init-seed", "per-rank initialisation seed",
            plants.per_rank_init_seed, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("resharding-offset", "shard copied at the next rank's offset",

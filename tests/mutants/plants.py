@@ -81,12 +81,12 @@ def replicated_grad_summed_over_tp() -> Iterator[None]:
     from torch.distributed.tensor import DTensor, Partial
 
     def to_local(self: Any, module: nn.Module, args: Any) -> None:
-        frame = {}
-        for name in self.names:
-            param = module._parameters.get(name)
+        frame = []
+        for owner, name in self.slots:
+            param = owner._parameters.get(name)
             if isinstance(param, DTensor):
-                frame[name] = param
-                module._parameters[name] = param.to_local(grad_placements=(Partial(),))
+                frame.append((owner, name, param))
+                owner._parameters[name] = param.to_local(grad_placements=(Partial(),))
         self.saved.append(frame)
 
     with mock.patch.object(replicated.LocalParameters, "to_local", to_local):
@@ -489,6 +489,66 @@ def batch_norm_not_synchronised() -> Iterator[None]:
     flat = importlib.import_module("meshtrain.lower.flat")
 
     with mock.patch.object(flat, "sync_batch_norms", lambda plan, model: None):
+        yield
+
+
+# ---------------------------------------------------------------- what the proof found
+
+
+@contextlib.contextmanager
+def batch_buffer_not_averaged() -> Iterator[None]:
+    """Buffers written from the batch (``batch_buffers="average"``) left as each rank wrote
+    them."""
+    flat = importlib.import_module("meshtrain.lower.flat")
+
+    with mock.patch.object(flat, "average_batch_buffers", lambda plan, model: None):
+        yield
+
+
+@contextlib.contextmanager
+def batch_buffer_summed() -> Iterator[None]:
+    """Buffers written from the batch summed over the data ranks, not averaged."""
+    batch_buffers = importlib.import_module("meshtrain.lower.batch_buffers")
+
+    def summed(group: Any, owner: nn.Module, name: str, module: nn.Module, args: Any,
+               output: Any) -> None:  # fmt: skip
+        with torch.no_grad():
+            dist.all_reduce(owner._buffers[name], group=group)
+
+    with mock.patch.object(batch_buffers, "_average", summed):
+        yield
+
+
+@contextlib.contextmanager
+def reader_not_hooked() -> Iterator[None]:
+    """Replicated parameters read outside their module reach the reader as DTensors."""
+    replicated = importlib.import_module("meshtrain.lower.replicated")
+
+    with mock.patch.object(replicated, "_hook_readers", lambda model, readers: None):
+        yield
+
+
+@contextlib.contextmanager
+def fresh_output_not_copied() -> Iterator[None]:
+    """Styled outputs the forward updates in place stay ``to_local`` views."""
+    flat = importlib.import_module("meshtrain.lower.flat")
+
+    with mock.patch.object(flat, "fresh_outputs", lambda plan, model: None):
+        yield
+
+
+@contextlib.contextmanager
+def tail_input_not_gathered() -> Iterator[None]:
+    """The model's tail under sequence parallelism computes on its rank's sequence shard."""
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    ir = importlib.import_module("meshtrain.plan.ir")
+    from torch.distributed.tensor import Shard
+
+    def local(style: Any, context: Any) -> Any:
+        return tensor_parallel._PrepareActivation(style.fqn, style.argument, Shard(1), Shard(1),
+                                                  local=True)  # fmt: skip
+
+    with mock.patch.dict(tensor_parallel.LOWERINGS, {ir.TPStyle.SEQUENCE_GATHERED_TAIL: local}):
         yield
 
 
