@@ -46,6 +46,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -134,7 +135,7 @@ def prove_plan(
         known[key] = _prove(model, params, styles, scope, blocks, probe)
     proof = known[key]
     if isinstance(proof, PlanError):
-        raise proof
+        raise copy.copy(proof).with_traceback(None)
     if proof.notes and unproven == "refuse" and not _KEPT_AS_NOTES[0]:
         raise _refusal(proof.notes[0], scope.tp_axis)
     return proof
