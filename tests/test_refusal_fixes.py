@@ -294,9 +294,9 @@ CASES: dict[str, Case] = {
         pm.group_norm_cnn, DP_TP, {"rules": pm.CNN_RULES, "example_inputs": torch.zeros(2, 3, 4)},
         "failed in 'stem.0'.*Pass example_inputs=",
         {"rules": pm.CNN_RULES, "example_inputs": IMAGES}, batches=pm.image_batches),
-    "marked-input-read-inside": Case(PreHeadNorm, DP_TP, {"rules": _rules(ATTN)},
-                                     "reads the input of 'attn'.*Move it out of 'attn'",
-                                     {"rules": _rules(ATTN)},
+    "marked-input-read-inside": Case(PreHeadNorm, DP_TP, {"rules": _rules(ATTN, sp=True)},
+                                     "computes on the input of 'attn'.*Move that computation "
+                                     "out of 'attn'", {"rules": _rules(ATTN, sp=True)},
                                      fixed_model=norm_outside),
     "not-per-token-under-sp": Case(ConvInBlock, DP_TP,
                                    {"rules": _rules({r"head\.(weight|bias)": P("tp")}, sp=True)},
@@ -353,4 +353,14 @@ def test_fixed_plans_train_like_one_device(name: str) -> None:
     report = assert_equivalent(case.fixed_model or case.model,
                                case.extra.get("fixed_axes", case.axes), dict(case.fixed),
                                batches=case.batches, steps=1, optimizer="adamw")  # fmt: skip
+    assert report.passed
+
+
+@pytest.mark.spmd
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_a_norm_of_the_pair_parents_input_trains_under_plain_tensor_parallelism() -> None:
+    """Without sequence parallelism the parent keeps its plain input (its column-wise children
+    share one replicated DTensor of it): the norm inside it computes as written."""
+    report = assert_equivalent(PreHeadNorm, DP_TP, {"rules": _rules(ATTN)},
+                               batches=pm.token_batches, steps=1, optimizer="adamw")  # fmt: skip
     assert report.passed

@@ -59,6 +59,7 @@ def apply_tensor_parallel(plan: Plan, model: nn.Module, tp_mesh: DeviceMesh) -> 
     retie(plan, model)
     refreeze(plan, model)
     modules = dict(model.named_modules())
+    share_inputs(plan, modules)
     _sync_partial_grads(plan, modules)
     for style in plan.styles:
         if style.style == TPStyle.LOSS_PARALLEL_HEAD:
@@ -419,6 +420,67 @@ class _PrepareActivation(ParallelStyle):
         return dtensor.to_local() if self.local else dtensor
 
 
+class _SharedInput(ParallelStyle):
+    """A pair parent's input shared by its column-wise children as one DTensor (replicated),
+    created when the first of them receives it, so backward reduces their input gradients once;
+    the parent's own code keeps its plain input (a residual added inside the parent works).
+    :func:`share_inputs` hooks the children."""
+
+    def __init__(self, argument: str) -> None:
+        super().__init__()
+        self.argument = argument
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        shared = SharedInput(device_mesh, self.argument)
+        module._meshtrain_shared_input = shared  # type: ignore[assignment]
+        module.register_forward_pre_hook(shared.enter, with_kwargs=True)
+        module.register_forward_hook(shared.exit, always_call=True)
+        return module
+
+
+class SharedInput:
+    """The input of one pair parent's forward (a stack: re-entrant calls), and its DTensor."""
+
+    def __init__(self, device_mesh: DeviceMesh, argument: str) -> None:
+        self.device_mesh, self.argument = device_mesh, argument
+        self.frames: list[list[Any]] = []  # [plain input, its DTensor or None]
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = args[0] if args else kwargs.get(self.argument)
+        self.frames.append([x, None])
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.frames:
+            self.frames.pop()
+
+    def child(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """A column-wise child's pre-hook: the parent's input becomes the shared DTensor."""
+        if not self.frames or not args or args[0] is not self.frames[-1][0]:
+            return None
+        frame = self.frames[-1]
+        if frame[1] is None and isinstance(frame[0], torch.Tensor):
+            frame[1] = DTensor.from_local(frame[0], self.device_mesh, (Replicate(),),
+                                          run_check=False)  # fmt: skip
+        return (frame[1], *args[1:]) if frame[1] is not None else None
+
+
+def share_inputs(plan: Plan, modules: dict[str, nn.Module]) -> None:
+    """Hook each column-wise module under a pair parent lowered with :class:`_SharedInput` (the
+    innermost such parent) to take its shared input."""
+    parents = [fqn for fqn, m in modules.items() if isinstance(
+        getattr(m, "_meshtrain_shared_input", None), SharedInput)]  # fmt: skip
+    for style in plan.styles:
+        if style.style != TPStyle.COLWISE or style.fqn not in modules:
+            continue
+        around = [p for p in parents if not p or style.fqn.startswith(p + ".")]
+        owner = max(around, key=len, default=None)
+        if owner is not None:
+            shared = modules[owner]._meshtrain_shared_input  # type: ignore[union-attr]
+            modules[style.fqn].register_forward_pre_hook(
+                lambda module, args, shared=shared: shared.child(module, args), prepend=True
+            )
+
+
 class _GatherSequence(ParallelStyle):
     """A block run on the whole sequence under sequence parallelism (a MoE feed-forward): its
     activation input all-gathered from sequence shards, its output sliced back to this rank's
@@ -506,8 +568,10 @@ LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]
     TPStyle.EMBEDDING_DIM_PARALLEL: lambda s, c: ColwiseParallel(
         input_layouts=Replicate(), output_layouts=Replicate()
     ),
-    TPStyle.PREPARE_INPUT: lambda s, c: _PrepareActivation(
-        s.fqn, s.argument, c.stream, Replicate()
+    TPStyle.PREPARE_INPUT: lambda s, c: (
+        _PrepareActivation(s.fqn, s.argument, c.stream, Replicate())
+        if isinstance(c.stream, Shard)
+        else _SharedInput(s.argument)
     ),
     TPStyle.SEQUENCE_PARALLEL: lambda s, c: SequenceParallel(sequence_dim=1, use_local_output=True),
     TPStyle.SEQUENCE_SPLIT: lambda s, c: PrepareModuleOutput(

@@ -245,13 +245,13 @@ def _copied(found: Mapping[str, str], copies: Mapping[str, str]) -> dict[str, st
     """``found`` (an FQN → a module FQN) with each entry under a block that ran also given to
     the look-alike blocks that passed their input through."""
     result = dict(found)
-    for copy, representative in copies.items():
+    for look_alike, representative in copies.items():
         prefix = representative + "."
         for key, value in found.items():
             if key.startswith(prefix):
                 moved = value.startswith(prefix) or value == representative
-                result[copy + key[len(representative):]] = (
-                    copy + value[len(representative):] if moved else value)  # fmt: skip
+                result[look_alike + key[len(representative):]] = (
+                    look_alike + value[len(representative):] if moved else value)  # fmt: skip
     return dict(sorted(result.items()))
 
 

@@ -59,12 +59,16 @@ class Effects:
     fresh: list[str] = field(default_factory=list)  # styled modules whose output is updated
     reread: set[str] = field(default_factory=set)  # buffers read after the batch wrote them
     context: bool = False
+    sequence_parallel: bool = False
+    prepared: Callable[[str], bool] = lambda fqn: False
 
     def on_op(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor], output: Any,
               stack: Sequence[str]) -> None:  # fmt: skip
         """Called for every aten op the run looks at (outside styled modules)."""
         where = stack[-1] if stack else ""
         self._reads(inputs, stack)
+        if self.sequence_parallel:
+            self._gathered_read(func, inputs, stack)
         outs = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         writes = mutated(func, args, kwargs)
         for tensor in inputs:
@@ -109,7 +113,7 @@ class Effects:
         if marks:
             for out in outs:
                 self.marked[out] = marks
-        if func.is_view and inputs:
+        if getattr(func, "is_view", False) and inputs:
             for table in (self.outputs, self.buffers):
                 if inputs[0] in table:
                     for out in outs:
@@ -128,25 +132,33 @@ class Effects:
                 )
             )
 
-    def on_enter(self, fqn: str, module: nn.Module, args: Any, kwargs: Any, styled: bool,
-                 prepared: Callable[[str], bool]) -> None:  # fmt: skip
-        """A module reading the input its enclosing pair's prepare point marked, while holding
-        parameters of its own and no style, would compute on a DTensor: refused."""
-        if styled or not any(True for _ in module.parameters(recurse=False)):
+    def on_enter(self, fqn: str, module: nn.Module, args: Any, kwargs: Any,
+                 styled: bool) -> None:  # fmt: skip
+        """Under sequence parallelism a pair parent's input is gathered into one DTensor for its
+        column-wise Linears: a module with parameters of its own and no style reading it would
+        compute on that DTensor (refused)."""
+        if not self.sequence_parallel or styled:
             return
-        for tensor in pytree.tree_leaves((args, kwargs)):
-            for point in self.marked.get(tensor, ()) if isinstance(tensor, torch.Tensor) else ():
-                if prepared(point) and fqn.startswith(point + "." if point else ""):
-                    raise Refused(
-                        PlanError(
-                            f"module '{fqn}' ({type(module).__name__}) reads the input of '{point}', "
-                            "which tensor parallelism hands to its column-wise Linears as one "
-                            "replicated activation; a module with replicated parameters of its own "
-                            "cannot compute on it there. Move it out of "
-                            f"'{point or '<root>'}', or shard it with the pair.",
-                            fqn=fqn,
-                        )
-                    )
+        if not any(True for _ in module.parameters(recurse=False)):
+            return
+        for point in self._points(pytree.tree_leaves((args, kwargs)), [fqn]):
+            raise Refused(_gathered_refusal(point, f"module '{fqn}' ({type(module).__name__})",
+                                            fqn))  # fmt: skip
+
+    def _gathered_read(self, func: Any, inputs: list[torch.Tensor], stack: Sequence[str]) -> None:
+        """An op of the pair parent's own code on the gathered input (``x + attention(x)``
+        inside it), refused under sequence parallelism (see :meth:`on_enter`)."""
+        for point in self._points(inputs, stack):
+            where = stack[-1] if stack else ""
+            raise Refused(_gathered_refusal(point, f"'{where or '<root>'}' ({func})", where))
+
+    def _points(self, values: Sequence[Any], stack: Sequence[str]) -> list[str]:
+        found = []
+        for value in values:
+            if isinstance(value, torch.Tensor) and value in self.marked:
+                found += [p for p in self.marked[value] if self.prepared(p) and any(
+                    s == p or s.startswith(p + ".") or not p for s in stack)]  # fmt: skip
+        return found
 
     def batch_leaves(self, value: Any) -> bool:
         return any(isinstance(t, torch.Tensor) and t in self.batch
@@ -163,6 +175,16 @@ class Effects:
             new = module._buffers.get(name)
             if new is not None and new is not old and new in self.batch:
                 self.written.setdefault(f"{fqn}.{name}" if fqn else name, fqn)
+
+
+def _gathered_refusal(point: str, what: str, fqn: str) -> PlanError:
+    return PlanError(
+        f"{what} computes on the input of '{point or '<root>'}', which sequence parallelism "
+        "gathers into one replicated activation for its column-wise Linears (a residual or a norm "
+        "inside the module): it cannot use it there. Move that computation out of "
+        f"'{point or '<root>'}' (to its caller), or drop the ('seq', ...) activation rule.",
+        fqn=fqn or None,
+    )
 
 
 def mutated(func: Any, args: Any, kwargs: Any) -> list[torch.Tensor]:

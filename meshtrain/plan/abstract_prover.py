@@ -31,7 +31,7 @@ from meshtrain.plan.abstract_boundaries import (
 )
 from meshtrain.plan.abstract_effects import Effects, buffer_owners, parameter_owners
 from meshtrain.plan.abstract_experts import dense_forward
-from meshtrain.plan.abstract_sizes import SizeProvenance
+from meshtrain.plan.abstract_sizes import SizeProvenance, whole_args
 from meshtrain.plan.expert_activations import counts_shape
 from meshtrain.plan.experts import is_experts_module
 from meshtrain.plan.ir import WHOLE_SEQUENCE, ModuleStyle, ParamLayout, PartialGrad, TPStyle
@@ -39,6 +39,8 @@ from meshtrain.plan.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim
 
 _aten = torch.ops.aten
 _RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
+#: composite functions that are reshapes (the shard must land where one device's does)
+_FLATTENS = frozenset({torch.flatten, torch.Tensor.flatten, torch.Tensor.unflatten})
 
 
 @dataclass(frozen=True)
@@ -66,9 +68,10 @@ class Prover(TorchDispatchMode):
         self.split_at_block = any(s.style == TPStyle.SEQUENCE_SPLIT_INPUT for s in styles)
         self.whole = tuple(s.fqn for s in styles if s.style in WHOLE_SEQUENCE)
         self.effects = effects
+        effects.sequence_parallel, effects.prepared = sequence_parallel, self._prepares
         self.shards: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.origin: WeakIdKeyDictionary = WeakIdKeyDictionary()  # tensor → parameter FQNs
-        self.sizes = SizeProvenance(self._shard_size, self._watch)
+        self.sizes = SizeProvenance(self._shard_size, self._watch, self._composite)
         self.stack: list[str] = []
         self.quiet = 0
         self.first_input: dict[str, int | None] = {}
@@ -128,6 +131,27 @@ class Prover(TorchDispatchMode):
     def _watch(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if not self.quiet:
             self.effects.on_call(func, args, kwargs, self.stack)
+
+    def _composite(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """A torch function of :data:`~meshtrain.plan.abstract_sizes.COMPOSITES` checked as one
+        op: its aten steps run unchecked (their sizes are torch's, from the rank's shapes), its
+        output against one device's call."""
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        sharded = [t for t in inputs if t in self.shards]
+        if self.quiet or not sharded:
+            return func(*args, **kwargs)
+        self.quiet += 1
+        try:
+            try:
+                output = func(*args, **kwargs)
+            except Exception as error:
+                raise Refused(self._mixed(func, inputs, error)) from None
+            self.effects.on_op(func, args, kwargs, inputs, output, self.stack)
+            self._note_origin(func, inputs, sharded, output)
+            self._propagate(func, whole_args(args), kwargs, sharded, output, True)
+        finally:
+            self.quiet -= 1
+        return output
 
     def hook(self, blocks: Sequence[str]) -> list[Any]:
         """Module hooks: the module stack, the styles' boundaries, repeated blocks skipped."""
@@ -213,7 +237,7 @@ class Prover(TorchDispatchMode):
             self.first_input[fqn] = shard.dim if shard is not None else None
         style = self.styles.get(fqn)
         if not self.quiet:
-            self.effects.on_enter(fqn, module, args, kwargs, style is not None, self._prepares)
+            self.effects.on_enter(fqn, module, args, kwargs, style is not None)
         if style is None:
             return args, kwargs
         if style.style in LEAF_STYLES:
@@ -355,7 +379,7 @@ class Prover(TorchDispatchMode):
             outer = next((self.shards[t].outer for t in sharded
                           if self.shards[t].whole.shape[self.shards[t].dim] == whole.shape[dim]),
                          1)  # fmt: skip
-            if func in _RESHAPES and sharded:
+            if (func in _RESHAPES or func in _FLATTENS) and sharded:
                 placed = self._check_reshape(func, sharded[0], whole, dim)
                 if isinstance(placed, PlanError):
                     return placed

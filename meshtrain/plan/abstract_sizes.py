@@ -115,6 +115,17 @@ class Sizes(tuple):  # type: ignore[type-arg]
         return total
 
 
+def whole_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A torch call's arguments with the sizes read off shards made one device's (tensors and
+    everything else as given).
+
+    Example:
+        >>> whole_args(("x", LocalSize(2, 4), (LocalSize(2, 4), -1), 3))
+        ('x', 4, [4, -1], 3)
+    """
+    return tuple(whole_of(a) if _tagged(a) and not isinstance(a, slice) else a for a in args)
+
+
 def whole_of(value: Any) -> Any:
     """``value`` with every :class:`LocalSize` replaced by one device's size (lists and tuples
     looked into, given back as lists).
@@ -148,9 +159,10 @@ class SizeProvenance(TorchFunctionMode):
         self,
         shard_of: Callable[[torch.Tensor], tuple[int, int] | None],
         watch: Callable[[Any, Any, dict[str, Any]], None] | None = None,
+        composite: Callable[[Any, Any, dict[str, Any]], Any] | None = None,
     ) -> None:
         super().__init__()
-        self.shard_of, self.watch = shard_of, watch
+        self.shard_of, self.watch, self.composite = shard_of, watch, composite
         self.frames: list[tuple[dict[tuple[int, ...], tuple[int, ...]], dict[int, int]]] = []
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -159,6 +171,8 @@ class SizeProvenance(TorchFunctionMode):
             return self._shape(func, args, kwargs)
         if self.watch is not None:
             self.watch(func, args, kwargs)
+        if self.composite is not None and func in COMPOSITES:
+            return self.composite(func, args, kwargs)
         if not (_tagged(args) or _tagged(tuple(kwargs.values()))):
             return func(*args, **kwargs)
         self.frames.append(_record(args, kwargs))
@@ -202,6 +216,14 @@ class SizeProvenance(TorchFunctionMode):
             out.append(new)
         return tuple(out) if changed else None
 
+
+#: torch functions whose aten decomposition reshapes with sizes torch computes from the rank's
+#: shapes (matmul folds batch dims together; flatten merges dims): checked as one op, their
+#: output against one device's, instead of op by op
+COMPOSITES = frozenset(
+    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
+     torch.flatten, torch.Tensor.flatten, torch.Tensor.unflatten, torch.einsum}
+)  # fmt: skip
 
 _SHAPE_READS = frozenset({torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.__len__})  # type: ignore[attr-defined]
 

@@ -146,7 +146,7 @@ def _prepare_point(
     else the one projection group under the scope that holds every column-wise module (None
     when there is none: each column-wise module marks its own input)."""
     others = [f for f in untouched_consumers(scope, modules, raw)
-              if not _per_head_norm(modules.get(f), colwise, modules)]  # fmt: skip
+              if not _narrow(modules.get(f), colwise, modules)]  # fmt: skip
     if not cross and not others:
         return scope
     children = {_child_of(scope, fqn) for fqn in colwise}
@@ -157,21 +157,16 @@ def _prepare_point(
     return None
 
 
-def _per_head_norm(
-    module: nn.Module | None, colwise: list[str], modules: dict[str, nn.Module]
-) -> bool:
-    """A norm (Qwen3's ``q_norm``) whose weight is narrower than the pair's input: it cannot take
-    the scope's input, only what the column-wise Linears make of it (per-head features; the
-    abstract run checks it, and finds its partial gradient)."""
-    if module is None or not _is_norm(module):
+def _narrow(module: nn.Module | None, colwise: list[str], modules: dict[str, nn.Module]) -> bool:
+    """A module whose parameters are all narrower than the pair's input (Qwen3's per-head
+    ``q_norm``, a per-head scale): it cannot take the scope's input, only what the column-wise
+    Linears make of it (per-head features; the abstract run checks that it never reads the
+    marked input, and finds its partial gradient)."""
+    if module is None:
         return False
     widths = {w[0] for f in colwise if (w := linear_widths(modules[f])) is not None}
-    sizes = {p.shape[-1] for p in module.parameters(recurse=False) if p.dim() >= 1}
-    return bool(widths) and bool(sizes) and not sizes & widths
-
-
-def _is_norm(module: nn.Module) -> bool:
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+    sizes = [p.shape[-1] for p in module.parameters()]
+    return bool(widths) and bool(sizes) and all(n != 1 and n not in widths for n in sizes)
 
 
 def _child_of(scope: str, fqn: str) -> str:

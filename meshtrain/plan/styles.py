@@ -273,23 +273,7 @@ def _prepare_styles(
     for pair in pairs:
         if pair.prepare is None:
             if sequence_parallel:
-                other = untouched_consumers(pair.scope, modules, raw)[0]
-                fix = (
-                    "meshtrain places the all-gather only where every parameter under "
-                    f"'{pair.scope}' is in the pair, and a norm stays replicated (Qwen3's "
-                    "per-head q/k norms): train this model without sequence parallelism (drop "
-                    "sequence_parallel=True / the ('seq', ...) activation rule)"
-                    if _is_norm(modules[other])
-                    else f"Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')),"
-                    " or drop the ('seq', ...) activation rule"
-                )
-                raise PlanError(
-                    f"sequence parallelism all-gathers the input of '{pair.scope}' "
-                    f"({type(modules[pair.scope]).__name__}) for its tensor-parallel Linears, but "
-                    f"{other!r} ({type(modules[other]).__name__}) there is not tensor-parallel and "
-                    f"would see a different sequence length. {fix}.",
-                    fqn=other,
-                )
+                raise _mixed_under_sequence_parallelism(pair, modules, raw, axis)
             continue
         note = (
             "first input all-gathered from sequence shards for the column-wise children"
@@ -302,6 +286,34 @@ def _prepare_styles(
                         activation_argument(module))
         )  # fmt: skip
     return styles
+
+
+def _mixed_under_sequence_parallelism(
+    pair: Pair, modules: dict[str, nn.Module], raw: dict[str, ModuleStyle], axis: str
+) -> PlanError:
+    """The scope's input also reaches what is not in the pair: no single all-gather point."""
+    other = untouched_consumers(pair.scope, modules, raw)[0]
+    module = modules.get(other)
+    if module is None:  # a parameter of the scope itself
+        what = "a parameter of it"
+        fix = (f"Move '{other}' into a module of its own (its gradient is then reduced as a "
+               "partial one where it meets the shards), or drop the ('seq', ...) activation rule")  # fmt: skip
+    elif _is_norm(module):
+        what = type(module).__name__
+        fix = ("A norm as wide as the input stays replicated there: train this model without "
+               "sequence parallelism (drop sequence_parallel=True / the ('seq', ...) activation "
+               "rule)")  # fmt: skip
+    else:
+        what = type(module).__name__
+        fix = (f"Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), or drop "
+               "the ('seq', ...) activation rule")  # fmt: skip
+    return PlanError(
+        f"sequence parallelism all-gathers the input of '{pair.scope}' "
+        f"({type(modules[pair.scope]).__name__}) for its tensor-parallel Linears, but {other!r} "
+        f"({what}) there is not tensor-parallel and could read that input, which would see a "
+        f"different sequence length. {fix}.",
+        fqn=other,
+    )
 
 
 def activation_argument(module: nn.Module) -> str:
