@@ -19,6 +19,7 @@ import math
 from typing import Any
 
 import lora_models
+import proof_models
 import pytest
 import torch
 import torch.distributed as dist
@@ -70,6 +71,9 @@ CASES: dict[str, tuple[str, dict[str, int], Any, dict[str, Any]]] = {
     "fsdp-tp": ("llama", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(), {"zero": 3}),
     "fsdp-tp-sp": ("llama", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(True), {"zero": 3}),
     "lora-fsdp-tp": ("lora", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(), {"zero": 3}),
+    # a tied head through F.linear on the embedding's weight (read outside its module)
+    "tied-reader-fsdp-tp": ("tied", {"dp": 2, "tp": 2}, lambda: proof_models.MLP_RULES,
+                            {"zero": 3}),
 }  # fmt: skip
 
 
@@ -77,10 +81,14 @@ def _model(kind: str) -> nn.Module:
     torch.manual_seed(0)
     if kind == "mlp":
         return ResidualMLPClassifier()
+    if kind == "tied":
+        return proof_models.tied_mlp()
     return lora_models.hf_llama_lora() if kind == "lora" else zoo.llama()
 
 
 def _batch(kind: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "tied":
+        return proof_models.token_batches(step)
     return classifier_batches(step) if kind == "mlp" else zoo.token_batches(step)
 
 
@@ -391,12 +399,12 @@ def planted_partial_gradient(name: str) -> dict[str, float]:
     from meshtrain.lower import replicated
 
     def to_local(self: Any, module: nn.Module, args: Any) -> None:
-        frame = {}
-        for name_ in self.names:
-            param = module._parameters.get(name_)
+        frame = []
+        for owner, name_ in self.slots:
+            param = owner._parameters.get(name_)
             if isinstance(param, DTensor):
-                frame[name_] = param
-                module._parameters[name_] = param.to_local(grad_placements=(Partial(),))
+                frame.append((owner, name_, param))
+                owner._parameters[name_] = param.to_local(grad_placements=(Partial(),))
         self.saved.append(frame)
 
     with mock.patch.object(replicated.LocalParameters, "to_local", to_local):
