@@ -87,7 +87,9 @@ def zoo_cases() -> list[Case]:
     cases = []
     for name, factory in hf.items():
         rules = Rules.from_hf(factory(), fsdp="dp")
-        cases += _variants(name, factory, rules, sp(rules), zoo.token_batches)
+        batches = {"moe_models": moe_models.token_batches, "families": families.token_batches}
+        cases += _variants(name, factory, rules, sp(rules),
+                           batches.get(factory.__module__, zoo.token_batches))  # fmt: skip
     for name, (factory, rules) in own.items():
         batches = pm.token_batches if factory.__module__ == "proof_models" else zoo.token_batches
         cases += _variants(name, factory, rules, sp(rules), batches)

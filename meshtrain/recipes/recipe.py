@@ -219,6 +219,15 @@ class Recipe:
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()
         return Rules(self.explicit_rules, logical=logical, fsdp=par.fsdp)
 
+    def example_inputs(self) -> torch.Tensor | None:
+        """One batch as the recipe's data hand it to the model (token ids, ``[rows, seq_len]``)
+        for the plan-time proof, for a factory's model (``[model] factory``: meshtrain cannot
+        know its inputs); ``None`` for meshtrain's models and ``transformers`` ones, which take
+        token ids the proof builds itself."""
+        if self.model.factory is None:
+            return None
+        return torch.zeros(max(1, self.train.batch_size), self.train.seq_len, dtype=torch.long)
+
     def plan_options(self) -> PlanOptions:
         """The options of ``mt.plan`` besides the rules, the pipeline included:
         ``mt.plan(model, mesh, recipe.rules(), recipe.plan_options())``."""

@@ -368,7 +368,8 @@ def start_model(
     meta = recipe.model.meta_init
     base = recipe.build_model(device="meta" if meta else device, seed=seed, adapters=False)
     model = recipe.adapt(base, seed=seed)
-    plan = make_plan(model, mesh, recipe.rules(), recipe.plan_options())
+    plan = make_plan(model, mesh, recipe.rules(), recipe.plan_options(),
+                     example_inputs=recipe.example_inputs())  # fmt: skip
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=seed)
