@@ -163,3 +163,13 @@ def test_attention_context_parallelism_cannot_split_is_refused_while_planning() 
         mt.plan(model, mesh(dp=2, cp=2), rules)
     assert "'model.layers.0.self_attn'" in str(refusal.value) and "v (" in str(refusal.value)
     assert mt.plan(model, mesh(dp=4), Rules({".*": P()}, fsdp="dp")).context_axis is None
+
+
+def test_a_pair_directly_under_the_root_is_costed() -> None:
+    """A column-/row-wise pair whose parent is the model itself (an ``nn.Sequential``)."""
+    model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 4))
+    rules = Rules({r"0\.(weight|bias)": P("tp"), r"2\.weight": P(None, "tp"), r".*": P()},
+                  fsdp="dp")  # fmt: skip
+    plan = mt.plan(model, mesh(**DP_TP), rules, example_inputs=torch.zeros(8, 12))
+    assert {s.fqn: s.style for s in plan.styles}[""] == "prepare_input"
+    assert any(c.axis == "tp" for c in plan.collectives)

@@ -125,7 +125,7 @@ class _StepCounts:
         child = next(
             s.fqn
             for s in self.styles
-            if s.style == TPStyle.COLWISE and s.fqn.startswith(parent + ".")
+            if s.style == TPStyle.COLWISE and (not parent or s.fqn.startswith(parent + "."))
         )
         return self.shape(child)[1]
 
