@@ -119,3 +119,21 @@ def test_the_ranks_name_an_id_outside_the_models_vocabulary_and_a_truncated_file
     bin_path.write_bytes(bin_path.read_bytes()[:100])
     with pytest.raises(DataError, match=r"changed size while the job ran: 100 bytes"):
         guard.check_file()
+
+
+def test_one_agreement_per_step_names_the_file_the_batch_or_the_stop(tmp_path: Path) -> None:
+    """The training loop's one check per step (``TokenGuard.agree``): the file is statted before
+    the batch is read, a stop signal wins over the rest, then the file, then the batch."""
+    directory = _prepared(tmp_path)
+    bin_path = directory / "tokens.bin"
+    guard = TokenGuard(256, str(bin_path), bin_path, bin_path.stat().st_size)
+    good = Batch(torch.tensor([[1, 255]]), torch.tensor([[255, -100]]))
+    bad = Batch(torch.tensor([[1, 300]]), torch.tensor([[2, 3]]))
+    assert guard.before_read() and guard.agree(good, 0) == 0
+    assert guard.agree(bad, 15) == 15  # a SIGTERM is taken before anything else
+    with pytest.raises(DataError, match="token id 300 at row 0, column 1"):
+        guard.agree(bad, 0)
+    bin_path.write_bytes(bin_path.read_bytes()[:100])
+    assert not guard.before_read()
+    with pytest.raises(DataError, match=r"changed size while the job ran: 100 bytes"):
+        guard.agree(None, 0)

@@ -202,13 +202,17 @@ class _Loop:
             device: torch.device) -> TrainState:  # fmt: skip
         """Train until ``train.steps``, ``stop_after`` steps, an agreed stop or a spent budget."""
         steps, due = self.recipe.train.steps, False
-        for batch in loader.batches(state.data):
-            if state.step >= steps or len(self.losses) == stop_after:
-                break
-            if reason := stop.agreed(device):
+        batches = iter(loader.batches(state.data))
+        while state.step < steps and len(self.losses) != stop_after:
+            # one collective per step agrees on a stop, the token file (stat before the read)
+            # and the batch's ids, every rank alike, before the step's collectives
+            readable = self.tokens.before_read()
+            batch = next(batches, None) if readable else None
+            if reason := self.tokens.agree(batch, stop.requested, device):
                 self.stopped_by = signal_name(reason)
                 break
-            self.tokens.check(batch, device)  # every rank alike, before the step's collectives
+            if batch is None:
+                break  # the data ended (on every rank alike)
             if device.type != "cpu":
                 batch = batch.to(device)
             if self.profiler is not None:
@@ -216,7 +220,6 @@ class _Loop:
             state, metrics = step_fn(state, batch)
             if self.profiler is not None:
                 self.profiler.after(state.step)
-            self.tokens.check_file(device)  # agreed before the next read of the mapped file
             heartbeat.progress(state.step)  # the watchdog's heartbeat names the step reached
             self.losses[state.step] = metrics["loss"]
             if self.router is not None:  # a collective: every rank, every step

@@ -34,13 +34,20 @@ __all__ = ["last_step", "progress", "start"]
 _state = {"step": 0}
 _stacks: list[IO[str]] = []  # kept open: faulthandler writes to its file descriptor
 _beating: list[tuple[Path, int]] = []  # (heartbeat file, rank) once started
+_written = [-float("inf")]  # when progress() last wrote the heartbeat (monotonic seconds)
+#: the least time between two heartbeats written from the training loop
+_AT_MOST_EVERY_S = 1.0
 
 
 def progress(step: int) -> None:
-    """Record that this rank finished ``step``: a heartbeat at once, when :func:`start` ran
-    (one small file replaced: the watchdog then names the step a stopped rank reached)."""
+    """Record that this rank finished ``step``: a heartbeat at once when :func:`start` ran and
+    the last one from here is :data:`_AT_MOST_EVERY_S` old (one small file replaced: the watchdog
+    then names the step a stopped rank reached; the heartbeat thread writes the latest step on
+    its own schedule, so fast steps cost no file per step)."""
     _state["step"] = step
-    if _beating:
+    now = time.monotonic()
+    if _beating and now - _written[0] >= _AT_MOST_EVERY_S:
+        _written[0] = now
         _beat(*_beating[0])
 
 

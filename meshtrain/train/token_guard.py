@@ -74,6 +74,32 @@ class TokenGuard:
         between steps, before the next batch is read."""
         _agree(self._file_problem(), device, "token file")
 
+    def before_read(self) -> bool:
+        """Stat the token file before the next batch is read, on this rank alone (agreed in
+        :meth:`agree`): whether the batch may be read (a file truncated under the job would end
+        the process with SIGBUS on a page past its new end)."""
+        self._pending = self._file_problem()
+        return self._pending is None
+
+    def agree(self, batch: Batch | None, stop: int, device: torch.device | None = None) -> int:
+        """The one collective of a step's checks: the highest stop signal any rank received
+        (returned; it wins over the rest), and — when none — a :class:`DataError` on every rank
+        alike when any rank's token file (:meth:`before_read`) or batch is bad. ``batch`` is
+        None where the file was not read."""
+        problems = (getattr(self, "_pending", None),
+                    self._problem(batch) if batch is not None else None)  # fmt: skip
+        flags = [stop, *(0 if p is None else 1 for p in problems)]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            agreed = torch.tensor(flags, dtype=torch.int64, device=device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            flags = [int(v) for v in agreed.tolist()]
+        if flags[0]:
+            return flags[0]
+        for index, what in ((1, "token file"), (2, "batch")):
+            if flags[index]:
+                _raise_agreed(problems[index - 1], what)
+        return 0
+
     def _problem(self, batch: Batch) -> str | None:
         if self.vocab <= 0:  # no vocabulary to check against
             return None
@@ -112,6 +138,18 @@ class TokenGuard:
                 "the last checkpoint."
             )
         return None
+
+
+def _raise_agreed(problem: str | None, what: str) -> None:
+    """Every rank raises the first rank's problem (the ranks that found one named)."""
+    found: list[Any] = [None] * dist.get_world_size() if dist.is_initialized() else [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_gather_object(found, problem)
+    ranks = [rank for rank, text in enumerate(found) if text is not None]
+    text = found[ranks[0]]
+    if len(ranks) < len(found):
+        text = f"{text} (found by rank {', '.join(map(str, ranks))}, on its {what})"
+    raise DataError(text)
 
 
 def _agree(problem: str | None, device: torch.device | None, what: str) -> None:
