@@ -33,7 +33,6 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     parallelism also runs over size-1 axes that carry the mixed-precision policy."""
     if plan.tp_axis is not None:  # only set when its size is > 1
         apply_tensor_parallel(plan, model, device_mesh(plan.mesh)[plan.tp_axis])
-        fresh_outputs(plan, model)
     apply_expert_parallel(plan, model)
     apply_context_parallel(plan, model)
     install_count_reducer(plan, model)  # MoE balance statistics over the token ranks
@@ -48,6 +47,7 @@ def parallelize(plan: Plan, model: nn.Module) -> nn.Module:
     compile_blocks(plan, model)
     if plan.token_axes or plan.cast_axes:
         apply_data_parallel(plan, model)
+    fresh_outputs(plan, model)  # after FSDP2's hooks: their output is the one copied
     compile_model(plan, model)
     if plan.tp_axis is not None and plan.compile_scope is not None:
         mark_plain_parameters(model, plan.tp_axis)  # PyTorch's clipping then names the fix

@@ -129,7 +129,7 @@ class LocalParameters:
                 local = made.get(id(param))
                 if local is None:
                     local = made[id(param)] = param.to_local(grad_placements=(Replicate(),))
-                owner._parameters[name] = local  # type: ignore[assignment]
+                owner._parameters[name] = local
         self.saved.append(frame)
 
     def restore(self, module: nn.Module, args: Any, output: Any) -> None:

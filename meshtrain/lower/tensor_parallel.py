@@ -475,7 +475,7 @@ def share_inputs(plan: Plan, modules: dict[str, nn.Module]) -> None:
         around = [p for p in parents if not p or style.fqn.startswith(p + ".")]
         owner = max(around, key=len, default=None)
         if owner is not None:
-            shared = modules[owner]._meshtrain_shared_input  # type: ignore[union-attr]
+            shared = modules[owner]._meshtrain_shared_input
             modules[style.fqn].register_forward_pre_hook(
                 lambda module, args, shared=shared: shared.child(module, args), prepend=True
             )

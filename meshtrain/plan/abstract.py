@@ -32,7 +32,9 @@ blocks of one signature run once (the others pass their input through when the f
 shape and its shard), so planning a 126-layer model costs about what planning two does.
 
 The run happens when a plan has a tensor-parallel axis larger than 1 and some style, a context
-axis, or data parallelism on a model with buffers a forward could write.
+axis, data parallelism on a model with buffers a forward could write, or FSDP units resharded
+after forward (ZeRO-3: an in-place update of such a unit's output drops FSDP2's pre-backward
+hook, whose all-gather backward needs).
 
 Example:
     >>> import meshtrain as mt
@@ -58,10 +60,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from meshtrain.errors import PlanError
-from meshtrain.plan import abstract_refusals as refusals
 from meshtrain.plan.abstract_boundaries import LEAF_STYLES, REGION_STYLES, Refused
 from meshtrain.plan.abstract_effects import Effects, buffer_owners, parameter_owners
 from meshtrain.plan.abstract_prover import Prover
+from meshtrain.plan.abstract_refusals import no_probe, sharded_read, unproven
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, ParamReader, PartialGrad
 from meshtrain.plan.probe import Probe, current_example, probe_batch, probe_for, probe_length
 from meshtrain.plan.probe import signature as probe_signature
@@ -103,6 +105,7 @@ class Scope:
     sequence_parallel: bool
     data_parallel: bool = False
     context: bool = False
+    resharded: tuple[str, ...] = ()  # FSDP units resharded after forward (ZeRO-3), not the root
 
 
 def prove_plan(
@@ -120,7 +123,7 @@ def prove_plan(
     ``unproven="note"`` (then a note says so)."""
     tensor_parallel = scope.tp_axis is not None and scope.tp_size > 1 and bool(styles)
     buffers = scope.data_parallel and bool(buffer_owners(model))
-    if not (tensor_parallel or scope.context or buffers):
+    if not (tensor_parallel or scope.context or buffers or scope.resharded):
         return Proof()
     if not tensor_parallel:
         scope, styles = replace(scope, tp_axis=None, tp_size=1, sequence_parallel=False), ()
@@ -155,8 +158,8 @@ _NO_PROBE = "shards not proven at plan time: no probe: "
 
 def _refusal(note: str, axis: str | None) -> PlanError:
     if note.startswith(_NO_PROBE):
-        return refusals.no_probe(note.removeprefix(_NO_PROBE))
-    return refusals.unproven(axis, note.removeprefix("shards not proven at plan time: "))
+        return no_probe(note.removeprefix(_NO_PROBE))
+    return unproven(axis, note.removeprefix("shards not proven at plan time: "))
 
 
 @contextlib.contextmanager
@@ -180,7 +183,7 @@ def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[Mod
            scope: Scope, blocks: Sequence[str], probe: Probe | str) -> Proof | PlanError:  # fmt: skip
     if isinstance(probe, str):
         return Proof(notes=(_NO_PROBE + probe,))
-    effects = Effects(context=scope.context)
+    effects = Effects(context=scope.context, units=frozenset(scope.resharded))
     prover = Prover(model, params, styles, scope.tp_axis, scope.tp_size,
                     scope.sequence_parallel, effects)  # fmt: skip
     try:
@@ -233,7 +236,7 @@ def _results(model: nn.Module, prover: Prover, effects: Effects) -> Proof:
     readers = []
     for param, reader in _copied(effects.reads, prover.copies).items():
         if param in effects.sharded:
-            raise refusals.sharded_read(param, reader, owners.get(param, ("",)), prover.axis)
+            raise sharded_read(param, reader, owners.get(param, ("",)), prover.axis)
         readers.append(ParamReader(param, reader))
     fresh = list(_copied({f: f for f in effects.fresh}, prover.copies))
     written = _copied(effects.written, prover.copies)

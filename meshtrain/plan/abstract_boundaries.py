@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,8 +23,25 @@ from meshtrain.errors import PlanError
 from meshtrain.plan.ir import ModuleStyle, TPStyle
 from meshtrain.plan.styles import inside
 
-if TYPE_CHECKING:
-    from meshtrain.plan.abstract_prover import Prover
+
+class Prover(Protocol):
+    """What a boundary reads and marks on the abstract rank
+    (:class:`~meshtrain.plan.abstract_prover.Prover`)."""
+
+    shards: Any  # tensor → its shard (a weak identity dictionary)
+    ways: int
+    sp: bool
+    split_at_block: bool
+    whole: tuple[str, ...]
+    axis: str
+
+    def shard(self, local: torch.Tensor, dim: int, whole: torch.Tensor,
+              outer: int = 1) -> torch.Tensor: ...  # fmt: skip
+
+    def mark(self, tensor: torch.Tensor, fqn: str) -> torch.Tensor: ...
+
+    def describe(self, tensors: Sequence[torch.Tensor]) -> str: ...
+
 
 #: styles whose module's inner ops their lowering owns (the abstract run emulates only their
 #: boundaries)

@@ -59,6 +59,7 @@ class Effects:
     fresh: list[str] = field(default_factory=list)  # styled modules whose output is updated
     reread: set[str] = field(default_factory=set)  # buffers read after the batch wrote them
     context: bool = False
+    units: frozenset[str] = frozenset()  # FSDP units resharded after forward
     sequence_parallel: bool = False
     prepared: Callable[[str], bool] = lambda fqn: False
 

@@ -21,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan import abstract_refusals as refusals
 from meshtrain.plan.abstract_boundaries import (
     LEAF_STYLES,
     Refused,
@@ -31,6 +30,7 @@ from meshtrain.plan.abstract_boundaries import (
 )
 from meshtrain.plan.abstract_effects import Effects, buffer_owners, parameter_owners
 from meshtrain.plan.abstract_experts import dense_forward
+from meshtrain.plan.abstract_refusals import global_reshape, lost, mixed, refuse_partial
 from meshtrain.plan.abstract_sizes import SizeProvenance, whole_args
 from meshtrain.plan.expert_activations import counts_shape
 from meshtrain.plan.experts import is_experts_module
@@ -165,8 +165,7 @@ class Prover(TorchDispatchMode):
             module = self.model.get_submodule(fqn) if fqn else self.model
             if style.style in LEAF_STYLES and "forward" not in vars(module):
                 own = dense_forward(module) if is_experts_module(module) else module.forward
-                module.forward = whole_forward(
-                    own, module, lambda fqn=fqn: self.whole_params.get(fqn, {}))  # fmt: skip
+                module.forward = whole_forward(own, module, self._whole_of(fqn))
                 self._patched.append(module)
         for fqn, module in self.model.named_modules():
             if (
@@ -178,6 +177,11 @@ class Prover(TorchDispatchMode):
                 self._patched.append(module)
         self._skip_repeated([fqn for fqn in blocks if fqn not in self.styles])
         return handles
+
+    def _whole_of(self, fqn: str) -> Callable[[], dict[str, torch.Tensor]]:
+        """One device's parameters of styled module ``fqn`` (made by :meth:`fake_state`, which
+        runs after the hooks are in place)."""
+        return lambda: self.whole_params.get(fqn, {})
 
     def _skip_repeated(self, blocks: Sequence[str]) -> None:
         modules = dict(self.model.named_modules())
@@ -222,7 +226,7 @@ class Prover(TorchDispatchMode):
             owner = param.rpartition(".")[0]
             dim = self.first_input.get(representative_fqn(owner, self.copies))
             if dim is None or owner in self.styles:
-                raise refusals.refuse_partial(param, owner, where, op, self.axis)
+                raise refuse_partial(param, owner, where, op, self.axis)
             result.append(PartialGrad(param, owner, self.axis, dim, op))
         return tuple(result)
 
@@ -240,9 +244,31 @@ class Prover(TorchDispatchMode):
             self.effects.on_enter(fqn, module, args, kwargs, style is not None)
         if style is None:
             return args, kwargs
+        if style.style == TPStyle.COLWISE and self.sp:
+            self._check_parent_called(style)
         if style.style in LEAF_STYLES:
             self.quiet += 1
         return boundary_in(self, style, args, kwargs)
+
+    def _check_parent_called(self, style: ModuleStyle) -> None:
+        """Under sequence parallelism a column-wise Linear takes its input gathered by its
+        pair's parent: a parent never called (a ModuleDict whose Linears its owner calls) gathers
+        nothing, and the Linear would compute on a sequence shard."""
+        parents = [f for f, s in self.styles.items()
+                   if s.style == TPStyle.PREPARE_INPUT and (not f or style.fqn.startswith(f + "."))]  # fmt: skip
+        parent = max(parents, key=len, default=None)
+        if parent is None or parent in self.stack:
+            return
+        module = self.model.get_submodule(parent) if parent else self.model
+        raise Refused(PlanError(
+            f"'{style.fqn}' is column-wise in a pair under '{parent}' ({type(module).__name__}), "
+            f"whose input sequence parallelism gathers once for its Linears, but "
+            f"'{parent}' is not called in the forward (its Linears are called directly, from "
+            f"'{(self.stack[-2] if len(self.stack) > 1 else '') or '<root>'}'): nothing would gather "
+            "their input from its sequence shards. Put the pair in a module whose forward calls "
+            "them, or drop the ('seq', ...) activation rule.",
+            fqn=style.fqn,
+        ))  # fmt: skip
 
     def exit(self, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:  # fmt: skip
@@ -254,7 +280,8 @@ class Prover(TorchDispatchMode):
         result = output if style is None else boundary_out(self, style, output)
         if self.effects.batch_leaves((args, kwargs)):
             self.effects.taint(result)
-        if style is not None and style.style in LEAF_STYLES and isinstance(result, torch.Tensor):
+        leaf = style is not None and style.style in LEAF_STYLES
+        if (leaf or fqn in self.effects.units) and isinstance(result, torch.Tensor):
             self.effects.outputs[result] = fqn
         self._keeps_shard(fqn, args, kwargs, result)
         return result
@@ -408,7 +435,7 @@ class Prover(TorchDispatchMode):
         return ", ".join(parts)
 
     def _mixed(self, func: Any, inputs: list[torch.Tensor], error: Exception) -> PlanError:
-        return refusals.mixed(self.where(), self._fqn(), func, self.axis, self.describe(inputs),
+        return mixed(self.where(), self._fqn(), func, self.axis, self.describe(inputs),
                               str(error).splitlines()[0])  # fmt: skip
 
     def _lost(self, func: Any, sharded: list[torch.Tensor], local: Any, whole: Any,
@@ -417,7 +444,7 @@ class Prover(TorchDispatchMode):
                   f"{format_shape(tuple(whole.shape))})" if isinstance(whole, torch.Tensor)
                   and isinstance(local, torch.Tensor) else "")  # fmt: skip
         sequence = self.sp and any(self.shards[t].dim == 1 for t in sharded)
-        return refusals.lost(self.where(), self._fqn(), func, self.describe(sharded), shapes,
+        return lost(self.where(), self._fqn(), func, self.describe(sharded), shapes,
                              selects=dim is None, sequence=sequence)  # fmt: skip
 
     def _check_reshape(self, func: Any, source: torch.Tensor, whole: torch.Tensor,
@@ -429,7 +456,7 @@ class Prover(TorchDispatchMode):
         if placed is not None and placed[0] == dim:
             return placed[1]
         expected = placed[0] if placed is not None else None
-        return refusals.global_reshape(self.where(), self._fqn(), func, self.describe([source]),
+        return global_reshape(self.where(), self._fqn(), func, self.describe([source]),
                                        dim, format_shape(tuple(whole.shape)), expected)  # fmt: skip
 
 

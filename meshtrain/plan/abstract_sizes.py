@@ -100,7 +100,7 @@ class LocalSize(int):
         return int(self)
 
 
-class Sizes(tuple):  # type: ignore[type-arg]
+class Sizes(tuple[Any, ...]):
     """A shape whose entries may be :class:`LocalSize` (``torch.Size`` keeps plain ints only):
     slices stay :class:`Sizes`; ``numel()`` as on ``torch.Size``."""
 

@@ -335,7 +335,7 @@ class _Search:
             rules = Rules(rules.patterns, logical=(("seq", "cp"), *rules.logical),
                           fsdp=rules.fsdp, allow_unmatched=rules.allow_unmatched,
                           allow_unused=rules.allow_unused, gathered=rules.gathered,
-                          generated=rules.generated)  # fmt: skip
+                          generated=tuple(rules.generated))  # fmt: skip
         mesh = make_mesh(axes, world_size=world or self.world_size, abstract=abstract,
                          device_type=self.device_type)  # fmt: skip
         options = _options(c, batch or self.global_batch, self.shared)

@@ -195,4 +195,4 @@ def _without_axis(rules: Rules, axis: str) -> Rules:
     logical = tuple((name, None if target == axis else target) for name, target in rules.logical)
     return Rules(rules.patterns, logical=logical, fsdp=rules.fsdp,
                  allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
-                 gathered=rules.gathered, generated=rules.generated)  # fmt: skip
+                 gathered=rules.gathered, generated=tuple(rules.generated))  # fmt: skip

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan import abstract_refusals as refusals
 from meshtrain.plan.abstract import Proof, Scope, kept_as_notes, prove_plan
+from meshtrain.plan.abstract_refusals import batch_buffers as refuse_batch_buffers
 from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.adapters import (
     check_nf4_shards,
@@ -230,7 +230,9 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     proof = prove_plan(
         model, layouts, styles, blocks=blocks, unproven=options.unproven_shards,
         scope=Scope(tp_axis, mesh.size(tp_axis) if tp_axis is not None else 1, sequence_parallel,
-                    data_parallel=bool(active or context or ep), context=bool(context)),
+                    data_parallel=bool(active or context or ep), context=bool(context),
+                    resharded=tuple(u.fqn for u in units
+                                    if u.fqn and u.decisions.reshard_after_forward)),
     )  # fmt: skip
     notes += proof.notes
     try:
@@ -254,7 +256,7 @@ def _batch_buffers(
     if not proof.batch_buffers or not axes:
         return ()
     if options.batch_buffers == "refuse":
-        raise refusals.batch_buffers(dict(proof.batch_buffers), axes)
+        raise refuse_batch_buffers(dict(proof.batch_buffers), axes)
     if proof.reread_buffers:
         buffer = proof.reread_buffers[0]
         raise PlanError(

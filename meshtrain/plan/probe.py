@@ -108,6 +108,7 @@ def probe_for(model: nn.Module, example: Any, *, tp_size: int) -> Probe | str:
 
 
 def _from_example(model: nn.Module, example: Any) -> Probe:
+    args: tuple[Any, ...]
     if isinstance(example, Mapping):
         args, kwargs = (), dict(example)
     elif isinstance(example, (tuple, list)):

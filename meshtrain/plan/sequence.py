@@ -140,6 +140,10 @@ def place_sequence_split(
     unchanged when at the embeddings; otherwise the replicated embeddings' ``sequence_split``
     styles dropped and a ``sequence_split_input`` style on the first block."""
     embeddings = [s.fqn for s in styles if s.style in _SPLIT_EMBEDDINGS]
+    styled = [s.fqn for s in styles]
+    # a block that is itself styled or inside a styled module (a Linear of a pair that sits in a
+    # ModuleDict) is no place to split the stream
+    blocks = [b for b in blocks if not any(b == f or b.startswith(f + ".") for f in styled if f)]
     point = sequence_split_point(model, blocks, embeddings, tp_size=tp_size, seq_len=seq_len)
     if not point:
         return styles

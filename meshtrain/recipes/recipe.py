@@ -194,7 +194,7 @@ class Recipe:
             return rules
         context = Rules(rules.patterns, logical=(("seq", axis), *rules.logical), fsdp=rules.fsdp,
                         allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
-                        gathered=rules.gathered, generated=rules.generated)  # fmt: skip
+                        gathered=rules.gathered, generated=tuple(rules.generated))  # fmt: skip
         context.notes = rules.notes  # what from_hf noted still holds
         return context
 

@@ -104,7 +104,10 @@ def size_recipe(
         mesh = _mesh(recipe, world)
         used, note = _global_batch(recipe, mesh.shape, global_batch, options)
         plan = make_plan(
-            model, mesh, recipe.rules(), dataclasses.replace(options, global_batch=used),
+            model,
+            mesh,
+            recipe.rules(),
+            dataclasses.replace(options, global_batch=used),
             example_inputs=recipe.example_inputs(),
         )
     else:
