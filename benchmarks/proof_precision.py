@@ -15,7 +15,9 @@ drawn plan). Each case is planned as a user would (``mt.plan`` with the first ba
 - *refused, right* (a false refusal): refused, and as a note it trains like one device;
 - *accepted, right*; *accepted, wrong* (a crash or a difference after acceptance);
 - *refused by structure*: refused before the proof (no lowering exists: a rule, a sequence
-  parallel structure), so nothing can train; listed apart.
+  parallel structure), so nothing can train; listed apart;
+- *at the bound*: trained, and different from one device by at most 1.5 times the fp32
+  contract's bound (rounding; the contract's precision is its own subject), listed apart.
 
 Prints the table and writes JSON (``--out``). Usage::
 
@@ -170,6 +172,8 @@ def classify(case: Case) -> dict[str, Any]:
             outcome, detail = _train(case)
     if refusal is not None and outcome == "structure":
         verdict = "refused by structure"
+    elif outcome == "rounding":  # refused and within rounding of one device: a false refusal
+        verdict = "refused, right" if refusal is not None else "accepted, at the bound"
     elif refusal is not None:
         verdict = "refused, wrong" if outcome == "wrong" else "refused, right"
     else:
@@ -188,14 +192,24 @@ def _train(case: Case) -> tuple[str, str]:
                           steps=1, optimizer="adamw", rank_context=_notes_on_ranks,
                           timeout_s=300)  # fmt: skip
     except mt.EquivalenceError as error:
-        return "wrong", str(error).splitlines()[0][:240]
+        report = getattr(error, "report", None)
+        worst = max((c.ratio for c in report.failures), default=math.inf) if report else math.inf
+        first = report.first_divergence if report else None
+        where = f"{first.quantity} '{first.fqn}' at step {first.step}" if first else "?"
+        if worst <= AT_THE_BOUND:
+            return "rounding", f"worst {worst:.2f}× the fp32 bound ({where})"
+        return "wrong", f"{worst:.3g}× the bound ({where})"
     except Exception as error:  # a crash on the ranks, or a refusal raised at the first forward
         return "wrong", f"crashed: {type(error).__name__}: {str(error)[:240]}"
     return "right", ""
 
 
 VERDICTS = ("refused, wrong", "refused, right", "accepted, right", "accepted, wrong",
-            "refused by structure")  # fmt: skip
+            "accepted, at the bound", "refused by structure")  # fmt: skip
+#: a difference from one device at most this many times the fp32 contract's bound, with every
+#: relative error at rounding level, is rounding, not a wrong plan: listed apart (wrong plans
+#: differ by 10² to 10⁶ times the bound)
+AT_THE_BOUND = 1.5
 
 
 def table(rows: list[dict[str, Any]]) -> str:

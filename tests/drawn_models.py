@@ -114,8 +114,9 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up(x)
         out = self.down(F.gelu(up))
-        if self.c.feature_max:
-            out = out + up.amax(-1, keepdim=True)
+        if self.c.feature_max:  # spread unevenly over the features (a norm would cancel a shift)
+            spread = torch.linspace(-1.0, 1.0, out.shape[-1], dtype=out.dtype)
+            out = out + up.amax(-1, keepdim=True) * spread
         return out + x
 
 

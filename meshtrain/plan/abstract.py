@@ -139,8 +139,12 @@ def prove_plan(
     proof = known[key]
     if isinstance(proof, PlanError):
         raise copy.copy(proof).with_traceback(None)
-    if proof.notes and unproven == "refuse" and not _KEPT_AS_NOTES[0]:
-        raise _refusal(proof.notes[0], scope.tp_axis)
+    unproven_notes = [n for n in proof.notes if n.startswith(_NOT_PROVEN)]
+    if unproven_notes and not (tensor_parallel or scope.context or buffers):
+        return Proof()  # only FSDP units' outputs to look at: a model the run cannot take is
+        # planned as before (an in-place update of such an output then fails in FSDP2 itself)
+    if unproven_notes and unproven == "refuse" and not _KEPT_AS_NOTES[0]:
+        raise _refusal(unproven_notes[0], scope.tp_axis)
     return proof
 
 
@@ -153,13 +157,14 @@ _PROVEN: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], Proof | Plan
 #: whether refusals become notes (:func:`refusals_as_notes`)
 _KEPT_AS_NOTES = [False]
 
-_NO_PROBE = "shards not proven at plan time: no probe: "
+_NOT_PROVEN = "shards not proven at plan time: "
+_NO_PROBE = _NOT_PROVEN + "no probe: "
 
 
 def _refusal(note: str, axis: str | None) -> PlanError:
     if note.startswith(_NO_PROBE):
         return no_probe(note.removeprefix(_NO_PROBE))
-    return unproven(axis, note.removeprefix("shards not proven at plan time: "))
+    return unproven(axis, note.removeprefix(_NOT_PROVEN))
 
 
 @contextlib.contextmanager
