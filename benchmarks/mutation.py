@@ -9,7 +9,10 @@ numerically neutral rewrite — is planted alone, never on disk: in this process
 - *caught*: ``assert_equivalent`` on its case, 2 steps, the bug planted on every rank through
   ``rank_context``, raises (its clean run passes: checked once per case);
 - *named*: the report's failing tensors include one the catalogue expects (a module or
-  parameter name, or ``<global>`` for the loss and gradient norm).
+  parameter name, or ``<global>`` for the loss and gradient norm);
+- *caught in bf16*: the same case under ``precision="bf16"`` (its clean bf16 run passes, checked
+  once per case) raises — the low-precision contract, which allows a multiple of one device's own
+  bf16 error, must keep the fp32 contract's teeth.
 
 Equivalent mutants pass when nothing flags them. Prints a table, writes JSON, and writes the
 figure into ``docs/testing.md`` between the ``mutation-benchmark`` markers.
@@ -98,8 +101,27 @@ _CLEAN: dict[str, dict[str, Any]] = {}
 
 
 def run_harness(mutant: Any) -> dict[str, Any]:
-    """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank."""
-    case = mutant.harness
+    """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank; then the same
+    case in bf16 (``bf16``: the same keys)."""
+    result = _run_case(mutant, mutant.harness)
+    low = _in_bf16(mutant.harness)
+    result["bf16"] = _run_case(mutant, low) if low is not None else {"caught": None,
+                                                                       "why": "no harness case"}
+    return result
+
+
+def _in_bf16(case: Any) -> Any:
+    """The case under a bf16 policy (as it is when it asks for a precision of its own)."""
+    if case is None:
+        return None
+    if "precision" in case.options:
+        return case
+    import dataclasses
+
+    return dataclasses.replace(case, options={**case.options, "precision": "bf16"})
+
+
+def _run_case(mutant: Any, case: Any) -> dict[str, Any]:
     if case is None:
         return {"caught": None, "named": None, "why": mutant.why_not}
     key = repr((case.model, case.mesh, case.options, case.extra))
@@ -153,13 +175,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     def mark(value: Any) -> str:
         return "n/a" if value is None else "yes" if value else "NO"
 
-    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it | "
+             "harness catches in bf16 |", "|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         eq = " (equivalent)" if row["equivalent"] else ""
+        low = row["harness"].get("bf16", {}).get("caught")
         lines.append(
             f"| `{row['name']}`{eq} | {row['kind']} | {mark(row['suite']['killed'])} | "
-            f"{mark(row['harness']['caught'])} | {mark(row['harness'].get('named'))} |"
+            f"{mark(row['harness']['caught'])} | {mark(row['harness'].get('named'))} | "
+            f"{mark(low)} |"
         )
     return "\n".join(lines)
 
@@ -168,7 +192,15 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     real = [r for r in rows if not r["equivalent"]]
     neutral = [r for r in rows if r["equivalent"]]
     exercised = [r for r in real if r["harness"]["caught"] is not None]
+    low = [r["harness"].get("bf16", {}) for r in real]
+    low_exercised = [h for h in low if h.get("caught") is not None]
     return {
+        "bf16_exercised": len(low_exercised),
+        "caught_in_bf16": sum(bool(h["caught"]) for h in low_exercised),
+        "bf16_missed": [r["name"] for r in real if r["harness"].get("bf16", {}).get("caught") is False],
+        "bf16_equivalent_flagged": sum(
+            bool(r["harness"].get("bf16", {}).get("caught")) for r in neutral
+        ),
         "mutants": len(rows),
         "non_equivalent": len(real),
         "killed_by_suite": sum(bool(r["suite"]["killed"]) for r in real),
@@ -220,7 +252,13 @@ def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
             f"catches {totals['caught_by_harness']} of the {exercised} it can exercise "
             f"({pct(totals['caught_by_harness'], exercised)}) and its report names the module or "
             f"parameter for {totals['named_by_harness']}; {totals['equivalent_flagged']} of "
-            f"{totals['equivalent']} equivalent mutants flagged.",
+            f"{totals['equivalent']} equivalent mutants flagged. The same cases in bf16 (the "
+            f"low-precision contract): caught {totals['caught_in_bf16']} of the "
+            f"{totals['bf16_exercised']} exercised "
+            f"({pct(totals['caught_in_bf16'], totals['bf16_exercised'])}); "
+            f"{totals['bf16_equivalent_flagged']} equivalent mutants flagged"
+            + (f"; missed: {', '.join(f'`{n}`' for n in totals['bf16_missed'])}."
+               if totals["bf16_missed"] else "."),
             "",
             "Survivors (a gap in the suite or the harness):",
             *lines,
@@ -275,9 +313,11 @@ def main() -> None:
                    "tests": list(mutant.tests), "suite": suite, "harness": harness}  # fmt: skip
             row["ok"] = verdict(mutant, suite, harness)
             rows.append(row)
+            low = harness["bf16"]
             print(
                 f"{name:40} suite {suite['killed']!s:5} harness {harness['caught']!s:5} "
-                f"named {harness.get('named')!s:5} {harness.get('first', '')[:70]}",
+                f"named {harness.get('named')!s:5} bf16 {low.get('caught')!s:5} "
+                f"{harness.get('first', '')[:60]} | bf16: {low.get('first', low.get('why', ''))[:60]}",
                 flush=True,
             )
     finally:

@@ -45,9 +45,9 @@ from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
-from meshtrain.testing.contract import UNIT_ROUNDOFF, Contract, contract_for
+from meshtrain.testing.contract import ROUNDING_FACTOR, Contract, contract_for
+from meshtrain.testing.rounding import ExactTwin, OwnRounding, rounding_bound
 from meshtrain.testing.runner import SPMDTaskError, get_pool
-from meshtrain.testing.terms import SummedTerms, element_bound
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.balance import after_optimizer_step
 from meshtrain.train.batch import Batch as StepBatch
@@ -92,7 +92,10 @@ class Comparison:
     """One compared quantity at one step: the worst element's error and the contract's verdict.
 
     ``ratio`` is the largest |difference| / bound over the tensor's elements (> 1 fails);
-    ``rel_error`` is the largest |difference| over the reference's largest magnitude.
+    ``rel_error`` is the largest |difference| over the reference's largest magnitude;
+    ``own_error``, under a low-precision contract, the one-device reference's own largest error
+    for the same quantity, measured against fp32 (:mod:`meshtrain.testing.rounding`): a plan far
+    from one device while one device is close to fp32 is a bug, not rounding.
     """
 
     step: int
@@ -102,6 +105,16 @@ class Comparison:
     rel_error: float
     ratio: float
     note: str = ""
+    own_error: float | None = None
+
+    @property
+    def own_ratio(self) -> float | None:
+        """``abs_error`` over the reference's own low-precision error (``None`` if unmeasured)."""
+        if self.own_error is None:
+            return None
+        if self.own_error == 0.0:
+            return 0.0 if self.abs_error == 0.0 else math.inf
+        return self.abs_error / self.own_error
 
     @property
     def ok(self) -> bool:
@@ -152,18 +165,25 @@ class EquivalenceReport:
                 f"error {first.abs_error:.2e}, rel {first.rel_error:.2e}, {_times(first.ratio)} "
                 f"the bound{' (' + first.note + ')' if first.note else ''}"
             )
+            if first.own_error is not None:
+                lines.append(_own_verdict(first, self.contract.precision))
             shown = sorted(self.failures, key=_divergence_order)[:limit]
             lines.append(f"diverged: {len(self.failures)} comparisons; the first {len(shown)}:")
         else:
             shown = sorted(self.comparisons, key=lambda c: -c.ratio)[:limit]
             lines.append(f"closest to their bounds (of {len(self.comparisons)} comparisons):")
-        lines.append(f"  {'step':>4}  {'quantity':<18} {'tensor':<36} {'abs err':>9} "
-                     f"{'rel err':>9} {'× bound':>9}")  # fmt: skip
+        own = self.contract.level == "approximate"
+        header = (f"  {'step':>4}  {'quantity':<18} {'tensor':<36} {'abs err':>9} "
+                  f"{'rel err':>9} {'× bound':>9}")  # fmt: skip
+        lines.append(header + (f" {'own err':>9} {'× own':>9}" if own else ""))
         for c in shown:
-            lines.append(
+            row = (
                 f"  {c.step:>4}  {c.quantity:<18} {c.fqn:<36} {c.abs_error:>9.2e} "
                 f"{c.rel_error:>9.2e} {_times(c.ratio):>9}"
             )
+            if own:
+                row += _own_columns(c)
+            lines.append(row)
         lines.append(
             "losses (plan / one device): "
             + "; ".join(f"{i + 1}: {a:.6f} / {b:.6f}" for i, (a, b) in enumerate(self.losses))
@@ -198,6 +218,30 @@ def _divergence_order(comparison: Comparison) -> tuple[int, int, float]:
 
 def _times(ratio: float) -> str:
     return "inf×" if math.isinf(ratio) else f"{ratio:.2f}×"
+
+
+def _own_columns(comparison: Comparison) -> str:
+    """The reference's own low-precision error and the plan's error over it (or dashes)."""
+    ratio = comparison.own_ratio
+    if comparison.own_error is None or ratio is None:
+        return f" {'—':>9} {'—':>9}"
+    return f" {comparison.own_error:>9.2e} {_times(ratio):>9}"
+
+
+def _own_verdict(comparison: Comparison, precision: str) -> str:
+    """One line that tells a bug from rounding: how far the plan is from one device, against how
+    far one device itself is from fp32 on the same tensor."""
+    ratio = comparison.own_ratio or 0.0
+    reading = (
+        "the plan is far from one device while one device is close to fp32: a bug, not rounding"
+        if ratio > 10 * ROUNDING_FACTOR
+        else f"within {10 * ROUNDING_FACTOR:g}× of one device's own {precision} error: rounding "
+        "heavier than the contract allows, or a small bug"
+    )
+    return (
+        f"one device's own {precision} error on it (against fp32): "
+        f"{comparison.own_error:.2e}; the plan's error is {_times(ratio)} that — {reading}"
+    )
 
 
 @dataclass(frozen=True)
@@ -470,6 +514,9 @@ class _Run:
         model = config.model_fn()
         self.plan = make_plan(model, self.mesh, **config.plan_kwargs)
         self.reference = one_device_reference(copy.deepcopy(model), self.plan)
+        # the reference's own low-precision error is measured against this fp32 twin
+        self.twin = ExactTwin(copy.deepcopy(model)) if self.contract.unit else None
+        self.own = OwnRounding()
         self.applied = apply(self.plan, model)
         self.named = dict(self.applied.named_parameters())
         self.ref_named = dict(self.reference.named_parameters())
@@ -488,9 +535,6 @@ class _Run:
         self.state = TrainState.create(self.applied, self.optimizer)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
-        approximate = self.contract.level == "approximate"
-        unit = UNIT_ROUNDOFF.get(self.contract.precision, 0.0) if approximate else 0.0
-        self.terms = SummedTerms.track(self.reference, unit)
         self.step = 0
 
     # ---------------------------------------------------------------- one step
@@ -500,14 +544,14 @@ class _Run:
             self.step = step
             inputs, targets, *rest = _batch(self.config, step - 1)
             positions = rest[0] if rest else None
-            self.terms.clear()
             ref_loss, ref_finite = self._reference_backward(inputs, targets, positions)
+            self.own = self._measure_own(ref_loss, ref_finite, inputs, targets, positions)
             loss, norm, finite = self._plan_step(inputs, targets, positions)
-            self._compare_scalar(step, "loss", loss, ref_loss)
+            self._compare_scalar(step, "loss", loss, ref_loss, self.own.loss)
             ref_norm, ref_grads, old_states = self._reference_clip_and_capture()
             ref_finite = ref_finite and math.isfinite(ref_loss) and math.isfinite(ref_norm)
             if ref_finite and finite:
-                self._compare_scalar(step, "grad norm", norm, ref_norm)
+                self._compare_scalar(step, "grad norm", norm, ref_norm, self.own.grad_norm)
             elif finite != ref_finite:
                 self._record(step, "overflow skip", "<all>", 1.0, 1.0, math.inf,
                              note=f"plan finite={finite}, one device finite={ref_finite}")  # fmt: skip
@@ -530,13 +574,28 @@ class _Run:
         self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
-        self.terms.loss_scale = scale
         keywords = {} if positions is None else {positions_keyword(self.reference): positions}
         output = self.reference(inputs, **keywords)
         loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
         return float(full_tensor(loss.detach())), bool(finite)
+
+    def _measure_own(
+        self,
+        ref_loss: float,
+        ref_finite: bool,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None,
+    ) -> OwnRounding:
+        """The reference's own low-precision error this step: the same step in fp32."""
+        if self.twin is None or not ref_finite:
+            return OwnRounding()
+        keywords = {} if positions is None else {positions_keyword(self.twin.model): positions}
+        return self.twin.measure(
+            ref_loss, self.ref_named, inputs, targets, self.config.loss_fn, keywords
+        )
 
     def _plan_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
@@ -554,27 +613,39 @@ class _Run:
     # ---------------------------------------------------------------- comparisons
 
     def _record(self, step: int, quantity: str, fqn: str, abs_error: float, rel_error: float,
-                ratio: float, note: str = "") -> None:  # fmt: skip
+                ratio: float, note: str = "", own_error: float | None = None) -> None:  # fmt: skip
         self.result.comparisons.append(
-            Comparison(step, quantity, fqn, abs_error, rel_error, ratio, note)
+            Comparison(step, quantity, fqn, abs_error, rel_error, ratio, note, own_error)
         )
 
-    def _relative_ratio(self, abs_error: float, rel_error: float) -> float:
-        tolerance = self.contract.tolerance
-        if tolerance == 0.0:
-            return 0.0 if abs_error == 0.0 else math.inf
-        return rel_error / tolerance
+    def _bound(self, scale: float, own_error: float) -> float:
+        """The contract's bound on a quantity of largest magnitude ``scale`` whose one-device
+        low-precision error is ``own_error`` (:func:`~meshtrain.testing.rounding.rounding_bound`)."""
+        return rounding_bound(self.contract.tolerance, self.contract.unit, scale, own_error)
 
-    def _compare_scalar(self, step: int, quantity: str, value: float, reference: float) -> None:
+    @staticmethod
+    def _ratio(abs_error: float, bound: float) -> float:
+        if abs_error == 0.0:
+            return 0.0
+        return abs_error / bound if bound > 0.0 else math.inf
+
+    def _own(self, own_error: float) -> float | None:
+        """What the report shows as the reference's own error (``None`` when unmeasured)."""
+        return own_error if self.twin is not None else None
+
+    def _compare_scalar(self, step: int, quantity: str, value: float, reference: float,
+                        own_error: float = 0.0) -> None:  # fmt: skip
         abs_error = abs(value - reference)
         rel_error = abs_error / max(abs(reference), 1e-30)
         if not math.isfinite(value) and not math.isfinite(reference):
             abs_error = rel_error = 0.0
-        self._record(step, quantity, "<global>", abs_error, rel_error,
-                     self._relative_ratio(abs_error, rel_error))  # fmt: skip
+        ratio = self._ratio(abs_error, self._bound(abs(reference), own_error))
+        self._record(step, quantity, "<global>", abs_error, rel_error, ratio,
+                     own_error=self._own(own_error))  # fmt: skip
 
     def _compare_tensor(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
-                        reference: torch.Tensor, floor: float = 0.0) -> None:  # fmt: skip
+                        reference: torch.Tensor, floor: float = 0.0,
+                        own_error: float = 0.0) -> None:  # fmt: skip
         diff = (value.double() - reference.double()).abs()
         abs_error = float(diff.max()) if diff.numel() else 0.0
         own = float(reference.double().abs().max()) if reference.numel() else 0.0
@@ -583,8 +654,9 @@ class _Run:
         note = (
             "numerically zero: measured against the step's largest gradient" if scale != own else ""
         )
-        self._record(step, quantity, fqn, abs_error, rel_error,
-                     self._relative_ratio(abs_error, rel_error), note)  # fmt: skip
+        ratio = self._ratio(abs_error, self._bound(scale, own_error))
+        self._record(step, quantity, fqn, abs_error, rel_error, ratio, note,
+                     self._own(own_error))  # fmt: skip
 
     def _scale(self, own: float, floor: float) -> float:
         """What a tensor's errors are measured against: its own largest magnitude, or — for a
@@ -604,21 +676,13 @@ class _Run:
                                  note="gradient present on one side only")  # fmt: skip
                 continue
             value, ref = full_tensor(param.grad).detach(), full_tensor(reference).detach()
-            bound = self._grad_bound(fqn, ref, floor)
-            if isinstance(bound, torch.Tensor):
-                self._compare_elementwise(step, "grad", fqn, value, ref, bound)
-            else:
-                self._compare_tensor(step, "grad", fqn, value, ref, floor)
+            self._compare_tensor(step, "grad", fqn, value, ref, floor, self.own.grads.get(fqn, 0.0))
 
-    def _grad_bound(self, fqn: str, ref: torch.Tensor, floor: float) -> torch.Tensor | float:
-        """A gradient's bound: per element from the magnitudes it sums where they are tracked
-        (:mod:`meshtrain.testing.terms`), else the contract's tolerance of its scale."""
+    def _grad_bound(self, fqn: str, ref: torch.Tensor, floor: float) -> float:
+        """A gradient's bound: the contract's reduction-order part of its scale, plus under low
+        precision a multiple of the reference's own measured error of it."""
         own = float(ref.abs().max()) if ref.numel() else 0.0
-        summed = self.terms.summed.get(fqn)
-        if summed is None or summed.shape != ref.shape:
-            return self.contract.tolerance * self._scale(own, floor)
-        return element_bound(self.contract, ref, summed, self._scale(own, floor),
-                             whole=fqn in self.terms.whole)  # fmt: skip
+        return self._bound(self._scale(own, floor), self.own.grads.get(fqn, 0.0))
 
     def _gradient_scale(self) -> float:
         """The largest gradient element of the one-device model this step."""
@@ -697,7 +761,8 @@ class _Run:
                 self._record(step, "buffer", fqn, math.inf, math.inf, math.inf,
                              note=f"shape {tuple(value.shape)} vs {tuple(ref.shape)}")  # fmt: skip
             elif ref.is_floating_point() and self.contract.level != "bitwise":
-                self._compare_tensor(step, "buffer", fqn, value, ref)
+                own = self.twin.buffer_error(fqn, ref) if self.twin is not None else 0.0
+                self._compare_tensor(step, "buffer", fqn, value, ref, own_error=own)
             else:
                 same = torch.equal(value, ref.to(value.dtype))
                 error = 0.0 if same else self._exact_error(value, ref)
@@ -767,6 +832,8 @@ class _Run:
                 for key, state in states.items():
                     if isinstance(ref_state.get(key), torch.Tensor):
                         _local(ref_state[key]).copy_(state)
+        if self.twin is not None:
+            self.twin.take(self.ref_named, ref_buffers)
 
 
 # ----------------------------------------------------------------------------- merge

@@ -1,0 +1,141 @@
+"""The one-device reference's own low-precision error, measured: an fp32 twin beside it.
+
+Under a bf16/fp16 policy a plan cannot match one device bit for bit: it rounds partial results
+(each rank's gradient, tensor-parallel partial products, all-reduced activations) that one
+device rounds as a whole, or not at all. How far apart two correct low-precision computations
+of the same value may land depends on every op between the inputs and that value — a model of
+it per op type (Linear, norm, embedding, ...) misses whatever it does not model (an output head
+fed by a bf16 all-reduce, a relative-position bias table, token-type embeddings). So the
+harness measures it instead: beside the low-precision reference it runs the same model in fp32
+(:class:`ExactTwin`), from the same parameters on the same batch, and takes each tensor's
+difference between the two — the reference's own rounding error, ``ρ``. A plan's result is
+another low-precision computation of the same exact value, so its distance from the reference
+is at most its own error plus the reference's; the contract allows a multiple of ``ρ`` for it
+(:data:`ROUNDING_FACTOR`, see :func:`rounding_bound`).
+
+The twin is the model as built (fp32), never wrapped: no mixed-precision policy, no loss
+scaling. Before each step it takes the plan's parameters and buffers, as the reference does.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> torch.manual_seed(0) and None
+    >>> low = nn.Linear(4, 2)
+    >>> twin = ExactTwin(nn.Linear(4, 2))
+    >>> twin.take(dict(low.named_parameters()), {})
+    >>> x, y = torch.randn(8, 4), torch.randint(0, 2, (8,))
+    >>> def loss_fn(out, target): return nn.functional.cross_entropy(out, target, reduction="sum")
+    >>> with torch.autocast("cpu", torch.bfloat16):
+    ...     loss = loss_fn(low(x), y) / 8
+    >>> loss.backward()
+    >>> own = twin.measure(float(loss.detach()), dict(low.named_parameters()), x, y, loss_fn)
+    >>> 0 < own.grads["weight"] < 0.05 * float(low.weight.grad.abs().max())
+    True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain.lower import full_tensor
+from meshtrain.testing.contract import ROUNDING_FACTOR
+from meshtrain.train.loss import LossFn
+
+
+@dataclass(frozen=True)
+class OwnRounding:
+    """One step's measured low-precision error of the one-device reference, per quantity: the
+    largest ``|low − fp32|`` of the loss, the gradient norm and each gradient (by FQN)."""
+
+    loss: float = 0.0
+    grad_norm: float = 0.0
+    grads: dict[str, float] = field(default_factory=dict)
+
+
+class ExactTwin:
+    """The one-device model in fp32 beside the low-precision reference (see the module doc)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.named = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+
+    @torch.no_grad()
+    def take(self, params: Mapping[str, torch.Tensor], buffers: Mapping[str, torch.Tensor]) -> None:
+        """Start the next step from these parameters and buffers (whole tensors, by FQN)."""
+        for fqn, value in params.items():
+            if fqn in self.named:
+                self.named[fqn].copy_(full_tensor(value.detach()))
+        for fqn, value in buffers.items():
+            if fqn in self.buffers:
+                self.buffers[fqn].copy_(full_tensor(value.detach()))
+
+    def measure(
+        self,
+        low_loss: float,
+        low_params: Mapping[str, torch.Tensor],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        loss_fn: LossFn,
+        keywords: Mapping[str, Any] | None = None,
+    ) -> OwnRounding:
+        """Run the step's forward and backward in fp32 and measure the low-precision side's
+        error: ``low_params``' gradients (unscaled), ``low_loss`` its loss."""
+        for param in self.named.values():
+            param.grad = None
+        output = self.model(inputs, **(keywords or {}))
+        loss = loss_fn(output, targets) / targets.numel()
+        loss.backward()
+        grads: dict[str, float] = {}
+        low_sq = exact_sq = 0.0
+        for fqn, param in low_params.items():
+            exact = self.named.get(fqn)
+            if param.grad is None or exact is None or exact.grad is None:
+                continue
+            low = full_tensor(param.grad).detach().double()
+            high = exact.grad.detach().double()
+            grads[fqn] = float((low - high).abs().max()) if low.numel() else 0.0
+            low_sq += float(low.pow(2).sum())
+            exact_sq += float(high.pow(2).sum())
+        return OwnRounding(
+            loss=abs(low_loss - float(loss.detach())),
+            grad_norm=abs(low_sq**0.5 - exact_sq**0.5),
+            grads=grads,
+        )
+
+    def buffer_error(self, fqn: str, low: torch.Tensor) -> float:
+        """The reference buffer ``low``'s distance from the twin's after the same step."""
+        exact = self.buffers.get(fqn)
+        if exact is None or exact.shape != low.shape or not low.is_floating_point():
+            return 0.0
+        return float((low.double() - exact.double()).abs().max()) if low.numel() else 0.0
+
+
+def rounding_bound(tolerance: float, unit: float, scale: float, own_error: float) -> float:
+    """The bound on a plan's difference from the low-precision one-device reference.
+
+    ``tolerance × scale`` is the contract's fp32 reduction-order part (``scale`` the quantity's
+    largest magnitude); the low-precision part is ``ROUNDING_FACTOR × max(ρ, u · scale)``, ``ρ``
+    the reference's own measured error of the quantity (:class:`ExactTwin`) and ``u · scale``
+    the least any low-precision computation of a value that large carries (one rounding of it).
+    Why a factor of 4: the plan's difference from the reference is its own error plus the
+    reference's (2), and the plan rounds again where it splits a sum the reference takes whole
+    (each rank's gradient, tensor-parallel partial products, activations all-reduced in the
+    compute dtype), at most about as much again per split (2 more). Measured over the zoo, the
+    Hugging Face families and drawn modules (``benchmarks/false_alarms.py``), the largest ratio
+    of a correct plan's difference to ``ρ`` stays below that; see docs/testing.md.
+
+    Example:
+        >>> rounding_bound(1e-6, 2.0**-8, 2.0, 0.01)  # 4 × 0.01 + 2e-6
+        0.040002
+        >>> rounding_bound(1e-6, 0.0, 2.0, 0.0)  # fp32: the reduction-order part alone
+        2e-06
+    """
+    if unit == 0.0:
+        return tolerance * scale
+    return tolerance * scale + ROUNDING_FACTOR * max(own_error, unit * scale)
