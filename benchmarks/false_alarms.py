@@ -75,7 +75,8 @@ def margins(report: EquivalenceReport) -> dict[str, float]:
     """A run's largest ratios: measured quantities, parameters and states, gradients over own."""
     measured = [c.ratio for c in report.comparisons if c.quantity in MEASURED]
     updated = [c.ratio for c in report.comparisons if c.quantity not in MEASURED]
-    own = [c.own_ratio for c in report.comparisons if c.quantity == "grad" and c.own_ratio]
+    own = [c.own_ratio for c in report.comparisons
+           if c.quantity == "grad" and c.own_ratio and not c.note]  # not numerically zero
     return {
         "measured": max(measured, default=0.0),
         "updates": max(updated, default=0.0),

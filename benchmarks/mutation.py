@@ -104,21 +104,45 @@ def run_harness(mutant: Any) -> dict[str, Any]:
     """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank; then the same
     case in bf16 (``bf16``: the same keys)."""
     result = _run_case(mutant, mutant.harness)
-    low = _in_bf16(mutant.harness)
-    result["bf16"] = _run_case(mutant, low) if low is not None else {"caught": None,
-                                                                       "why": "no harness case"}
+    result["bf16"] = _run_bf16(mutant)
     return result
 
 
-def _in_bf16(case: Any) -> Any:
-    """The case under a bf16 policy (as it is when it asks for a precision of its own)."""
-    if case is None:
-        return None
-    if "precision" in case.options:
-        return case
+def _run_bf16(mutant: Any) -> dict[str, Any]:
+    """The bf16 case; where its mesh gained a data axis, only if the same case in fp32 catches
+    the mutant (else the bug's code is off the path a data axis takes: not exercised)."""
     import dataclasses
 
-    return dataclasses.replace(case, options={**case.options, "precision": "bf16"})
+    low = mutant.low_precision or _in_bf16(mutant.harness)
+    if low is None:
+        return {"caught": None, "why": mutant.why_not or "no harness case"}
+    if mutant.low_precision is None and low.mesh != mutant.harness.mesh:
+        options = {k: v for k, v in low.options.items() if k != "precision"}
+        fp32 = _run_case(mutant, dataclasses.replace(low, options=options))
+        if not fp32["caught"]:
+            return {"caught": None, "why": f"not exercised on mesh {low.mesh} (a low-precision "
+                    "policy needs a data axis; the same case in fp32 does not catch it either)"}  # fmt: skip
+    return _run_case(mutant, low)
+
+
+def _in_bf16(case: Any) -> Any:
+    """The case under a bf16 policy (as it is when it asks for a precision of its own). A
+    low-precision policy is lowered through FSDP2 over a data axis, so a mesh without one (tensor,
+    pipeline, expert or context parallelism alone) gets ``dp: 2`` in front and its rules FSDP
+    over it: the same bug, on twice the ranks."""
+    import dataclasses
+
+    from meshtrain import Rules
+
+    if case is None or "precision" in case.options:
+        return case
+    options, mesh = {**case.options, "precision": "bf16"}, dict(case.mesh)
+    rules = options["rules"]
+    if not any(mesh.get(axis, 1) > 1 for axis in rules.fsdp):
+        mesh = {"dp": 2, **mesh} if "dp" not in mesh else {**mesh, "dp": 2}
+        options["rules"] = Rules(rules.patterns, logical=rules.logical, fsdp="dp",
+                                 gathered=rules.gathered)  # fmt: skip
+    return dataclasses.replace(case, mesh=mesh, options=options)
 
 
 def _run_case(mutant: Any, case: Any) -> dict[str, Any]:

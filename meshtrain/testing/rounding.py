@@ -116,13 +116,18 @@ class ExactTwin:
         return float((low.double() - exact.double()).abs().max()) if low.numel() else 0.0
 
 
-def rounding_bound(tolerance: float, unit: float, scale: float, own_error: float) -> float:
+def rounding_bound(
+    tolerance: float, unit: float, scale: float, own_error: float, rounded: float | None = None
+) -> float:
     """The bound on a plan's difference from the low-precision one-device reference.
 
     ``tolerance × scale`` is the contract's fp32 reduction-order part (``scale`` the quantity's
-    largest magnitude); the low-precision part is ``ROUNDING_FACTOR × max(ρ, u · scale)``, ``ρ``
-    the reference's own measured error of the quantity (:class:`ExactTwin`) and ``u · scale``
-    the least any low-precision computation of a value that large carries (one rounding of it).
+    largest magnitude); the low-precision part is ``ROUNDING_FACTOR × max(ρ, u · rounded)``,
+    ``ρ`` the reference's own measured error of the quantity (:class:`ExactTwin`) and
+    ``u · rounded`` the least a low-precision computation of it carries: one rounding of the
+    value (``rounded`` = ``scale``, the default) for what is computed in the compute dtype — a
+    gradient, the loss from its logits — and 0 for a running statistic, fp32 arithmetic on
+    low-precision activations whose rounding only the twin sees.
     Why a factor of 4: the plan's difference from the reference is its own error plus the
     reference's (2), and the plan rounds again where it splits a sum the reference takes whole
     (each rank's gradient, tensor-parallel partial products, activations all-reduced in the
@@ -138,4 +143,5 @@ def rounding_bound(tolerance: float, unit: float, scale: float, own_error: float
     """
     if unit == 0.0:
         return tolerance * scale
-    return tolerance * scale + ROUNDING_FACTOR * max(own_error, unit * scale)
+    rounded = scale if rounded is None else rounded
+    return tolerance * scale + ROUNDING_FACTOR * max(own_error, unit * rounded)
