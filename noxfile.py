@@ -72,6 +72,7 @@ def docs(session: nox.Session) -> None:
 BENCHMARKS = (
     "overhead", "peer", "planning", "compute", "harness", "gpu", "mutation",
     "moe", "moe_parallel", "moe_planning", "context_sizing", "long_context", "attention_tiles",
+    "false_alarms",
 )  # fmt: skip
 
 

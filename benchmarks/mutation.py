@@ -221,7 +221,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "bf16_exercised": len(low_exercised),
         "caught_in_bf16": sum(bool(h["caught"]) for h in low_exercised),
-        "bf16_missed": [r["name"] for r in real if r["harness"].get("bf16", {}).get("caught") is False],
+        "bf16_missed": [
+            r["name"] for r in real if r["harness"].get("bf16", {}).get("caught") is False
+        ],
         "bf16_equivalent_flagged": sum(
             bool(r["harness"].get("bf16", {}).get("caught")) for r in neutral
         ),

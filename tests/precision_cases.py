@@ -69,7 +69,9 @@ def own_llama() -> nn.Module:
 
 def own_moe() -> nn.Module:
     """meshtrain's MoE (hidden 32, 2 layers), initialised from the harness's seed."""
-    return build_moe(MoEConfig.debug(dim=32, n_layers=2, vocab_size=VOCAB), seed=torch.initial_seed())
+    return build_moe(
+        MoEConfig.debug(dim=32, n_layers=2, vocab_size=VOCAB), seed=torch.initial_seed()
+    )
 
 
 def roberta_classifier() -> nn.Module:
@@ -365,7 +367,9 @@ def cases(draw: st.DrawFn, precisions: tuple[str, ...] = ("bf16", "fp16")) -> Ca
     checkpointing or not, a seed in 0–4, 1–3 steps, AdamW or SGD."""
     family = draw(st.sampled_from([*FAMILIES, "plain"]))
     net = draw(plain_nets()) if family == "plain" else None
-    kinds = ("fsdp-zero2", "fsdp-zero3", "tp", "tp-sp", "pp") if net else plans_for(FAMILIES[family])
+    kinds = (
+        ("fsdp-zero2", "fsdp-zero3", "tp", "tp-sp", "pp") if net else plans_for(FAMILIES[family])
+    )
     return Case(
         family=family,
         plan=draw(st.sampled_from(kinds)),

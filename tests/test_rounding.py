@@ -95,3 +95,35 @@ def test_own_ratio() -> None:
     assert Comparison(1, "grad", "w", 0.0, 0.0, 0.0, own_error=0.0).own_ratio == 0.0
     assert Comparison(1, "grad", "w", 1.0, 1.0, 2.0, own_error=0.0).own_ratio == math.inf
     assert Comparison(1, "grad", "w", 1.0, 1.0, 2.0).own_ratio is None
+
+
+def test_recorded_choices_and_their_near_ties() -> None:
+    from meshtrain.testing.rounding import RecordTopk, near_ties
+
+    scores = torch.tensor([[0.30, 0.29, 0.41], [0.7, 0.2, 0.1]])
+    with RecordTopk() as low:
+        torch.topk(scores, 2, dim=-1)
+        scores.topk(1)
+        torch.topk(scores, 1, dim=0)  # not over the last dim: not a choice per row
+    assert [(c.k, tuple(c.values.shape)) for c in low.calls] == [(2, (2, 3)), (1, (2, 3))]
+    exact = [type(c)(c.values + 1e-3, c.k) for c in low.calls]  # fp32 values, 1e-3 apart
+    # k-th and next 0.01 apart: beyond 4 × a rounding of 1e-3 (or of u × 0.30)
+    assert near_ties(low.calls, exact, U_BF16) == {}
+    close = [type(c)(c.values + 5e-3, c.k) for c in low.calls]
+    assert near_ties(low.calls, close, U_BF16)[0].tolist() == [True, False]
+    assert near_ties(low.calls, close[:1], U_BF16) == {}  # another sequence of calls: none
+
+
+def test_flipped_choice_takes_the_next_candidate_and_keeps_gradients() -> None:
+    from meshtrain.testing.rounding import FlipTopk
+
+    scores = torch.tensor([[0.30, 0.29, 0.41], [0.7, 0.2, 0.1]], requires_grad=True)
+    with FlipTopk({0: torch.tensor([True, False])}):
+        values, indices = torch.topk(scores, 2, dim=-1)
+        other = torch.topk(scores, 1, dim=-1)  # call 1: not flipped
+    assert indices.tolist() == [[2, 1], [0, 1]]  # row 0: 0.29 (index 1) in place of 0.30
+    assert values.detach().flatten().tolist() == pytest.approx([0.41, 0.29, 0.7, 0.2])
+    assert other.indices.tolist() == [[2], [0]]
+    values.sum().backward()
+    assert scores.grad is not None
+    assert scores.grad.tolist() == [[0.0, 1.0, 1.0], [1.0, 1.0, 0.0]]

@@ -13,11 +13,10 @@ import functools
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-import torch.nn.functional as F
 
 from meshtrain.plan.ir import Plan
 

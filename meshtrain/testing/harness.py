@@ -29,7 +29,7 @@ import dataclasses
 import functools
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,16 @@ from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import ROUNDING_FACTOR, Contract, contract_for
-from meshtrain.testing.rounding import ExactTwin, OwnRounding, rounding_bound
+from meshtrain.testing.rounding import (
+    FLIP_FACTOR,
+    ExactTwin,
+    FlipAllowance,
+    FlipTopk,
+    OwnRounding,
+    RecordTopk,
+    TopkCall,
+    rounding_bound,
+)
 from meshtrain.testing.runner import SPMDTaskError, get_pool
 from meshtrain.testing.updates import STATE_KEYS, UpdateRule, param_bound, state_bound, update_rule
 from meshtrain.train.balance import after_optimizer_step
@@ -497,6 +506,24 @@ def _reference_clip(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return norm
 
 
+def _largest_difference(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
+    """The largest element of ``|a − b|`` (whole tensors; 0 where either is missing)."""
+    if a is None or b is None:
+        return 0.0
+    a, b = full_tensor(a).detach().double(), full_tensor(b).detach().double()
+    if a.shape != b.shape or not a.numel():
+        return 0.0
+    return float((a - b).abs().max())
+
+
+def _grad_values(grads: Mapping[str, torch.Tensor | None]) -> list[torch.Tensor]:
+    return [full_tensor(g).detach() for g in grads.values() if g is not None]
+
+
+def _norm(tensors: Iterable[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
+
+
 def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
     """Every local buffer by FQN (a pipeline's: its stage modules', under full-model FQNs)."""
     modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
@@ -517,6 +544,8 @@ class _Run:
         # the reference's own low-precision error is measured against this fp32 twin
         self.twin = ExactTwin(copy.deepcopy(model)) if self.contract.unit else None
         self.own = OwnRounding()
+        self.flips = FlipAllowance()
+        self.low_choices: list[TopkCall] = []
         self.applied = apply(self.plan, model)
         self.named = dict(self.applied.named_parameters())
         self.ref_named = dict(self.reference.named_parameters())
@@ -535,6 +564,7 @@ class _Run:
         self.state = TrainState.create(self.applied, self.optimizer)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
         self.result = _RankResult(reference_fqns=tuple(self.ref_named))
+        self.plan_largest = 0.0  # the plan's largest (unscaled) gradient this step
         self.step = 0
 
     # ---------------------------------------------------------------- one step
@@ -545,16 +575,17 @@ class _Run:
             inputs, targets, *rest = _batch(self.config, step - 1)
             positions = rest[0] if rest else None
             ref_loss, ref_finite = self._reference_backward(inputs, targets, positions)
+            ref_largest = self._gradient_scale() if ref_finite else math.inf
             self.own = self._measure_own(ref_loss, ref_finite, inputs, targets, positions)
             loss, norm, finite = self._plan_step(inputs, targets, positions)
-            self._compare_scalar(step, "loss", loss, ref_loss, self.own.loss)
+            self._compare_scalar(step, "loss", loss, ref_loss, self.own.loss, self.flips.loss)
             ref_norm, ref_grads, old_states = self._reference_clip_and_capture()
             ref_finite = ref_finite and math.isfinite(ref_loss) and math.isfinite(ref_norm)
             if ref_finite and finite:
-                self._compare_scalar(step, "grad norm", norm, ref_norm, self.own.grad_norm)
+                self._compare_scalar(step, "grad norm", norm, ref_norm, self.own.grad_norm,
+                                     self.flips.grad_norm)  # fmt: skip
             elif finite != ref_finite:
-                self._record(step, "overflow skip", "<all>", 1.0, 1.0, math.inf,
-                             note=f"plan finite={finite}, one device finite={ref_finite}")  # fmt: skip
+                self._compare_overflow(step, finite, ref_finite, ref_largest)
             if ref_finite:
                 self.ref_optimizer.step()
                 after_optimizer_step(self.reference)  # as the train step: MoE bias balancing
@@ -575,11 +606,39 @@ class _Run:
     ) -> tuple[float, bool]:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         keywords = {} if positions is None else {positions_keyword(self.reference): positions}
-        output = self.reference(inputs, **keywords)
+        recorder = RecordTopk() if self.twin is not None else contextlib.nullcontext()
+        with recorder:
+            output = self.reference(inputs, **keywords)
+        self.low_choices = recorder.calls if isinstance(recorder, RecordTopk) else []
         loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
         finite = self.ref_scaler.unscale_(self.ref_named.values()) if self.ref_scaler else True
-        return float(full_tensor(loss.detach())), bool(finite)
+        self._ref_loss = float(full_tensor(loss.detach()))
+        return self._ref_loss, bool(finite)
+
+    def _compare_overflow(
+        self, step: int, finite: bool, ref_finite: bool, ref_largest: float
+    ) -> None:
+        """A step that overflowed (fp16) on one side only. Which of two correct computations
+        overflows near fp16's limit is decided by where partial sums are taken — each of the
+        plan's ``w`` data-parallel ranks or micro-batches sums a share of the tokens, and a
+        share may exceed the total — and by how they round. So it is no difference when the
+        side that stepped came within a factor ``2w`` of the limit (its largest scaled gradient
+        ≥ 65,504 / 2w); farther from it, it fails."""
+        largest = self.plan_largest if finite else ref_largest
+        scale = self.ref_scaler.scale_value if self.ref_scaler is not None else 1.0
+        pipeline = self.plan.pipeline
+        micro = pipeline.microbatches if pipeline is not None else self.plan.options.microbatches
+        ways = self.data_ranks * max(micro or 1, 1)
+        limit = float(torch.finfo(torch.float16).max) / (2 * ways)
+        near = largest * scale >= limit
+        note = (
+            f"plan finite={finite}, one device finite={ref_finite}; the side that stepped had "
+            f"scaled gradients up to {largest * scale:.4g}"
+            + (f", within a factor {2 * ways} of fp16's limit: rounding" if near else "")
+        )
+        self._record(step, "overflow skip", "<all>", 0.0 if near else 1.0,
+                     0.0 if near else 1.0, 0.0 if near else math.inf, note=note)  # fmt: skip
 
     def _measure_own(
         self,
@@ -590,12 +649,53 @@ class _Run:
         positions: torch.Tensor | None,
     ) -> OwnRounding:
         """The reference's own low-precision error this step: the same step in fp32."""
+        self.flips = FlipAllowance()
         if self.twin is None or not ref_finite:
             return OwnRounding()
         keywords = {} if positions is None else {positions_keyword(self.twin.model): positions}
-        return self.twin.measure(
-            ref_loss, self.ref_named, inputs, targets, self.config.loss_fn, keywords
+        own = self.twin.measure(ref_loss, self.ref_named, inputs, targets, self.config.loss_fn,
+                                keywords, self.low_choices, self.contract.unit)  # fmt: skip
+        if own.near_ties:
+            self.flips = self._flip_allowance(own.near_ties, inputs, targets, positions)
+        return own
+
+    def _flip_allowance(
+        self,
+        rows: dict[int, torch.Tensor],
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+        positions: torch.Tensor | None,
+    ) -> FlipAllowance:
+        """What choosing the other way at the step's near-ties (a token routed to the expert
+        just below its k-th, where rounding can tip it) changes on one device: the reference
+        run again from the same parameters with those choices flipped, its gradients and
+        buffers set aside and restored after."""
+        grads = {fqn: p.grad for fqn, p in self.ref_named.items()}
+        buffers = _named_buffers(self.reference)
+        kept = {fqn: b.detach().clone() for fqn, b in buffers.items()}
+        for param in self.ref_named.values():
+            param.grad = None
+        scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
+        keywords = {} if positions is None else {positions_keyword(self.reference): positions}
+        with FlipTopk(rows):
+            output = self.reference(inputs, **keywords)
+        loss = self.config.loss_fn(output, targets) / targets.numel()
+        (loss * scale).backward()
+        flipped = {fqn: full_tensor(p.grad).detach() / scale for fqn, p in self.ref_named.items()
+                   if p.grad is not None}  # fmt: skip
+        allowance = FlipAllowance(
+            rows=sum(int(r.sum()) for r in rows.values()),
+            loss=abs(float(full_tensor(loss.detach())) - self._ref_loss),
+            grad_norm=abs(_norm(flipped.values()) - _norm(_grad_values(grads))),
+            grads={fqn: _largest_difference(g, grads[fqn]) for fqn, g in flipped.items()},
+            buffers={fqn: _largest_difference(b.detach(), kept[fqn]) for fqn, b in buffers.items()},
         )
+        with torch.no_grad():
+            for fqn, buffer in buffers.items():
+                buffer.copy_(kept[fqn])
+        for fqn, param in self.ref_named.items():
+            param.grad = grads[fqn]
+        return allowance
 
     def _plan_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
@@ -618,12 +718,15 @@ class _Run:
             Comparison(step, quantity, fqn, abs_error, rel_error, ratio, note, own_error)
         )
 
-    def _bound(self, scale: float, own_error: float, rounded: float | None = None) -> float:
+    def _bound(self, scale: float, own_error: float, rounded: float | None = None,
+               flip: float = 0.0) -> float:  # fmt: skip
         """The contract's bound on a quantity of largest magnitude ``scale`` whose one-device
-        low-precision error is ``own_error`` (:func:`~meshtrain.testing.rounding.rounding_bound`)."""
-        return rounding_bound(
+        low-precision error is ``own_error`` (:func:`~meshtrain.testing.rounding.rounding_bound`),
+        plus ``FLIP_FACTOR`` × what flipping the step's near-ties changes (``flip``)."""
+        bound = rounding_bound(
             self.contract.tolerance, self.contract.unit, scale, own_error, rounded
         )
+        return bound + FLIP_FACTOR * flip
 
     @staticmethod
     def _ratio(abs_error: float, bound: float) -> float:
@@ -636,18 +739,18 @@ class _Run:
         return own_error if self.twin is not None else None
 
     def _compare_scalar(self, step: int, quantity: str, value: float, reference: float,
-                        own_error: float = 0.0) -> None:  # fmt: skip
+                        own_error: float = 0.0, flip: float = 0.0) -> None:  # fmt: skip
         abs_error = abs(value - reference)
         rel_error = abs_error / max(abs(reference), 1e-30)
         if not math.isfinite(value) and not math.isfinite(reference):
             abs_error = rel_error = 0.0
-        ratio = self._ratio(abs_error, self._bound(abs(reference), own_error))
+        ratio = self._ratio(abs_error, self._bound(abs(reference), own_error, flip=flip))
         self._record(step, quantity, "<global>", abs_error, rel_error, ratio,
                      own_error=self._own(own_error))  # fmt: skip
 
     def _compare_tensor(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
                         reference: torch.Tensor, floor: float = 0.0, own_error: float = 0.0,
-                        rounded: float | None = None) -> None:  # fmt: skip
+                        rounded: float | None = None, flip: float = 0.0) -> None:  # fmt: skip
         diff = (value.double() - reference.double()).abs()
         abs_error = float(diff.max()) if diff.numel() else 0.0
         own = float(reference.double().abs().max()) if reference.numel() else 0.0
@@ -656,7 +759,9 @@ class _Run:
         note = (
             "numerically zero: measured against the step's largest gradient" if scale != own else ""
         )
-        ratio = self._ratio(abs_error, self._bound(scale, own_error, rounded))
+        ratio = self._ratio(abs_error, self._bound(scale, own_error, rounded, flip))
+        if flip and not note:
+            note = f"{self.flips.rows} near-tie choice(s) allowed to flip"
         self._record(step, quantity, fqn, abs_error, rel_error, ratio, note,
                      self._own(own_error))  # fmt: skip
 
@@ -678,6 +783,10 @@ class _Run:
     def _compare_grads(self) -> None:
         step = self.step
         floor = self._gradient_scale()
+        self.plan_largest = max(
+            (float(full_tensor(p.grad).detach().abs().max()) for p in self.named.values()
+             if p.grad is not None and p.grad.numel()), default=0.0,
+        )  # fmt: skip
         for fqn, param in self.named.items():
             reference = self.ref_named[fqn].grad
             if param.grad is None or reference is None:
@@ -686,14 +795,16 @@ class _Run:
                                  note="gradient present on one side only")  # fmt: skip
                 continue
             value, ref = full_tensor(param.grad).detach(), full_tensor(reference).detach()
-            self._compare_tensor(step, "grad", fqn, value, ref, floor, self.own.grads.get(fqn, 0.0))
+            self._compare_tensor(step, "grad", fqn, value, ref, floor, self.own.grads.get(fqn, 0.0),
+                                 flip=self.flips.grads.get(fqn, 0.0))  # fmt: skip
 
     def _grad_bound(self, fqn: str, ref: torch.Tensor, floor: float) -> float:
         """A gradient's bound: the contract's reduction-order part of its scale, plus under low
         precision a multiple of the reference's own measured error of it."""
         own = float(ref.abs().max()) if ref.numel() else 0.0
         own_error = self.own.grads.get(fqn, 0.0)
-        return self._bound(self._scale(own, floor, own_error), own_error)
+        flip = self.flips.grads.get(fqn, 0.0)
+        return self._bound(self._scale(own, floor, own_error), own_error, flip=flip)
 
     def _gradient_scale(self) -> float:
         """The largest gradient element of the one-device model this step."""
@@ -775,11 +886,14 @@ class _Run:
                 # running statistics are fp32 arithmetic on low-precision activations: their
                 # rounding is what the twin measures, not one rounding of the statistic
                 own = self.twin.buffer_error(fqn, ref) if self.twin is not None else 0.0
-                self._compare_tensor(step, "buffer", fqn, value, ref, own_error=own, rounded=0.0)
-            else:
+                self._compare_tensor(step, "buffer", fqn, value, ref, own_error=own, rounded=0.0,
+                                     flip=self.flips.buffers.get(fqn, 0.0))  # fmt: skip
+            else:  # exactly, but for what flipping the step's near-ties changes (counts)
                 same = torch.equal(value, ref.to(value.dtype))
                 error = 0.0 if same else self._exact_error(value, ref)
-                self._record(step, "buffer", fqn, error, error, 0.0 if same else math.inf)
+                allowed = FLIP_FACTOR * self.flips.buffers.get(fqn, 0.0)
+                ratio = 0.0 if same else error / allowed if allowed else math.inf
+                self._record(step, "buffer", fqn, error, error, ratio)
 
     @staticmethod
     def _exact_error(value: torch.Tensor, reference: torch.Tensor) -> float:
@@ -810,14 +924,13 @@ class _Run:
     def _resync(self) -> None:
         """Copy the plan's parameters, optimizer states and buffers into the reference (every
         stage's, gathered over the pipeline axis), so the next step starts from the same point."""
-        keys = STATE_KEYS[self.rule.kind] if self.rule.kind != "none" else ()
         mine = {
             fqn: (
                 full_tensor(param.detach()).clone(),
                 {
                     key: full_tensor(value).clone()
                     for key, value in self.optimizer.state.get(param, {}).items()
-                    if key in keys and isinstance(value, torch.Tensor)
+                    if isinstance(value, torch.Tensor)
                 },
             )
             for fqn, param in self.named.items()
@@ -841,12 +954,25 @@ class _Run:
                 if ref_param is None:
                     continue
                 _local(ref_param.detach()).copy_(value)
-                ref_state = self.ref_optimizer.state.get(ref_param, {})
-                for key, state in states.items():
-                    if isinstance(ref_state.get(key), torch.Tensor):
-                        _local(ref_state[key]).copy_(state)
+                self._take_state(ref_param, states)
         if self.twin is not None:
             self.twin.take(self.ref_named, ref_buffers)
+        if self.ref_scaler is not None and self.train_step.scaler is not None:
+            self.ref_scaler.load_state_dict(self.train_step.scaler.state_dict())
+
+    def _take_state(self, ref_param: torch.Tensor, states: dict[str, torch.Tensor]) -> None:
+        """The reference's optimizer state for ``ref_param`` becomes the plan's: copied where
+        both have it, created where only the plan has it, dropped where the plan has none (a
+        step one side skipped — an fp16 overflow on one side only — leaves them apart)."""
+        if not states:
+            self.ref_optimizer.state.pop(ref_param, None)
+            return
+        ref_state = self.ref_optimizer.state[ref_param]
+        for key, state in states.items():
+            if not isinstance(ref_state.get(key), torch.Tensor):
+                shaped = state.shape == ref_param.shape
+                ref_state[key] = torch.zeros_like(ref_param) if shaped else state.clone()
+            _local(ref_state[key]).copy_(state)
 
 
 # ----------------------------------------------------------------------------- merge

@@ -178,6 +178,8 @@ PACKED_DP2_CP2 = HarnessCase(
     {"rules": context_models.rules(("dp",)), "seq_len": context_models.SEQ},
     {"batches": packed_batches.packed_batches, "optimizer": "adamw"},
 )
+
+
 def small_image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """8 random 2×2 RGB images and their labels: 32 values per BatchNorm channel, so a bug in the
     statistics (the running variance's n/(n−1), a local mean) changes them by a few percent —
@@ -285,6 +287,13 @@ _ALL = [
            r"running_var", low_precision=CNN_DP_BF16),
     Mutant("batch-norm-not-synchronised", "BatchNorm statistics from the local batch",
            plants.batch_norm_not_synchronised, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP),
+    Mutant("checkpoint-replays-buffer-updates",
+           "checkpointing's recomputation updates BatchNorm running statistics again",
+           plants.checkpoint_replays_buffer_updates,
+           ("tests/test_compute_spmd.py::test_checkpointed_batch_norms_update_their_statistics_once",),
+           HarnessCase(zoo.cnn, {"dp": 2}, {"rules": zoo.REPLICATED, "zero": 3,
+                                            "activation_checkpointing": "full"},
+                       {"batches": zoo.image_batches}), r"running_|num_batches"),
     Mutant("per-rank-init-seed", "per-rank initialisation seed",
            plants.per_rank_init_seed, (MATERIALISE,), None, why_not=NOT_BUILT),
     Mutant("resharding-offset", "shard copied at the next rank's offset",
