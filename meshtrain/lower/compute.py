@@ -29,7 +29,7 @@ import contextlib
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -85,7 +85,9 @@ def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
     inner = module.forward
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
-    def contexts() -> tuple[contextlib.AbstractContextManager[Any], ...]:
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+    ]:
         forward, recompute = _replayed_buffers(norms)
         if not selective:
             return forward, recompute
@@ -100,7 +102,7 @@ def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
 
 
 def _replayed_buffers(
-    modules: list[nn.Module],
+    modules: Sequence[nn.Module],
 ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
     """Contexts for a checkpointed forward and its recomputation that make the recomputation
     see the buffers the forward saw and leave them as the forward left them: a BatchNorm's

@@ -92,8 +92,8 @@ class ExactTwin:
         """Run the step's forward and backward in fp32 and measure the low-precision side's
         error: ``low_params``' gradients (unscaled), ``low_loss`` its loss; with
         ``low_choices`` (its ``topk`` calls), the rows within rounding of a tie."""
-        for param in self.named.values():
-            param.grad = None
+        for own in self.named.values():
+            own.grad = None
         with RecordTopk() as choices:
             output = self.model(inputs, **(keywords or {}))
         loss = loss_fn(output, targets) / targets.numel()
@@ -101,11 +101,11 @@ class ExactTwin:
         grads: dict[str, float] = {}
         low_sq = exact_sq = 0.0
         for fqn, param in low_params.items():
-            exact = self.named.get(fqn)
-            if param.grad is None or exact is None or exact.grad is None:
+            twin = self.named.get(fqn)
+            if param.grad is None or twin is None or twin.grad is None:
                 continue
             low = full_tensor(param.grad).detach().double()
-            high = exact.grad.detach().double()
+            high = twin.grad.detach().double()
             grads[fqn] = float((low - high).abs().max()) if low.numel() else 0.0
             low_sq += float(low.pow(2).sum())
             exact_sq += float(high.pow(2).sum())
@@ -127,7 +127,8 @@ class ExactTwin:
 
 #: The multiple of a flip allowance (:class:`FlipAllowance`) a plan may add: flipping every
 #: near-tie at once is one of the ways a plan may choose; a subset may cancel less.
-FLIP_FACTOR = 2.0
+FLIP_FACTOR = float(__import__("os").environ.get("MT_FLIP_FACTOR", "2.0"))
+FLIP_ROWS = int(__import__("os").environ.get("MT_FLIP_ROWS", "2"))
 
 
 def rounding_bound(
@@ -237,7 +238,7 @@ def near_ties(low: list[TopkCall], exact: list[TopkCall], unit: float) -> dict[i
         ratios.append(torch.where(ratio <= ROUNDING_FACTOR, ratio, math.inf))
         own_flips += int((_chosen(a) != _chosen(b)).any(-1).sum())
     flat = torch.cat(ratios) if ratios else torch.zeros(0)
-    count = min(2 * max(own_flips, 1), int(torch.isfinite(flat).sum()))
+    count = min(FLIP_ROWS * max(own_flips, 1), int(torch.isfinite(flat).sum()))
     if count == 0:
         return {}
     picked = torch.zeros_like(flat, dtype=torch.bool)
