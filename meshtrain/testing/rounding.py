@@ -127,8 +127,9 @@ class ExactTwin:
 
 #: The multiple of a flip allowance (:class:`FlipAllowance`) a plan may add: flipping every
 #: near-tie at once is one of the ways a plan may choose; a subset may cancel less.
-FLIP_FACTOR = float(__import__("os").environ.get("MT_FLIP_FACTOR", "2.0"))
-FLIP_ROWS = int(__import__("os").environ.get("MT_FLIP_ROWS", "2"))
+FLIP_FACTOR = 2.0
+#: Near-tie rows flipped per row the reference itself flips against fp32 (see :func:`near_ties`).
+FLIP_ROWS = 2
 
 
 def rounding_bound(
