@@ -72,7 +72,7 @@ def docs(session: nox.Session) -> None:
 BENCHMARKS = (
     "overhead", "peer", "planning", "compute", "harness", "gpu", "mutation",
     "moe", "moe_parallel", "moe_planning", "context_sizing", "long_context", "attention_tiles",
-    "proof_precision", "recipe_ab",
+    "proof_precision", "recipe_ab", "false_alarms",
 )  # fmt: skip
 
 

@@ -9,7 +9,10 @@ numerically neutral rewrite — is planted alone, never on disk: in this process
 - *caught*: ``assert_equivalent`` on its case, 2 steps, the bug planted on every rank through
   ``rank_context``, raises (its clean run passes: checked once per case);
 - *named*: the report's failing tensors include one the catalogue expects (a module or
-  parameter name, or ``<global>`` for the loss and gradient norm).
+  parameter name, or ``<global>`` for the loss and gradient norm);
+- *caught in bf16*: the same case under ``precision="bf16"`` (its clean bf16 run passes, checked
+  once per case) raises — the low-precision contract, which allows a multiple of one device's own
+  bf16 error, must keep the fp32 contract's teeth.
 
 Equivalent mutants pass when nothing flags them. Prints a table, writes JSON, and writes the
 figure into ``docs/testing.md`` between the ``mutation-benchmark`` markers.
@@ -98,8 +101,51 @@ _CLEAN: dict[str, dict[str, Any]] = {}
 
 
 def run_harness(mutant: Any) -> dict[str, Any]:
-    """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank."""
-    case = mutant.harness
+    """``assert_equivalent`` on the mutant's case, 2 steps, planted on every rank; then the same
+    case in bf16 (``bf16``: the same keys)."""
+    result = _run_case(mutant, mutant.harness)
+    result["bf16"] = _run_bf16(mutant)
+    return result
+
+
+def _run_bf16(mutant: Any) -> dict[str, Any]:
+    """The bf16 case (not exercised when it computes exactly what it computes clean: the bug's
+    code is off the path a low-precision policy takes)."""
+    low = mutant.low_precision or _in_bf16(mutant.harness)
+    if low is None:
+        return {"caught": None, "why": mutant.why_not or "no harness case"}
+    return _run_case(mutant, low)
+
+
+def _in_bf16(case: Any) -> Any:
+    """The case under a bf16 policy (as it is when it asks for a precision of its own). A
+    low-precision policy is lowered through FSDP2 over a data axis, so a case refused for want
+    of one (tensor or pipeline parallelism alone) gets ``dp: 2`` and its rules FSDP over it: the
+    same bug, on twice the ranks."""
+    import dataclasses
+    import math
+
+    import meshtrain as mt
+    from meshtrain import Rules
+
+    if case is None or "precision" in case.options:
+        return case
+    low = dataclasses.replace(case, options={**case.options, "precision": "bf16"})
+    mesh = mt.make_mesh(low.mesh, world_size=math.prod(low.mesh.values()), abstract=True)
+    try:
+        mt.plan(low.model(), mesh, **low.options)
+        return low
+    except mt.PlanError as error:
+        if "data axis" not in str(error):
+            return low
+    rules = low.options["rules"]
+    data = {"dp": 2, **low.mesh} if "dp" not in low.mesh else {**low.mesh, "dp": 2}
+    options = {**low.options, "rules": Rules(rules.patterns, logical=rules.logical, fsdp="dp",
+                                             gathered=rules.gathered)}  # fmt: skip
+    return dataclasses.replace(low, mesh=data, options=options)
+
+
+def _run_case(mutant: Any, case: Any) -> dict[str, Any]:
     if case is None:
         return {"caught": None, "named": None, "why": mutant.why_not}
     key = repr((case.model, case.mesh, case.options, case.extra))
@@ -110,6 +156,10 @@ def run_harness(mutant: Any) -> dict[str, Any]:
                 "why": f"its case fails without the mutant: {_CLEAN[key]['first']}"}  # fmt: skip
     began = time.perf_counter()
     result = _check(case, mutant.plant)
+    if not result["caught"] and result.get("signature") == _CLEAN[key].get("signature"):
+        return {"caught": None, "named": None, "why": "not exercised: the case computes exactly "
+                "what it computes without the mutant"}  # fmt: skip
+    result.pop("signature", None)
     result["clean_passes"] = True
     result["seconds"] = round(time.perf_counter() - began, 1)
     if result["caught"]:
@@ -123,8 +173,8 @@ def _check(case: Any, plant: Any) -> dict[str, Any]:
 
     extra = dict(case.extra)
     try:
-        assert_equivalent(case.model, case.mesh, case.options, steps=2, rank_context=plant,
-                          **extra)  # fmt: skip
+        report = assert_equivalent(case.model, case.mesh, case.options, steps=2,
+                                   rank_context=plant, **extra)  # fmt: skip
     except mt.EquivalenceError as error:
         report = error.report  # type: ignore[attr-defined]
         first = report.first_divergence
@@ -138,7 +188,14 @@ def _check(case: Any, plant: Any) -> dict[str, Any]:
         line = (raised or text.strip().splitlines() or [""])[0].strip()[:200]
         return {"caught": True, "how": f"raised {type(error).__name__}", "first": line,
                 "fqns": re.findall(r"'([\w.]+)'", line)}  # fmt: skip
-    return {"caught": False, "how": "passed", "first": "", "fqns": []}
+    return {"caught": False, "how": "passed", "first": "", "fqns": [],
+            "signature": _signature(report)}  # fmt: skip
+
+
+def _signature(report: Any) -> list[tuple[int, str, str, float]]:
+    """What a passing run computed, as its differences from one device: the same for a mutant
+    whose code the case never reaches (the runs are deterministic on the same ranks)."""
+    return [(c.step, c.quantity, c.fqn, c.abs_error) for c in report.comparisons]
 
 
 def verdict(mutant: Any, suite: dict[str, Any], harness: dict[str, Any]) -> bool:
@@ -153,13 +210,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     def mark(value: Any) -> str:
         return "n/a" if value is None else "yes" if value else "NO"
 
-    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it | "
+             "harness catches in bf16 |", "|---|---|---|---|---|---|"]  # fmt: skip
     for row in rows:
         eq = " (equivalent)" if row["equivalent"] else ""
+        low = row["harness"].get("bf16", {}).get("caught")
         lines.append(
             f"| `{row['name']}`{eq} | {row['kind']} | {mark(row['suite']['killed'])} | "
-            f"{mark(row['harness']['caught'])} | {mark(row['harness'].get('named'))} |"
+            f"{mark(row['harness']['caught'])} | {mark(row['harness'].get('named'))} | "
+            f"{mark(low)} |"
         )
     return "\n".join(lines)
 
@@ -168,7 +227,17 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     real = [r for r in rows if not r["equivalent"]]
     neutral = [r for r in rows if r["equivalent"]]
     exercised = [r for r in real if r["harness"]["caught"] is not None]
+    low = [r["harness"].get("bf16", {}) for r in real]
+    low_exercised = [h for h in low if h.get("caught") is not None]
     return {
+        "bf16_exercised": len(low_exercised),
+        "caught_in_bf16": sum(bool(h["caught"]) for h in low_exercised),
+        "bf16_missed": [
+            r["name"] for r in real if r["harness"].get("bf16", {}).get("caught") is False
+        ],
+        "bf16_equivalent_flagged": sum(
+            bool(r["harness"].get("bf16", {}).get("caught")) for r in neutral
+        ),
         "mutants": len(rows),
         "non_equivalent": len(real),
         "killed_by_suite": sum(bool(r["suite"]["killed"]) for r in real),
@@ -220,7 +289,13 @@ def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
             f"catches {totals['caught_by_harness']} of the {exercised} it can exercise "
             f"({pct(totals['caught_by_harness'], exercised)}) and its report names the module or "
             f"parameter for {totals['named_by_harness']}; {totals['equivalent_flagged']} of "
-            f"{totals['equivalent']} equivalent mutants flagged.",
+            f"{totals['equivalent']} equivalent mutants flagged. The same cases in bf16 (the "
+            f"low-precision contract): caught {totals['caught_in_bf16']} of the "
+            f"{totals['bf16_exercised']} exercised "
+            f"({pct(totals['caught_in_bf16'], totals['bf16_exercised'])}); "
+            f"{totals['bf16_equivalent_flagged']} equivalent mutants flagged"
+            + (f"; missed: {', '.join(f'`{n}`' for n in totals['bf16_missed'])}."
+               if totals["bf16_missed"] else "."),
             "",
             "Survivors (a gap in the suite or the harness):",
             *lines,
@@ -275,9 +350,11 @@ def main() -> None:
                    "tests": list(mutant.tests), "suite": suite, "harness": harness}  # fmt: skip
             row["ok"] = verdict(mutant, suite, harness)
             rows.append(row)
+            low = harness["bf16"]
             print(
                 f"{name:40} suite {suite['killed']!s:5} harness {harness['caught']!s:5} "
-                f"named {harness.get('named')!s:5} {harness.get('first', '')[:70]}",
+                f"named {harness.get('named')!s:5} bf16 {low.get('caught')!s:5} "
+                f"{harness.get('first', '')[:60]} | bf16: {low.get('first', low.get('why', ''))[:60]}",
                 flush=True,
             )
     finally:

@@ -248,3 +248,21 @@ def test_graph_breaks_are_reported() -> None:
     with pytest.warns(mt.GraphBreakWarning, match=r"more graphs 2 time.*item\(\)"):
         [(count, reasons)] = get_pool(1).run(_breaking_run, _timeout_s=120.0)
     assert count >= 2 and any("item" in reason for reason in reasons), reasons
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_checkpointed_batch_norms_update_their_statistics_once(mode: str) -> None:
+    """A checkpointed block's BatchNorm sees, when backward recomputes it, the running
+    statistics its forward saw, and keeps what the forward left: torch's checkpoint replays the
+    forward's side effects, which moved the statistics twice and doubled
+    ``num_batches_tracked`` (on one rank as on two) until the lowering restored them."""
+    import zoo
+
+    from meshtrain.testing import assert_equivalent
+
+    options = {"rules": zoo.REPLICATED, "activation_checkpointing": mode}
+    report = assert_equivalent(zoo.cnn, {"dp": 2}, options, batches=zoo.image_batches, steps=2)
+    counts = [c for c in report.comparisons if c.fqn.endswith("num_batches_tracked")]
+    assert counts and all(c.abs_error == 0.0 for c in counts)
+    statistics = [c for c in report.comparisons if c.fqn.endswith("running_var")]
+    assert statistics and all(c.ok for c in statistics)

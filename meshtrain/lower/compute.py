@@ -25,10 +25,11 @@ Example (inside ``parallelize``)::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -82,15 +83,65 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 
 def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
     inner = module.forward
-    extra: dict[str, Any] = {}
-    if selective:
-        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_matmuls)
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+    ]:
+        forward, recompute = _replayed_buffers(norms)
+        if not selective:
+            return forward, recompute
+        keep_forward, keep_recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+        return _both(forward, keep_forward), _both(recompute, keep_recompute)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
     module.forward = forward
+
+
+def _replayed_buffers(
+    modules: Sequence[nn.Module],
+) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """Contexts for a checkpointed forward and its recomputation that make the recomputation
+    see the buffers the forward saw and leave them as the forward left them: a BatchNorm's
+    running statistics are updated once per forward, not again when backward recomputes it
+    (torch's checkpoint replays the forward with its side effects: full checkpointing of a
+    block with a BatchNorm doubled ``num_batches_tracked`` and moved the running statistics
+    twice, on one rank as on many)."""
+    buffers = [b for m in modules for b in m.buffers(recurse=False)]
+    saved: dict[str, list[torch.Tensor]] = {}
+
+    @contextlib.contextmanager
+    def forward() -> Iterator[None]:
+        saved["before"] = [b.detach().clone() for b in buffers]
+        yield
+        saved["after"] = [b.detach().clone() for b in buffers]
+
+    @contextlib.contextmanager
+    def recompute() -> Iterator[None]:
+        _copy_into(buffers, saved.get("before", []))
+        yield
+        _copy_into(buffers, saved.get("after", []))
+
+    if not buffers:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+    return forward(), recompute()
+
+
+@torch.no_grad()
+def _copy_into(buffers: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for buffer, value in zip(buffers, values):
+        buffer.copy_(value)
+
+
+@contextlib.contextmanager
+def _both(
+    first: contextlib.AbstractContextManager[Any], second: contextlib.AbstractContextManager[Any]
+) -> Iterator[None]:
+    with first, second:
+        yield
 
 
 def compile_blocks(plan: Plan, model: nn.Module) -> None:

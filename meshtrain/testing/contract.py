@@ -21,10 +21,14 @@ summed over the reorderings ``r``: re-associating a sum into ``ways`` partial su
 ``⌈log₂ ways⌉`` roundings of the combined sum plus one inside the parts, each ≤ ε of the
 magnitudes involved; a perturbation introduced in one block reaches the loss through the
 ``depth`` = blocks + 2 (input and head) layers without growing (residual, normalised blocks),
-once forward and once backward (the 2). ``approximate`` adds ``(1 + ways) · u`` per rounding
-site, u the compute dtype's unit roundoff (bf16 2⁻⁸, fp16 2⁻¹¹): a site rounds ``ways`` partial
-results separately where one device rounds their sum once, which differs by at most
-``u · (|Σ pᵢ| + Σ |pᵢ|)`` — ``(1 + ways) · u`` of the magnitudes involved.
+once forward and once backward (the 2). ``approximate`` (bf16/fp16) adds, for every compared
+quantity, ``4 × max(ρ, u · scale)``: ``ρ`` the one-device reference's own low-precision error of
+that quantity, measured each step against the same step run in fp32
+(:mod:`meshtrain.testing.rounding`), and ``u`` the compute dtype's unit roundoff (bf16 2⁻⁸,
+fp16 2⁻¹¹). The rounding sites the plan adds (each rank's gradient, tensor-parallel partial
+products, pipeline casts: :attr:`Contract.rounding_sites`) are listed, not modelled: what they
+do to a tensor depends on every op upstream of it, which the measurement sees and a model per
+op type does not.
 
 Parameters and optimizer states are compared after every step from the same starting point
 (the harness copies the plan's values into the reference after each step); their element-wise
@@ -50,6 +54,9 @@ from meshtrain.plan.ir import Plan
 Level = Literal["bitwise", "reduction-order", "approximate"]
 EPS_FP32 = float(torch.finfo(torch.float32).eps)
 UNIT_ROUNDOFF = {"bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 0.0}
+#: The multiple of the one-device reference's own low-precision error a plan may add
+#: (:func:`meshtrain.testing.rounding.rounding_bound` says why 4).
+ROUNDING_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -82,15 +89,18 @@ class Contract:
 
     @property
     def tolerance(self) -> float:
-        """Relative bound per step for the loss, the gradient norm and each gradient."""
+        """Relative bound per step for the loss, the gradient norm and each gradient from the
+        reductions taken in another order (fp32 arithmetic); an ``approximate`` contract adds
+        a multiple of the one-device reference's own measured rounding (:attr:`unit`)."""
         if self.level == "bitwise":
             return 0.0
         levels = sum(r.levels for r in self.reorderings)
-        bound = 2 * EPS_FP32 * self.depth * levels
-        if self.level == "approximate":
-            u = UNIT_ROUNDOFF[self.precision]
-            bound += sum((1 + site.ways) * u for site in self.rounding_sites)
-        return bound
+        return 2 * EPS_FP32 * self.depth * levels
+
+    @property
+    def unit(self) -> float:
+        """The compute dtype's unit roundoff under an ``approximate`` contract, else 0."""
+        return UNIT_ROUNDOFF[self.precision] if self.level == "approximate" else 0.0
 
     def describe(self) -> str:
         """One paragraph: the level, what changes order or rounding, and the bound it gives."""
@@ -105,7 +115,11 @@ class Contract:
         )
         if self.level == "approximate":
             sites = "; ".join(f"{s.what} ({s.ways} ways)" for s in self.rounding_sites)
-            text += f" ({self.precision}, (1 + ways)·u per rounding site: {sites or 'none'})"
+            text += (
+                f", plus {ROUNDING_FACTOR:g}× the one-device reference's own {self.precision} "
+                f"error (measured against fp32, per tensor); rounded apart from one device: "
+                f"{sites or 'none'}"
+            )
         return text + "."
 
     def to_dict(self) -> dict[str, Any]:

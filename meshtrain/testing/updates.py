@@ -2,11 +2,9 @@
 
 Both runs start the step from the same parameters and optimizer states (the harness re-syncs
 them), so the only difference entering the update is the gradient's: at most ``delta`` per
-element (absolute; a number, or a tensor of one bound per element where the gradient's bound is
-derived per element, :mod:`meshtrain.testing.terms`). Under Adam the per-element bound matters
-most: where ``delta`` spans zero the comparison can only check that each update is at most
-``lr``, so a bound taken from the tensor's (or the step's) largest magnitude left whole
-tensors of small gradients with no check but that. What that does to the new parameters depends on the update rule:
+element (absolute; a number, or a tensor of one bound per element). Under Adam, where
+``delta`` spans zero the comparison can only check that each update is at most ``lr``. What that
+does to the new parameters depends on the update rule:
 
 * SGD (momentum μ, dampening d, weight decay, Nesterov): the update is linear in the gradient,
   ``|Δθ| ≤ lr · (1 - d) · (1 + μ·nesterov) · delta``.

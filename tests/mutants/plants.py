@@ -861,3 +861,16 @@ def context_documents_from_local_chunks() -> Iterator[None]:
 
     with mock.patch.object(context_parallel.ContextGroup, "documents", local):
         yield
+
+
+@contextlib.contextmanager
+def checkpoint_replays_buffer_updates() -> Iterator[None]:
+    """Activation checkpointing without the buffer replay: backward's recomputation updates a
+    BatchNorm's running statistics a second time."""
+    compute = importlib.import_module("meshtrain.lower.compute")
+
+    def nothing(modules: Any) -> tuple[Any, Any]:
+        return contextlib.nullcontext(), contextlib.nullcontext()
+
+    with mock.patch.object(compute, "_replayed_buffers", nothing):
+        yield
