@@ -84,21 +84,33 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
 def _checkpoint_forward(module: nn.Module, *, selective: bool) -> None:
     inner = module.forward
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-
-    def contexts() -> tuple[
-        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
-    ]:
-        forward, recompute = _replayed_buffers(norms)
-        if not selective:
-            return forward, recompute
-        keep_forward, keep_recompute = create_selective_checkpoint_contexts(_keep_matmuls)
-        return _both(forward, keep_forward), _both(recompute, keep_recompute)
+    compiled: dict[str, Any] = {}
+    if selective:
+        compiled["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, _keep_matmuls
+        )
+    eager = dict(compiled)
+    if norms:
+        eager["context_fn"] = functools.partial(_eager_contexts, norms, selective)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return checkpoint(inner, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        # Compiled, the recomputation is a traced graph whose buffer writes are functional
+        # (applied once, after forward); eager, torch replays them and the contexts undo that.
+        extra = compiled if torch.compiler.is_compiling() else eager
+        return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     module.forward = forward
+
+
+def _eager_contexts(
+    norms: Sequence[nn.Module], selective: bool
+) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+    forward, recompute = _replayed_buffers(norms)
+    if not selective:
+        return forward, recompute
+    keep_forward, keep_recompute = create_selective_checkpoint_contexts(_keep_matmuls)
+    return _both(forward, keep_forward), _both(recompute, keep_recompute)
 
 
 def _replayed_buffers(

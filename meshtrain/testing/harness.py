@@ -525,6 +525,15 @@ def _norm(tensors: Iterable[torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
+@contextlib.contextmanager
+def _same_draws(state: torch.Tensor) -> Iterator[None]:
+    """Run with the CPU generator at ``state`` (where the reference's forward started: a rerun
+    of it draws the same dropout masks), the caller's random state restored after."""
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(state)
+        yield
+
+
 def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
     """Every local buffer by FQN (a pipeline's: its stage modules', under full-model FQNs)."""
     modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
@@ -547,6 +556,7 @@ class _Run:
         self.own = OwnRounding()
         self.flips = FlipAllowance()
         self.low_choices: list[TopkCall] = []
+        self._ref_draws = torch.get_rng_state()
         self.applied = apply(self.plan, model)
         self.named = dict(self.applied.named_parameters())
         self.ref_named = dict(self.reference.named_parameters())
@@ -608,6 +618,7 @@ class _Run:
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         keywords = {} if positions is None else {positions_keyword(self.reference): positions}
         recorder = RecordTopk() if self.twin is not None else contextlib.nullcontext()
+        self._ref_draws = torch.get_rng_state()  # the twin and the flipped run draw the same
         with recorder:
             output = self.reference(inputs, **keywords)
         self.low_choices = recorder.calls if isinstance(recorder, RecordTopk) else []
@@ -654,8 +665,10 @@ class _Run:
         if self.twin is None or not ref_finite:
             return OwnRounding()
         keywords = {} if positions is None else {positions_keyword(self.twin.model): positions}
-        own = self.twin.measure(ref_loss, self.ref_named, inputs, targets, self.config.loss_fn,
-                                keywords, self.low_choices, self.contract.unit)  # fmt: skip
+        with _same_draws(self._ref_draws):
+            own = self.twin.measure(ref_loss, self.ref_named, inputs, targets,
+                                    self.config.loss_fn, keywords, self.low_choices,
+                                    self.contract.unit)  # fmt: skip
         if own.near_ties:
             self.flips = self._flip_allowance(own.near_ties, inputs, targets, positions)
         return own
@@ -678,7 +691,7 @@ class _Run:
             param.grad = None
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         keywords = {} if positions is None else {positions_keyword(self.reference): positions}
-        with FlipTopk(rows):
+        with FlipTopk(rows), _same_draws(self._ref_draws):
             output = self.reference(inputs, **keywords)
         loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
