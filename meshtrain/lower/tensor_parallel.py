@@ -230,8 +230,13 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
         return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
 
     dispatched = {group.fqn for group in plan.experts}  # split by the expert-parallel lowering
+    # A shared input's hooks keep Python state that torch.compile cannot trace inside a
+    # selectively checkpointed region (torch 2.13: "Mixing fake modes" at the first compiled
+    # forward); there pair parents take their input as one replicated DTensor, as before.
+    share = not (plan.compile_scope is not None
+                 and plan.options.activation_checkpointing == "selective")  # fmt: skip
     return {
-        style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block))
+        style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block, share))
         for style in plan.styles
         if style.fqn not in dispatched
     }
@@ -249,14 +254,18 @@ class StyleContext:
     split_at_block: bool
     colwise: type[ColwiseParallel]
     rowwise: type[RowwiseParallel]
+    share_inputs: bool = True
 
 
-def _context(style: ModuleStyle, stream: Placement, split_at_block: bool) -> StyleContext:
+def _context(
+    style: ModuleStyle, stream: Placement, split_at_block: bool, share_inputs: bool
+) -> StyleContext:
     transposed = style.module_type == "Conv1D"
     adapted = style.module_type == "LoRALinear"
     return StyleContext(
         stream=stream,
         split_at_block=split_at_block,
+        share_inputs=share_inputs,
         colwise=_TransposedColwise
         if transposed
         else _AdapterColwise
@@ -569,9 +578,9 @@ LOWERINGS: Mapping[TPStyle, Callable[[ModuleStyle, StyleContext], ParallelStyle]
         input_layouts=Replicate(), output_layouts=Replicate()
     ),
     TPStyle.PREPARE_INPUT: lambda s, c: (
-        _PrepareActivation(s.fqn, s.argument, c.stream, Replicate())
-        if isinstance(c.stream, Shard)
-        else _SharedInput(s.argument)
+        _SharedInput(s.argument)
+        if c.share_inputs and not isinstance(c.stream, Shard)
+        else _PrepareActivation(s.fqn, s.argument, c.stream, Replicate())
     ),
     TPStyle.SEQUENCE_PARALLEL: lambda s, c: SequenceParallel(sequence_dim=1, use_local_output=True),
     TPStyle.SEQUENCE_SPLIT: lambda s, c: PrepareModuleOutput(

@@ -534,6 +534,22 @@ def _same_draws(state: torch.Tensor) -> Iterator[None]:
         yield
 
 
+def _replay_value(value: Any) -> str:
+    """``repr`` of a plan argument for the replay line, a tensor by its shape and dtype (an
+    ``example_inputs`` batch would print every token).
+
+    >>> _replay_value(torch.zeros(8, 16, dtype=torch.long))
+    '<tensor 8×16 int64>'
+    """
+    if isinstance(value, torch.Tensor):
+        return (
+            f"<tensor {'×'.join(map(str, value.shape))} {str(value.dtype).removeprefix('torch.')}>"
+        )
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return f"({', '.join(_replay_value(v) for v in value)})"
+    return repr(value)
+
+
 def _named_buffers(model: Any) -> dict[str, torch.Tensor]:
     """Every local buffer by FQN (a pipeline's: its stage modules', under full-model FQNs)."""
     modules = model.modules if isinstance(getattr(model, "modules", None), list) else [model]
@@ -1014,7 +1030,9 @@ def _merge(config: _Config, plan: Plan, results: list[_RankResult]) -> Equivalen
         else f"parameters and optimizer states not bounded: no update model for {update} "
         "(loss, gradient norm and gradients are checked at every step)"
     )
-    options = "".join(f", {k!r}: {v!r}" for k, v in config.plan_kwargs.items() if k != "rules")
+    options = "".join(
+        f", {k!r}: {_replay_value(v)}" for k, v in config.plan_kwargs.items() if k != "rules"
+    )
     replay = (
         f"assert_equivalent({config.model_fn!r}, {dict(config.mesh_axes)}, "
         f"{{'rules': <rules>{options}}}, steps={config.steps}, optimizer={config.optimizer!r}, "
