@@ -298,6 +298,12 @@ CASES: dict[str, Case] = {
                                      "computes on the input of 'attn'.*Move that computation "
                                      "out of 'attn'", {"rules": _rules(ATTN, sp=True)},
                                      fixed_model=norm_outside),
+    "input-read-inside-under-compiled-selective": Case(
+        PreHeadNorm, {"dp": 1, "tp": 2}, {"rules": _rules(ATTN),
+                                          "compile": {"backend": "aot_eager"},
+                             "activation_checkpointing": "selective"},
+        r"torch\.compile over selectively checkpointed blocks.*activation_checkpointing='none'",
+        {"rules": _rules(ATTN), "compile": {"backend": "aot_eager"}}),
     "not-per-token-under-sp": Case(ConvInBlock, DP_TP,
                                    {"rules": _rules({r"head\.(weight|bias)": P("tp")}, sp=True)},
                                    r"'blocks\.0\.conv' \(Conv1d\).*Drop the \('seq', \.\.\.\)",

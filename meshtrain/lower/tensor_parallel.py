@@ -43,6 +43,7 @@ from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.expert_tensor import ExpertsTensorParallel
 from meshtrain.plan.ir import WHOLE_SEQUENCE, ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
+from meshtrain.plan.policies import pair_inputs_shared
 from meshtrain.plan.styles import inside
 
 
@@ -230,11 +231,7 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
         return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
 
     dispatched = {group.fqn for group in plan.experts}  # split by the expert-parallel lowering
-    # A shared input's hooks keep Python state that torch.compile cannot trace inside a
-    # selectively checkpointed region (torch 2.13: "Mixing fake modes" at the first compiled
-    # forward); there pair parents take their input as one replicated DTensor, as before.
-    share = not (plan.compile_scope is not None
-                 and plan.options.activation_checkpointing == "selective")  # fmt: skip
+    share = pair_inputs_shared(plan.compile_scope, plan.options.activation_checkpointing)
     return {
         style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block, share))
         for style in plan.styles

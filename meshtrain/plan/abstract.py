@@ -106,6 +106,7 @@ class Scope:
     data_parallel: bool = False
     context: bool = False
     resharded: tuple[str, ...] = ()  # FSDP units resharded after forward (ZeRO-3), not the root
+    shared_inputs: bool = True  # plan/policies.py: pair_inputs_shared
 
 
 def prove_plan(
@@ -191,6 +192,8 @@ def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[Mod
     effects = Effects(context=scope.context, units=frozenset(scope.resharded))
     prover = Prover(model, params, styles, scope.tp_axis, scope.tp_size,
                     scope.sequence_parallel, effects)  # fmt: skip
+    if not scope.shared_inputs and not scope.sequence_parallel:
+        effects.sequence_parallel, effects.why_dtensor = True, _COMPILED_SELECTIVE
     try:
         _run(model, prover, blocks, probe)
     except Refused as refused:
@@ -207,6 +210,12 @@ def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[Mod
         return _results(model, prover, effects)
     except PlanError as error:
         return _kept(error)
+
+
+_COMPILED_SELECTIVE = (
+    "torch.compile over selectively checkpointed blocks passes as one replicated DTensor",
+    "or train it without compile or with activation_checkpointing='none'",
+)
 
 
 def _kept(error: PlanError) -> Proof | PlanError:

@@ -60,7 +60,11 @@ class Effects:
     reread: set[str] = field(default_factory=set)  # buffers read after the batch wrote them
     context: bool = False
     units: frozenset[str] = frozenset()  # FSDP units resharded after forward
-    sequence_parallel: bool = False
+    sequence_parallel: bool = False  # pair parents' inputs become one replicated DTensor
+    why_dtensor: tuple[str, str] = (
+        "sequence parallelism gathers into one replicated activation",
+        "or drop the ('seq', ...) activation rule",
+    )
     prepared: Callable[[str], bool] = lambda fqn: False
 
     def on_op(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor], output: Any,
@@ -144,14 +148,15 @@ class Effects:
             return
         for point in self._points(pytree.tree_leaves((args, kwargs)), [fqn]):
             raise Refused(_gathered_refusal(point, f"module '{fqn}' ({type(module).__name__})",
-                                            fqn))  # fmt: skip
+                                            fqn, self.why_dtensor))  # fmt: skip
 
     def _gathered_read(self, func: Any, inputs: list[torch.Tensor], stack: Sequence[str]) -> None:
         """An op of the pair parent's own code on the gathered input (``x + attention(x)``
         inside it), refused under sequence parallelism (see :meth:`on_enter`)."""
         for point in self._points(inputs, stack):
             where = stack[-1] if stack else ""
-            raise Refused(_gathered_refusal(point, f"'{where or '<root>'}' ({func})", where))
+            raise Refused(_gathered_refusal(point, f"'{where or '<root>'}' ({func})", where,
+                                            self.why_dtensor))  # fmt: skip
 
     def _points(self, values: Sequence[Any], stack: Sequence[str]) -> list[str]:
         found = []
@@ -178,12 +183,11 @@ class Effects:
                 self.written.setdefault(f"{fqn}.{name}" if fqn else name, fqn)
 
 
-def _gathered_refusal(point: str, what: str, fqn: str) -> PlanError:
+def _gathered_refusal(point: str, what: str, fqn: str, why: tuple[str, str]) -> PlanError:
     return PlanError(
-        f"{what} computes on the input of '{point or '<root>'}', which sequence parallelism "
-        "gathers into one replicated activation for its column-wise Linears (a residual or a norm "
-        "inside the module): it cannot use it there. Move that computation out of "
-        f"'{point or '<root>'}' (to its caller), or drop the ('seq', ...) activation rule.",
+        f"{what} computes on the input of '{point or '<root>'}', which {why[0]} for its "
+        "column-wise Linears (a residual or a norm inside the module): it cannot use it there. "
+        f"Move that computation out of '{point or '<root>'}' (to its caller), {why[1]}.",
         fqn=fqn or None,
     )
 

@@ -77,7 +77,12 @@ from meshtrain.plan.layers import tied_groups
 from meshtrain.plan.options import PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
-from meshtrain.plan.policies import block_fqns, plain_under_compile_note, resolve_compile_scope
+from meshtrain.plan.policies import (
+    block_fqns,
+    pair_inputs_shared,
+    plain_under_compile_note,
+    resolve_compile_scope,
+)
 from meshtrain.plan.router_counts import count_collectives, counting_routers
 from meshtrain.plan.router_logits import refuse_router_logits
 from meshtrain.plan.sequence import place_sequence_split
@@ -232,7 +237,9 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         scope=Scope(tp_axis, mesh.size(tp_axis) if tp_axis is not None else 1, sequence_parallel,
                     data_parallel=bool(active or context or ep), context=bool(context),
                     resharded=tuple(u.fqn for u in units
-                                    if u.fqn and u.decisions.reshard_after_forward)),
+                                    if u.fqn and u.decisions.reshard_after_forward),
+                    shared_inputs=pair_inputs_shared(compile_scope,
+                                                     options.activation_checkpointing)),
     )  # fmt: skip
     notes += proof.notes
     try:
