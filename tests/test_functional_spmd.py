@@ -7,7 +7,7 @@ import torch
 from helpers import full, mesh_for
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate
 
 import meshtrain as mt
 from meshtrain import P, Rules, SpecError
@@ -153,14 +153,17 @@ def primitives_under_a_plan(sequence_parallel: bool) -> dict[str, object]:
     report = dict(probe.report)
     report["replicated_ok"] = torch.equal(report.pop("replicated"), full)  # type: ignore[arg-type]
     report["doubled_ok"] = torch.equal(report.pop("doubled"), 2 * full)  # type: ignore[arg-type]
-    # Inside a pair parent activations are rank-local shards: both primitives refuse plain ones.
+    # Inside a pair parent activations are rank-local (its input is plain without sequence
+    # parallelism, a DTensor's local tensor with it): both primitives refuse plain ones.
     inside = []
     for call in (
         lambda x: mt.constrain(x, P()),
         lambda x: mt.shard_map(lambda t: t, in_specs=P(), out_specs=P())(x),
     ):
         handle = probe.toy.blocks[0].mlp.register_forward_pre_hook(
-            lambda _m, args, call=call: call(args[0].to_local())
+            lambda _m, args, call=call: call(
+                args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+            )
         )
         try:
             probe(torch.arange(16).view(2, 8))
