@@ -12,9 +12,9 @@ import torch
 from meshtrain import CheckpointError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.resume_check import check_resume, compare_recipes
+from meshtrain.recipes.resume_guard import check_before_launch, check_recipe_unchanged
 from meshtrain.recipes.schema import key_table
 from meshtrain.recipes.sections import SECTION_TYPES, FreeForm, about, resume_rule
-from meshtrain.recipes.resume_guard import check_before_launch, check_recipe_unchanged
 from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer, find_resume_point
 from meshtrain.train.checkpoint.files import METADATA_FILE, STATE_FILE
 

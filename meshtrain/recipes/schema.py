@@ -122,12 +122,13 @@ def _type_names() -> dict[str, Any]:
     from meshtrain.models.llama import LlamaConfig
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
     return {"LlamaConfig": LlamaConfig, "MoEConfig": MoEConfig, "Checkpointing": Checkpointing,
             "Precision": Precision, "ZeroStage": ZeroStage, "WandbMode": WandbMode,
-            "OnNonFinite": OnNonFinite}  # fmt: skip
+            "OnNonFinite": OnNonFinite, "DocumentFormat": DocumentFormat}  # fmt: skip
 
 
 @functools.cache

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from meshtrain.models.llama import LlamaConfig
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
@@ -56,8 +57,6 @@ __all__ = [
 OptimizerName = Literal["sgd", "adam", "adamw"]
 #: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
 DataSource = Literal["corpus", "synthetic", "tokens", "jsonl", "text", "parquet", "hf-dataset"]
-#: How a document file's records read: one text field, or a prompt and a response.
-DataFormat = Literal["text", "instruction"]
 #: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).
 QuantizeBase = Literal["", "nf4"]
 Bound = Literal["positive", "nonnegative"]
@@ -559,7 +558,7 @@ class DataSection:
             "the record field (column) holding each document's text", "text", resume="refuse"
         ),
     )
-    format: DataFormat = field(
+    format: DocumentFormat = field(
         default="text",
         metadata=about(
             "`instruction`: records hold a prompt and a response; the prompt is masked from the "
