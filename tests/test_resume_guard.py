@@ -13,6 +13,8 @@ from meshtrain import CheckpointError
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.resume_check import check_resume, compare_recipes
 from meshtrain.recipes.resume_guard import check_before_launch, check_recipe_unchanged
+from meshtrain.recipes.schema import key_table
+from meshtrain.recipes.sections import SECTION_TYPES, FreeForm, about, resume_rule
 from meshtrain.train.checkpoint import CheckpointConfig, Checkpointer, find_resume_point
 from meshtrain.train.checkpoint.files import METADATA_FILE, STATE_FILE
 
@@ -78,6 +80,9 @@ def test_an_unreadable_checkpoint_folder_blocks_a_fresh_start(tmp_path: Path) ->
         ("model.dim=96", "model.dim", None, 96),
         ("train.optimizer='sgd'", "train.optimizer", "adamw", "sgd"),
         ("train.seed=1", "train.seed", 0, 1),
+        ("parallel.precision='bf16'", "parallel.precision", "fp32", "bf16"),
+        ("train.lr=0.01", "train.lr", 0.003, 0.01),
+        ("data.validation=0.1", "data.validation", 0.0, 0.1),
     ],
 )
 def test_a_change_of_what_training_means_is_refused_naming_the_key_and_both_values(
@@ -112,6 +117,39 @@ def test_safe_changes_pass_with_a_line_each_and_allowed_ones_say_what_happens_to
         "train.batch_size: 8 → 16, allowed: the position is counted in global batches: the next "
         "batch starts at sample 96 of its epoch instead of 48, so samples 48–95 are skipped"
     ) in text
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["eval.every=3", "eval.batches=2", "profile.steps=[2, 4]", "profile.memory=false",
+     "logging.wandb='disabled'", "train.heartbeat_timeout=300", "parallel.context='cp'"],
+)  # fmt: skip
+def test_evaluation_profiling_logging_and_the_heartbeat_may_change_on_resume(override: str) -> None:
+    """What only observes the run (evaluation, profiling, logging, the heartbeat) or lays it out
+    (context parallelism) changes nothing trained: accepted, and said."""
+    before = load_recipe("debug").raw
+    after = load_recipe("debug", [override]).raw
+    verdict = check_resume(before, after)
+    assert verdict.refused == ()
+    key = override.split("=")[0]
+    assert [line for line in verdict.lines if f"resuming with a changed {key}: " in line]
+
+
+def test_every_recipe_key_declares_its_resume_rule() -> None:
+    """The rule lives with the key (``about(..., resume=...)``, required): every key of every
+    section has one and the check reads it; a key no section declares is refused."""
+    for section, section_type in SECTION_TYPES.items():
+        keys = [section] if isinstance(section_type, FreeForm) else [
+            f"{section}.{key}" for key, spec in key_table(section).items() if spec.kinds != (dict,)
+        ]  # fmt: skip
+        for key in keys:
+            rule = resume_rule(key if isinstance(section_type, dict) or "." in key
+                               else f"{key}.anything")  # fmt: skip
+            assert rule in ("safe", "refuse"), key
+    with pytest.raises(TypeError, match="resume"):
+        about("a key without a rule", 1)  # type: ignore[call-arg]
+    assert compare_recipes({"train": {"new_key": 1}}, {"train": {"new_key": 2}})[0].safe is False
+    assert compare_recipes({"lora": {"rank": 8}}, {"lora": {"rank": 16}})[0].safe is False
 
 
 def test_absent_keys_compare_as_their_defaults() -> None:

@@ -20,16 +20,17 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import get_args
 
 import torch
 
 from meshtrain.errors import PlanError
+from meshtrain.plan.options import ContextBalance
 
 __all__ = ["BALANCES", "Balance", "chunk_positions", "shard_sequence", "unshard_sequence"]
 
-Balance = Literal["headtail", "contiguous"]
-BALANCES: tuple[Balance, ...] = ("headtail", "contiguous")
+Balance = ContextBalance  # the plan options' vocabulary, one definition
+BALANCES: tuple[Balance, ...] = get_args(ContextBalance)
 
 
 def _check(seq_len: int, cp: int, balance: str) -> int:

@@ -42,7 +42,7 @@ import math
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, get_args
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,7 @@ from meshtrain.errors import PlanError
 from meshtrain.lower.attention_blocks import KVBlock, Visibility, blockwise_attention
 from meshtrain.lower.compute import eager_island
 from meshtrain.plan.context import attention_shape_error
+from meshtrain.plan.options import ContextMethod
 
 __all__ = [
     "METHODS",
@@ -64,8 +65,8 @@ __all__ = [
     "count_bytes",
 ]
 
-Method = Literal["ring", "allgather"]
-METHODS: tuple[Method, ...] = ("ring", "allgather")
+Method = ContextMethod  # the plan options' vocabulary, one definition
+METHODS: tuple[Method, ...] = get_args(ContextMethod)
 
 
 @dataclass

@@ -74,7 +74,7 @@ from meshtrain.plan.ir import (
     TPStyle,
 )
 from meshtrain.plan.layers import tied_groups
-from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.options import CHECKPOINTING_MODES, PlanOptions
 from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.pipeline_cost import pipeline_costs
 from meshtrain.plan.policies import (
@@ -302,7 +302,7 @@ def cost_flat(
         )
         estimates = tuple(
             (mode, profile.peak(mode, layout.blocks if mode != "none" else ()))
-            for mode in ("none", "full", "selective")
+            for mode in CHECKPOINTING_MODES
         )
     if layout.expert_axis is not None and layout.experts:  # experts units over the data axes
         collectives = expert_data_collectives(layout.params, layout.units, layout.data_axes,

@@ -95,6 +95,7 @@ class Pipeline:
 
 Precision = Literal["fp32", "bf16", "fp16"]
 Checkpointing = Literal["none", "full", "selective"]
+CHECKPOINTING_MODES: tuple[Checkpointing, ...] = get_args(Checkpointing)
 #: 0 = DDP, 1 = optimizer states sharded, 2 = gradients too, 3 = parameters too.
 ZeroStage = Literal[0, 1, 2, 3]
 ZERO_STAGES: tuple[ZeroStage, ...] = get_args(ZeroStage)
@@ -225,7 +226,7 @@ class PlanOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PlanError(f"{name}={value!r} must be a positive integer ({meaning}).")
-        if self.activation_checkpointing not in ("none", "full", "selective"):
+        if self.activation_checkpointing not in CHECKPOINTING_MODES:
             raise PlanError(
                 f"activation_checkpointing={self.activation_checkpointing!r} is not one of "
                 "'none', 'full' (recompute each block), 'selective' (keep matmul and attention "

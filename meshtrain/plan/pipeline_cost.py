@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, pipeline_step_scalars
 from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, PipelinePlan, StagePlan
-from meshtrain.plan.options import PlanOptions
+from meshtrain.plan.options import CHECKPOINTING_MODES, PlanOptions
 from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
 from meshtrain.spec.mesh import Mesh
 
@@ -60,7 +60,7 @@ def pipeline_costs(
         estimates = tuple(
             (mode, sum(profile.peak(mode, blocks if mode != "none" else (), stage.modules,
                                     stage.in_flight) for stage in stages))
-            for mode in ("none", "full", "selective")
+            for mode in CHECKPOINTING_MODES
         )  # fmt: skip
     return PipelineCosts(memory, collectives, busiest, estimates)
 

@@ -36,6 +36,7 @@ _LOWER_NAMES = (
     "ZeroStage",
     "WandbMode",
     "OnNonFinite",
+    "DocumentFormat",
 )
 
 

@@ -6,7 +6,9 @@ means — the model, the data, the batch, the sequence length, the seeds, the op
 hyper-parameters, the LoRA adapters, the precision — is refused, naming each key with both values,
 unless the recipe allows it (``checkpoint.allow_change``, ``meshtrain train --allow-change KEY``);
 an allowed change says what it does to the data position. Safe changes — the step count, logging,
-the checkpoint schedule, the mesh and the parallel layout (DCP reshards) — pass with one line.
+the checkpoint schedule, evaluation, profiling, the heartbeat, the mesh and the parallel layout
+(DCP reshards) — pass with one line. Each key's rule is declared with the key
+(:data:`meshtrain.recipes.sections.Resume`).
 Torch-free: the launcher and the ranks run the same comparison.
 
 Example:
@@ -27,33 +29,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.errors import CheckpointError
-from meshtrain.recipes.sections import SECTION_TYPES
+from meshtrain.recipes.sections import SECTION_TYPES, resume_rule
 
 __all__ = ["RecipeChange", "ResumeCheck", "check_resume", "compare_recipes", "flatten_recipe"]
 
-#: Keys (or whole sections, ending in ".") whose change leaves what training means unchanged.
-SAFE_KEYS = (
-    "train.steps",
-    "train.on_nonfinite",
-    "train.max_consecutive_skips",
-    "train.max_total_skips",
-    "logging.",
-    "checkpoint.",
-    "mesh.",
-    "rules.",
-    "parallel.zero",
-    "parallel.fsdp",
-    "parallel.tp",
-    "parallel.sequence_parallel",
-    "parallel.expert_tp",
-    "parallel.activation_checkpointing",
-    "parallel.compile",
-    "parallel.microbatches",
-    "parallel.pipeline.",
-    "parallel.offload",
-    "parallel.offload_optimizer",
-    "model.meta_init",
-)
 #: What an allowed change of these keys does to the saved data position.
 _DATA_EFFECT = {
     "train.batch_size": "the data position is counted in global batches, so the next batch "
@@ -143,7 +122,9 @@ def _default(key: str) -> Any:
 
 
 def _is_safe(key: str) -> bool:
-    return any(key == safe or (safe.endswith(".") and key.startswith(safe)) for safe in SAFE_KEYS)
+    """Each key's rule is declared with it (``about(..., resume=...)`` in
+    :mod:`meshtrain.recipes.sections`); a key no section declares is refused."""
+    return resume_rule(key) == "safe"
 
 
 def compare_recipes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[RecipeChange]:

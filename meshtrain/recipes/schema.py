@@ -101,6 +101,7 @@ class Key:
     doc: str = ""
     default: Any = None
     shown: str = ""  # the default as the docs show it, when not the value itself
+    resume: str = "refuse"  # sections.Resume: whether a resume may change it
 
     def describe(self) -> str:
         if self.choices:
@@ -121,12 +122,13 @@ def _type_names() -> dict[str, Any]:
     from meshtrain.models.llama import LlamaConfig
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
     return {"LlamaConfig": LlamaConfig, "MoEConfig": MoEConfig, "Checkpointing": Checkpointing,
             "Precision": Precision, "ZeroStage": ZeroStage, "WandbMode": WandbMode,
-            "OnNonFinite": OnNonFinite}  # fmt: skip
+            "OnNonFinite": OnNonFinite, "DocumentFormat": DocumentFormat}  # fmt: skip
 
 
 @functools.cache
@@ -146,7 +148,8 @@ def key_table(section: str) -> dict[str, Key]:
     for field in dataclasses.fields(section_type):
         expand = field.metadata.get("keys_from")
         if expand is not None:  # a key two configs share keeps the first's entry
-            keys.update({k: v for k, v in _config_keys(expand()).items() if k not in keys})
+            keys.update({k: v for k, v in _config_keys(expand(), field.metadata["resume"]).items()
+                         if k not in keys})  # fmt: skip
         else:
             keys[field.metadata["toml"] or field.name] = _derive(field, hints[field.name])
     return keys
@@ -173,10 +176,11 @@ def _derive(field: dataclasses.Field[Any], hint: Any) -> Key:
         kinds = _kinds_of(hint)
     return Key(kinds, meta["example"], tuple(choices), positive=meta["bound"] == "positive",
                nonnegative=meta["bound"] == "nonnegative", items=items, length=length,
-               doc=meta["doc"], default=field.default, shown=meta["shown"])  # fmt: skip
+               doc=meta["doc"], default=field.default, shown=meta["shown"],
+               resume=meta["resume"])  # fmt: skip
 
 
-def _config_keys(config_type: type) -> dict[str, Key]:
+def _config_keys(config_type: type, resume: str) -> dict[str, Key]:
     """A model config's fields as ``[model]`` keys (each an override of the preset's): numbers
     positive, or non-negative where the field's default is 0 (a count that may be none)."""
     hints = {name: _without_none(hint) for name, hint in typing.get_type_hints(config_type).items()}
@@ -192,6 +196,7 @@ def _config_keys(config_type: type) -> dict[str, Key]:
             nonnegative=field.name in numbers & zero,
             doc=f"the preset's `{config_type.__name__}.{field.name}`, overridden",
             shown="the preset's",
+            resume=resume,
         )
         for field in dataclasses.fields(config_type)
     }
@@ -514,20 +519,25 @@ def reference_table() -> str:
 
     Example:
         >>> print(reference_table().splitlines()[2])
-        | `[model]` | `name` | one of "llama", "moe" | `"llama"` | meshtrain's Llama, or its mixture of experts ([MoE](moe.md)) |
+        | `[model]` | `name` | one of "llama", "moe" | `"llama"` | refused | meshtrain's Llama, or its mixture of experts ([MoE](moe.md)) |
     """
-    lines = ["| section | key | type | default | meaning |", "|---|---|---|---|---|"]
+    lines = [
+        "| section | key | type | default | on resume | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    shown = {"safe": "safe", "refuse": "refused"}
     for section, section_type in SECTION_TYPES.items():
         if isinstance(section_type, FreeForm):
-            rows = [(section_type.key, section_type.value, section_type.default, section_type.doc)]
+            rows = [(section_type.key, section_type.value, section_type.default,
+                     shown[section_type.resume], section_type.doc)]  # fmt: skip
         else:
             rows = [
                 (f"`{key}`", spec.describe(), spec.shown or f"`{toml_value(spec.default)}`",
-                 spec.doc)
+                 shown[spec.resume], spec.doc)
                 for key, spec in key_table(section).items()
                 if spec.kinds != (dict,)  # a nested table: its own rows
             ]  # fmt: skip
-        for index, (key, kind, default, doc) in enumerate(rows):
+        for index, (key, kind, default, resume, doc) in enumerate(rows):
             name = f"`[{section}]`" if index == 0 else ""
-            lines.append(f"| {name} | {key} | {kind} | {default} | {doc} |")
+            lines.append(f"| {name} | {key} | {kind} | {default} | {resume} | {doc} |")
     return "\n".join(lines) + "\n"

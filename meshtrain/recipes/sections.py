@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from meshtrain.models.llama import LlamaConfig
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
+    from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
@@ -49,17 +50,21 @@ __all__ = [
     "TrainSection",
     "about",
     "lazy",
+    "resume_rule",
 ]
 
 #: The optimizers a recipe builds (:class:`meshtrain.recipes.OptimizerBuilder`).
 OptimizerName = Literal["sgd", "adam", "adamw"]
 #: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
 DataSource = Literal["corpus", "synthetic", "tokens", "jsonl", "text", "parquet", "hf-dataset"]
-#: How a document file's records read: one text field, or a prompt and a response.
-DataFormat = Literal["text", "instruction"]
 #: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).
 QuantizeBase = Literal["", "nf4"]
 Bound = Literal["positive", "nonnegative"]
+#: Whether a resume may change a key: ``safe`` (the same training: the step count, logging, the
+#: checkpoint schedule, evaluation, profiling, the mesh and the parallel layout, which DCP
+#: reshards) or ``refuse`` (what training means: the model, data, batch, sequence, seeds, the
+#: optimizer, precision, adapters; ``--allow-change KEY`` resumes with it on purpose).
+Resume = Literal["safe", "refuse"]
 
 
 def lazy(module: str, name: str) -> Callable[[], Any]:
@@ -82,21 +87,23 @@ def about(
     shown: str = "",
     keys_from: Callable[[], type] | None = None,
     subsection: type | None = None,
+    resume: Resume,
 ) -> dict[str, Any]:
-    """A recipe key's metadata (``dataclasses.field(default=..., metadata=about(...))``): what the
+    """A recipe key's metadata (``dataclasses.field(default=..., metadata=about(..., resume="refuse"))``): what the
     schema needs besides the field's type and default — a one-line ``doc`` (Markdown), an ``example`` value as TOML writes it, a ``bound``
     (``positive``: > 0, and an array non-empty; ``nonnegative``: ≥ 0), ``choices`` where the type
     is ``str`` (a tuple, or a function returning a lower layer's tuple), the ``toml`` name when
     it is not the field's, the default as the docs ``shown`` it, ``keys_from`` (a dataclass whose
-    fields are the keys instead of this one) and ``subsection`` (the dataclass of a table of its
-    own, ``[parallel.pipeline]``).
+    fields are the keys instead of this one), ``subsection`` (the dataclass of a table of its
+    own, ``[parallel.pipeline]``) and, required, whether a ``resume`` may change it
+    (:data:`Resume`).
 
     Example:
         >>> dataclasses.fields(PipelineSection)[0].metadata["doc"]
         'the mesh axis the stages are laid along'
     """
     return {"doc": doc, "example": example, "bound": bound, "choices": choices, "toml": toml,
-            "shown": shown, "keys_from": keys_from, "subsection": subsection}  # fmt: skip
+            "shown": shown, "keys_from": keys_from, "subsection": subsection, "resume": resume}  # fmt: skip
 
 
 _LLAMA_CONFIG = lazy("meshtrain.models.llama", "LlamaConfig")
@@ -123,16 +130,24 @@ class ModelSection:
             "meshtrain's Llama, or its mixture of experts ([MoE](moe.md))",
             "llama",
             choices=("llama", "moe"),
+            resume="refuse",
         ),
     )
     preset: str = field(
         default="debug",
         metadata=about(
-            "`LlamaConfig.preset(name)`, or for `moe` `moe_preset(name)`", "debug", choices=_presets
+            "`LlamaConfig.preset(name)`, or for `moe` `moe_preset(name)`",
+            "debug",
+            choices=_presets,
+            resume="refuse",
         ),
     )
-    config: LlamaConfig | None = field(default=None, metadata=about("", 2, keys_from=_LLAMA_CONFIG))
-    moe: MoEConfig | None = field(default=None, metadata=about("", 2, keys_from=_MOE_CONFIG))
+    config: LlamaConfig | None = field(
+        default=None, metadata=about("", 2, keys_from=_LLAMA_CONFIG, resume="refuse")
+    )
+    moe: MoEConfig | None = field(
+        default=None, metadata=about("", 2, keys_from=_MOE_CONFIG, resume="refuse")
+    )
     factory: str = field(
         default="",
         metadata=about(
@@ -140,6 +155,7 @@ class ModelSection:
             "directory, called under the recipe's seed; needs `[rules]`",
             "my_models:tiny_cnn",
             shown="—",
+            resume="refuse",
         ),
     )
     hf: str = field(
@@ -150,6 +166,7 @@ class ModelSection:
             "`Rules.from_hf` ([bring your own model](bring-your-own-model.md))",
             "models/tiny-llama",
             shown="—",
+            resume="refuse",
         ),
     )
     meta_init: bool = field(
@@ -159,6 +176,7 @@ class ModelSection:
             "(`mt.materialise`); `false` builds the full model on every rank first (for a factory "
             "model whose tensors no `reset_parameters()` sets)",
             False,
+            resume="safe",
         ),
     )
 
@@ -172,21 +190,27 @@ class ModelSection:
 class PipelineSection:
     """``[parallel.pipeline]``: the arguments of :class:`~meshtrain.Pipeline`."""
 
-    axis: str = field(default="pp", metadata=about("the mesh axis the stages are laid along", "pp"))
+    axis: str = field(
+        default="pp", metadata=about("the mesh axis the stages are laid along", "pp", resume="safe")
+    )
     schedule: str = field(
         default="1F1B",
         metadata=about(
             "see [pipeline parallelism](pipeline.md)",
             "1F1B",
             choices=lazy("meshtrain.plan.options", "SCHEDULES"),
+            resume="safe",
         ),
     )
     microbatches: int | None = field(
         default=None,
-        metadata=about("micro-batches per step", 8, bound="positive", shown="one per stage"),
+        metadata=about(
+            "micro-batches per step", 8, bound="positive", shown="one per stage", resume="safe"
+        ),
     )
     stages_per_rank: int = field(
-        default=1, metadata=about("virtual stages per pipeline rank", 2, bound="positive")
+        default=1,
+        metadata=about("virtual stages per pipeline rank", 2, bound="positive", resume="safe"),
     )
 
 
@@ -195,12 +219,16 @@ class ParallelSection:
     """``[parallel]``: data-parallel stage and axes, tensor/sequence/pipeline parallelism, compute."""
 
     zero: ZeroStage = field(
-        default=3, metadata=about("data-parallel stage (see [the planner](plan.md))", 3)
+        default=3,
+        metadata=about("data-parallel stage (see [the planner](plan.md))", 3, resume="safe"),
     )
     fsdp: tuple[str, ...] = field(
         default=("dp",),
         metadata=about(
-            "data axes FSDP shards over (two: HSDP)", ["dp"], shown='`["dp"]` if the mesh has `dp`'
+            "data axes FSDP shards over (two: HSDP)",
+            ["dp"],
+            shown='`["dp"]` if the mesh has `dp`',
+            resume="safe",
         ),
     )
     tp: str = field(
@@ -209,10 +237,11 @@ class ParallelSection:
             'the tensor-parallel axis; `""` for none',
             "tp",
             shown='`"tp"` if the mesh has `tp`, else `""`',
+            resume="safe",
         ),
     )
     sequence_parallel: bool = field(
-        default=False, metadata=about('add the `("seq", tp)` activation rule', True)
+        default=False, metadata=about('add the `("seq", tp)` activation rule', True, resume="safe")
     )
     expert_tp: bool = field(
         default=False,
@@ -221,6 +250,7 @@ class ParallelSection:
             "features; [mixture of experts](moe.md)); transformers models follow their own "
             "`moe_tp_experts` plan",
             True,
+            resume="safe",
         ),
     )
     context: str = field(
@@ -229,6 +259,7 @@ class ParallelSection:
             'the context-parallel axis: adds the `("seq", axis)` activation rule, each rank '
             'holding a share of every sequence ([long context](long-context.md)); `""` for none',
             "cp",
+            resume="safe",
         ),
     )
     context_balance: str = field(
@@ -237,6 +268,7 @@ class ParallelSection:
             "which chunks of a sequence a context rank holds (head-tail: equal causal work)",
             "headtail",
             choices=lambda: typing.get_args(lazy("meshtrain.plan.options", "ContextBalance")()),
+            resume="safe",
         ),
     )
     context_method: str = field(
@@ -245,20 +277,28 @@ class ParallelSection:
             "how attention meets the other context ranks' keys and values",
             "ring",
             choices=lambda: typing.get_args(lazy("meshtrain.plan.options", "ContextMethod")()),
+            resume="safe",
         ),
     )
     activation_checkpointing: Checkpointing = field(
-        default="none", metadata=about("see [compute](compute.md)", "selective")
+        default="none", metadata=about("see [compute](compute.md)", "selective", resume="safe")
     )
-    compile: bool = field(default=False, metadata=about("`torch.compile` each block", True))
+    compile: bool = field(
+        default=False, metadata=about("`torch.compile` each block", True, resume="safe")
+    )
     precision: Precision = field(
-        default="fp32", metadata=about("compute dtype (master weights stay fp32)", "bf16")
+        default="fp32",
+        metadata=about("compute dtype (master weights stay fp32)", "bf16", resume="refuse"),
     )
     microbatches: int = field(
-        default=1, metadata=about("gradient accumulation without a pipeline", 2, bound="positive")
+        default=1,
+        metadata=about(
+            "gradient accumulation without a pipeline", 2, bound="positive", resume="safe"
+        ),
     )
     pipeline: PipelineSection | None = field(
-        default=None, metadata=about("pipeline parallelism", {}, subsection=PipelineSection)
+        default=None,
+        metadata=about("pipeline parallelism", {}, subsection=PipelineSection, resume="safe"),
     )
     offload: bool = field(
         default=False,
@@ -266,6 +306,7 @@ class ParallelSection:
             "FSDP2's CPU offload: parameters, gradients and optimizer "
             "states on the host (needs `zero` ≥ 1)",
             True,
+            resume="safe",
         ),
     )
     offload_optimizer: bool = field(
@@ -274,6 +315,7 @@ class ParallelSection:
             "only the optimizer states on the host ([LoRA and "
             "QLoRA](lora.md#optimizer-state-offload))",
             True,
+            resume="safe",
         ),
     )
 
@@ -287,45 +329,73 @@ class TrainSection:
 
     batch_size: int = field(
         default=8,
-        metadata=about("sequences per optimizer step, over all data ranks", 8, bound="positive"),
+        metadata=about(
+            "sequences per optimizer step, over all data ranks",
+            8,
+            bound="positive",
+            resume="refuse",
+        ),
     )
-    seq_len: int = field(default=16, metadata=about("tokens per sequence", 16, bound="positive"))
+    seq_len: int = field(
+        default=16, metadata=about("tokens per sequence", 16, bound="positive", resume="refuse")
+    )
     optimizer: OptimizerName = field(
-        default="adamw", metadata=about("SGD with momentum 0.9, Adam or AdamW", "adamw")
+        default="adamw",
+        metadata=about("SGD with momentum 0.9, Adam or AdamW", "adamw", resume="refuse"),
     )
-    lr: float = field(default=1e-3, metadata=about("peak learning rate", 1e-3, bound="positive"))
+    lr: float = field(
+        default=1e-3, metadata=about("peak learning rate", 1e-3, bound="positive", resume="refuse")
+    )
     min_lr: float = field(
         default=0.0,
         metadata=about(
-            "the cosine's floor, reached at `steps` (≤ `lr`)", 1e-4, bound="nonnegative"
+            "the cosine's floor, reached at `steps` (≤ `lr`)",
+            1e-4,
+            bound="nonnegative",
+            resume="refuse",
         ),
     )
     warmup_steps: int = field(
-        default=0, metadata=about("linear warmup to `lr` (≤ `steps`)", 10, bound="nonnegative")
+        default=0,
+        metadata=about(
+            "linear warmup to `lr` (≤ `steps`)", 10, bound="nonnegative", resume="refuse"
+        ),
     )
-    steps: int = field(default=3, metadata=about("optimizer steps", 3, bound="positive"))
+    steps: int = field(
+        default=3, metadata=about("optimizer steps", 3, bound="positive", resume="safe")
+    )
     weight_decay: float = field(
-        default=0.1, metadata=about("AdamW's decoupled weight decay", 0.1, bound="nonnegative")
+        default=0.1,
+        metadata=about("AdamW's decoupled weight decay", 0.1, bound="nonnegative", resume="refuse"),
     )
     max_norm: float = field(
-        default=1.0, metadata=about("clip gradients to this global norm", 1.0, bound="positive")
+        default=1.0,
+        metadata=about(
+            "clip gradients to this global norm", 1.0, bound="positive", resume="refuse"
+        ),
     )
     seed: int = field(
-        default=0, metadata=about("the model's initialisation", 0, bound="nonnegative")
+        default=0,
+        metadata=about("the model's initialisation", 0, bound="nonnegative", resume="refuse"),
     )
     betas: tuple[float, float] = field(
         default=(0.9, 0.999),
         metadata=about(
             "Adam's and AdamW's (β1, β2); the 70B and 405B recipes use `[0.9, 0.95]`",
             [0.9, 0.95],
+            resume="refuse",
         ),
     )
-    eps: float = field(default=1e-8, metadata=about("Adam's and AdamW's ε", 1e-8, bound="positive"))
+    eps: float = field(
+        default=1e-8,
+        metadata=about("Adam's and AdamW's ε", 1e-8, bound="positive", resume="refuse"),
+    )
     on_nonfinite: OnNonFinite = field(
         default="skip",
         metadata=about(
             "a non-finite loss or gradient norm drops the step's update, or stops every rank",
             "skip",
+            resume="safe",
         ),
     )
     max_consecutive_skips: int = field(
@@ -335,6 +405,7 @@ class TrainSection:
             "(reliability.md#a-non-finite-guard-that-cannot-finish-a-ruined-run))",
             10,
             bound="positive",
+            resume="safe",
         ),
     )
     max_total_skips: int = field(
@@ -343,6 +414,7 @@ class TrainSection:
             "more skipped steps over the run (resumes included) end it; 0: no bound",
             100,
             bound="nonnegative",
+            resume="safe",
         ),
     )
     heartbeat_timeout: int = field(
@@ -354,6 +426,7 @@ class TrainSection:
             "([details](reliability.md))",
             120,
             bound="nonnegative",
+            resume="safe",
         ),
     )
     verify_every: int = field(
@@ -364,6 +437,7 @@ class TrainSection:
             "0: never",
             100,
             bound="nonnegative",
+            resume="safe",
         ),
     )
     loss_scale: float = field(
@@ -373,6 +447,7 @@ class TrainSection:
             "([details](training.md#fp16-loss-scaling))",
             1024.0,
             bound="nonnegative",
+            resume="refuse",
         ),
     )
     initial_loss_scale: float = field(
@@ -381,6 +456,7 @@ class TrainSection:
             "fp16: the dynamic scaler's first scale (DeepSpeed: 2 ** `initial_scale_power`)",
             4096.0,
             bound="positive",
+            resume="refuse",
         ),
     )
     loss_scale_window: int = field(
@@ -388,7 +464,7 @@ class TrainSection:
         metadata=about(
             "fp16: finite steps in a row after which the dynamic scale doubles", 1000,
             bound="positive",
-        ),
+         resume="refuse",),
     )  # fmt: skip
     loss_scale_hysteresis: int = field(
         default=1,
@@ -397,6 +473,7 @@ class TrainSection:
             "grows (DeepSpeed's `hysteresis`)",
             2,
             bound="positive",
+            resume="refuse",
         ),
     )
     min_loss_scale: float = field(
@@ -404,7 +481,7 @@ class TrainSection:
         metadata=about(
             "fp16: the floor the dynamic scale does not halve below; 0: none", 1.0,
             bound="nonnegative",
-        ),
+         resume="refuse",),
     )  # fmt: skip
 
 
@@ -416,10 +493,15 @@ class LoRASection:
 
     rank: int = field(
         default=8,
-        metadata=about("the adapters' rank r ([LoRA and QLoRA](lora.md))", 8, bound="positive"),
+        metadata=about(
+            "the adapters' rank r ([LoRA and QLoRA](lora.md))", 8, bound="positive", resume="refuse"
+        ),
     )
     alpha: float = field(
-        default=16.0, metadata=about("the update is scaled by alpha / rank", 16, bound="positive")
+        default=16.0,
+        metadata=about(
+            "the update is scaled by alpha / rank", 16, bound="positive", resume="refuse"
+        ),
     )
     targets: tuple[str, ...] = field(
         default=(),
@@ -429,11 +511,14 @@ class LoRASection:
             [r"layers\.\d+\.attention\.w[qkvo]"],
             bound="positive",
             shown="required",
+            resume="refuse",
         ),
     )
     quantize_base: QuantizeBase = field(
         default="",
-        metadata=about("the adapted base weights in 4-bit NF4 (QLoRA)", "nf4", shown="none"),
+        metadata=about(
+            "the adapted base weights in 4-bit NF4 (QLoRA)", "nf4", shown="none", resume="refuse"
+        ),
     )
 
 
@@ -447,13 +532,15 @@ class DataSection:
     attend only within themselves; shuffling and its seed."""
 
     source: DataSource = field(
-        default="corpus", metadata=about("see [training](training.md#data)", "corpus")
+        default="corpus",
+        metadata=about("see [training](training.md#data)", "corpus", resume="refuse"),
     )
     path: str = field(
         default="data/corpus",
         metadata=about(
             "the token directory (written once for `corpus`), or your file or directory",
             "data/tokens",
+            resume="refuse",
         ),
     )
     tokenizer: str = field(
@@ -462,26 +549,31 @@ class DataSection:
             '`"byte"`, a `tokenizer.json` path (or its directory), or `"model"` (the '
             "`[model] hf` directory's)",
             "byte",
+            resume="refuse",
         ),
     )
     text_field: str = field(
         default="text",
-        metadata=about("the record field (column) holding each document's text", "text"),
+        metadata=about(
+            "the record field (column) holding each document's text", "text", resume="refuse"
+        ),
     )
-    format: DataFormat = field(
+    format: DocumentFormat = field(
         default="text",
         metadata=about(
             "`instruction`: records hold a prompt and a response; the prompt is masked from the "
             "loss",
             "instruction",
+            resume="refuse",
         ),
     )
     prompt_field: str = field(
-        default="prompt", metadata=about("the prompt's field (`instruction` format)", "prompt")
+        default="prompt",
+        metadata=about("the prompt's field (`instruction` format)", "prompt", resume="refuse"),
     )
     response_field: str = field(
         default="response",
-        metadata=about("the response's field (`instruction` format)", "response"),
+        metadata=about("the response's field (`instruction` format)", "response", resume="refuse"),
     )
     validation: float = field(
         default=0.0,
@@ -489,16 +581,22 @@ class DataSection:
             "the fraction of documents held out for `[eval]` (file sources)",
             0.01,
             bound="nonnegative",
+            resume="refuse",
         ),
     )
     corpus_bytes: int | None = field(
         default=None,
         metadata=about(
-            "how much of the corpus to tokenize", 4_000_000, bound="positive", shown="all"
+            "how much of the corpus to tokenize",
+            4_000_000,
+            bound="positive",
+            shown="all",
+            resume="refuse",
         ),
     )
     samples: int = field(
-        default=4096, metadata=about("sequences of `synthetic` data", 4096, bound="positive")
+        default=4096,
+        metadata=about("sequences of `synthetic` data", 4096, bound="positive", resume="refuse"),
     )
     document_mask: bool = field(
         default=False,
@@ -506,10 +604,13 @@ class DataSection:
             "file sources: each packed document attends only within itself (positions restart "
             "at every document; [packed documents](data.md#packed-documents))",
             True,
+            resume="refuse",
         ),
     )
-    shuffle: bool = field(default=True, metadata=about("shuffle each epoch", True))
-    seed: int = field(default=0, metadata=about("the shuffle's seed", 0, bound="nonnegative"))
+    shuffle: bool = field(default=True, metadata=about("shuffle each epoch", True, resume="refuse"))
+    seed: int = field(
+        default=0, metadata=about("the shuffle's seed", 0, bound="nonnegative", resume="refuse")
+    )
 
 
 @dataclass(frozen=True)
@@ -521,23 +622,33 @@ class CheckpointSection:
     dir: str = field(
         default="",
         metadata=about(
-            "where checkpoints go", "runs/debug/checkpoints", shown="`<run_dir>/checkpoints`"
+            "where checkpoints go",
+            "runs/debug/checkpoints",
+            shown="`<run_dir>/checkpoints`",
+            resume="safe",
         ),
     )
     interval: int = field(
         default=0,
         metadata=about(
-            "save every N steps (and always at the last step)", 100, bound="nonnegative"
+            "save every N steps (and always at the last step)",
+            100,
+            bound="nonnegative",
+            resume="safe",
         ),
     )
     keep_last: int = field(
-        default=3, metadata=about("complete checkpoints kept (0: all)", 3, bound="nonnegative")
+        default=3,
+        metadata=about("complete checkpoints kept (0: all)", 3, bound="nonnegative", resume="safe"),
     )
     async_save: bool = field(
-        default=False, metadata=about("save in the background", False, toml="async")
+        default=False, metadata=about("save in the background", False, toml="async", resume="safe")
     )
     resume: bool = field(
-        default=True, metadata=about("continue from the latest complete checkpoint in `dir`", True)
+        default=True,
+        metadata=about(
+            "continue from the latest complete checkpoint in `dir`", True, resume="safe"
+        ),
     )
     allow_change: tuple[str, ...] = field(
         default=(),
@@ -546,6 +657,7 @@ class CheckpointSection:
             "means (`meshtrain train --allow-change KEY`; [details](reliability.md))",
             ["train.batch_size"],
             shown="`[]`",
+            resume="safe",
         ),
     )
     init_from: str = field(
@@ -556,6 +668,7 @@ class CheckpointSection:
             "(training.md#hugging-face-checkpoints-in-and-out))",
             "model.safetensors",
             shown="none",
+            resume="safe",
         ),
     )
     export: str = field(
@@ -564,6 +677,7 @@ class CheckpointSection:
             "a `.safetensors` path to write the final model to",
             "runs/debug/model.safetensors",
             shown="none",
+            resume="safe",
         ),
     )
 
@@ -576,23 +690,32 @@ class LoggingSection:
     run_dir: str = field(
         default="",
         metadata=about(
-            "metrics, plan files, wandb's run", "runs/debug", shown="`runs/<recipe name>`"
+            "metrics, plan files, wandb's run",
+            "runs/debug",
+            shown="`runs/<recipe name>`",
+            resume="safe",
         ),
     )
-    console: bool = field(default=True, metadata=about("progress on stdout", True))
-    jsonl: bool = field(default=True, metadata=about("`metrics.jsonl` in the run directory", True))
+    console: bool = field(default=True, metadata=about("progress on stdout", True, resume="safe"))
+    jsonl: bool = field(
+        default=True, metadata=about("`metrics.jsonl` in the run directory", True, resume="safe")
+    )
     wandb: WandbMode = field(
-        default="offline", metadata=about("offline needs no network or key", "offline")
+        default="offline",
+        metadata=about("offline needs no network or key", "offline", resume="safe"),
     )
     wandb_project: str = field(
-        default="meshtrain", metadata=about("the wandb project", "meshtrain")
+        default="meshtrain", metadata=about("the wandb project", "meshtrain", resume="safe")
     )
     wandb_entity: str = field(
-        default="", metadata=about("the wandb entity (team)", "my-team", shown="none")
+        default="",
+        metadata=about("the wandb entity (team)", "my-team", shown="none", resume="safe"),
     )
     log_every: int = field(
         default=1,
-        metadata=about("log every N steps (and the first and last)", 10, bound="positive"),
+        metadata=about(
+            "log every N steps (and the first and last)", 10, bound="positive", resume="safe"
+        ),
     )
 
 
@@ -604,10 +727,13 @@ class EvalSection:
 
     every: int = field(
         default=0,
-        metadata=about("evaluate every N steps and at the end (0: off)", 50, bound="nonnegative"),
+        metadata=about(
+            "evaluate every N steps and at the end (0: off)", 50, bound="nonnegative", resume="safe"
+        ),
     )
     batches: int = field(
-        default=8, metadata=about("global batches per evaluation", 8, bound="positive")
+        default=8,
+        metadata=about("global batches per evaluation", 8, bound="positive", resume="safe"),
     )
 
 
@@ -619,10 +745,12 @@ class ProfileSection:
     default. ``meshtrain train --profile`` traces steps 3 to 5."""
 
     steps: tuple[int, ...] = field(
-        default=(), metadata=about("the first and last step traced", [3, 5], shown="none")
+        default=(),
+        metadata=about("the first and last step traced", [3, 5], shown="none", resume="safe"),
     )
     memory: bool = field(
-        default=True, metadata=about("a CUDA memory snapshot of the traced steps (GPUs)", True)
+        default=True,
+        metadata=about("a CUDA memory snapshot of the traced steps (GPUs)", True, resume="safe"),
     )
 
 
@@ -635,6 +763,7 @@ class FreeForm:
     value: str
     default: str
     doc: str
+    resume: Resume
 
 
 #: Every top-level section, in the order messages and the docs list them: its dataclass, or
@@ -646,10 +775,15 @@ RECIPE_SECTIONS: dict[str, type | FreeForm] = {
         "integer ≥ 1, or -1",
         "—",
         "axes in order, as `mt.make_mesh` takes them; one may be -1",
+        "safe",
     ),
     "parallel": ParallelSection,
     "rules": FreeForm(
-        "a regex", "spec string", "the model's default rules", "explicit rules, in order (below)"
+        "a regex",
+        "spec string",
+        "the model's default rules",
+        "explicit rules, in order (below)",
+        "safe",
     ),
     "train": TrainSection,
     "lora": LoRASection,
@@ -681,3 +815,27 @@ SECTION_TYPES: dict[str, type | FreeForm] = {
 #: Every section a recipe may have, nested tables after their parent.
 SECTION_NAMES: tuple[str, ...] = tuple(SECTION_TYPES)
 TOP_SECTIONS: tuple[str, ...] = tuple(RECIPE_SECTIONS)
+
+
+def resume_rule(key: str) -> Resume | None:
+    """The :data:`Resume` rule of a dotted recipe key (``None``: no such key). A key a section
+    takes from a model config (``model.dim``) has the rule of the field that names the config.
+
+    Example:
+        >>> resume_rule("eval.every"), resume_rule("train.batch_size"), resume_rule("model.dim")
+        ('safe', 'refuse', 'refuse')
+    """
+    section, _, name = key.rpartition(".")
+    while section and section not in SECTION_TYPES:  # a free-form key with dots
+        section, _, _ = section.rpartition(".")
+    section_type = SECTION_TYPES.get(section or key)
+    if isinstance(section_type, FreeForm):
+        return section_type.resume
+    if section_type is None:
+        return None
+    fields = dataclasses.fields(section_type)
+    for item in fields:
+        if (item.metadata["toml"] or item.name) == name:
+            return typing.cast(Resume, item.metadata["resume"])
+    expanded = {item.metadata["resume"] for item in fields if item.metadata.get("keys_from")}
+    return typing.cast(Resume, expanded.pop()) if len(expanded) == 1 else None

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from hypothesis import strategies as st
 from torch import nn
 
+from meshtrain.plan.options import CHECKPOINTING_MODES
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P, entry_axes
 from meshtrain.spec.rules import Rules
@@ -338,7 +339,7 @@ def plan_cases(
     if options["pipeline"] is None:
         micro = draw(st.sampled_from((1, 2)))
         options["microbatches"] = micro
-    options["activation_checkpointing"] = draw(st.sampled_from(("none", "full", "selective")))
+    options["activation_checkpointing"] = draw(st.sampled_from(CHECKPOINTING_MODES))
     backend = draw(st.sampled_from((None, *compile_backends)))
     options["compile"] = {"backend": backend} if backend else False
     options["precision"] = draw(st.sampled_from(tuple(precisions)))
