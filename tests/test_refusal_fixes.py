@@ -302,7 +302,7 @@ CASES: dict[str, Case] = {
         PreHeadNorm, {"dp": 1, "tp": 2}, {"rules": _rules(ATTN),
                                           "compile": {"backend": "aot_eager"},
                              "activation_checkpointing": "selective"},
-        r"torch\.compile over selectively checkpointed blocks.*activation_checkpointing='none'",
+        r"torch\.compile over checkpointed blocks.*activation_checkpointing='none'",
         {"rules": _rules(ATTN), "compile": {"backend": "aot_eager"}}),
     "not-per-token-under-sp": Case(ConvInBlock, DP_TP,
                                    {"rules": _rules({r"head\.(weight|bias)": P("tp")}, sp=True)},

@@ -213,7 +213,7 @@ def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[Mod
 
 
 _COMPILED_SELECTIVE = (
-    "torch.compile over selectively checkpointed blocks passes as one replicated DTensor",
+    "torch.compile over checkpointed blocks passes as one replicated DTensor",
     "or train it without compile or with activation_checkpointing='none'",
 )
 
