@@ -226,3 +226,22 @@ def test_sequence_parallel_under_a_pipeline(schedule: str, composition: str) -> 
 def test_a_model_with_a_module_list_pipelines(schedule: str, composition: str) -> None:
     """Not meshtrain's model: blocks in an nn.ModuleList (kept under their original indices)."""
     _check(_case(schedule, composition, model="mlp", microbatches=4))
+
+
+@pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")
+def test_a_model_that_reads_a_removed_module_on_every_stage_pipelines() -> None:
+    """ViT's forward reads ``embeddings.patch_embeddings.projection.weight.dtype`` before its
+    embeddings run, on every stage; a later stage holds a stub there, which reads such
+    attributes from the removed module kept on the meta device (the plan was accepted and every
+    later stage crashed with "'_Stub' object has no attribute 'patch_embeddings'")."""
+    import zoo
+    from precision_cases import vit_images
+
+    from meshtrain import P
+    from meshtrain.testing import assert_equivalent
+
+    report = assert_equivalent(zoo.vit, {"pp": 2, "dp": 2},
+                               {"rules": Rules({r".*": P()}, fsdp="dp"),
+                                "pipeline": mt.Pipeline(microbatches=2)},
+                               batches=vit_images, steps=1, optimizer="adamw")  # fmt: skip
+    assert report.passed

@@ -302,11 +302,24 @@ class _StageRunner:
 
 class _Stub(nn.Module):
     """A module this stage does not keep: returns the stage's received (before the blocks) or
-    captured (after them) activation, whatever it is called with."""
+    captured (after them) activation, whatever it is called with. Attributes it lacks are read
+    from the removed module, kept on the meta device (no memory): a model's own forward may
+    read one on every stage (ViT reads ``embeddings.patch_embeddings.projection.weight.dtype``
+    before its embeddings run)."""
 
-    def __init__(self, runner: _StageRunner, where: str) -> None:
+    def __init__(self, runner: _StageRunner, where: str, removed: nn.Module | None = None) -> None:
         super().__init__()
         self._runner, self._where = [runner], where  # a list: not a submodule
+        self._removed = [] if removed is None else [removed]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            removed = self.__dict__.get("_removed")
+            if not removed:
+                raise
+            return getattr(removed[0], name)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._runner[0].stub_output(self._where)
@@ -377,5 +390,7 @@ def _prune(body: nn.Module, stage: StagePlan, plan: Plan) -> _StageRunner:
         for fqn in units:
             if fqn not in keep:
                 owner, _, name = fqn.rpartition(".")
-                setattr(body.get_submodule(owner) if owner else body, name, _Stub(runner, where))
+                removed = body.get_submodule(fqn).to("meta")  # its memory freed, its shape kept
+                setattr(body.get_submodule(owner) if owner else body, name,
+                        _Stub(runner, where, removed))  # fmt: skip
     return runner
