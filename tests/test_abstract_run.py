@@ -14,6 +14,7 @@ import torch
 import zoo
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from proof_models import megatron
 from torch import nn
 from transformers import (
     OPTConfig,
@@ -43,17 +44,6 @@ def qwen3() -> Qwen3ForCausalLM:
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
         use_cache=False))  # fmt: skip
-
-
-def megatron(attention: str, out: str, up: str, down: str) -> Rules:
-    """Column-wise q/k/v and MLP up, row-wise out and down (weights and biases)."""
-    return Rules({
-        rf".*\.{attention}\.weight": P("tp", None), rf".*\.{attention}\.bias": P("tp"),
-        rf".*\.{out}\.weight": P(None, "tp"),
-        rf".*\.{up}\.weight": P("tp", None), rf".*\.{up}\.bias": P("tp"),
-        rf".*\.{down}\.weight": P(None, "tp"),
-        r".*": P(),
-    }, fsdp="dp", allow_unused=True)  # fmt: skip
 
 
 def test_qwen3_per_head_norms_have_partial_gradients_recorded_costed_and_explained() -> None:
