@@ -26,7 +26,15 @@ from meshtrain import Pipeline, Rules
 from meshtrain.models import default_rules
 from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.testing.strategies import DebugLlama
-from tests import context_models, lora_models, moe_models, packed_batches, proof_models, zoo
+from tests import (
+    context_models,
+    lora_models,
+    moe_models,
+    packed_batches,
+    precision_cases,
+    proof_models,
+    zoo,
+)
 from tests.mutants import plants
 
 
@@ -299,6 +307,13 @@ _ALL = [
            equivalent=True),
     Mutant("stage-skips-a-layer", "a pipeline stage drops a block",
            plants.stage_skips_a_layer, (f"{STEP}[pipeline-1f1b]",), LLAMA_PP, r"layers\.2\."),
+    Mutant("stub-forgets-the-removed-module", "a later pipeline stage's stub cannot answer "
+           "for the module it replaced", plants.stub_forgets_the_removed_module,
+           ("tests/test_pipeline_spmd.py::"
+            "test_a_model_that_reads_a_removed_module_on_every_stage_pipelines",),
+           HarnessCase(zoo.vit, {"pp": 2, "dp": 2},
+                       {"rules": zoo.REPLICATED, "pipeline": Pipeline(microbatches=2)},
+                       {"batches": precision_cases.vit_images, "optimizer": "adamw"})),
     Mutant("batch-norm-variance-from-local-mean", "BatchNorm variance from the local mean",
            plants.batch_norm_variance_from_local_mean, (f"{LOOP}[cnn-ddp-batchnorm]",), CNN_DP,
            low_precision=CNN_DP_BF16),

@@ -439,6 +439,20 @@ def stage_skips_a_layer() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def stub_forgets_the_removed_module() -> Iterator[None]:
+    """A later stage's stub keeps nothing of the module it replaced, so a forward that reads an
+    attribute of it on every stage (ViT's patch embedding's weight dtype) fails there."""
+    pipeline = importlib.import_module("meshtrain.lower.pipeline")
+    original = pipeline._Stub.__init__
+
+    def forgetful(self: Any, runner: Any, where: str, removed: Any = None) -> None:
+        original(self, runner, where, None)
+
+    with mock.patch.object(pipeline._Stub, "__init__", forgetful):
+        yield
+
+
 # ---------------------------------------------------------------- BatchNorm
 
 
