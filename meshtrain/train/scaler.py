@@ -78,8 +78,12 @@ class LossScaler:
         return loss * self.scale_value
 
     @torch.no_grad()
-    def unscale_(self, parameters: Iterable[torch.nn.Parameter]) -> bool:
-        """Divide gradients by the scale in place; True when every rank's gradients are finite."""
+    def unscale_(
+        self, parameters: Iterable[torch.nn.Parameter], scale: float | None = None
+    ) -> bool:
+        """Divide gradients by ``scale`` (default: the scaler's own value) in place; True when
+        every rank's gradients are finite. The train step passes the scale its gradients carry
+        when a data-parallel mean divides them after backward (see ``TrainStep``)."""
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for param in parameters:
             grad = param.grad
@@ -91,7 +95,7 @@ class LossScaler:
         found = torch.zeros(1, device=flag_device)
         for (device, _), grads in groups.items():  # the flag and 1/scale live beside the grads
             found_here = torch.zeros(1, device=device)
-            inverse = torch.full((1,), 1.0 / self.scale_value, device=device)
+            inverse = torch.full((1,), 1.0 / (self.scale_value if scale is None else scale), device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
             found = torch.maximum(found, found_here.to(flag_device))
         if dist.is_available() and dist.is_initialized():

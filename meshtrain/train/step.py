@@ -116,12 +116,15 @@ class TrainStep:
         lr = self.schedule(state.step) if self.schedule is not None else _lr(self.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        scale = self.scaler.scale_value if self.scaler is not None else 1.0
+        # fp16: each rank's backward starts from the scaler's value, as one device's does; a
+        # data-parallel mean then leaves the gradients scaled by value / ranks, and they are
+        # unscaled by that. (Starting from value × ranks would overflow ranks× sooner.)
+        scale = self.scaler.scale_value / backward_factor(self.plan) if self.scaler else 1.0
         loss, tokens = forward_backward(
             self.plan, state.model, batch, self.loss_fn, loss_scale=scale
         )
         params: list[Any] = [p for p in state.params.values() if p.grad is not None]
-        finite_grads = self.scaler.unscale_(params) if self.scaler is not None else True
+        finite_grads = self.scaler.unscale_(params, scale) if self.scaler is not None else True
         norm = self._grad_norm(params, state.params) if finite_grads else math.inf
         finite = math.isfinite(loss) and math.isfinite(norm)
         if not finite and self.on_nonfinite == "stop" and self.scaler is None:
