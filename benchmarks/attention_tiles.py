@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from provenance import provenance
 
-from meshtrain.lower.attention_blocks import KVBlock, Tile, blockwise_attention
+from meshtrain.lower.context.attention_blocks import KVBlock, Tile, blockwise_attention
 
 SEQ, HEADS, DIM = 4096, 8, 64
 TILES = (128, 256, 512, 1024, SEQ)

@@ -32,8 +32,8 @@ from typing import Any
 from provenance import provenance
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.plan.activations import AttentionCall
-from meshtrain.plan.context_cost import score_block_bytes, score_tile_bytes
+from meshtrain.plan.context.cost import score_block_bytes, score_tile_bytes
+from meshtrain.plan.memory.activations import AttentionCall
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.sizing import size_recipe
 

@@ -42,7 +42,7 @@ from provenance import provenance
 
 import meshtrain as mt
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.context_cost import ring_in_flight
+from meshtrain.plan.context.cost import ring_in_flight
 from meshtrain.testing.runner import SPMDPool
 from meshtrain.train import Batch, forward_backward
 
@@ -146,7 +146,7 @@ def measure(seq_len: int, cp: int, steps: int) -> dict[str, Any]:
 
 def _in_flight(config: LlamaConfig, seq_len: int, cp: int) -> int:
     """The ring's in-flight buffers the plan adds to its activations (not saved tensors)."""
-    from meshtrain.plan.activations import trace_activations
+    from meshtrain.plan.memory.activations import trace_activations
 
     if cp == 1:
         return 0

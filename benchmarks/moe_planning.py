@@ -8,9 +8,9 @@ time is the planning call's (the model build is timed once apart). Memory is the
 (master weights, gradients, optimizer states) and transient (gathered compute copies,
 unsharded gradients), plus the plan's traced activations (the block inputs full checkpointing
 keeps and one recomputed block, whose MoE layer's dispatch working set is counted for uniform
-routing: :mod:`meshtrain.plan.expert_activations`): the *uniform* peak is the plan's total; the
+routing: :mod:`meshtrain.plan.experts.activations`): the *uniform* peak is the plan's total; the
 *worst* adds the dropless worst case's working set over the uniform one
-(:func:`~meshtrain.plan.expert_cost.moe_working_set`). With a pipeline (``pp`` 4, 1F1B over 8
+(:func:`~meshtrain.plan.experts.cost.moe_working_set`). With a pipeline (``pp`` 4, 1F1B over 8
 micro-batches: 8 sequences per batch rank per step) the figures are the pipeline rank's with the
 most MoE layers: its layers' all-to-alls and the block inputs of its micro-batches in flight.
 
@@ -33,12 +33,12 @@ import meshtrain as mt
 from meshtrain.errors import MeshtrainError
 from meshtrain.models.moe import build_moe, default_rules
 from meshtrain.models.moe_presets import moe_preset
-from meshtrain.plan.expert_cost import (
+from meshtrain.plan.experts.cost import (
     estimate_expert_collectives,
     expert_layers,
     moe_working_set,
 )
-from meshtrain.plan.footprint import ring_bytes
+from meshtrain.plan.memory.footprint import ring_bytes
 
 WORLDS = (64, 128, 256, 512, 1024, 2048)
 EPS = (8, 16, 32, 64)

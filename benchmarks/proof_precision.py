@@ -9,7 +9,7 @@ operations, tied heads, in-place residuals, running means, feature reductions, e
 drawn plan). Each case is planned as a user would (``mt.plan`` with the first batch as
 ``example_inputs``): accepted or refused. Then it is trained against one device
 (``assert_equivalent``, 1 AdamW step) with every refusal of the proof kept as a note
-(``meshtrain.plan.abstract.refusals_as_notes``), and counted:
+(``meshtrain.plan.proof.run.refusals_as_notes``), and counted:
 
 - *refused, wrong*: refused, and as a note it crashes or differs from one device;
 - *refused, right* (a false refusal): refused, and as a note it trains like one device;
@@ -143,7 +143,7 @@ def drawn_cases(count: int, seed: int) -> list[Case]:
 @contextlib.contextmanager
 def _notes_on_ranks() -> Iterator[None]:
     """On every rank: refusals kept as notes (entered by the harness around the run)."""
-    from meshtrain.plan.abstract import refusals_as_notes
+    from meshtrain.plan.proof.run import refusals_as_notes
 
     with refusals_as_notes():
         yield
@@ -151,7 +151,7 @@ def _notes_on_ranks() -> Iterator[None]:
 
 def classify(case: Case) -> dict[str, Any]:
     """Planned as a user would, then trained with refusals as notes (see module doc)."""
-    from meshtrain.plan.abstract import refusals_as_notes
+    from meshtrain.plan.proof.run import refusals_as_notes
 
     world = math.prod(case.axes.values())
     mesh = mt.make_mesh(dict(case.axes), world_size=world, abstract=True)

@@ -29,6 +29,9 @@ from meshtrain.errors import (
     SpecError,
     TrainingError,
 )
+from meshtrain.moved import install as _install_moved_paths
+
+_install_moved_paths()  # old module paths (``meshtrain.plan.abstract``, ...) still import
 
 if TYPE_CHECKING:
     from meshtrain.adapters import LoRALinear, lora, merge_lora

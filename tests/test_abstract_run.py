@@ -1,4 +1,4 @@
-"""The plan-time abstract run (meshtrain.plan.abstract): on fake tensors, no process group.
+"""The plan-time abstract run (meshtrain.plan.proof.run): on fake tensors, no process group.
 
 Third-party models whose tensor-parallel plans train wrong or crash are refused while planning,
 naming the module and the operation; replicated parameters computing on shards are recorded as
@@ -228,6 +228,6 @@ def test_every_tensor_parallel_style_has_an_abstract_boundary() -> None:
 
     from meshtrain.plan.ir import TPStyle
 
-    abstract = importlib.import_module("meshtrain.plan.abstract")
+    abstract = importlib.import_module("meshtrain.plan.proof.run")
     assert set(TPStyle) == abstract.LEAF_STYLES | abstract.REGION_STYLES
     assert not abstract.LEAF_STYLES & abstract.REGION_STYLES

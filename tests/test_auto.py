@@ -10,7 +10,7 @@ import meshtrain as mt
 from meshtrain import PlanError
 from meshtrain.errors import MeshtrainError
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.auto import (
+from meshtrain.plan.auto.search import (
     MODES,
     Candidate,
     Links,

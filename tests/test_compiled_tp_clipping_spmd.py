@@ -2,7 +2,7 @@
 plain (tier 2, extended: two gloo ranks, ``aot_eager``).
 
 torch 2.13's limit, shown by forcing it: with those parameters made DTensors replicated over tp
-(:mod:`meshtrain.lower.replicated`, the swap every eager plan gets), compiling the model fails on
+(:mod:`meshtrain.lower.tensor.replicated`, the swap every eager plan gets), compiling the model fails on
 the vocab-parallel embedding's cached mask with "Mixing fake modes". So such a plan says in its
 notes that PyTorch's clipping does not apply, and ``torch.nn.utils.clip_grad_norm_`` /
 ``get_total_norm`` raise meshtrain's ``TrainingError`` naming a plain parameter and

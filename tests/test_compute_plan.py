@@ -13,7 +13,7 @@ import meshtrain as mt
 from meshtrain import P, PlanError, Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import Plan
-from meshtrain.plan.activations import trace_activations
+from meshtrain.plan.memory.activations import trace_activations
 from meshtrain.train import LossScaler
 
 LLAMA = build_llama(LlamaConfig.preset("debug", n_layers=8), device="meta")
@@ -138,7 +138,7 @@ def test_traced_activations_equal_what_autograd_saves(kind: str) -> None:
 
 
 def test_repeated_blocks_are_traced_once_with_the_same_result(monkeypatch) -> None:
-    from meshtrain.plan import activations
+    from meshtrain.plan.memory import activations
 
     model = build_llama(LlamaConfig.preset("debug", n_layers=4), device="meta")
     blocks = tuple(f"layers.{i}" for i in range(4))

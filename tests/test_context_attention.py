@@ -19,9 +19,9 @@ from context_reference import (
 from hypothesis import given
 from hypothesis import strategies as st
 
-import meshtrain.lower.attention_blocks as attention_blocks
+import meshtrain.lower.context.attention_blocks as attention_blocks
 from meshtrain.errors import PlanError
-from meshtrain.lower.attention_blocks import (
+from meshtrain.lower.context.attention_blocks import (
     KVBlock,
     Tile,
     Visibility,
@@ -29,8 +29,8 @@ from meshtrain.lower.attention_blocks import (
     merge,
     visible,
 )
-from meshtrain.lower.context_layout import chunk_positions, shard_sequence, unshard_sequence
-from meshtrain.lower.ring_attention import context_attention
+from meshtrain.lower.context.layout import chunk_positions, shard_sequence, unshard_sequence
+from meshtrain.lower.context.ring_attention import context_attention
 
 # ------------------------------------------------------------------------------------ layout
 

@@ -2,7 +2,7 @@
 every rank computes its head-tail or contiguous share (ring or all-gather), the test gathers the
 outputs and the gradients of q, k, v and compares them with one SDPA call in one process (masks by
 ``transformers``' functions) within the contract of ``tests/context_reference.py``; the bytes each
-rank moves equal the table of ``meshtrain/lower/ring_attention.py`` and what the c10d ops carry."""
+rank moves equal the table of ``meshtrain/lower/context/ring_attention.py`` and what the c10d ops carry."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from meshtrain.lower.context_layout import chunk_positions, shard_sequence, unshard_sequence
+from meshtrain.lower.context.layout import chunk_positions, shard_sequence, unshard_sequence
 
 pytestmark = pytest.mark.spmd
 
@@ -79,8 +79,8 @@ def run_case(case: Case) -> dict[str, Any]:
     import torch.distributed as dist
 
     from meshtrain import make_mesh
-    from meshtrain.lower.attention_blocks import DEFAULT_TILE, Tile
-    from meshtrain.lower.ring_attention import context_attention, count_bytes
+    from meshtrain.lower.context.attention_blocks import DEFAULT_TILE, Tile
+    from meshtrain.lower.context.ring_attention import context_attention, count_bytes
     from meshtrain.testing.comms import CollectiveCounter
 
     rank = dist.get_rank()

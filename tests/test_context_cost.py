@@ -11,8 +11,7 @@ import torch
 import meshtrain as mt
 from meshtrain import Rules
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.activations import AttentionCall, trace_activations
-from meshtrain.plan.context_cost import (
+from meshtrain.plan.context.cost import (
     TILE_K,
     TILE_Q,
     allgather_saved,
@@ -20,6 +19,7 @@ from meshtrain.plan.context_cost import (
     kv_bytes,
     ring_in_flight,
 )
+from meshtrain.plan.memory.activations import AttentionCall, trace_activations
 from meshtrain.testing.runner import get_pool
 
 BLOCKS = ("layers.0", "layers.1")
@@ -61,7 +61,7 @@ def test_activations_per_rank_are_one_cp_th_plus_one_layers_ring(cp: int) -> Non
 def test_the_rings_transient_holds_one_tile_of_scores_at_any_length(local: int) -> None:
     """The kernel's default tile is the plan's; the scores the ring's transient counts are three
     fp32 [B, Hq, tq, tk] tensors, the tile clipped to S_local: flat once S_local passes it."""
-    from meshtrain.lower.attention_blocks import DEFAULT_TILE
+    from meshtrain.lower.context.attention_blocks import DEFAULT_TILE
 
     assert (DEFAULT_TILE.q, DEFAULT_TILE.k) == (TILE_Q, TILE_K) == (512, 512)
     model = build_llama(replace(LlamaConfig.debug(), max_seq_len=local), device="meta")
@@ -113,7 +113,7 @@ def test_the_plan_lists_context_collectives_and_recomputed_forward_traffic() -> 
 
 
 def test_auto_chooses_context_parallelism_when_nothing_else_fits() -> None:
-    from meshtrain.plan.auto import choose_plan
+    from meshtrain.plan.auto.search import choose_plan
     from meshtrain.plan.options import AutoSearch, PlanOptions
 
     # one head, one block: neither tensor nor pipeline parallelism can split it
@@ -162,8 +162,8 @@ def measure_bytes(
     """Runs on every rank: each traced call's context attention, forward and backward, counted."""
     import torch.distributed as dist
 
-    from meshtrain.lower.context_layout import chunk_positions
-    from meshtrain.lower.ring_attention import context_attention, count_bytes
+    from meshtrain.lower.context.layout import chunk_positions
+    from meshtrain.lower.context.ring_attention import context_attention, count_bytes
 
     group = _group(cp)
     rank = dist.get_rank(group)  # type: ignore[arg-type]
@@ -230,7 +230,7 @@ def measure_step(cp: int, checkpointing: str, precision: str, other: str = "") -
     predicts for that traffic."""
     from context_models import SEQ, batches, own_llama, rules
 
-    from meshtrain.lower.ring_attention import count_bytes
+    from meshtrain.lower.context.ring_attention import count_bytes
     from meshtrain.train import Batch, forward_backward
 
     model = own_llama()

@@ -24,7 +24,7 @@ from context_models import MODELS, SEQ, rules, tp_rules
 from packed_batches import packed_batches
 
 import meshtrain as mt
-from meshtrain.lower.context_parallel import ContextGroup, positions_keyword
+from meshtrain.lower.context.parallel import ContextGroup, positions_keyword
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool

@@ -22,7 +22,7 @@ from context_models import MODELS, SEQ, batches, rules, tp_rules
 
 import meshtrain as mt
 from meshtrain.lower import full_tensor
-from meshtrain.lower.context_layout import chunk_positions
+from meshtrain.lower.context.layout import chunk_positions
 from meshtrain.testing import assert_equivalent
 from meshtrain.testing.contract import contract_for
 from meshtrain.testing.runner import get_pool
@@ -212,7 +212,7 @@ def _tail_off_by_one(seq_len: int, cp: int, rank: int, balance: str) -> torch.Te
 @contextlib.contextmanager
 def tail_chunk_positions_off_by_one() -> Iterator[None]:
     """Each rank's second (tail) chunk believes its tokens one position later."""
-    with mock.patch("meshtrain.lower.context_parallel._positions", _tail_off_by_one):
+    with mock.patch("meshtrain.lower.context.parallel._positions", _tail_off_by_one):
         yield
 
 
@@ -226,7 +226,7 @@ def _tail_first(seq_len: int, cp: int, rank: int, balance: str) -> torch.Tensor:
 def chunks_in_the_wrong_order() -> Iterator[None]:
     """The causal mask and rotary tables take each rank's two chunks tail first, while its
     tokens are head first."""
-    with mock.patch("meshtrain.lower.context_parallel._positions", _tail_first):
+    with mock.patch("meshtrain.lower.context.parallel._positions", _tail_first):
         yield
 
 

@@ -11,10 +11,10 @@ import pytest
 
 import meshtrain as mt
 from meshtrain import PlanError
-from meshtrain.lower.tensor_parallel import LOWERINGS
+from meshtrain.lower.tensor.parallel import LOWERINGS
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import FSDPDecisions, FSDPUnit, ModuleStyle, Plan, TPStyle, fsdp_decisions
-from meshtrain.plan.tp_cost import TP_COSTS
+from meshtrain.plan.tensor.cost import TP_COSTS
 
 PACKAGE = Path(__file__).resolve().parents[1] / "meshtrain"
 

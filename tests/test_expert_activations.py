@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import meshtrain as mt
-from meshtrain.plan.activations import trace_activations
+from meshtrain.plan.memory.activations import trace_activations
 from tests import moe_models
 from tests.test_compute_plan import _measured_saved_bytes
 

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 
 import meshtrain as mt
 from meshtrain.errors import PlanError
-from meshtrain.plan.expert_cost import (
+from meshtrain.plan.experts.cost import (
     ExpertLayer,
     all_to_all_collectives,
     expert_memory,
     rows_per_rank,
 )
-from meshtrain.plan.footprint import ring_bytes
+from meshtrain.plan.memory.footprint import ring_bytes
 
 V3 = ExpertLayer.swiglu("layers.3.mlp.experts", num_experts=256, top_k=8, hidden=7168, inter=2048)
 TINY = ExpertLayer.swiglu("layers.0.mlp.experts", num_experts=8, top_k=2, hidden=32, inter=16)
@@ -113,7 +113,7 @@ def test_worst_case_bounds_uniform_and_conserves_rows(
 
 def test_auto_chooses_expert_parallelism_when_only_it_fits() -> None:
     from meshtrain.models.moe import MoEConfig, build_moe, default_rules
-    from meshtrain.plan.auto_experts import expert_degrees
+    from meshtrain.plan.auto.experts import expert_degrees
 
     config = MoEConfig.debug(n_experts=64, moe_inter=256, n_layers=1, first_dense_layers=0)
     model = build_moe(config, device="meta")

@@ -1,5 +1,5 @@
 """Predicted = measured: the all-to-all bytes expert parallelism's lowering really sends on 2 gloo
-ranks, for a routing the test fixes, against :mod:`meshtrain.plan.expert_cost`'s prediction."""
+ranks, for a routing the test fixes, against :mod:`meshtrain.plan.experts.cost`'s prediction."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import meshtrain as mt
-from meshtrain.lower.expert_parallel import apply_expert_parallel
+from meshtrain.lower.experts.parallel import apply_expert_parallel
 from meshtrain.models.moe import MoEConfig, build_moe, default_rules
 from meshtrain.models.moe_experts import GroupedExperts
-from meshtrain.plan.expert_cost import (
+from meshtrain.plan.experts.cost import (
     ExpertLayer,
     all_to_all_collectives,
     estimate_expert_collectives,

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from moe_models import ep_rules, mixtral, qwen2_moe, qwen3_moe, token_batches
 
 import meshtrain as mt
-from meshtrain.lower.expert_parallel import router_metrics, tokens_per_expert
+from meshtrain.lower.experts.parallel import router_metrics, tokens_per_expert
 from meshtrain.lower.gather import full_tensor
 from meshtrain.models.moe import MoEConfig, build_moe
 from meshtrain.models.moe import default_rules as moe_rules

@@ -12,7 +12,7 @@ from torch import nn
 
 import meshtrain as mt
 from meshtrain.errors import MeshtrainError, PlanError, SpecError
-from meshtrain.plan.experts import is_experts_module
+from meshtrain.plan.experts.axis import is_experts_module
 from meshtrain.plan.ir import ExpertGroup, Plan
 from meshtrain.testing.contract import contract_for
 

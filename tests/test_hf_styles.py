@@ -225,7 +225,7 @@ def test_a_gathered_head_stays_loss_parallel() -> None:
 def gathered_output_left_sharded() -> Iterator[None]:
     """The fault OLMo2 met: ``colwise_gathered`` lowered as plain column-wise, its output left
     sharded, so the q/k norms over all heads' features see half of them."""
-    from meshtrain.lower import tensor_parallel
+    from meshtrain.lower.tensor import parallel as tensor_parallel
 
     plain = tensor_parallel.LOWERINGS[TPStyle.COLWISE]
     with mock.patch.dict(tensor_parallel.LOWERINGS, {TPStyle.COLWISE_GATHERED: plain}):

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "meshtrain"
 #: layer → the layers it may import (itself included). Read bottom up.
 ALLOWED: dict[str, set[str]] = {
     "errors": {"errors"},
+    "moved": {"moved"},  # old module paths, importable from every layer
     "spec": {"errors", "spec"},
     "models": {"errors", "spec", "models"},
     "adapters": {"errors", "spec", "adapters"},
@@ -61,15 +62,18 @@ ALLOWED: dict[str, set[str]] = {
     "": {"errors", "spec", "adapters", "plan", "launch", "lower", "train", "testing"},  # facade
 }
 
+for _allowed in ALLOWED.values():
+    _allowed.add("moved")  # meshtrain/moved.py imports nothing of meshtrain's
+
 #: torch.distributed runtime calls → the modules that may make them
 RUNTIME_CALLS = {
     "init_process_group": {"meshtrain.launch"},
     "init_device_mesh": {"meshtrain.lower.groups", "meshtrain.lower.reference"},
-    "fully_shard": {"meshtrain.lower.data_parallel", "meshtrain.lower.reference"},
-    "replicate": {"meshtrain.lower.data_parallel"},
-    "parallelize_module": {"meshtrain.lower.tensor_parallel"},
+    "fully_shard": {"meshtrain.lower.data.parallel", "meshtrain.lower.reference"},
+    "replicate": {"meshtrain.lower.data.parallel"},
+    "parallelize_module": {"meshtrain.lower.tensor.parallel"},
     "PipelineStage": {"meshtrain.lower.pipeline"},
-    "redistribute": {"meshtrain.lower.functional", "meshtrain.lower.tensor_parallel"},
+    "redistribute": {"meshtrain.lower.functional", "meshtrain.lower.tensor.parallel"},
     "local_map": {"meshtrain.lower.functional"},
 }
 
@@ -175,18 +179,43 @@ def test_runtime_calls_stay_in_their_layer(call: str) -> None:
 @pytest.mark.parametrize(
     "old, new",
     [
-        ("hf_load", "meshtrain.train.hf.load"),
-        ("checkpoint_files", "meshtrain.train.checkpoint.files"),
+        ("meshtrain.train.hf_load", "meshtrain.train.hf.load"),
+        ("meshtrain.train.checkpoint_files", "meshtrain.train.checkpoint.files"),
+        ("meshtrain.plan.abstract", "meshtrain.plan.proof.run"),
+        ("meshtrain.plan.tp_cost", "meshtrain.plan.tensor.cost"),
+        ("meshtrain.lower.tensor_parallel", "meshtrain.lower.tensor.parallel"),
     ],
 )
-def test_moved_train_modules_still_import_with_a_warning(old: str, new: str) -> None:
+def test_moved_modules_still_import_with_a_warning(old: str, new: str) -> None:
     import importlib
     import sys
 
-    sys.modules.pop(f"meshtrain.train.{old}", None)
+    sys.modules.pop(old, None)
     with pytest.warns(DeprecationWarning, match=f"moved to {new}"):
-        module = importlib.import_module(f"meshtrain.train.{old}")
+        module = importlib.import_module(old)
     assert module is importlib.import_module(new)
+
+
+def test_a_module_that_became_a_package_still_hands_out_its_names() -> None:
+    from meshtrain.plan.pipeline import schedule
+
+    with pytest.warns(DeprecationWarning, match="moved to meshtrain.plan.pipeline.schedule"):
+        from meshtrain.plan.pipeline import SCHEDULES
+    assert SCHEDULES is schedule.SCHEDULES
+    with pytest.raises(ImportError):
+        from meshtrain.plan.pipeline import no_such_name  # noqa: F401
+
+
+@pytest.mark.parametrize("package", ["plan", "lower"])
+def test_the_compiler_keeps_its_core_at_the_top_and_each_technique_in_a_sub_package(
+    package: str,
+) -> None:
+    """At most 12 modules at the top of plan/ and lower/; a technique's modules live in its
+    sub-package (plan/experts/, plan/proof/, ...), whose names no top module repeats."""
+    top = sorted(p.stem for p in (PACKAGE / package).glob("*.py"))
+    subs = sorted(p.name for p in (PACKAGE / package).iterdir() if (p / "__init__.py").exists())
+    assert len(top) <= 12, top
+    assert not [m for m in top for s in subs if m.startswith(s.rstrip("s"))], (top, subs)
 
 
 def test_public_train_sub_packages_keep_their_names() -> None:

@@ -43,7 +43,7 @@ def test_qwen3_from_hf_trains_like_one_device(mesh: dict[str, int], fsdp: tuple[
 @contextlib.contextmanager
 def partial_gradients_not_reduced() -> Iterator[None]:
     """The lowering leaves the plan's partial gradients as each rank computed them."""
-    with mock.patch("meshtrain.lower.tensor_parallel._replicate_on_shards"):
+    with mock.patch("meshtrain.lower.tensor.parallel._replicate_on_shards"):
         yield
 
 

@@ -13,8 +13,8 @@ from meshtrain import P, PlanError, Rules
 from meshtrain.adapters import lora
 from meshtrain.models import LlamaConfig, build_llama, default_rules
 from meshtrain.plan import SCHEDULES, Plan
-from meshtrain.plan.activations import trace_activations
-from meshtrain.plan.pipeline import bubble_fraction, stage_ranks
+from meshtrain.plan.memory.activations import trace_activations
+from meshtrain.plan.pipeline.schedule import bubble_fraction, stage_ranks
 
 MODEL = build_llama(LlamaConfig.preset("debug", n_layers=8), device="meta")
 RULES = default_rules()

@@ -415,7 +415,7 @@ def test_sequence_parallelism_needs_an_input_embedding() -> None:
 
 
 def test_sequence_parallel_embedding_inputs_are_checked_on_forward() -> None:
-    from meshtrain.lower.tensor_parallel import _check_sequence
+    from meshtrain.lower.tensor.parallel import _check_sequence
 
     embedding = torch.nn.Embedding(8, 4)
     _check_sequence("pos", "tp", 2, embedding, (torch.zeros(2, 6, dtype=torch.long),))

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.spmd
 @contextlib.contextmanager
 def missing_reduction_on_one_axis() -> Iterator[None]:
     """HSDP whose gradients are reduced over the shard axis only, not the replicate axis."""
-    from meshtrain.lower import data_parallel
+    from meshtrain.lower.data import parallel as data_parallel
 
     original = data_parallel.fully_shard
 
@@ -76,7 +76,7 @@ class _WrongDimColwise(ColwiseParallel):
 
 @contextlib.contextmanager
 def wrong_shard_dim_in_colwise() -> Iterator[None]:
-    from meshtrain.lower import tensor_parallel
+    from meshtrain.lower.tensor import parallel as tensor_parallel
 
     with mock.patch.object(tensor_parallel, "ColwiseParallel", _WrongDimColwise):
         yield
@@ -135,7 +135,7 @@ def clipping_by_local_norm() -> Iterator[None]:
 def batch_norm_running_variance_biased() -> Iterator[None]:
     """Data-parallel BatchNorm updates its running variance with the biased batch variance
     (one device uses the unbiased one): only the buffer differs, not the step's gradients."""
-    from meshtrain.lower import batch_norm
+    from meshtrain.lower.data import batch_norm
 
     original = batch_norm._update_running
 
@@ -277,7 +277,7 @@ def test_a_buffer_updated_from_each_ranks_local_batch_is_reported() -> None:
     """The planner refuses this model under data parallelism (the abstract run finds the
     buffer written from the batch); with that refusal kept as a note, the harness still
     reports the buffer, and only the buffer."""
-    from meshtrain.plan.abstract import refusals_as_notes
+    from meshtrain.plan.proof.run import refusals_as_notes
 
     rules = mt.Rules({r".*": mt.P()}, fsdp="dp")
     # one rank sees the whole batch: the buffer is one device's

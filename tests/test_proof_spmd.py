@@ -64,7 +64,7 @@ def test_trains_like_one_device(name: str) -> None:
 def test_a_running_mean_planned_as_a_note_still_trains_differently() -> None:
     """Why the buffer is refused: with the refusal kept as a note, the plan runs and the
     harness reports the buffer alone (every gradient matches)."""
-    from meshtrain.plan.abstract import refusals_as_notes
+    from meshtrain.plan.proof.run import refusals_as_notes
 
     with refusals_as_notes(), pytest.raises(mt.EquivalenceError) as caught:
         assert_equivalent(pm.running_mean_mlp, {"dp": 2}, Rules({".*": P()}, fsdp="dp"),

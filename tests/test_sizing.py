@@ -14,8 +14,8 @@ import meshtrain as mt
 from meshtrain import PlanError
 from meshtrain.cli import main
 from meshtrain.models import LlamaConfig, build_llama, default_rules
-from meshtrain.plan.footprint import footprint, ring_bytes, textbook_bytes
-from meshtrain.plan.sizes import parse_bytes
+from meshtrain.plan.memory.footprint import footprint, ring_bytes, textbook_bytes
+from meshtrain.plan.memory.sizes import parse_bytes
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.sizing import size_recipe
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from meshtrain import PlanError
 from meshtrain.models import LlamaConfig, build_llama
-from meshtrain.plan.stages import _balanced_starts, split_stages
+from meshtrain.plan.pipeline.stages import _balanced_starts, split_stages
 
 
 def llama(layers: int, vocab: int = 256):

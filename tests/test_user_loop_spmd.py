@@ -8,7 +8,7 @@ process on the whole batch, on a Hugging Face Llama and on a plain ``nn.Module``
 Tensor-parallel plans used to leave the parameters they do not shard as plain tensors (FSDP2 then
 puts them on the data-parallel mesh only), and PyTorch's clipping failed with ``All operands in
 aten.stack.default must have the same mesh``; every parameter now lives on one mesh
-(:mod:`meshtrain.lower.replicated`).
+(:mod:`meshtrain.lower.tensor.replicated`).
 """
 
 from __future__ import annotations
@@ -412,7 +412,7 @@ def planted_partial_gradient(name: str) -> dict[str, float]:
 
     from torch.distributed.tensor import DTensor, Partial
 
-    from meshtrain.lower import replicated
+    from meshtrain.lower.tensor import replicated
 
     def to_local(self: Any, module: nn.Module, args: Any) -> None:
         frame = []

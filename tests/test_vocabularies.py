@@ -1,6 +1,6 @@
 """Each closed vocabulary is defined once (issue 44, point 4): no two ``Literal`` aliases or
 ``Enum`` classes under ``meshtrain/`` list the same values. A layer that needs another layer's
-vocabulary imports it (``lower/ring_attention.py`` takes the plan options' ``ContextMethod``)."""
+vocabulary imports it (``lower/context/ring_attention.py`` takes the plan options' ``ContextMethod``)."""
 
 from __future__ import annotations
 

@@ -14,8 +14,8 @@ Example (on every rank, after ``mt.init_distributed()``)::
 
 from meshtrain.lower.apply import apply
 from meshtrain.lower.compute import CompileReport, compile_loss, compile_report
-from meshtrain.lower.context_parallel import shard_batch
-from meshtrain.lower.data_parallel import micro_batch
+from meshtrain.lower.context.parallel import shard_batch
+from meshtrain.lower.data.parallel import micro_batch
 from meshtrain.lower.distribute import distribute
 from meshtrain.lower.functional import constrain, shard_map
 from meshtrain.lower.gather import full_tensor
@@ -23,7 +23,7 @@ from meshtrain.lower.groups import device_mesh, group_over, plan_device
 from meshtrain.lower.materialise import initialise, materialise
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.reference import one_device_reference
-from meshtrain.lower.tensor_parallel import loss_parallel
+from meshtrain.lower.tensor.parallel import loss_parallel
 
 __all__ = [
     "CompileReport",

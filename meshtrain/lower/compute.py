@@ -8,7 +8,7 @@ FSDP2's module hooks (which stay outside the compiled code) are untouched.
 - ``full``: the block's forward runs under ``torch.utils.checkpoint.checkpoint`` (non-reentrant):
   only its inputs are kept, everything else is recomputed in backward.
 - ``selective``: the same with a policy that keeps the outputs of matmul and attention ops
-  (:data:`~meshtrain.plan.activations.SAVED_OPS`) and recomputes the rest.
+  (:data:`~meshtrain.plan.memory.activations.SAVED_OPS`) and recomputes the rest.
 
 Graph breaks are not accepted silently: after the first forward of a compiled model a
 :class:`~meshtrain.errors.GraphBreakWarning` names their count and reasons, and
@@ -42,8 +42,8 @@ from torch.utils.checkpoint import (
 )
 
 from meshtrain.errors import GraphBreakWarning
-from meshtrain.plan.activations import SAVED_OPS
 from meshtrain.plan.ir import Plan, TPStyle
+from meshtrain.plan.memory.activations import SAVED_OPS
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 

@@ -13,18 +13,18 @@ from __future__ import annotations
 
 from torch import nn
 
-from meshtrain.lower.balance import install_count_reducer
-from meshtrain.lower.batch_buffers import average_batch_buffers
-from meshtrain.lower.batch_norm import sync_batch_norms
 from meshtrain.lower.compute import apply_checkpointing, compile_blocks, compile_model
-from meshtrain.lower.context_parallel import apply_context_parallel
-from meshtrain.lower.data_parallel import apply_data_parallel
-from meshtrain.lower.expert_parallel import apply_expert_parallel
-from meshtrain.lower.fresh_outputs import fresh_outputs
+from meshtrain.lower.context.parallel import apply_context_parallel
+from meshtrain.lower.data.batch_buffers import average_batch_buffers
+from meshtrain.lower.data.batch_norm import sync_batch_norms
+from meshtrain.lower.data.parallel import apply_data_parallel
+from meshtrain.lower.experts.balance import install_count_reducer
+from meshtrain.lower.experts.parallel import apply_expert_parallel
 from meshtrain.lower.functional import track
 from meshtrain.lower.groups import device_mesh
-from meshtrain.lower.replicated import mark_plain_parameters, replicate_whole_parameters
-from meshtrain.lower.tensor_parallel import apply_tensor_parallel
+from meshtrain.lower.tensor.fresh_outputs import fresh_outputs
+from meshtrain.lower.tensor.parallel import apply_tensor_parallel
+from meshtrain.lower.tensor.replicated import mark_plain_parameters, replicate_whole_parameters
 from meshtrain.plan.ir import Plan
 
 

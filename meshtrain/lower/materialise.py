@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshtrain.adapters.nf4 import is_nf4, scale_mean, scale_sums, write_nf4
 from meshtrain.errors import PlanError
 from meshtrain.lower.pipeline import PipelinedModel
-from meshtrain.lower.tensor_parallel import PartialGradSync
+from meshtrain.lower.tensor.parallel import PartialGradSync
 
 Initialiser = Callable[[nn.Module], None]
 

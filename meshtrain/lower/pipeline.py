@@ -41,10 +41,10 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from meshtrain.lower.flat import parallelize
 from meshtrain.lower.groups import device_mesh, plan_device
-from meshtrain.lower.tensor_parallel import PartialGradSync, loss_parallel
+from meshtrain.lower.tensor.parallel import PartialGradSync, loss_parallel
 from meshtrain.plan.ir import Plan, StagePlan, TPStyle
 from meshtrain.plan.layers import main_output
-from meshtrain.plan.styles import activation_argument
+from meshtrain.plan.tensor.styles import activation_argument
 
 Schedule = PipelineScheduleSingle | PipelineScheduleMulti
 

@@ -43,7 +43,7 @@ def _fp32_batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -
     """torch's own BatchNorm on the fp32 input and parameters, the result in the input's dtype:
     its statistics in fp32, as the plan's global-batch BatchNorm takes them (torch's CPU kernel
     refuses compute-dtype weights beside fp32 running statistics: "expected scalar type
-    BFloat16 but found Float"). Written apart from the plan's (:mod:`meshtrain.lower.batch_norm`),
+    BFloat16 but found Float"). Written apart from the plan's (:mod:`meshtrain.lower.data.batch_norm`),
     so a bug there does not change both sides alike."""
     momentum = 0.0 if module.momentum is None else module.momentum
     batch_statistics = module.training or module.running_mean is None

@@ -471,7 +471,7 @@ def default_rules(
     otherwise replicated, so FSDP shards expert weights like any other. ``"expert_mlp"`` (each
     expert's intermediate features, which ``gate_up_proj`` packs for gate and up) stays whole
     unless ``expert_tp``: then it goes to ``tp`` too, splitting every expert inside
-    (:mod:`meshtrain.plan.expert_tensor`). With ``mesh`` given, a ``tp`` axis it lacks is left
+    (:mod:`meshtrain.plan.experts.tensor`). With ``mesh`` given, a ``tp`` axis it lacks is left
     out too (no tensor parallelism).
 
     Example:

@@ -18,7 +18,7 @@ from meshtrain.plan.ir import (
     TPStyle,
 )
 from meshtrain.plan.options import PlanOptions
-from meshtrain.plan.pipeline import SCHEDULES, Pipeline
+from meshtrain.plan.pipeline.schedule import SCHEDULES, Pipeline
 
 __all__ = [
     "SCHEDULES",

@@ -16,12 +16,12 @@ from typing import Any
 
 from torch import nn
 
-from meshtrain.plan.auto import choose_plan
-from meshtrain.plan.auto_experts import choose_expert_plan, has_experts
+from meshtrain.plan.auto.experts import choose_expert_plan, has_experts
+from meshtrain.plan.auto.search import choose_plan
 from meshtrain.plan.build import build_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.options import AutoSearch, PlanOptions
-from meshtrain.plan.probe import example_inputs as probing
+from meshtrain.plan.proof.probe import example_inputs as probing
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -54,16 +54,16 @@ def plan(
     ``strategy="auto"`` (with ``device_memory``, bytes or "80GiB", and ``node_size``) chooses the
     mesh's pp/dp/tp degrees over ``mesh.world_size`` ranks, the ZeRO stage, accumulation or
     pipeline micro-batches and checkpointing so the plan fits at the least modelled step
-    overhead (:mod:`meshtrain.plan.auto`); it needs ``global_batch`` and ``seq_len``. For a
+    overhead (:mod:`meshtrain.plan.auto.search`); it needs ``global_batch`` and ``seq_len``. For a
     model with experts the expert-parallel degree (an ``ep`` axis) joins the search
-    (:mod:`meshtrain.plan.auto_experts`). The returned plan's mesh is the chosen one and
+    (:mod:`meshtrain.plan.auto.experts`). The returned plan's mesh is the chosen one and
     ``explain()`` says why.
 
     ``example_inputs`` (a tensor, a tuple of positional inputs or a mapping of keyword inputs:
     one batch the model's forward takes) feeds the plan-time proof
-    (:mod:`meshtrain.plan.abstract`); only shapes and dtypes are read. Without it meshtrain
+    (:mod:`meshtrain.plan.proof.run`); only shapes and dtypes are read. Without it meshtrain
     builds token ids, images or features where the model's first module says which
-    (:mod:`meshtrain.plan.probe`), and a plan that needs the proof on any other model is a
+    (:mod:`meshtrain.plan.proof.probe`), and a plan that needs the proof on any other model is a
     ``PlanError`` asking for it.
     """
     search_keys = {key: overrides.pop(key) for key in AutoSearch.KEYS if key in overrides}

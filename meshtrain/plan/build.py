@@ -23,23 +23,20 @@ import torch
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.abstract import Proof, Scope, kept_as_notes, prove_plan
-from meshtrain.plan.abstract_refusals import batch_buffers as refuse_batch_buffers
-from meshtrain.plan.activations import ActivationProfile, trace_activations
 from meshtrain.plan.adapters import (
     check_nf4_shards,
     resolve_with_adapters,
     storage,
     trainable,
 )
-from meshtrain.plan.context import (
+from meshtrain.plan.context.axis import (
     check_context,
     check_context_model,
     check_context_sequence_parallel,
     context_axis_of,
     param_axes,
 )
-from meshtrain.plan.context_cost import (
+from meshtrain.plan.context.cost import (
     context_collectives,
     context_costing,
     context_profile,
@@ -47,12 +44,14 @@ from meshtrain.plan.context_cost import (
 )
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
 from meshtrain.plan.decisions import fsdp_decisions
-from meshtrain.plan.expert_cost import (
+from meshtrain.plan.experts.axis import expert_axis_of, expert_shards, plan_experts
+from meshtrain.plan.experts.cost import (
     estimate_expert_collectives,
     expert_data_collectives,
     expert_notes,
 )
-from meshtrain.plan.experts import expert_axis_of, expert_shards, plan_experts
+from meshtrain.plan.experts.router_counts import count_collectives, counting_routers
+from meshtrain.plan.experts.router_logits import refuse_router_logits
 from meshtrain.plan.infer import (
     check_sequence_length,
     describe_uneven,
@@ -74,20 +73,21 @@ from meshtrain.plan.ir import (
     TPStyle,
 )
 from meshtrain.plan.layers import tied_groups
+from meshtrain.plan.memory.activations import ActivationProfile, trace_activations
 from meshtrain.plan.options import CHECKPOINTING_MODES, PlanOptions
-from meshtrain.plan.pipeline import check_pipeline_axis, plan_pipeline
-from meshtrain.plan.pipeline_cost import pipeline_costs
+from meshtrain.plan.pipeline.cost import pipeline_costs
+from meshtrain.plan.pipeline.schedule import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.policies import (
     block_fqns,
     pair_inputs_shared,
     plain_under_compile_note,
     resolve_compile_scope,
 )
-from meshtrain.plan.router_counts import count_collectives, counting_routers
-from meshtrain.plan.router_logits import refuse_router_logits
-from meshtrain.plan.sequence import place_sequence_split
-from meshtrain.plan.styles import infer_styles
-from meshtrain.plan.tp_cost import estimate_tp_collectives, partial_grad_collectives
+from meshtrain.plan.proof.refusals import batch_buffers as refuse_batch_buffers
+from meshtrain.plan.proof.run import Proof, Scope, kept_as_notes, prove_plan
+from meshtrain.plan.tensor.cost import estimate_tp_collectives, partial_grad_collectives
+from meshtrain.plan.tensor.sequence import place_sequence_split
+from meshtrain.plan.tensor.styles import infer_styles
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.rules import Rules
 
@@ -370,7 +370,7 @@ def _router_count_collectives(
     options: PlanOptions,
     modules: tuple[str, ...] | None,
 ) -> tuple[Collective, ...]:
-    """The routers' count all-reduces over the token ranks (:mod:`meshtrain.plan.router_counts`),
+    """The routers' count all-reduces over the token ranks (:mod:`meshtrain.plan.experts.router_counts`),
     of the busiest pipeline rank's ``modules`` when given."""
     routers = counting_routers(model)
     if modules is not None:
@@ -498,7 +498,7 @@ def _activation_profile(
 ) -> ActivationProfile | str | None:
     """The traced activation profile, None without batch_size/seq_len, or why tracing failed;
     under context parallelism traced on a rank's share of each sequence
-    (:mod:`meshtrain.plan.context_cost`)."""
+    (:mod:`meshtrain.plan.context.cost`)."""
     if options.batch_size is None or options.seq_len is None:
         return None
     tp_modules = [s.fqn for s in styles if s.style in _TP_REGION_STYLES]

@@ -30,7 +30,7 @@ per non-root unit in backward under zero=3, one reduce-scatter per unit per grad
 all-reduce over the replicate axis under HSDP. zero 0 and 1 sync gradients once per step; zero 2
 and 3 on every micro-batch so gradients stay sharded. What each stage means is decided once, by
 :func:`~meshtrain.plan.decisions.fsdp_decisions`, and read here off the units' decisions.
-Tensor-parallel collectives are :mod:`~meshtrain.plan.tp_cost`'s (one cost per style).
+Tensor-parallel collectives are :mod:`~meshtrain.plan.tensor.cost`'s (one cost per style).
 
 Example:
     >>> from meshtrain.plan.options import PlanOptions
@@ -46,7 +46,7 @@ import torch
 
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, ParamLayout
 from meshtrain.plan.options import PlanOptions
-from meshtrain.plan.tp_cost import estimate_tp_collectives
+from meshtrain.plan.tensor.cost import estimate_tp_collectives
 from meshtrain.spec.mesh import Mesh
 
 
@@ -156,7 +156,7 @@ def estimate_collectives(
     backward) on a stage's last backward only, whatever the ZeRO stage; ``units`` are then one
     stage's (its blocks, its root last) and under zero=3 ``block_gathers`` says how often the
     blocks are gathered in forward and in backward
-    (``StagePlan.zero3_gathers``, from :func:`~meshtrain.plan.pipeline.resharded_gathers`).
+    (``StagePlan.zero3_gathers``, from :func:`~meshtrain.plan.pipeline.schedule.resharded_gathers`).
     """
     if not data_axes or not units:
         return ()

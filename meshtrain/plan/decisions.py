@@ -18,7 +18,7 @@ zero  wrapper      params, grads, states   reshard after   gradient sync        
 
 The root unit keeps its parameters gathered after forward (backward needs them first). Inside a
 pipeline schedule the schedule itself syncs gradients (and reshards after backward) on a stage's
-last micro-batch, whatever these say (see :mod:`~meshtrain.plan.pipeline_cost`).
+last micro-batch, whatever these say (see :mod:`~meshtrain.plan.pipeline.cost`).
 
 Example:
     >>> d = fsdp_decisions(3, root=False)

@@ -3,7 +3,7 @@
 Everything here is pure (meta-device models, abstract meshes) and raises :class:`PlanError`
 while planning, the same on every rank, for configurations that cannot lower correctly.
 
-Tensor-parallel style inference is in :mod:`meshtrain.plan.styles`.
+Tensor-parallel style inference is in :mod:`meshtrain.plan.tensor.styles`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def infer_sequence_parallel(
     """Whether the activation rules shard the sequence dim over the tensor-parallel axis.
 
     Activations are ``[batch, seq, features]``; a logical rule ``("seq", axis)`` shards dim 1.
-    Besides the context axis (context parallelism, :mod:`meshtrain.plan.context`), only the
+    Besides the context axis (context parallelism, :mod:`meshtrain.plan.context.axis`), only the
     tensor-parallel axis can take it (sequence parallelism); a sequence rule onto a data axis
     is refused.
     """

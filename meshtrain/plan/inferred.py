@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.plan.activations import ActivationProfile
 from meshtrain.plan.ir import (
     ExpertGroup,
     FSDPUnit,
@@ -19,6 +18,7 @@ from meshtrain.plan.ir import (
     ParamReader,
     PartialGrad,
 )
+from meshtrain.plan.memory.activations import ActivationProfile
 
 
 @dataclass(frozen=True)

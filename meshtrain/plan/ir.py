@@ -70,7 +70,7 @@ class ParamLayout:
 
 class TPStyle(str, enum.Enum):
     """The tensor-parallel styles a module can lower to: a closed set. Each has one cost function
-    (``meshtrain.plan.tp_cost.TP_COSTS``) and one lowering (``meshtrain.lower.tensor_parallel``);
+    (``meshtrain.plan.tensor.cost.TP_COSTS``) and one lowering (``meshtrain.lower.tensor.parallel``);
     its value is the name the plan's JSON, ``explain()`` and its ``repr`` print.
 
     Example:
@@ -161,7 +161,7 @@ class PartialGrad:
     """A parameter replicated over the tensor-parallel ``axis`` whose module computes on
     activations sharded over it (dim ``dim`` of the module's first input): each rank's gradient
     is a partial sum, all-reduced over ``axis`` by the lowering. Found by the plan-time abstract
-    run (:mod:`meshtrain.plan.abstract`); ``op`` is the operation where it met the shard.
+    run (:mod:`meshtrain.plan.proof.run`); ``op`` is the operation where it met the shard.
 
     Example:
         >>> PartialGrad("attn.q_norm.weight", "attn.q_norm", "tp", 2, "aten.mul.Tensor").axis
@@ -180,7 +180,7 @@ class ParamReader:
     """A parameter replicated over the tensor-parallel axis that module ``reader`` reads in its
     own forward although another module owns it (a tied head ``F.linear(h, embed.weight)``): the
     lowering hands ``reader`` the parameter's local tensor for its forward, as it hands the owner
-    its own. Found by the plan-time abstract run (:mod:`meshtrain.plan.abstract`).
+    its own. Found by the plan-time abstract run (:mod:`meshtrain.plan.proof.run`).
 
     Example:
         >>> ParamReader("embed.weight", "").reader
@@ -198,7 +198,7 @@ class ExpertGroup:
     ``local_experts`` of them, tokens dispatched to their expert's rank by all-to-all. ``top_k``:
     experts per token when the model's config says it (0 when unknown). ``tensor_axis``: the
     tensor-parallel axis that also splits each expert inside (its intermediate features), when
-    the specs say so (:mod:`meshtrain.plan.expert_tensor`).
+    the specs say so (:mod:`meshtrain.plan.experts.tensor`).
 
     Example:
         >>> g = ExpertGroup("layers.0.mlp.experts", 8, 4, ("layers.0.mlp.experts.down_proj",), 2)
@@ -416,7 +416,7 @@ class Plan:
     @property
     def token_axes(self) -> tuple[str, ...]:
         """The axes a step's loss tokens are spread over: the batch axes, then the context axis
-        (its ranks hold chunks of the same sequences, see :mod:`meshtrain.plan.context`). Token
+        (its ranks hold chunks of the same sequences, see :mod:`meshtrain.plan.context.axis`). Token
         counts, the loss and the gradient reduction run over them; the batch rows do not split
         over the context axis."""
         return self.batch_axes + ((self.context_axis,) if self.context_axis else ())

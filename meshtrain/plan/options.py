@@ -22,7 +22,7 @@ from typing import Any, Literal, get_args
 
 from meshtrain.errors import PlanError, did_you_mean
 from meshtrain.plan.decisions import fsdp_decisions
-from meshtrain.plan.sizes import parse_bytes
+from meshtrain.plan.memory.sizes import parse_bytes
 
 #: name → (stage → rank style, splits backward into input and weight gradients)
 SCHEDULE_KINDS: dict[str, tuple[str, bool]] = {
@@ -138,10 +138,10 @@ class PlanOptions:
 
     ``context_balance`` and ``context_method``: under context parallelism (an activation rule
     ``("seq", "cp")``), which chunks of each sequence a rank holds and how its attention meets
-    the other ranks' keys and values (see :mod:`meshtrain.plan.context`).
+    the other ranks' keys and values (see :mod:`meshtrain.plan.context.axis`).
 
     ``unproven_shards``: a tensor-parallel plan is proven while planning by running the model on
-    fake tensors (:mod:`meshtrain.plan.abstract`), which also finds the replicated parameters
+    fake tensors (:mod:`meshtrain.plan.proof.run`), which also finds the replicated parameters
     whose gradients are partial sums over the tensor-parallel axis. When that run fails on the
     model's own code, ``"refuse"`` (default) raises a PlanError naming the failure; ``"note"``
     plans anyway with a note, and any such partial gradient then trains unreduced (wrong).

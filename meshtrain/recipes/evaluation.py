@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import CheckpointError, RecipeError
-from meshtrain.lower.context_parallel import positions_keyword
+from meshtrain.lower.context.parallel import positions_keyword
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.layers import main_output
 from meshtrain.recipes.data import data_directory, recipe_tokenizer

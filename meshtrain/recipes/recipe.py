@@ -29,7 +29,7 @@ from meshtrain.models.llama import LlamaConfig, default_rules
 from meshtrain.models.moe import MoEConfig
 from meshtrain.models.moe import default_rules as moe_rules
 from meshtrain.plan.options import PlanOptions
-from meshtrain.plan.pipeline import Pipeline
+from meshtrain.plan.pipeline.schedule import Pipeline
 from meshtrain.recipes.models import (
     AdaptedBuilder,
     FactoryBuilder,

@@ -6,7 +6,7 @@ the rest. **Batch rule:** the recipe's global batch is kept when it splits into 
 data-parallel ranks × micro-batches; otherwise it is rounded up to the next multiple (the report
 says so) — the same sequences per micro-batch per rank a larger run would use. With
 ``strategy="auto"`` the degrees, ZeRO stage and checkpointing are chosen by
-:func:`meshtrain.plan.auto.choose_plan` instead of the recipe's.
+:func:`meshtrain.plan.auto.search.choose_plan` instead of the recipe's.
 
 Example:
     >>> from meshtrain.recipes import load_recipe
@@ -25,12 +25,12 @@ from typing import Any
 
 from meshtrain.errors import MeshError, PlanError
 from meshtrain.plan.api import plan as make_plan
-from meshtrain.plan.auto import choose_plan
-from meshtrain.plan.auto_experts import choose_expert_plan, has_experts
-from meshtrain.plan.footprint import Footprint, footprint
+from meshtrain.plan.auto.experts import choose_expert_plan, has_experts
+from meshtrain.plan.auto.search import choose_plan
 from meshtrain.plan.ir import Plan
+from meshtrain.plan.memory.footprint import Footprint, footprint
+from meshtrain.plan.memory.sizes import parse_bytes
 from meshtrain.plan.options import AutoSearch, PlanOptions
-from meshtrain.plan.sizes import parse_bytes
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.spec.mesh import make_mesh
 

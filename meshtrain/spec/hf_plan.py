@@ -262,7 +262,7 @@ def hf_expert_patterns(
     every parameter of those modules whole (``P()``), noted. With ``tp``, the experts modules
     the tensor-parallel plan names ``moe_tp_experts`` are also split inside over it
     (``gate_up_proj`` packed column-wise, ``down_proj`` row-wise:
-    :mod:`meshtrain.plan.expert_tensor`). A ``moe_tp_experts`` entry on a module that is not an
+    :mod:`meshtrain.plan.experts.tensor`). A ``moe_tp_experts`` entry on a module that is not an
     experts module is left for the tensor-parallel plan to refuse.
 
     Example:

@@ -8,7 +8,7 @@ one — the rule of ``transformers``' ``find_packed_sequence_indices``, so mesht
 positions are ``0..S-1`` is one document (plain causal attention).
 
 Pure torch on tensors: nothing here talks to other ranks. Under context parallelism each rank
-holds only chunks of a window, so :mod:`meshtrain.lower.context_parallel` gathers the positions
+holds only chunks of a window, so :mod:`meshtrain.lower.context.parallel` gathers the positions
 of the whole window first and then applies this rule.
 
 Example:

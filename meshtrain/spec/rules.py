@@ -184,7 +184,7 @@ class Rules:
         ``grouped_gemm``/``ep_dispatch_experts``, ``moe_tp_experts``) split over ``ep`` on their
         experts dim (expert parallelism), or stay whole (``P()``, noted in the plan) without it;
         with ``tp``, the ``moe_tp_experts`` modules are split inside over it too (each expert's
-        intermediate features, :mod:`meshtrain.plan.expert_tensor`).
+        intermediate features, :mod:`meshtrain.plan.experts.tensor`).
 
         Example::
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from meshtrain.errors import EquivalenceError, PlanError
 from meshtrain.lower import apply, device_mesh, full_tensor, one_device_reference
-from meshtrain.lower.context_parallel import positions_keyword
+from meshtrain.lower.context.parallel import positions_keyword
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh

@@ -316,7 +316,7 @@ def plan_cases(
     if sizes["pp"] > 1:
         schedule, per_rank = draw(st.sampled_from(_SCHEDULE_CHOICES))
         micro = sizes["pp"] * draw(st.integers(1, 2))
-        from meshtrain.plan.pipeline import Pipeline
+        from meshtrain.plan.pipeline.schedule import Pipeline
 
         options["pipeline"] = Pipeline(
             schedule=schedule, microbatches=micro, stages_per_rank=per_rank

@@ -9,13 +9,10 @@ maps, wandb). The loop a recipe describes is :func:`meshtrain.recipes.run.train`
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.clip import clip_grad_norm_, global_grad_norm
 from meshtrain.train.loss import IGNORE_INDEX, global_token_count, summed_cross_entropy
-from meshtrain.train.moved import install as _install_moved_paths
 from meshtrain.train.scaler import LossScaler
 from meshtrain.train.schedule import WarmupCosine, linear_scaling
 from meshtrain.train.state import TrainState
 from meshtrain.train.step import TrainStep, forward_backward, make_train_step
-
-_install_moved_paths()
 
 __all__ = [
     "IGNORE_INDEX",

@@ -31,10 +31,10 @@ import torch.distributed as dist
 
 from meshtrain.errors import TrainingError
 from meshtrain.lower import PipelinedModel
-from meshtrain.lower.context_parallel import positions_keyword, shard_batch
+from meshtrain.lower.context.parallel import positions_keyword, shard_batch
 from meshtrain.lower.groups import group_over, plan_device
 from meshtrain.lower.pipeline import INPUTS
-from meshtrain.lower.tensor_parallel import loss_parallel
+from meshtrain.lower.tensor.parallel import loss_parallel
 from meshtrain.plan.ir import Plan
 from meshtrain.train.batch import Batch
 from meshtrain.train.loss import LossFn, loss_tokens, plain_loss, summed_cross_entropy

@@ -33,11 +33,11 @@ import torch
 
 from meshtrain.errors import TrainingError, format_shape
 from meshtrain.lower.compute import compile_loss
-from meshtrain.lower.context_parallel import positions_keyword, shard_batch
-from meshtrain.lower.data_parallel import data_parallel_size, micro_batch
+from meshtrain.lower.context.parallel import positions_keyword, shard_batch
+from meshtrain.lower.data.parallel import data_parallel_size, micro_batch
 from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
-from meshtrain.lower.tensor_parallel import loss_parallel
+from meshtrain.lower.tensor.parallel import loss_parallel
 from meshtrain.plan.ir import Plan
 from meshtrain.train.balance import after_optimizer_step, set_aux_scale
 from meshtrain.train.batch import Batch
@@ -174,7 +174,7 @@ def forward_backward(
     device's mean-loss gradients. Gradients are left in ``.grad`` (multiplied by ``loss_scale``),
     synchronised as the plan says. Under a compiling plan pass ``compile_loss(plan, loss_fn)``.
     The batch's ``token_positions`` (packed documents) reach the model as ``positions`` or
-    ``position_ids`` (:func:`~meshtrain.lower.context_parallel.positions_keyword`), cut like the
+    ``position_ids`` (:func:`~meshtrain.lower.context.parallel.positions_keyword`), cut like the
     tokens.
     """
     # under context parallelism this rank computes its chunks of every sequence

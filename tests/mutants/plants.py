@@ -30,7 +30,7 @@ from torch import nn
 @contextlib.contextmanager
 def sp_norm_grad_not_reduced() -> Iterator[None]:
     """Sequence-parallel norms' partial gradients are never all-reduced over tp (no FSDP2)."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
 
     original = tensor_parallel.PartialGradSync.__init__
 
@@ -44,7 +44,7 @@ def sp_norm_grad_not_reduced() -> Iterator[None]:
 @contextlib.contextmanager
 def adapter_grad_not_reduced() -> Iterator[None]:
     """A tensor-parallel LoRA Linear's replicated adapter keeps its partial gradient."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
 
     original = tensor_parallel.PartialGradSync.__init__
 
@@ -59,14 +59,14 @@ def adapter_grad_not_reduced() -> Iterator[None]:
 def partial_grad_not_reduced() -> Iterator[None]:
     """The plan's partial gradients (a replicated parameter meeting tp-sharded activations) are
     left as each rank computed them: the lowering's replication on shards is skipped."""
-    with mock.patch("meshtrain.lower.tensor_parallel._replicate_on_shards"):
+    with mock.patch("meshtrain.lower.tensor.parallel._replicate_on_shards"):
         yield
 
 
 @contextlib.contextmanager
 def gathered_output_left_sharded() -> Iterator[None]:
     """``colwise_gathered`` lowered as plain column-wise: its output stays sharded."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
     ir = importlib.import_module("meshtrain.plan.ir")
     plain = tensor_parallel.LOWERINGS[ir.TPStyle.COLWISE]
     with mock.patch.dict(tensor_parallel.LOWERINGS, {ir.TPStyle.COLWISE_GATHERED: plain}):
@@ -77,7 +77,7 @@ def gathered_output_left_sharded() -> Iterator[None]:
 def replicated_grad_summed_over_tp() -> Iterator[None]:
     """The whole parameters' local tensors hand back their gradients as partial sums over tp, so
     every tensor-parallel rank's (complete) gradient is summed once per rank."""
-    replicated = importlib.import_module("meshtrain.lower.replicated")
+    replicated = importlib.import_module("meshtrain.lower.tensor.replicated")
     from torch.distributed.tensor import DTensor, Partial
 
     def to_local(self: Any, module: nn.Module, args: Any) -> None:
@@ -107,7 +107,7 @@ def dp_division_missing() -> Iterator[None]:
     """FSDP2 sums gradients over data-parallel ranks where the loss expects their mean."""
     from torch.distributed.fsdp import FSDPModule
 
-    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    data_parallel = importlib.import_module("meshtrain.lower.data.parallel")
     flat = importlib.import_module("meshtrain.lower.flat")
 
     original = data_parallel.apply_data_parallel
@@ -129,7 +129,7 @@ def dp_division_missing() -> Iterator[None]:
 @contextlib.contextmanager
 def hsdp_reduces_one_axis() -> Iterator[None]:
     """HSDP reduces gradients over the shard axis only, not the replicate axis."""
-    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    data_parallel = importlib.import_module("meshtrain.lower.data.parallel")
 
     original = data_parallel.fully_shard
 
@@ -147,7 +147,7 @@ def last_microbatch_not_reduced() -> Iterator[None]:
     """Gradient accumulation never marks the last micro-batch: zero 0/1 never synchronise."""
     import meshtrain
 
-    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    data_parallel = importlib.import_module("meshtrain.lower.data.parallel")
     step = importlib.import_module("meshtrain.train.step")
 
     original = data_parallel.micro_batch
@@ -383,7 +383,7 @@ def colwise_wrong_shard_dim() -> Iterator[None]:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
 
     class WrongDimColwise(ColwiseParallel):
         def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: Any) -> None:
@@ -402,7 +402,7 @@ def colwise_wrong_shard_dim() -> Iterator[None]:
 @contextlib.contextmanager
 def tie_skipped() -> Iterator[None]:
     """Tied weights are not re-tied after tensor parallelism: embedding and head train apart."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
 
     with mock.patch.object(tensor_parallel, "retie", lambda plan, model: None):
         yield
@@ -411,7 +411,7 @@ def tie_skipped() -> Iterator[None]:
 @contextlib.contextmanager
 def frozen_weights_unfrozen() -> Iterator[None]:
     """Frozen parameters are not frozen again after tensor parallelism wraps them."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
 
     with mock.patch.object(tensor_parallel, "refreeze", lambda plan, model: None):
         yield
@@ -459,7 +459,7 @@ def stub_forgets_the_removed_module() -> Iterator[None]:
 @contextlib.contextmanager
 def batch_norm_variance_from_local_mean() -> Iterator[None]:
     """Synchronised BatchNorm centres each rank's batch on its own mean before summing squares."""
-    batch_norm = importlib.import_module("meshtrain.lower.batch_norm")
+    batch_norm = importlib.import_module("meshtrain.lower.data.batch_norm")
 
     def local_mean(module: Any, local_forward: Any, group: Any, x: torch.Tensor) -> torch.Tensor:
         if not (module.training or module.running_mean is None):
@@ -486,7 +486,7 @@ def batch_norm_variance_from_local_mean() -> Iterator[None]:
 @contextlib.contextmanager
 def batch_norm_running_variance_biased() -> Iterator[None]:
     """The running variance is updated with the biased batch variance."""
-    batch_norm = importlib.import_module("meshtrain.lower.batch_norm")
+    batch_norm = importlib.import_module("meshtrain.lower.data.batch_norm")
 
     original = batch_norm._update_running
 
@@ -522,7 +522,7 @@ def batch_buffer_not_averaged() -> Iterator[None]:
 @contextlib.contextmanager
 def batch_buffer_summed() -> Iterator[None]:
     """Buffers written from the batch summed over the data ranks, not averaged."""
-    batch_buffers = importlib.import_module("meshtrain.lower.batch_buffers")
+    batch_buffers = importlib.import_module("meshtrain.lower.data.batch_buffers")
 
     def summed(group: Any, owner: nn.Module, name: str, module: nn.Module, args: Any,
                output: Any) -> None:  # fmt: skip
@@ -536,7 +536,7 @@ def batch_buffer_summed() -> Iterator[None]:
 @contextlib.contextmanager
 def reader_not_hooked() -> Iterator[None]:
     """Replicated parameters read outside their module reach the reader as DTensors."""
-    replicated = importlib.import_module("meshtrain.lower.replicated")
+    replicated = importlib.import_module("meshtrain.lower.tensor.replicated")
 
     with mock.patch.object(replicated, "_hook_readers", lambda model, readers: None):
         yield
@@ -554,7 +554,7 @@ def fresh_output_not_copied() -> Iterator[None]:
 @contextlib.contextmanager
 def tail_input_not_gathered() -> Iterator[None]:
     """The model's tail under sequence parallelism computes on its rank's sequence shard."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
     ir = importlib.import_module("meshtrain.plan.ir")
     from torch.distributed.tensor import Shard
 
@@ -625,7 +625,7 @@ def neutral_sync_every_microbatch() -> Iterator[None]:
     reduced sums: the same value up to reduction order)."""
     import meshtrain
 
-    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    data_parallel = importlib.import_module("meshtrain.lower.data.parallel")
     step = importlib.import_module("meshtrain.train.step")
 
     original = data_parallel.micro_batch
@@ -675,7 +675,7 @@ def neutral_token_count_waited_at_once() -> Iterator[None]:
 def context_chunk_off_by_one() -> Iterator[None]:
     """Every sequence chunk but the first starts one position early (its true positions, and so
     the tokens a context-parallel rank takes and the positions its masks use, off by one)."""
-    layout = importlib.import_module("meshtrain.lower.context_layout")
+    layout = importlib.import_module("meshtrain.lower.context.layout")
 
     def early(index: int, size: int) -> torch.Tensor:
         start = index * size - (1 if index else 0)
@@ -689,7 +689,7 @@ def context_chunk_off_by_one() -> Iterator[None]:
 def context_merge_without_max() -> Iterator[None]:
     """The online-softmax merge weighs each block by ``exp(lse)`` itself, without subtracting
     the larger log-sum-exp first: exact algebra, but ``exp`` overflows once logits pass ~88."""
-    blocks = importlib.import_module("meshtrain.lower.attention_blocks")
+    blocks = importlib.import_module("meshtrain.lower.context.attention_blocks")
 
     def unshifted(out_a: Any, lse_a: Any, out_b: Any, lse_b: Any) -> tuple[Any, Any]:
         w_a, w_b = torch.exp(lse_a), torch.exp(lse_b)
@@ -706,7 +706,7 @@ def context_blocks_in_wrong_order() -> Iterator[None]:
     """The ring masks each arriving block with the chunk positions of the rank ahead instead of
     the rank behind (the keys travel forward): the causal mask applied in the wrong chunk order
     (the same rank when cp = 2, so only cp > 2 shows it)."""
-    ring = importlib.import_module("meshtrain.lower.ring_attention")
+    ring = importlib.import_module("meshtrain.lower.context.ring_attention")
     with mock.patch.object(ring, "_source", lambda rank, step, cp: (rank + step) % cp):
         yield
 
@@ -718,7 +718,7 @@ def context_blocks_in_wrong_order() -> Iterator[None]:
 def experts_permuted_across_ranks() -> Iterator[None]:
     """Each expert rank keeps the next rank's experts (the weights rolled by one rank's share
     before the split), while tokens still travel to the rank that should hold their expert."""
-    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    ep = importlib.import_module("meshtrain.lower.experts.parallel")
     original = ep.distribute_tensor
 
     def rolled(tensor: torch.Tensor, mesh: Any, placements: Any, **kwargs: Any) -> Any:
@@ -732,7 +732,7 @@ def experts_permuted_across_ranks() -> Iterator[None]:
 @contextlib.contextmanager
 def expert_combine_weight_dropped() -> Iterator[None]:
     """Each token's last expert output is combined with weight 1 instead of its router weight."""
-    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    ep = importlib.import_module("meshtrain.lower.experts.parallel")
     original = ep.ExpertDispatch.__call__
 
     def unweighted(self: Any, hidden: Any, index: Any, weights: torch.Tensor) -> Any:
@@ -747,7 +747,7 @@ def expert_combine_weight_dropped() -> Iterator[None]:
 def expert_grad_not_rescaled() -> Iterator[None]:
     """Expert gradients left as the all-to-all's backward sums them over the expert ranks (no
     1/ep under the data-parallel mean): divided by the data ranks only, ep times too large."""
-    ep = importlib.import_module("meshtrain.lower.expert_parallel")
+    ep = importlib.import_module("meshtrain.lower.experts.parallel")
     with mock.patch.object(ep, "expert_grad_scale", lambda plan: 1.0):
         yield
 
@@ -789,7 +789,7 @@ def moe_block_input_grad_summed() -> Iterator[None]:
     """A MoE block run on the whole sequence under sequence parallelism treats its gathered
     input's gradient as partial sums (reduce-scattered), though every tensor-parallel rank holds
     the same whole gradient: the block's input gradient comes back multiplied by tp."""
-    tensor_parallel = importlib.import_module("meshtrain.lower.tensor_parallel")
+    tensor_parallel = importlib.import_module("meshtrain.lower.tensor.parallel")
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
     def summed(self: Any, module: nn.Module, device_mesh: Any) -> nn.Module:
@@ -820,8 +820,8 @@ def experts_split_contiguously() -> Iterator[None]:
     """Tensor parallelism inside the experts splits ``gate_up_proj`` in contiguous blocks
     (``Shard(1)``) instead of each packed half alike: with tp 2 one rank holds every gate row
     and the other every up row, and each forms ``act(gate) · up`` from the wrong rows."""
-    expert_tensor = importlib.import_module("meshtrain.lower.expert_tensor")
-    expert_parallel = importlib.import_module("meshtrain.lower.expert_parallel")
+    expert_tensor = importlib.import_module("meshtrain.lower.experts.tensor")
+    expert_parallel = importlib.import_module("meshtrain.lower.experts.parallel")
     from torch.distributed.tensor import Shard
 
     def contiguous(name: str) -> Any:
@@ -836,8 +836,8 @@ def experts_split_contiguously() -> Iterator[None]:
 def experts_input_grad_not_summed() -> Iterator[None]:
     """Tensor parallelism inside the experts leaves the experts' input gradient a partial sum
     (each rank's part of the intermediate features only) instead of all-reducing it."""
-    expert_tensor = importlib.import_module("meshtrain.lower.expert_tensor")
-    expert_parallel = importlib.import_module("meshtrain.lower.expert_parallel")
+    expert_tensor = importlib.import_module("meshtrain.lower.experts.tensor")
+    expert_parallel = importlib.import_module("meshtrain.lower.experts.parallel")
 
     def unsummed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
         return tensor
@@ -851,7 +851,7 @@ def experts_input_grad_not_summed() -> Iterator[None]:
 def experts_not_reduced_over_context() -> Iterator[None]:
     """Beside context parallelism the experts' FSDP spans the data axes only, so their gradients
     miss the other context ranks' tokens (the non-expert weights still reduce over cp)."""
-    data_parallel = importlib.import_module("meshtrain.lower.data_parallel")
+    data_parallel = importlib.import_module("meshtrain.lower.data.parallel")
     groups = importlib.import_module("meshtrain.lower.groups")
 
     def data_only(plan: Any) -> Any:
@@ -867,7 +867,7 @@ def context_documents_from_local_chunks() -> Iterator[None]:
     """Under context parallelism each rank reads its tokens' document ids from its own chunks'
     positions alone (no gather of the whole sequences): ids disagree across ranks, so keys on
     other ranks are matched to the wrong documents."""
-    context_parallel = importlib.import_module("meshtrain.lower.context_parallel")
+    context_parallel = importlib.import_module("meshtrain.lower.context.parallel")
     packing = importlib.import_module("meshtrain.spec.packing")
 
     def local(self: Any, positions: torch.Tensor) -> torch.Tensor:

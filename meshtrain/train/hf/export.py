@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.adapters.nf4 import dequantize, register_nf4
 from meshtrain.errors import CheckpointError, PlanError, describe_os_error
-from meshtrain.plan.sizes import parse_bytes
+from meshtrain.plan.memory.sizes import parse_bytes
 from meshtrain.train.checkpoint.files import (
     MODEL_PREFIX,
     TMP_MARKER,
