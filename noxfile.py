@@ -70,10 +70,23 @@ def docs(session: nox.Session) -> None:
 
 #: every benchmark script ``nox -s bench`` runs, in order
 BENCHMARKS = (
-    "overhead", "peer", "planning", "compute", "harness", "gpu", "mutation",
-    "moe", "moe_parallel", "moe_planning", "context_sizing", "long_context", "attention_tiles",
-    "proof_precision", "recipe_ab", "false_alarms",
-)  # fmt: skip
+    "overhead",
+    "peer",
+    "planning",
+    "compute",
+    "harness",
+    "gpu",
+    "mutation",
+    "moe",
+    "moe_parallel",
+    "moe_planning",
+    "context_sizing",
+    "long_context",
+    "attention_tiles",
+    "proof_precision",
+    "recipe_ab",
+    "false_alarms",
+)
 
 
 @nox.session

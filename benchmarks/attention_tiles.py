@@ -49,8 +49,9 @@ def one(tile: int, causal: bool, repeat: int) -> dict[str, Any]:
     pos = torch.arange(SEQ)
 
     def step() -> None:
-        out = blockwise_attention(q, [KVBlock(k, v, pos)], positions_q=pos, causal=causal,
-                                  tile=Tile(tile, tile))  # fmt: skip
+        out = blockwise_attention(
+            q, [KVBlock(k, v, pos)], positions_q=pos, causal=causal, tile=Tile(tile, tile)
+        )
         torch.autograd.grad(out, (q, k, v), grad)
 
     before = _rss()
@@ -83,14 +84,27 @@ def main() -> None:
     rows = []
     for causal in (True, False):
         for tile in args.tiles:
-            command = [sys.executable, __file__, "--one", str(tile), str(int(causal)),
-                       "--repeat", str(args.repeat)]  # fmt: skip
-            rows.append(json.loads(subprocess.run(command, capture_output=True, text=True,
-                                                  check=True).stdout))  # fmt: skip
+            command = [
+                sys.executable,
+                __file__,
+                "--one",
+                str(tile),
+                str(int(causal)),
+                "--repeat",
+                str(args.repeat),
+            ]
+            rows.append(
+                json.loads(
+                    subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                )
+            )
             row = rows[-1]
             name = "whole" if tile == SEQ else f"{tile} x {tile}"
-            print(f"{'causal' if causal else 'visible'} {name:>11}: peak {row['peak_mib']:8.1f} "
-                  f"MiB, step {row['step_s']:.2f} s", flush=True)  # fmt: skip
+            print(
+                f"{'causal' if causal else 'visible'} {name:>11}: peak {row['peak_mib']:8.1f} "
+                f"MiB, step {row['step_s']:.2f} s",
+                flush=True,
+            )
     if args.out is not None:
         record = {**provenance(), "seq_local": SEQ, "heads": HEADS, "dim": DIM, "results": rows}
         args.out.write_text(json.dumps(record, indent=1) + "\n")

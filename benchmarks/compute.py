@@ -167,19 +167,24 @@ def _table(result: dict[str, Any]) -> str:
     paired = result["paired_ratio"]
     lines = [f"{'':24}{'first step s':>14}{'steady step s':>15}{'first loss':>12}"]
     for name in ("eager", "compiled"):
-        lines.append(f"{name:24}{first[name]:>14.3f}{steady[name]:>15.3f}"
-                     f"{result['first_losses'][name]:>12.6f}")  # fmt: skip
+        lines.append(
+            f"{name:24}{first[name]:>14.3f}{steady[name]:>15.3f}"
+            f"{result['first_losses'][name]:>12.6f}"
+        )
     lines.append(
         f"speedup (eager/compiled, median steps): {result['speedup']:.2f}×; compiled/eager "
         f"{round_by_round(paired)}"
     )
     lines.append(cpu_line(result, {"compiled": "compiled", "eager": "eager"}))
-    lines.append(f"compile time: cold cache {result['compile_s']['cold']:.1f} s, "
-                 f"warm cache {result['compile_s']['warm']:.1f} s")  # fmt: skip
+    lines.append(
+        f"compile time: cold cache {result['compile_s']['cold']:.1f} s, "
+        f"warm cache {result['compile_s']['warm']:.1f} s"
+    )
     lines.append(f"\n{'checkpointing':14}{'measured B':>14}{'estimate B':>14}{'est/meas':>10}")
     for row in result["activation_memory"]:
-        lines.append(f"{row['mode']:14}{row['measured']:>14,}{row['estimate']:>14,}"
-                     f"{row['ratio']:>10.2f}")  # fmt: skip
+        lines.append(
+            f"{row['mode']:14}{row['measured']:>14,}{row['estimate']:>14,}{row['ratio']:>10.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -46,8 +46,13 @@ DEVICE = "80GiB"
 
 def cell(seq_len: int, cp: int, mode: str) -> dict[str, Any]:
     """One recipe planned at ``seq_len`` tokens over ``cp`` context ranks."""
-    overrides = [f"mesh.cp={cp}", f"train.seq_len={seq_len}", f"model.max_seq_len={seq_len}",
-                 f"train.batch_size={WORLD // cp}", f"parallel.activation_checkpointing={mode}"]  # fmt: skip
+    overrides = [
+        f"mesh.cp={cp}",
+        f"train.seq_len={seq_len}",
+        f"model.max_seq_len={seq_len}",
+        f"train.batch_size={WORLD // cp}",
+        f"parallel.activation_checkpointing={mode}",
+    ]
     if cp == 1:
         overrides.append('parallel.context=""')
     start = time.perf_counter()
@@ -59,8 +64,12 @@ def cell(seq_len: int, cp: int, mode: str) -> dict[str, Any]:
     config = sizing.plan.options
     heads, kv_heads, head_dim = 32, 8, 128  # Llama 3 8B
     local = seq_len // cp
-    call = AttentionCall((config.batch_size or 1, heads, local, head_dim),
-                         (1, kv_heads, local, head_dim), (1, kv_heads, local, head_dim), 2)  # fmt: skip
+    call = AttentionCall(
+        (config.batch_size or 1, heads, local, head_dim),
+        (1, kv_heads, local, head_dim),
+        (1, kv_heads, local, head_dim),
+        2,
+    )
     whole = score_block_bytes(call) - score_tile_bytes(call) if cp > 1 else 0
     return {
         "peak_gib": memory.total / 2**30,
@@ -84,8 +93,11 @@ def table(results: dict[str, dict[str, Any]], mode: str, whole: bool = False) ->
             if "error" in row:
                 cells.append("no plan")
             else:
-                peak, fits = (row["whole_block_peak_gib"], row["whole_block_fits"]) if whole else (
-                    row["peak_gib"], row["fits"])  # fmt: skip
+                peak, fits = (
+                    (row["whole_block_peak_gib"], row["whole_block_fits"])
+                    if whole
+                    else (row["peak_gib"], row["fits"])
+                )
                 cells.append(f"{peak:,.1f}{'' if fits else ' ✗'}")
         rows.append(f"| {seq_len // 1024}k | {' | '.join(cells)} |")
     return "\n".join(rows)
@@ -103,12 +115,16 @@ def main() -> None:
                 results[f"{mode}@{seq_len}@{cp}"] = cell(seq_len, cp, mode)
         for whole in (False, True):
             kernel = "scores computed whole per block" if whole else "the ring as lowered (tiled)"
-            print(f"\npeak GiB per rank, {mode} checkpointing, {WORLD} ranks, {kernel} (✗: over "
-                  f"{DEVICE}):")  # fmt: skip
+            print(
+                f"\npeak GiB per rank, {mode} checkpointing, {WORLD} ranks, {kernel} (✗: over "
+                f"{DEVICE}):"
+            )
             print(table(results, mode, whole))
     seconds = [r["seconds"] for r in results.values() if "seconds" in r]
-    print(f"\nplanning time per cell: median {sorted(seconds)[len(seconds) // 2]:.2f} s, "
-          f"max {max(seconds):.2f} s")  # fmt: skip
+    print(
+        f"\nplanning time per cell: median {sorted(seconds)[len(seconds) // 2]:.2f} s, "
+        f"max {max(seconds):.2f} s"
+    )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {**provenance(), "world": WORLD, "device_memory": DEVICE, "results": results}

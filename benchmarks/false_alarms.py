@@ -62,8 +62,13 @@ def draw(count: int, seed: int) -> list[Case]:
     drawn: list[Case] = []
 
     @hypothesis_seed(seed)
-    @settings(max_examples=count * 3, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=count * 3,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(cases())
     def collect(case: Case) -> None:
         if case not in drawn and len(drawn) < count:
@@ -93,19 +98,33 @@ def run(case: Case) -> dict[str, Any]:
     """One case: ``passed``, ``alarm`` (an EquivalenceError: false, nothing is mutated),
     ``refused`` while planning, or ``crashed``."""
     model_fn = case.model_fn()
-    row: dict[str, Any] = {"case": case.describe(), "precision": case.precision, "plan": case.plan,
-                           "family": case.family}  # fmt: skip
+    row: dict[str, Any] = {
+        "case": case.describe(),
+        "precision": case.precision,
+        "plan": case.plan,
+        "family": case.family,
+    }
     start = time.perf_counter()
     try:
         options = case.options(model_fn())
-        report = assert_equivalent(model_fn, case.mesh, options, batches=case.batches(),
-                                   steps=case.steps, optimizer=case.optimizer, seed=case.seed)  # fmt: skip
+        report = assert_equivalent(
+            model_fn,
+            case.mesh,
+            options,
+            batches=case.batches(),
+            steps=case.steps,
+            optimizer=case.optimizer,
+            seed=case.seed,
+        )
         row.update(outcome="passed", **margins(report))
     except mt.EquivalenceError as error:
         report = error.report  # type: ignore[attr-defined]
         first = report.first_divergence
-        row.update(outcome="alarm", **margins(report),
-                   first=f"step {first.step} {first.quantity} {first.fqn} {first.ratio:.2f}×")  # fmt: skip
+        row.update(
+            outcome="alarm",
+            **margins(report),
+            first=f"step {first.step} {first.quantity} {first.fqn} {first.ratio:.2f}×",
+        )
     except REFUSED as error:
         row.update(outcome="refused", reason=str(error).splitlines()[0][:200])
     except Exception as error:  # a crash is reported, not hidden
@@ -135,22 +154,30 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for key in ("measured", "updates", "grad_over_own"):
             values = [r[key] for r in ran]
-            entry[key] = {"median": round(statistics.median(values), 3) if values else 0.0,
-                          "p99": round(_quantile(values, 0.99), 3),
-                          "max": round(max(values, default=0.0), 3)}  # fmt: skip
+            entry[key] = {
+                "median": round(statistics.median(values), 3) if values else 0.0,
+                "p99": round(_quantile(values, 0.99), 3),
+                "max": round(max(values, default=0.0), 3),
+            }
         table.append(entry)
     return table
 
 
 def print_table(table: list[dict[str, Any]]) -> None:
-    print(f"{'precision':<9} {'cases':>5} {'alarms':>6} {'refused':>7} {'crashed':>7}  "
-          f"{'measured: median / p99 / max':>30}  {'params+states: median / p99 / max':>34}  "
-          f"{'grad × own: median / p99 / max':>31}")  # fmt: skip
+    print(
+        f"{'precision':<9} {'cases':>5} {'alarms':>6} {'refused':>7} {'crashed':>7}  "
+        f"{'measured: median / p99 / max':>30}  {'params+states: median / p99 / max':>34}  "
+        f"{'grad × own: median / p99 / max':>31}"
+    )
     for e in table:
-        cells = [f"{e[k]['median']:.3f} / {e[k]['p99']:.3f} / {e[k]['max']:.3f}"
-                 for k in ("measured", "updates", "grad_over_own")]  # fmt: skip
-        print(f"{e['precision']:<9} {e['cases']:>5} {e['alarms']:>6} {e['refused']:>7} "
-              f"{e['crashed']:>7}  {cells[0]:>30}  {cells[1]:>34}  {cells[2]:>31}")  # fmt: skip
+        cells = [
+            f"{e[k]['median']:.3f} / {e[k]['p99']:.3f} / {e[k]['max']:.3f}"
+            for k in ("measured", "updates", "grad_over_own")
+        ]
+        print(
+            f"{e['precision']:<9} {e['cases']:>5} {e['alarms']:>6} {e['refused']:>7} "
+            f"{e['crashed']:>7}  {cells[0]:>30}  {cells[1]:>34}  {cells[2]:>31}"
+        )
 
 
 def figure(table: list[dict[str, Any]], rows: list[dict[str, Any]], seed: int) -> str:
@@ -174,10 +201,14 @@ def figure(table: list[dict[str, Any]], rows: list[dict[str, Any]], seed: int) -
         "|---|---|---|---|---|---|---|",
     ]
     for e in table:
-        cells = [f"{e[k]['median']:.2f} / {e[k]['p99']:.2f} / {e[k]['max']:.2f}"
-                 for k in ("measured", "updates", "grad_over_own")]  # fmt: skip
-        lines.append(f"| {e['precision']} | {e['cases']} | {e['alarms']} | {e['crashed']} | "
-                     f"{cells[0]} | {cells[1]} | {cells[2]} |")  # fmt: skip
+        cells = [
+            f"{e[k]['median']:.2f} / {e[k]['p99']:.2f} / {e[k]['max']:.2f}"
+            for k in ("measured", "updates", "grad_over_own")
+        ]
+        lines.append(
+            f"| {e['precision']} | {e['cases']} | {e['alarms']} | {e['crashed']} | "
+            f"{cells[0]} | {cells[1]} | {cells[2]} |"
+        )
     lines += [
         "",
         "Parameters and states sit at 1.00 of their bound where Adam's first update of a gradient "
@@ -217,8 +248,13 @@ def main() -> None:
         print(f"[{len(rows)}] {row['case']}: {shown}", flush=True)
     table = summarise(rows)
     print_table(table)
-    result = {**provenance(), "seed": args.seed, "seconds": round(time.perf_counter() - start, 1),
-              "table": table, "rows": rows}  # fmt: skip
+    result = {
+        **provenance(),
+        "seed": args.seed,
+        "seconds": round(time.perf_counter() - start, 1),
+        "table": table,
+        "rows": rows,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -69,8 +69,16 @@ def measure(row: dict[str, Any], shapes: dict[str, int], options: dict[str, int]
     model = build_llama(config, seed=0).to(device)
     compile_options = {"backend": "inductor"} if row["compile"] else False
     dp = mesh.size("dp")
-    plan = mt.plan(model, mesh, default_rules(), zero=3, precision="bf16", compile=compile_options,
-                   global_batch=batch * dp, seq_len=seq)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        default_rules(),
+        zero=3,
+        precision="bf16",
+        compile=compile_options,
+        global_batch=batch * dp,
+        seq_len=seq,
+    )
     mt.apply(plan, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
@@ -81,8 +89,12 @@ def measure(row: dict[str, Any], shapes: dict[str, int], options: dict[str, int]
     def step() -> float:
         with mt.micro_batch(plan, model, last=True), mt.loss_parallel(plan):
             logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
-                                   reduction="sum") / global_tokens  # fmt: skip
+            loss = (
+                F.cross_entropy(
+                    logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="sum"
+                )
+                / global_tokens
+            )
             loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -123,8 +135,11 @@ def summarise(row: dict[str, Any], per_rank: list[dict[str, Any]], world: int) -
     tokens_per_s = tokens / step_s
     device = per_rank[0]["device"]
     peak = peak_bf16_flops(device) if device != "cpu" else None
-    mfu = (model_flops_utilization(tokens_per_s, per_rank[0]["flops_per_token"], peak, world)
-           if peak else None)  # fmt: skip
+    mfu = (
+        model_flops_utilization(tokens_per_s, per_rank[0]["flops_per_token"], peak, world)
+        if peak
+        else None
+    )
     busiest = max(per_rank, key=lambda r: r["memory_gib"] or 0.0)
     return {
         "mesh": row["mesh"],

@@ -45,8 +45,13 @@ REFUSED = (PlanError, SpecError, RuleError, MeshError)
 def _run(world: int, examples: int, check: object) -> dict[str, float]:
     counts = {"trained": 0, "refused": 0}
 
-    @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(plan_cases(world))
     def run(case: PlanCase) -> None:
         counts["trained" if check(case) else "refused"] += 1  # type: ignore[operator]
@@ -113,9 +118,13 @@ def warm_rows(repeats: int = 3) -> list[dict[str, object]]:
         warm.append(time.perf_counter() - start)
     rows: list[dict[str, object]] = [
         {"tier": "tiny check, cold (ranks started)", "world": 2, "seconds": round(cold, 2)},
-        {"tier": "tiny check, warm (pool reused)", "world": 2, "seconds": round(min(warm), 2),
-         "all_seconds": [round(w, 2) for w in warm]},
-    ]  # fmt: skip
+        {
+            "tier": "tiny check, warm (pool reused)",
+            "world": 2,
+            "seconds": round(min(warm), 2),
+            "all_seconds": [round(w, 2) for w in warm],
+        },
+    ]
     per_call = get_pool(2).run(_time_replica_check)
     rows.append({"tier": "replica check (verify_replicas)", "world": 2, **per_call[0]})
     rows.append({"tier": "replica digest, one process", "world": 1, **_digest_throughput()})
@@ -189,9 +198,11 @@ def main() -> None:
     header = f"{'tier':<31} {'world':>5} {'examples':>8} {'trained':>7} {'refused':>7} {'s':>7} {'ex/min':>8} {'trained/min':>11}"
     print(header)
     for row in rows:
-        print(f"{row['tier']:<31} {row['world']:>5} {row['examples']:>8} {row['trained']:>7} "
-              f"{row['refused']:>7} {row['seconds']:>7} {row['examples_per_minute']:>8} "
-              f"{row['trained_per_minute']:>11}")  # fmt: skip
+        print(
+            f"{row['tier']:<31} {row['world']:>5} {row['examples']:>8} {row['trained']:>7} "
+            f"{row['refused']:>7} {row['seconds']:>7} {row['examples_per_minute']:>8} "
+            f"{row['trained_per_minute']:>11}"
+        )
     result = {**provenance(), "python": platform.python_version(), "rows": rows, "warm": extra}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -81,18 +81,25 @@ def _count(modules: list[torch.nn.Module], pack: Any) -> list[Any]:
         active.pop().__exit__(None, None, None)
 
     for module in modules:
-        handles += [module.register_forward_pre_hook(enter, with_kwargs=True),
-                    module.register_forward_hook(leave, with_kwargs=True)]  # fmt: skip
+        handles += [
+            module.register_forward_pre_hook(enter, with_kwargs=True),
+            module.register_forward_hook(leave, with_kwargs=True),
+        ]
     return handles
 
 
 def _plan(model: torch.nn.Module, seq_len: int, cp: int, abstract: bool = False) -> mt.Plan:
-    mesh = mt.make_mesh(dp=WORLD // cp, cp=cp, world_size=WORLD if abstract else None,
-                        abstract=abstract)  # fmt: skip
-    logical = (("seq", "cp"), *default_rules(tp=None).logical) if cp > 1 else default_rules(
-        tp=None).logical  # fmt: skip
-    return mt.plan(model, mesh, mt.Rules(logical=logical, fsdp="dp"), batch_size=1,
-                   seq_len=seq_len, zero=3)  # fmt: skip
+    mesh = mt.make_mesh(
+        dp=WORLD // cp, cp=cp, world_size=WORLD if abstract else None, abstract=abstract
+    )
+    logical = (
+        (("seq", "cp"), *default_rules(tp=None).logical)
+        if cp > 1
+        else default_rules(tp=None).logical
+    )
+    return mt.plan(
+        model, mesh, mt.Rules(logical=logical, fsdp="dp"), batch_size=1, seq_len=seq_len, zero=3
+    )
 
 
 def predicted_saved(seq_len: int, cp: int) -> int:
@@ -111,8 +118,9 @@ def measure(seq_len: int, cp: int, steps: int) -> dict[str, Any]:
     mesh = plan.mesh
     model = mt.apply(plan, model)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
-    tokens = torch.randint(0, config.vocab_size, (1, seq_len + 1),
-                           generator=torch.Generator().manual_seed(dp_rank))  # fmt: skip
+    tokens = torch.randint(
+        0, config.vocab_size, (1, seq_len + 1), generator=torch.Generator().manual_seed(dp_rank)
+    )
     batch = Batch(tokens[:, :-1], tokens[:, 1:])
     loss = lambda logits, targets: F.cross_entropy(  # noqa: E731
         logits.flatten(0, 1), targets.flatten(), reduction="sum"
@@ -127,8 +135,11 @@ def measure(seq_len: int, cp: int, steps: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
     whole, attention = _SavedBytes(buffers), _SavedBytes(buffers)
-    attentions = [m for fqn, m in model.named_modules()
-                  if fqn.endswith("attention") and type(m).__name__ == "Attention"]  # fmt: skip
+    attentions = [
+        m
+        for fqn, m in model.named_modules()
+        if fqn.endswith("attention") and type(m).__name__ == "Attention"
+    ]
     handles = _count([model], whole.pack)  # the model's forward: the loss's own tensors aside
     handles += _count(attentions, lambda t: whole.pack(attention.pack(t)))
     forward_backward(plan, model, batch, loss)
@@ -161,8 +172,12 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--replan", type=Path, default=None,
-                        help="recompute the predictions of a stored run (no ranks) and print it")  # fmt: skip
+    parser.add_argument(
+        "--replan",
+        type=Path,
+        default=None,
+        help="recompute the predictions of a stored run (no ranks) and print it",
+    )
     args = parser.parse_args()
     if args.replan is not None:
         record = json.loads(args.replan.read_text())
@@ -180,10 +195,16 @@ def main() -> None:
                 results[f"{seq_len}@{cp}"] = {
                     "step_s": max(r["step_s"] for r in per_rank),
                     "tokens_per_s_per_rank": min(r["tokens_per_s_per_rank"] for r in per_rank),
-                    **{key: max(r[key] for r in per_rank) for key in (
-                        "saved_bytes", "attention_saved_bytes", "predicted_saved_bytes",
-                        "maxrss_mib")},
-                }  # fmt: skip
+                    **{
+                        key: max(r[key] for r in per_rank)
+                        for key in (
+                            "saved_bytes",
+                            "attention_saved_bytes",
+                            "predicted_saved_bytes",
+                            "maxrss_mib",
+                        )
+                    },
+                }
     print(table(results, args.lengths))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,9 +213,11 @@ def main() -> None:
 
 
 def table(results: dict[str, Any], lengths: list[int]) -> str:
-    rows = ["| tokens | cp | step (s) | vs cp 1 | saved / rank (MiB) | predicted (MiB) | "
-            "attention saved (MiB) | vs cp 1 | max RSS (MiB) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    rows = [
+        "| tokens | cp | step (s) | vs cp 1 | saved / rank (MiB) | predicted (MiB) | "
+        "attention saved (MiB) | vs cp 1 | max RSS (MiB) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for seq_len in lengths:
         base = results[f"{seq_len}@1"]
         for cp in DEGREES:

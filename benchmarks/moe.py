@@ -75,9 +75,13 @@ def _modules(inputs: dict[str, torch.Tensor]) -> dict[str, torch.nn.Module]:
         for kernel in ("grouped_mm", "loop")
     }
     for name, implementation in (("hf_eager", "eager"), ("hf_grouped_mm", "grouped_mm")):
-        config = Qwen3MoeConfig(hidden_size=dim, moe_intermediate_size=inter, num_experts=experts,
-                                num_experts_per_tok=SHAPE["top_k"],
-                                experts_implementation=implementation)  # fmt: skip
+        config = Qwen3MoeConfig(
+            hidden_size=dim,
+            moe_intermediate_size=inter,
+            num_experts=experts,
+            num_experts_per_tok=SHAPE["top_k"],
+            experts_implementation=implementation,
+        )
         modules[name] = Qwen3MoeExperts(config)
     with torch.no_grad():
         for module in modules.values():
@@ -124,8 +128,10 @@ def _interleaved(
         for _ in range(warmup):
             step()
     names = list(steps)
-    clocks: dict[str, dict[str, list[float]]] = {"wall": {n: [] for n in names},
-                                                 "cpu": {n: [] for n in names}}  # fmt: skip
+    clocks: dict[str, dict[str, list[float]]] = {
+        "wall": {n: [] for n in names},
+        "cpu": {n: [] for n in names},
+    }
     for index in range(rounds):
         shift = index % len(names)
         for name in names[shift:] + names[:shift]:
@@ -143,9 +149,13 @@ def _ratio(times: dict[str, list[float]], name: str, baseline: str) -> dict[str,
     medians = {key: statistics.median(times[key]) for key in (name, baseline)}
     return {
         "ratio": medians[name] / medians[baseline],
-        "paired_ratio": {"median": statistics.median(paired), "q1": quartiles[0],
-                         "q3": quartiles[2], "ci95": [low, high]},
-    }  # fmt: skip
+        "paired_ratio": {
+            "median": statistics.median(paired),
+            "q1": quartiles[0],
+            "q3": quartiles[2],
+            "ci95": [low, high],
+        },
+    }
 
 
 def main() -> None:
@@ -198,9 +208,12 @@ def _table(result: dict[str, Any]) -> str:
         difference = result["max_relative_difference"][name]
         lines.append(f"| {label} | {figures[0]} | {figures[1]} | {difference:.1e} |")
     grouped = cpu["grouped_mm_vs_loop"]
-    lines += ["", "CPU clock, round by round:",
-              f"meshtrain grouped_mm / loop: {grouped['ratio']:.3f} "
-              f"({round_by_round(grouped['paired_ratio'])})"]  # fmt: skip
+    lines += [
+        "",
+        "CPU clock, round by round:",
+        f"meshtrain grouped_mm / loop: {grouped['ratio']:.3f} "
+        f"({round_by_round(grouped['paired_ratio'])})",
+    ]
     for name, ratio in cpu["vs_" + BASELINE].items():
         lines.append(
             f"{LABELS[name]} / {LABELS[BASELINE]}: {round_by_round(ratio['paired_ratio'])}"

@@ -75,18 +75,47 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 WORLD = 4
 BATCH, SEQ = 4, 64  # sequences per rank per step, tokens per sequence
 LOSS_STEPS = 2  # steps whose losses are compared before timing
-CONFIG = dict(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=1024, n_experts=8, top_k=2,
-              moe_inter=256, qk_norm=True, norm_eps=1e-6, max_seq_len=SEQ)  # fmt: skip
+CONFIG = dict(
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=1024,
+    n_experts=8,
+    top_k=2,
+    moe_inter=256,
+    qk_norm=True,
+    norm_eps=1e-6,
+    max_seq_len=SEQ,
+)
 BASELINE = "dp4"
 MESHTRAIN_SETUPS: dict[str, dict[str, Any]] = {
-    "ep4": {"mesh": {"ep": 4}, "model": "meshtrain", "rules": lambda: moe_rules(tp=None, fsdp=(), ep="ep")},
-    "dp2_ep2": {"mesh": {"dp": 2, "ep": 2}, "model": "meshtrain",
-                "rules": lambda: moe_rules(tp=None, fsdp="dp", ep="ep")},
-    "dp4": {"mesh": {"dp": 4}, "model": "meshtrain", "rules": lambda: moe_rules(tp=None, fsdp="dp")},
-    "hf_eager": {"mesh": {"dp": 4}, "model": "eager", "rules": lambda: Rules({".*": P()}, fsdp="dp")},
-    "hf_grouped_mm": {"mesh": {"dp": 4}, "model": "grouped_mm",
-                      "rules": lambda: Rules({".*": P()}, fsdp="dp")},
-}  # fmt: skip
+    "ep4": {
+        "mesh": {"ep": 4},
+        "model": "meshtrain",
+        "rules": lambda: moe_rules(tp=None, fsdp=(), ep="ep"),
+    },
+    "dp2_ep2": {
+        "mesh": {"dp": 2, "ep": 2},
+        "model": "meshtrain",
+        "rules": lambda: moe_rules(tp=None, fsdp="dp", ep="ep"),
+    },
+    "dp4": {
+        "mesh": {"dp": 4},
+        "model": "meshtrain",
+        "rules": lambda: moe_rules(tp=None, fsdp="dp"),
+    },
+    "hf_eager": {
+        "mesh": {"dp": 4},
+        "model": "eager",
+        "rules": lambda: Rules({".*": P()}, fsdp="dp"),
+    },
+    "hf_grouped_mm": {
+        "mesh": {"dp": 4},
+        "model": "grouped_mm",
+        "rules": lambda: Rules({".*": P()}, fsdp="dp"),
+    },
+}
 LABELS = {
     "ep4": "meshtrain MoE, ep 4",
     "dp2_ep2": "meshtrain MoE, dp 2 × ep 2",
@@ -115,11 +144,14 @@ def hf_model(full: nn.Module, implementation: str) -> nn.Module:
 
     config = moe_config()
     hf = {k: v for k, v in hf_config_from_moe(config).items() if k not in ("architectures",)}
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**hf, use_cache=False,
-                                               experts_implementation=implementation))  # fmt: skip
-    state = {name: tensor.detach().clone()
-             for fqn, param in full.named_parameters()
-             for name, tensor in moe_to_hf(config, fqn, param)}  # fmt: skip
+    model = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(**hf, use_cache=False, experts_implementation=implementation)
+    )
+    state = {
+        name: tensor.detach().clone()
+        for fqn, param in full.named_parameters()
+        for name, tensor in moe_to_hf(config, fqn, param)
+    }
     model.load_state_dict(state, strict=True)
     return model
 
@@ -134,8 +166,15 @@ def meshtrain_setup(name: str, full: nn.Module) -> tuple[Step, Any, dict[str, An
     setup = MESHTRAIN_SETUPS[name]
     model = copy.deepcopy(full) if setup["model"] == "meshtrain" else hf_model(full, setup["model"])
     mesh = mt.make_mesh(dict(setup["mesh"]))
-    plan = mt.plan(model, mesh, setup["rules"](), zero=3, grad_reduction="sum",
-                   global_batch=WORLD * BATCH, seq_len=SEQ)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        setup["rules"](),
+        zero=3,
+        grad_reduction="sum",
+        global_batch=WORLD * BATCH,
+        seq_len=SEQ,
+    )
     model = mt.apply(plan, model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     index, ranks = data_parallel_rank(plan)
@@ -177,21 +216,35 @@ def _titan_config() -> tuple[Any, Any]:
 
     c = moe_config()
     layers = _build_qwen3_moe_layers(
-        fuse_qkv=False, n_layers=c.n_layers, dim=c.dim, n_heads=c.n_heads,
-        n_kv_heads=c.n_kv_heads, head_dim=c.head_dim, moe_hidden_dim=c.moe_inter,
-        num_experts=c.n_experts, top_k=c.top_k, attn_backend="flex", moe_comm_backend="standard",
+        fuse_qkv=False,
+        n_layers=c.n_layers,
+        dim=c.dim,
+        n_heads=c.n_heads,
+        n_kv_heads=c.n_kv_heads,
+        head_dim=c.head_dim,
+        moe_hidden_dim=c.moe_inter,
+        num_experts=c.n_experts,
+        top_k=c.top_k,
+        attn_backend="flex",
+        moe_comm_backend="standard",
         rope=CosSinRoPE.Config(dim=c.head_dim, max_seq_len=SEQ, theta=c.rope_theta),
-    )  # fmt: skip
+    )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         layer.moe.load_balance_coeff = None
     config = Qwen3Model.Config(
-        vocab_size=c.vocab_size, dim=c.dim, norm=_qwen3_norm(c.dim), layers=layers,
+        vocab_size=c.vocab_size,
+        dim=c.dim,
+        norm=_qwen3_norm(c.dim),
+        layers=layers,
         tok_embeddings=Embedding.Config(num_embeddings=c.vocab_size, embedding_dim=c.dim),
         lm_head=Linear.Config(in_features=c.dim, out_features=c.vocab_size),
-    )  # fmt: skip
-    parallelism = ParallelismConfig(data_parallel_shard_degree=WORLD, expert_parallel_degree=WORLD,
-                                    spmd_backend="partial_dtensor")  # fmt: skip
+    )
+    parallelism = ParallelismConfig(
+        data_parallel_shard_degree=WORLD,
+        expert_parallel_degree=WORLD,
+        spmd_backend="partial_dtensor",
+    )
     config.update_from_config(config=types.SimpleNamespace(parallelism=parallelism))
     return config, parallelism
 
@@ -200,20 +253,28 @@ def _titan_state(full: nn.Module) -> dict[str, torch.Tensor]:
     """``full``'s weights under torchtitan's Qwen3 names (through transformers' names, whose
     rotary layout torchtitan's CosSinRoPE shares)."""
     config = moe_config()
-    hf = {name: tensor.detach() for fqn, param in full.named_parameters()
-          for name, tensor in moe_to_hf(config, fqn, param)}  # fmt: skip
-    names = {"model.embed_tokens.weight": "tok_embeddings.weight", "model.norm.weight": "norm.weight",
-             "lm_head.weight": "lm_head.weight"}  # fmt: skip
-    per_layer = {"self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
-                 "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
-                 "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight",
-                 "self_attn.o_proj.weight": "attention.wo.weight",
-                 "self_attn.q_norm.weight": "attention.q_norm.weight",
-                 "self_attn.k_norm.weight": "attention.k_norm.weight",
-                 "input_layernorm.weight": "attention_norm.weight",
-                 "post_attention_layernorm.weight": "ffn_norm.weight",
-                 "mlp.gate.weight": "moe.router.gate.weight",
-                 "mlp.experts.down_proj": "moe.routed_experts.inner_experts.w2_EDF"}  # fmt: skip
+    hf = {
+        name: tensor.detach()
+        for fqn, param in full.named_parameters()
+        for name, tensor in moe_to_hf(config, fqn, param)
+    }
+    names = {
+        "model.embed_tokens.weight": "tok_embeddings.weight",
+        "model.norm.weight": "norm.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    per_layer = {
+        "self_attn.q_proj.weight": "attention.qkv_linear.wq.weight",
+        "self_attn.k_proj.weight": "attention.qkv_linear.wk.weight",
+        "self_attn.v_proj.weight": "attention.qkv_linear.wv.weight",
+        "self_attn.o_proj.weight": "attention.wo.weight",
+        "self_attn.q_norm.weight": "attention.q_norm.weight",
+        "self_attn.k_norm.weight": "attention.k_norm.weight",
+        "input_layernorm.weight": "attention_norm.weight",
+        "post_attention_layernorm.weight": "ffn_norm.weight",
+        "mlp.gate.weight": "moe.router.gate.weight",
+        "mlp.experts.down_proj": "moe.routed_experts.inner_experts.w2_EDF",
+    }
     state = {}
     for name, tensor in hf.items():
         if name in names:
@@ -246,10 +307,15 @@ def torchtitan_setup(full: nn.Module) -> tuple[Step, None, dict[str, Any]]:
     dims.build_mesh()
     with torch.device("meta"):
         model = config.build()
-    model = parallelize_qwen3(model, parallel_dims=dims,
-                              training=TrainingConfig(mixed_precision_param="float32"),
-                              parallelism=parallelism, compile_config=CompileConfig(),
-                              ac_config=None, dump_folder="")  # fmt: skip
+    model = parallelize_qwen3(
+        model,
+        parallel_dims=dims,
+        training=TrainingConfig(mixed_precision_param="float32"),
+        parallelism=parallelism,
+        compile_config=CompileConfig(),
+        ac_config=None,
+        dump_folder="",
+    )
     model.to_empty(device="cpu")
     source = _titan_state(full)
     with torch.no_grad():
@@ -341,17 +407,33 @@ def measure(names: list[str], rounds: int, titan: bool) -> dict[str, Any]:
         mesh = plan.mesh if plan is not None else mt.make_mesh({"dp": WORLD})
         with CollectiveCounter(mesh, groups[name]) as counter:
             step(LOSS_STEPS + rounds + 1)
-        counts[name] = {f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
-                        for (kind, axis), n in sorted(counter.counts.items())}  # fmt: skip
-    predicted = {name: {f"{kind}@{axis}": list(row)
-                        for (kind, axis), row in sorted(plan.collective_totals().items())}
-                 for name, plan in plans.items() if plan is not None and name in MESHTRAIN_SETUPS}  # fmt: skip
-    tolerance = {name: contract_for(plan).tolerance for name, plan in plans.items()
-                 if name in MESHTRAIN_SETUPS}  # fmt: skip
+        counts[name] = {
+            f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
+            for (kind, axis), n in sorted(counter.counts.items())
+        }
+    predicted = {
+        name: {
+            f"{kind}@{axis}": list(row)
+            for (kind, axis), row in sorted(plan.collective_totals().items())
+        }
+        for name, plan in plans.items()
+        if plan is not None and name in MESHTRAIN_SETUPS
+    }
+    tolerance = {
+        name: contract_for(plan).tolerance
+        for name, plan in plans.items()
+        if name in MESHTRAIN_SETUPS
+    }
     if "torchtitan" in steps:  # its layout is ep4's: 4 batch ranks, experts over ep 4
         tolerance["torchtitan"] = tolerance.get("ep4", tolerance[BASELINE])
-    return {"losses": losses, "times": times, "counts": counts, "plan": predicted,
-            "tolerance": tolerance, "torchtitan_failure": failure}  # fmt: skip
+    return {
+        "losses": losses,
+        "times": times,
+        "counts": counts,
+        "plan": predicted,
+        "tolerance": tolerance,
+        "torchtitan_failure": failure,
+    }
 
 
 def check_losses(losses: dict[str, list[float]], tolerance: dict[str, float]) -> dict[str, float]:
@@ -390,8 +472,7 @@ def main() -> None:
                 False,
                 f"not installed ({error}); pip install -c constraints/cpu.txt -e '.[bench]'",
             )
-    per_rank = get_pool(WORLD).run(measure, args.setups, args.rounds, titan,
-                                   _timeout_s=3600)  # fmt: skip
+    per_rank = get_pool(WORLD).run(measure, args.setups, args.rounds, titan, _timeout_s=3600)
     first = per_rank[0]
     names = list(first["times"]["wall"])
     tokens = WORLD * BATCH * SEQ
@@ -399,21 +480,26 @@ def main() -> None:
     results = {
         name: {
             "label": LABELS[name],
-            "step_s": _quartiles([max(r["times"]["wall"][name][i] for r in per_rank)
-                                  for i in range(args.rounds)]),
-            "cpu_step_s": _quartiles([sum(r["times"]["cpu"][name][i] for r in per_rank)
-                                      for i in range(args.rounds)]),
+            "step_s": _quartiles(
+                [max(r["times"]["wall"][name][i] for r in per_rank) for i in range(args.rounds)]
+            ),
+            "cpu_step_s": _quartiles(
+                [sum(r["times"]["cpu"][name][i] for r in per_rank) for i in range(args.rounds)]
+            ),
             "tokens_per_s": tokens / summaries[name]["median_step_s"][name],
-            "vs_" + BASELINE: {"wall": {k: summaries[name][k] for k in ("ratio", "paired_ratio")},
-                               "cpu": {k: summaries[name]["cpu"][k] for k in ("ratio", "paired_ratio")}},
+            "vs_" + BASELINE: {
+                "wall": {k: summaries[name][k] for k in ("ratio", "paired_ratio")},
+                "cpu": {k: summaries[name]["cpu"][k] for k in ("ratio", "paired_ratio")},
+            },
             "losses": first["losses"][name],
             "collectives": first["counts"][name],
-            "all_to_all_bytes_per_rank": [r["counts"][name].get("all_to_all@ep", [0, 0])[1]
-                                          for r in per_rank],
+            "all_to_all_bytes_per_rank": [
+                r["counts"][name].get("all_to_all@ep", [0, 0])[1] for r in per_rank
+            ],
             "plan": first["plan"].get(name),
         }
         for name in names
-    }  # fmt: skip
+    }
     worst = check_losses(first["losses"], first["tolerance"])
     for name, value in worst.items():
         results[name]["worst_loss_rel_diff"] = value

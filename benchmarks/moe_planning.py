@@ -51,13 +51,24 @@ def row(model: Any, world: int, ep: int, pp: int) -> dict[str, Any]:
     """One configuration planned: its memory, fit and all-to-all bytes, or why it is refused."""
     start = time.perf_counter()
     try:
-        axes = {"pp": pp, "dp": world // (ep * pp), "ep": ep} if pp > 1 else {
-            "dp": world // ep, "ep": ep}  # fmt: skip
+        axes = (
+            {"pp": pp, "dp": world // (ep * pp), "ep": ep}
+            if pp > 1
+            else {"dp": world // ep, "ep": ep}
+        )
         mesh = mt.make_mesh(axes, world_size=world, abstract=True, device_type="cuda")
         pipeline = mt.Pipeline(axis="pp", microbatches=2 * pp) if pp > 1 else None
-        plan = mt.plan(model, mesh, default_rules(tp=None, fsdp="dp", ep="ep"), zero=3,
-                       precision="bf16", activation_checkpointing="full", batch_size=1,
-                       seq_len=SEQ_LEN, pipeline=pipeline)  # fmt: skip
+        plan = mt.plan(
+            model,
+            mesh,
+            default_rules(tp=None, fsdp="dp", ep="ep"),
+            zero=3,
+            precision="bf16",
+            activation_checkpointing="full",
+            batch_size=1,
+            seq_len=SEQ_LEN,
+            pipeline=pipeline,
+        )
     except MeshtrainError as error:
         return {"refused": error.message.split(". ")[0], "seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
@@ -65,18 +76,22 @@ def row(model: Any, world: int, ep: int, pp: int) -> dict[str, Any]:
     layers = expert_layers(groups, plan.params)
     memory = plan.memory
     result: dict[str, Any] = {
-        "dp": world // (ep * pp), "seconds": seconds,
+        "dp": world // (ep * pp),
+        "seconds": seconds,
         "at_rest_gib": memory.at_rest / GiB,
         "transient_params_gib": (memory.gathered_params + memory.unsharded_grads) / GiB,
         "activations_gib": memory.activations / GiB,
-    }  # fmt: skip
+    }
     uniform = moe_working_set(layers[0], tokens=SEQ_LEN, ep=ep, activation_bytes=2)
     base = memory.total
     for routing in ("uniform", "worst"):
-        working = moe_working_set(layers[0], tokens=SEQ_LEN, ep=ep, activation_bytes=2,
-                                  routing=routing) - uniform  # fmt: skip
-        collectives = estimate_expert_collectives(groups, plan.params, "ep", ep, plan.options,
-                                                  plan.checkpointed, routing=routing)  # fmt: skip
+        working = (
+            moe_working_set(layers[0], tokens=SEQ_LEN, ep=ep, activation_bytes=2, routing=routing)
+            - uniform
+        )
+        collectives = estimate_expert_collectives(
+            groups, plan.params, "ep", ep, plan.options, plan.checkpointed, routing=routing
+        )
         payload = sum(c.bytes for c in collectives)
         result[f"{routing}_peak_gib"] = (base + working) / GiB
         result[f"{routing}_fits"] = base + working <= DEVICE
@@ -107,10 +122,14 @@ def main() -> None:
     start = time.perf_counter()
     model = build_moe(moe_preset("deepseek_v3_671b"), device="meta")
     build_s = time.perf_counter() - start
-    print(f"deepseek_v3_671b: {model.config.num_params() / 1e9:.1f}B parameters, built on the "
-          f"meta device in {build_s:.2f} s")  # fmt: skip
-    print(f"{'ranks':>6} {'ep':>4} {'dp':>5} {'pp':>3}  {'at rest':>8} {'peak unif':>9} "
-          f"{'peak worst':>10} {'fits':>10}  {'a2a unif':>9} {'a2a worst':>9}  {'plan s':>6}")  # fmt: skip
+    print(
+        f"deepseek_v3_671b: {model.config.num_params() / 1e9:.1f}B parameters, built on the "
+        f"meta device in {build_s:.2f} s"
+    )
+    print(
+        f"{'ranks':>6} {'ep':>4} {'dp':>5} {'pp':>3}  {'at rest':>8} {'peak unif':>9} "
+        f"{'peak worst':>10} {'fits':>10}  {'a2a unif':>9} {'a2a worst':>9}  {'plan s':>6}"
+    )
     results: dict[str, Any] = {}
     for world in WORLDS:
         for ep in EPS:
@@ -126,10 +145,12 @@ def main() -> None:
                 fits = (
                     f"{'yes' if r['uniform_fits'] else 'no'}/{'yes' if r['worst_fits'] else 'no'}"
                 )
-                print(f"{world:>6} {ep:>4} {r['dp']:>5} {pp:>3}  {r['at_rest_gib']:>8.1f} "
-                      f"{r['uniform_peak_gib']:>9.1f} {r['worst_peak_gib']:>10.1f} {fits:>10}  "
-                      f"{r['uniform_all_to_all_gib']:>9.1f} {r['worst_all_to_all_gib']:>9.1f}  "
-                      f"{r['seconds']:>6.2f}")  # fmt: skip
+                print(
+                    f"{world:>6} {ep:>4} {r['dp']:>5} {pp:>3}  {r['at_rest_gib']:>8.1f} "
+                    f"{r['uniform_peak_gib']:>9.1f} {r['worst_peak_gib']:>10.1f} {fits:>10}  "
+                    f"{r['uniform_all_to_all_gib']:>9.1f} {r['worst_all_to_all_gib']:>9.1f}  "
+                    f"{r['seconds']:>6.2f}"
+                )
     total = time.perf_counter() - start
     print(f"{len(results)} configurations in {total:.1f} s (model build included)")
     if args.out is not None:

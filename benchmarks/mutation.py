@@ -84,8 +84,18 @@ def _pytest(tests: tuple[str, ...], name: str, plant: Any) -> dict[str, Any]:
     ACTIVE.write_text(name)
     out = io.StringIO()
     began = time.perf_counter()
-    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not extended", "--tb=line",
-            "-W", "ignore::pytest.PytestAssertRewriteWarning", *tests]  # fmt: skip
+    args = [
+        "-q",
+        "-x",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "not extended",
+        "--tb=line",
+        "-W",
+        "ignore::pytest.PytestAssertRewriteWarning",
+        *tests,
+    ]
     try:
         with plant, contextlib.redirect_stdout(out):
             code = int(pytest.main(args))
@@ -93,8 +103,12 @@ def _pytest(tests: tuple[str, ...], name: str, plant: Any) -> dict[str, Any]:
         ACTIVE.write_text("")
     tail = [line for line in out.getvalue().splitlines() if line.strip()][-6:]
     # 1: tests failed (killed); 0: passed (survived); 2-5: interrupted, internal, usage, none run
-    return {"exit": code, "killed": code == 1, "seconds": round(time.perf_counter() - began, 1),
-            "tail": tail}  # fmt: skip
+    return {
+        "exit": code,
+        "killed": code == 1,
+        "seconds": round(time.perf_counter() - began, 1),
+        "tail": tail,
+    }
 
 
 _CLEAN: dict[str, dict[str, Any]] = {}
@@ -140,8 +154,10 @@ def _in_bf16(case: Any) -> Any:
             return low
     rules = low.options["rules"]
     data = {"dp": 2, **low.mesh} if "dp" not in low.mesh else {**low.mesh, "dp": 2}
-    options = {**low.options, "rules": Rules(rules.patterns, logical=rules.logical, fsdp="dp",
-                                             gathered=rules.gathered)}  # fmt: skip
+    options = {
+        **low.options,
+        "rules": Rules(rules.patterns, logical=rules.logical, fsdp="dp", gathered=rules.gathered),
+    }
     return dataclasses.replace(low, mesh=data, options=options)
 
 
@@ -152,13 +168,19 @@ def _run_case(mutant: Any, case: Any) -> dict[str, Any]:
     if key not in _CLEAN:
         _CLEAN[key] = _check(case, None)
     if _CLEAN[key]["caught"] is not False:
-        return {"caught": None, "named": None,
-                "why": f"its case fails without the mutant: {_CLEAN[key]['first']}"}  # fmt: skip
+        return {
+            "caught": None,
+            "named": None,
+            "why": f"its case fails without the mutant: {_CLEAN[key]['first']}",
+        }
     began = time.perf_counter()
     result = _check(case, mutant.plant)
     if not result["caught"] and result.get("signature") == _CLEAN[key].get("signature"):
-        return {"caught": None, "named": None, "why": "not exercised: the case computes exactly "
-                "what it computes without the mutant"}  # fmt: skip
+        return {
+            "caught": None,
+            "named": None,
+            "why": "not exercised: the case computes exactly what it computes without the mutant",
+        }
     result.pop("signature", None)
     result["clean_passes"] = True
     result["seconds"] = round(time.perf_counter() - began, 1)
@@ -173,23 +195,37 @@ def _check(case: Any, plant: Any) -> dict[str, Any]:
 
     extra = dict(case.extra)
     try:
-        report = assert_equivalent(case.model, case.mesh, case.options, steps=2,
-                                   rank_context=plant, **extra)  # fmt: skip
+        report = assert_equivalent(
+            case.model, case.mesh, case.options, steps=2, rank_context=plant, **extra
+        )
     except mt.EquivalenceError as error:
         report = error.report  # type: ignore[attr-defined]
         first = report.first_divergence
         fqns = sorted({c.fqn for c in report.failures})
-        return {"caught": True, "how": "report", "first": f"step {first.step} {first.quantity} "
-                f"{first.fqn} ({first.ratio:.3g}x bound)", "fqns": fqns}  # fmt: skip
+        return {
+            "caught": True,
+            "how": "report",
+            "first": f"step {first.step} {first.quantity} {first.fqn} ({first.ratio:.3g}x bound)",
+            "fqns": fqns,
+        }
     except Exception as error:  # a crash on the ranks is flagged too, though it names nothing
         text = str(error)
         # a rank's own exception line (``SomeError: ...``), else the error's first line
         raised = re.findall(r"^\s*(\w+(?:Error|Exception): .*)$", text, flags=re.M)
         line = (raised or text.strip().splitlines() or [""])[0].strip()[:200]
-        return {"caught": True, "how": f"raised {type(error).__name__}", "first": line,
-                "fqns": re.findall(r"'([\w.]+)'", line)}  # fmt: skip
-    return {"caught": False, "how": "passed", "first": "", "fqns": [],
-            "signature": _signature(report)}  # fmt: skip
+        return {
+            "caught": True,
+            "how": f"raised {type(error).__name__}",
+            "first": line,
+            "fqns": re.findall(r"'([\w.]+)'", line),
+        }
+    return {
+        "caught": False,
+        "how": "passed",
+        "first": "",
+        "fqns": [],
+        "signature": _signature(report),
+    }
 
 
 def _signature(report: Any) -> list[tuple[int, str, str, float]]:
@@ -210,8 +246,11 @@ def table(rows: list[dict[str, Any]]) -> str:
     def mark(value: Any) -> str:
         return "n/a" if value is None else "yes" if value else "NO"
 
-    lines = ["| mutant | kind | suite kills | harness catches (2 steps) | report names it | "
-             "harness catches in bf16 |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| mutant | kind | suite kills | harness catches (2 steps) | report names it | "
+        "harness catches in bf16 |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         eq = " (equivalent)" if row["equivalent"] else ""
         low = row["harness"].get("bf16", {}).get("caught")
@@ -294,21 +333,27 @@ def figure(rows: list[dict[str, Any]], totals: dict[str, Any]) -> str:
             f"{totals['bf16_exercised']} exercised "
             f"({pct(totals['caught_in_bf16'], totals['bf16_exercised'])}); "
             f"{totals['bf16_equivalent_flagged']} equivalent mutants flagged"
-            + (f"; missed: {', '.join(f'`{n}`' for n in totals['bf16_missed'])}."
-               if totals["bf16_missed"] else "."),
+            + (
+                f"; missed: {', '.join(f'`{n}`' for n in totals['bf16_missed'])}."
+                if totals["bf16_missed"]
+                else "."
+            ),
             "",
             "Survivors (a gap in the suite or the harness):",
             *lines,
             "",
             "Not exercised by the harness:",
             *lines_blind,
-            *(["", "Not measured (their tests fail without the mutant):", *lines_unverified]
-              if lines_unverified else []),
+            *(
+                ["", "Not measured (their tests fail without the mutant):", *lines_unverified]
+                if lines_unverified
+                else []
+            ),
             "",
             table(rows),
             END,
         ]
-    )  # fmt: skip
+    )
 
 
 def write_docs(text: str) -> None:
@@ -327,8 +372,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="mutant names (default: all)")
     parser.add_argument("--no-suite", action="store_true", help="skip the first-tier column")
     parser.add_argument("--no-docs", action="store_true", help="leave docs/testing.md alone")
-    parser.add_argument("--merge", action="store_true",
-                        help="with --only: update those rows of --out and the docs' figure")  # fmt: skip
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --only: update those rows of --out and the docs' figure",
+    )
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     _prepare()
@@ -346,8 +394,14 @@ def main() -> None:
             mutant = MUTANTS[name]
             suite = {"killed": None, "exit": None} if args.no_suite else run_suite(mutant)
             harness = run_harness(mutant)
-            row = {"name": name, "kind": mutant.kind, "equivalent": mutant.equivalent,
-                   "tests": list(mutant.tests), "suite": suite, "harness": harness}  # fmt: skip
+            row = {
+                "name": name,
+                "kind": mutant.kind,
+                "equivalent": mutant.equivalent,
+                "tests": list(mutant.tests),
+                "suite": suite,
+                "harness": harness,
+            }
             row["ok"] = verdict(mutant, suite, harness)
             rows.append(row)
             low = harness["bf16"]
@@ -363,17 +417,20 @@ def main() -> None:
     if args.merge and args.out.exists():  # replace these mutants' rows in the stored run
         ran = {row["name"] for row in rows}
         stored = json.loads(args.out.read_text())["mutants"]
-        rows = [row if row["name"] not in ran else next(r for r in rows if r["name"] == row["name"])
-                for row in stored if row["name"] in MUTANTS] + [
-            row for row in rows if row["name"] not in {r["name"] for r in stored}
-        ]  # fmt: skip
+        rows = [
+            row if row["name"] not in ran else next(r for r in rows if r["name"] == row["name"])
+            for row in stored
+            if row["name"] in MUTANTS
+        ] + [row for row in rows if row["name"] not in {r["name"] for r in stored}]
     totals = summary(rows) | {"when": time.strftime("%Y-%m-%d", time.gmtime())}
     print()
     print(table(rows))
     print(json.dumps({k: v for k, v in totals.items() if k != "when"}))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"provenance": provenance(), "summary": totals,
-                                    "mutants": rows}, indent=2) + "\n")  # fmt: skip
+    args.out.write_text(
+        json.dumps({"provenance": provenance(), "summary": totals, "mutants": rows}, indent=2)
+        + "\n"
+    )
     if not args.no_docs and (args.merge or not args.only):
         write_docs(figure(rows, totals))
 

@@ -49,8 +49,9 @@ from meshtrain.testing.comms import CollectiveCounter
 from meshtrain.testing.runner import get_pool
 from meshtrain.train import Batch, forward_backward
 
-CONFIG = LlamaConfig.preset("debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4,
-                            vocab_size=2048, max_seq_len=128)  # fmt: skip
+CONFIG = LlamaConfig.preset(
+    "debug", dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=2048, max_seq_len=128
+)
 BATCH, SEQ, MICRO = 8, 128, 4  # sequences per data-parallel rank per step, tokens, pp micro-batches
 LOSS_STEPS = 2  # first steps whose global losses both must agree on (untimed: the warm-up)
 LOSS_AGREEMENT = 1e-6  # relative: fp32 reduction order, 2 steps of AdamW from the same weights
@@ -80,8 +81,16 @@ def _meshtrain(setup: str, mesh: mt.Mesh) -> Built:
     rules = default_rules() if tp else Rules({r".*": P()}, fsdp="dp")
     pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
     compile_options = {"backend": "inductor", "fullgraph": True} if setup in COMPILED else False
-    plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline, global_batch=BATCH * mesh.size("dp"),
-                   seq_len=SEQ, compile=compile_options)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=3,
+        pipeline=pipeline,
+        global_batch=BATCH * mesh.size("dp"),
+        seq_len=SEQ,
+        compile=compile_options,
+    )
     applied = mt.apply(plan, model)
     optimizer = torch.optim.AdamW(applied.parameters(), lr=1e-4)
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
@@ -132,17 +141,28 @@ def _by_hand(setup: str, mesh: mt.Mesh) -> Built:
     dp_rank = mesh.coordinates(dist.get_rank())["dp"]
     if setup == "fsdp_tp":
         tp_mesh = bound["tp"]
-        parallelize_module(model, tp_mesh, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-            "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
-        })  # fmt: skip
+        parallelize_module(
+            model,
+            tp_mesh,
+            {
+                "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
+                "output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
+            },
+        )
         for block in model.layers.values():
-            parallelize_module(block, tp_mesh, {
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-            })  # fmt: skip
+            parallelize_module(
+                block,
+                tp_mesh,
+                {
+                    "attention.wq": ColwiseParallel(),
+                    "attention.wk": ColwiseParallel(),
+                    "attention.wv": ColwiseParallel(),
+                    "attention.wo": RowwiseParallel(),
+                    "feed_forward.w1": ColwiseParallel(),
+                    "feed_forward.w2": RowwiseParallel(),
+                    "feed_forward.w3": ColwiseParallel(),
+                },
+            )
     if setup == "pp_fsdp":
         return _pipeline_by_hand(model, mesh, dp_rank)
     for block in model.layers.values():
@@ -191,8 +211,9 @@ def _pipeline_by_hand(model: nn.Module, mesh: mt.Mesh, dp_rank: int) -> Built:
         summed = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
         return summed / global_tokens
 
-    pipeline_stage = PipelineStage(stage, pp_rank, 2, torch.device("cpu"),
-                                   group=bound.get_group("pp"))  # fmt: skip
+    pipeline_stage = PipelineStage(
+        stage, pp_rank, 2, torch.device("cpu"), group=bound.get_group("pp")
+    )
     schedule = Schedule1F1B(pipeline_stage, MICRO, loss_fn=loss_fn, scale_grads=False)
     optimizer = torch.optim.AdamW(stage.parameters(), lr=1e-4)
 
@@ -234,8 +255,10 @@ def _counted(
     stance = torch.compiler.set_stance("force_eager") if eager else contextlib.nullcontext()
     with stance, counter:
         step(index)
-    return {f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
-            for (kind, axis), n in sorted(counter.counts.items())}  # fmt: skip
+    return {
+        f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
+        for (kind, axis), n in sorted(counter.counts.items())
+    }
 
 
 def measure(setup: str, rounds: int) -> dict[str, Any]:
@@ -249,10 +272,16 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     }
     steps = {name: step for name, (step, _) in built.items()}
     times = interleaved(steps, rounds, warmup=0)
-    counts = {name: _counted(step, mesh, LOSS_STEPS + rounds, eager=setup in COMPILED)
-              for name, step in steps.items()}  # fmt: skip
-    return {"times": times, "counts": counts, "losses": losses,
-            "coordinates": mesh.coordinates(dist.get_rank())}  # fmt: skip
+    counts = {
+        name: _counted(step, mesh, LOSS_STEPS + rounds, eager=setup in COMPILED)
+        for name, step in steps.items()
+    }
+    return {
+        "times": times,
+        "counts": counts,
+        "losses": losses,
+        "coordinates": mesh.coordinates(dist.get_rank()),
+    }
 
 
 def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
@@ -263,14 +292,18 @@ def predicted(setup: str) -> tuple[dict[str, list[int]], int]:
     model = build_llama(CONFIG, device="meta")
     rules = default_rules() if "tp" in axes else Rules({r".*": P()}, fsdp="dp")
     pipeline = mt.Pipeline(schedule="1F1B", microbatches=MICRO) if setup == "pp_fsdp" else None
-    plan = mt.plan(model, mesh, rules, zero=3, pipeline=pipeline,
-                   global_batch=BATCH * axes["dp"], seq_len=SEQ)  # fmt: skip
+    plan = mt.plan(
+        model, mesh, rules, zero=3, pipeline=pipeline, global_batch=BATCH * axes["dp"], seq_len=SEQ
+    )
     rows = {f"{kind}@{axis}": list(row) for (kind, axis), row in plan.collective_totals().items()}
     busiest = next(
-        (int(m.group(1)) for note in plan.notes
-         if (m := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))),
+        (
+            int(m.group(1))
+            for note in plan.notes
+            if (m := re.search(r"busiest pipeline rank's \(pp rank (\d+)\)", note))
+        ),
         0,
-    )  # fmt: skip
+    )
     return dict(sorted(rows.items())), busiest
 
 
@@ -316,8 +349,11 @@ def main() -> None:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
-    apart = {name: r["worst_loss_rel_diff"] for name, r in results.items()
-             if r["worst_loss_rel_diff"] > LOSS_AGREEMENT}  # fmt: skip
+    apart = {
+        name: r["worst_loss_rel_diff"]
+        for name, r in results.items()
+        if r["worst_loss_rel_diff"] > LOSS_AGREEMENT
+    }
     if apart:  # then the two do not compute the same thing, and their times do not compare
         raise SystemExit(f"losses disagree beyond {LOSS_AGREEMENT:g} (relative): {apart}")
 

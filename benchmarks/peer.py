@@ -197,8 +197,15 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     mesh = mt.make_mesh(dict(SETUPS[setup]["mesh"]))
     dp_size = mesh.size("dp")
     global_tokens = BATCH * SEQ * dp_size
-    plan = mt.plan(full, mesh, _rules(setup), zero=3, grad_reduction="sum",
-                   global_batch=BATCH * dp_size, seq_len=SEQ)  # fmt: skip
+    plan = mt.plan(
+        full,
+        mesh,
+        _rules(setup),
+        zero=3,
+        grad_reduction="sum",
+        global_batch=BATCH * dp_size,
+        seq_len=SEQ,
+    )
     ours = copy.deepcopy(full)
     if SETUPS[setup]["tp"] > 1:
         _standard_embedding(ours)
@@ -248,10 +255,14 @@ def measure(setup: str, rounds: int) -> dict[str, Any]:
     for name, step in steps.items():
         with CollectiveCounter(mesh, groups) as counter:
             step(LOSS_STEPS + rounds)
-        counts[name] = {f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
-                        for (kind, axis), n in sorted(counter.counts.items())}  # fmt: skip
-    counts["plan"] = {f"{kind}@{axis}": list(row)
-                      for (kind, axis), row in sorted(plan.collective_totals().items())}  # fmt: skip
+        counts[name] = {
+            f"{kind}@{axis}": [n, counter.bytes[(kind, axis)]]
+            for (kind, axis), n in sorted(counter.counts.items())
+        }
+    counts["plan"] = {
+        f"{kind}@{axis}": list(row)
+        for (kind, axis), row in sorted(plan.collective_totals().items())
+    }
     return {"losses": losses, "times": times, "counts": counts}
 
 

@@ -64,8 +64,10 @@ def main() -> None:
             if "error" in row:
                 print(f"{name:<12} {world:>6}  no plan: {row['error'][:90]}")
             else:
-                print(f"{name:<12} {world:>6}  {row['first_s']:>7.2f}s  {row['median_s']:>7.2f}s  "
-                      f"{row['peak_gib']:>7.1f} GiB{'' if row['fits_80gib'] else ' (>80)'}")  # fmt: skip
+                print(
+                    f"{name:<12} {world:>6}  {row['first_s']:>7.2f}s  {row['median_s']:>7.2f}s  "
+                    f"{row['peak_gib']:>7.1f} GiB{'' if row['fits_80gib'] else ' (>80)'}"
+                )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         record = {**provenance(), "results": results}

@@ -72,46 +72,73 @@ def zoo_cases() -> list[Case]:
     from meshtrain import Rules
 
     def sp(rules: Rules) -> Rules:
-        return Rules(rules.patterns, logical=[("seq", "tp")], fsdp=rules.fsdp,
-                     allow_unused=rules.allow_unused, gathered=rules.gathered,
-                     generated=rules.generated)  # fmt: skip
+        return Rules(
+            rules.patterns,
+            logical=[("seq", "tp")],
+            fsdp=rules.fsdp,
+            allow_unused=rules.allow_unused,
+            gathered=rules.gathered,
+            generated=rules.generated,
+        )
 
-    hf = {"llama": zoo.llama, "qwen2": zoo.qwen2, "qwen3": zoo.qwen3, "olmo2": zoo.olmo2,
-          "phi3": zoo.phi3, "gemma2": zoo.gemma2, "gpt-neox": zoo.gpt_neox,
-          "mistral": families.mistral, "qwen2-moe": moe_models.qwen2_moe,
-          "mixtral": moe_models.mixtral, "qwen3-moe": moe_models.qwen3_moe_4}  # fmt: skip
-    own = {"gpt2": (zoo.gpt2, zoo.GPT2_RULES), "bert": (zoo.bert, zoo.BERT_RULES),
-           "opt": (zoo.opt, zoo.OPT_RULES), "bart": (zoo.bart, zoo.BART_RULES),
-           "t5": (zoo.t5, zoo.T5_RULES), "rotary-lm": (pm.rotary_lm, pm.ROTARY_RULES),
-           "tied-mlp": (pm.tied_mlp, pm.MLP_RULES), "inplace-mlp": (pm.inplace_mlp, pm.MLP_RULES),
-           "conv-reader": (pm.conv_reader, pm.MLP_RULES),
-           "running-mean": (pm.running_mean_mlp, pm.MLP_RULES)}  # fmt: skip
+    hf = {
+        "llama": zoo.llama,
+        "qwen2": zoo.qwen2,
+        "qwen3": zoo.qwen3,
+        "olmo2": zoo.olmo2,
+        "phi3": zoo.phi3,
+        "gemma2": zoo.gemma2,
+        "gpt-neox": zoo.gpt_neox,
+        "mistral": families.mistral,
+        "qwen2-moe": moe_models.qwen2_moe,
+        "mixtral": moe_models.mixtral,
+        "qwen3-moe": moe_models.qwen3_moe_4,
+    }
+    own = {
+        "gpt2": (zoo.gpt2, zoo.GPT2_RULES),
+        "bert": (zoo.bert, zoo.BERT_RULES),
+        "opt": (zoo.opt, zoo.OPT_RULES),
+        "bart": (zoo.bart, zoo.BART_RULES),
+        "t5": (zoo.t5, zoo.T5_RULES),
+        "rotary-lm": (pm.rotary_lm, pm.ROTARY_RULES),
+        "tied-mlp": (pm.tied_mlp, pm.MLP_RULES),
+        "inplace-mlp": (pm.inplace_mlp, pm.MLP_RULES),
+        "conv-reader": (pm.conv_reader, pm.MLP_RULES),
+        "running-mean": (pm.running_mean_mlp, pm.MLP_RULES),
+    }
     cases = []
     for name, factory in hf.items():
         rules = Rules.from_hf(factory(), fsdp="dp")
         batches = {"moe_models": moe_models.token_batches, "families": families.token_batches}
-        cases += _variants(name, factory, rules, sp(rules),
-                           batches.get(factory.__module__, zoo.token_batches))  # fmt: skip
+        cases += _variants(
+            name, factory, rules, sp(rules), batches.get(factory.__module__, zoo.token_batches)
+        )
     for name, (factory, rules) in own.items():
         batches = pm.token_batches if factory.__module__ == "proof_models" else zoo.token_batches
         cases += _variants(name, factory, rules, sp(rules), batches)
-    images = {"vit": (zoo.vit, zoo.VIT_RULES, zoo.image_batches),
-              "cnn-groupnorm": (pm.group_norm_cnn, pm.CNN_RULES, pm.image_batches)}  # fmt: skip
+    images = {
+        "vit": (zoo.vit, zoo.VIT_RULES, zoo.image_batches),
+        "cnn-groupnorm": (pm.group_norm_cnn, pm.CNN_RULES, pm.image_batches),
+    }
     for name, (factory, rules, batches) in images.items():
         cases += _variants(name, factory, rules, None, batches)
     classifier = pm.ROBERTA_RULES
-    cases += _variants("roberta-classifier", pm.roberta_classifier, classifier, sp(classifier),
-                       pm.label_batches)  # fmt: skip
+    cases += _variants(
+        "roberta-classifier", pm.roberta_classifier, classifier, sp(classifier), pm.label_batches
+    )
     return cases
 
 
-def _variants(name: str, factory: Callable[[], Any], rules: Any, sp_rules: Any,
-              batches: Callable[[int], Any]) -> list[Case]:  # fmt: skip
+def _variants(
+    name: str, factory: Callable[[], Any], rules: Any, sp_rules: Any, batches: Callable[[int], Any]
+) -> list[Case]:
     from meshtrain import P, Rules
 
-    found = [Case(f"{name} dp2×tp2", factory, DP_TP, {"rules": rules}, batches),
-             Case(f"{name} tp2", factory, TP, {"rules": rules}, batches),
-             Case(f"{name} dp4", factory, DP4, {"rules": Rules({".*": P()}, fsdp="dp")}, batches)]  # fmt: skip
+    found = [
+        Case(f"{name} dp2×tp2", factory, DP_TP, {"rules": rules}, batches),
+        Case(f"{name} tp2", factory, TP, {"rules": rules}, batches),
+        Case(f"{name} dp4", factory, DP4, {"rules": Rules({".*": P()}, fsdp="dp")}, batches),
+    ]
     if sp_rules is not None:
         found.append(Case(f"{name} dp2×tp2+SP", factory, DP_TP, {"rules": sp_rules}, batches))
     return found
@@ -124,8 +151,13 @@ def drawn_cases(count: int, seed: int) -> list[Case]:
 
     drawn: list[Any] = []
 
-    @settings(max_examples=count * 3, database=None, derandomize=True, deadline=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=count * 3,
+        database=None,
+        derandomize=True,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(drawn_models.drawn_plans())
     def collect(plan: Any) -> None:
         if plan not in drawn and len(drawn) < count:
@@ -135,9 +167,16 @@ def drawn_cases(count: int, seed: int) -> list[Case]:
         warnings.simplefilter("ignore")
         collect()
     del seed  # the draw is derandomised: the same cases every run
-    return [Case(plan.describe(), plan.model_fn(), dict(plan.axes),
-                 {"rules": plan.rules(), **dict(plan.options)}, drawn_models.token_batches)
-            for plan in drawn]  # fmt: skip
+    return [
+        Case(
+            plan.describe(),
+            plan.model_fn(),
+            dict(plan.axes),
+            {"rules": plan.rules(), **dict(plan.options)},
+            drawn_models.token_batches,
+        )
+        for plan in drawn
+    ]
 
 
 @contextlib.contextmanager
@@ -178,8 +217,13 @@ def classify(case: Case) -> dict[str, Any]:
         verdict = "refused, wrong" if outcome == "wrong" else "refused, right"
     else:
         verdict = "accepted, right" if outcome == "right" else "accepted, wrong"
-    return {"case": case.name, "verdict": verdict, "refusal": refusal, "detail": detail,
-            "seconds": round(time.perf_counter() - began, 1)}  # fmt: skip
+    return {
+        "case": case.name,
+        "verdict": verdict,
+        "refusal": refusal,
+        "detail": detail,
+        "seconds": round(time.perf_counter() - began, 1),
+    }
 
 
 def _train(case: Case) -> tuple[str, str]:
@@ -188,9 +232,16 @@ def _train(case: Case) -> tuple[str, str]:
     from meshtrain.testing import assert_equivalent
 
     try:
-        assert_equivalent(case.model, case.axes, dict(case.options), batches=case.batches,
-                          steps=1, optimizer="adamw", rank_context=_notes_on_ranks,
-                          timeout_s=300)  # fmt: skip
+        assert_equivalent(
+            case.model,
+            case.axes,
+            dict(case.options),
+            batches=case.batches,
+            steps=1,
+            optimizer="adamw",
+            rank_context=_notes_on_ranks,
+            timeout_s=300,
+        )
     except mt.EquivalenceError as error:
         report = getattr(error, "report", None)
         worst = max((c.ratio for c in report.failures), default=math.inf) if report else math.inf
@@ -204,8 +255,14 @@ def _train(case: Case) -> tuple[str, str]:
     return "right", ""
 
 
-VERDICTS = ("refused, wrong", "refused, right", "accepted, right", "accepted, wrong",
-            "accepted, at the bound", "refused by structure")  # fmt: skip
+VERDICTS = (
+    "refused, wrong",
+    "refused, right",
+    "accepted, right",
+    "accepted, wrong",
+    "accepted, at the bound",
+    "refused by structure",
+)
 #: a difference from one device at most this many times the fp32 contract's bound, with every
 #: relative error at rounding level, is rounding, not a wrong plan: listed apart (wrong plans
 #: differ by 10² to 10⁶ times the bound)
@@ -235,15 +292,23 @@ def main() -> None:
     for index, case in enumerate(cases):
         row = classify(case)
         rows.append(row)
-        print(f"[{index + 1}/{len(cases)}] {row['verdict']:<20} {row['case']}"
-              f"{'  — ' + (row['refusal'] or row['detail'])[:160] if row['verdict'] != 'accepted, right' else ''}",
-              flush=True)  # fmt: skip
+        print(
+            f"[{index + 1}/{len(cases)}] {row['verdict']:<20} {row['case']}"
+            f"{'  — ' + (row['refusal'] or row['detail'])[:160] if row['verdict'] != 'accepted, right' else ''}",
+            flush=True,
+        )
     print(table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {**provenance(), "ranks": "4 CPU gloo ranks", "steps": 1,
-                  "wall_s": round(time.perf_counter() - began), "table": table(rows),
-                  "counts": dict(Counter(r["verdict"] for r in rows)), "cases": rows}  # fmt: skip
+        record = {
+            **provenance(),
+            "ranks": "4 CPU gloo ranks",
+            "steps": 1,
+            "wall_s": round(time.perf_counter() - began),
+            "table": table(rows),
+            "counts": dict(Counter(r["verdict"] for r in rows)),
+            "cases": rows,
+        }
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 

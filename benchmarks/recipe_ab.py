@@ -40,8 +40,11 @@ FIRST_STEP = 20  # steps before it warm up (allocations, the first collectives' 
 def worktree(base: str, where: Path) -> Path:
     """A detached worktree of ``base`` (made once, reused)."""
     if not (where / "meshtrain").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), base],
-                       check=True, capture_output=True)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), base],
+            check=True,
+            capture_output=True,
+        )
     return where
 
 
@@ -49,8 +52,14 @@ def run(source: Path, steps: int) -> dict[str, Any]:
     """One training run of the debug recipe from ``source`` (its meshtrain and recipes)."""
     work = Path(tempfile.mkdtemp(prefix="meshtrain-ab-"))
     env = {**os.environ, "PYTHONPATH": str(source), "WANDB_MODE": "disabled"}
-    settings = [f"train.steps={steps}", "data.source=synthetic", "checkpoint.interval=100000",
-                "checkpoint.resume=false", "logging.wandb=disabled", "logging.log_every=1"]  # fmt: skip
+    settings = [
+        f"train.steps={steps}",
+        "data.source=synthetic",
+        "checkpoint.interval=100000",
+        "checkpoint.resume=false",
+        "logging.wandb=disabled",
+        "logging.log_every=1",
+    ]
     command = [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "4"]
     for setting in settings:
         command += ["--set", setting]
@@ -98,17 +107,29 @@ def main() -> None:
         for side in order:
             results[side].append(run(sides[side], args.steps))
             last = results[side][-1]
-            print(f"pair {pair + 1} {side}: {last['step_s'] * 1e3:.1f} ms/step, "
-                  f"{last['cpu_s']:.1f} CPU s", flush=True)  # fmt: skip
+            print(
+                f"pair {pair + 1} {side}: {last['step_s'] * 1e3:.1f} ms/step, "
+                f"{last['cpu_s']:.1f} CPU s",
+                flush=True,
+            )
     summary = _summary(results)
-    print(f"debug recipe, A = this checkout, B = {args.base}: step {summary['A_step_s'] * 1e3:.1f} "
-          f"vs {summary['B_step_s'] * 1e3:.1f} ms, paired ratio {summary['step_ratio']:.3f} "
-          f"[{summary['step_ratio_min']:.3f}, {summary['step_ratio_max']:.3f}]; CPU per run "
-          f"ratio {summary['cpu_ratio']:.3f} [{summary['cpu_ratio_min']:.3f}, "
-          f"{summary['cpu_ratio_max']:.3f}]")  # fmt: skip
+    print(
+        f"debug recipe, A = this checkout, B = {args.base}: step {summary['A_step_s'] * 1e3:.1f} "
+        f"vs {summary['B_step_s'] * 1e3:.1f} ms, paired ratio {summary['step_ratio']:.3f} "
+        f"[{summary['step_ratio_min']:.3f}, {summary['step_ratio_max']:.3f}]; CPU per run "
+        f"ratio {summary['cpu_ratio']:.3f} [{summary['cpu_ratio_min']:.3f}, "
+        f"{summary['cpu_ratio_max']:.3f}]"
+    )
     if args.out is not None:
-        record = {**provenance(), "base": args.base, "steps": args.steps, "pairs": args.pairs,
-                  "ranks": "4 CPU gloo ranks (torchrun)", "summary": summary, "runs": results}  # fmt: skip
+        record = {
+            **provenance(),
+            "base": args.base,
+            "steps": args.steps,
+            "pairs": args.pairs,
+            "ranks": "4 CPU gloo ranks (torchrun)",
+            "summary": summary,
+            "runs": results,
+        }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1) + "\n")
 
@@ -119,10 +140,13 @@ def _summary(results: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     return {
         "A_step_s": statistics.median(r["step_s"] for r in results["A"]),
         "B_step_s": statistics.median(r["step_s"] for r in results["B"]),
-        "step_ratio": statistics.median(steps), "step_ratio_min": min(steps),
+        "step_ratio": statistics.median(steps),
+        "step_ratio_min": min(steps),
         "step_ratio_max": max(steps),
-        "cpu_ratio": statistics.median(cpus), "cpu_ratio_min": min(cpus), "cpu_ratio_max": max(cpus),
-    }  # fmt: skip
+        "cpu_ratio": statistics.median(cpus),
+        "cpu_ratio_min": min(cpus),
+        "cpu_ratio_max": max(cpus),
+    }
 
 
 if __name__ == "__main__":

@@ -87,22 +87,29 @@ def main() -> None:
     result = {
         **provenance(),
         "cores": len(os.sched_getaffinity(0)),
-        "mib": args.mb, "documents": rows, "workers": args.workers, "rounds": args.rounds,
-        "seconds": {f"{path}/{w}": {"median": median[path, w], "min": min(t), "max": max(t)}
-                    for (path, w), t in times.items()},
+        "mib": args.mb,
+        "documents": rows,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "seconds": {
+            f"{path}/{w}": {"median": median[path, w], "min": min(t), "max": max(t)}
+            for (path, w), t in times.items()
+        },
         "speedup_pool_bytes": median["bytes", 1] / median["bytes", args.workers],
         "speedup_pool_encode": median["encode", 1] / median["encode", args.workers],
         "speedup_bytes_over_encode": median["encode", 1] / median["bytes", 1],
         "identical_outputs": True,
-    }  # fmt: skip
+    }
     lines = ["| ids from | processes | median s | MiB/s |", "|---|---|---|---|"]
     for path, w in configs:
         what = "UTF-8 bytes as one array" if path == "bytes" else "encode(), an int per byte"
         lines.append(f"| {what} | {w} | {median[path, w]:.2f} | {args.mb / median[path, w]:.1f} |")
     print("\n".join(lines))
-    print(f"pool speed-up: bytes {result['speedup_pool_bytes']:.2f}x, encode() "
-          f"{result['speedup_pool_encode']:.2f}x on {result['cores']} cores; {rows:,} documents, "
-          "outputs identical")  # fmt: skip
+    print(
+        f"pool speed-up: bytes {result['speedup_pool_bytes']:.2f}x, encode() "
+        f"{result['speedup_pool_encode']:.2f}x on {result['cores']} cores; {rows:,} documents, "
+        "outputs identical"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
 

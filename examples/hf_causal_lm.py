@@ -25,9 +25,15 @@ import meshtrain as mt
 from meshtrain.train import clip_grad_norm_
 
 CONFIG = LlamaConfig(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, use_cache=False,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    use_cache=False,
+)
 
 
 def train(steps: int = 5, batch: int = 8, seq: int = 32) -> list[tuple[float, float]]:

@@ -81,13 +81,28 @@ def _add_check_command(commands: argparse._SubParsersAction) -> None:
         "structure) and compare its plan with single-device training, step by step.",
     )
     _add_recipe(check)
-    check.add_argument("--world", type=_positive, default=4, metavar="N",
-                       help="number of CPU (gloo) ranks (default: 4)")  # fmt: skip
-    check.add_argument("--steps", type=_positive, default=None, metavar="S",
-                       help="training steps to compare (default: the shrunk recipe's)")  # fmt: skip
-    check.add_argument("--start-timeout", type=_positive, default=None, metavar="S",
-                       help="seconds the CPU ranks may go without progress while starting "
-                       "(default 120; raise it on a loaded machine)")  # fmt: skip
+    check.add_argument(
+        "--world",
+        type=_positive,
+        default=4,
+        metavar="N",
+        help="number of CPU (gloo) ranks (default: 4)",
+    )
+    check.add_argument(
+        "--steps",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="training steps to compare (default: the shrunk recipe's)",
+    )
+    check.add_argument(
+        "--start-timeout",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="seconds the CPU ranks may go without progress while starting "
+        "(default 120; raise it on a loaded machine)",
+    )
     check.set_defaults(run=check_command)
 
 
@@ -100,29 +115,62 @@ def _add_train_command(commands: argparse._SubParsersAction) -> None:
         "starts the ranks itself through torchrun.",
     )
     _add_recipe(train)
-    train.add_argument("--nproc", type=_positive, default=None, metavar="N",
-                       help="ranks to start on this machine when not under torchrun (default 1)")  # fmt: skip
-    train.add_argument("--nnodes", type=_positive, default=1, metavar="N",
-                       help="number of nodes (machines), each running this command")  # fmt: skip
-    train.add_argument("--node-rank", type=int, default=0, metavar="R",
-                       help="this node's index, 0..nnodes-1")  # fmt: skip
-    train.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                       help="where the nodes meet (node 0's address), for --nnodes > 1")  # fmt: skip
-    train.add_argument("--max-restarts", type=_count, default=0, metavar="N",
-                       help="restart the ranks up to N times when one fails; they resume from "
-                       "the last checkpoint (default 0)")  # fmt: skip
-    train.add_argument("--stop-timeout", type=_positive, default=None, metavar="S",
-                       help="seconds the ranks get to finish their step and save after SIGTERM "
-                       "or Ctrl-C before they are killed (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
-                       "if set, else 300)")  # fmt: skip
-    train.add_argument("--allow-change", dest="allow_change", action="append", default=[],
-                       metavar="KEY",
-                       help="resume although the recipe's KEY (or section) changed what training "
-                       "means since the checkpoint, e.g. --allow-change train.batch_size "
-                       "(repeatable)")  # fmt: skip
-    train.add_argument("--profile", action="store_true",
-                       help="trace steps 3 to 5 with torch.profiler into <run_dir>/profile and "
-                       "print compute against collective time (as [profile] steps = [3, 5])")  # fmt: skip
+    train.add_argument(
+        "--nproc",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="ranks to start on this machine when not under torchrun (default 1)",
+    )
+    train.add_argument(
+        "--nnodes",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="number of nodes (machines), each running this command",
+    )
+    train.add_argument(
+        "--node-rank", type=int, default=0, metavar="R", help="this node's index, 0..nnodes-1"
+    )
+    train.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="where the nodes meet (node 0's address), for --nnodes > 1",
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="restart the ranks up to N times when one fails; they resume from "
+        "the last checkpoint (default 0)",
+    )
+    train.add_argument(
+        "--stop-timeout",
+        type=_positive,
+        default=None,
+        metavar="S",
+        help="seconds the ranks get to finish their step and save after SIGTERM "
+        "or Ctrl-C before they are killed (default: TORCH_ELASTIC_SHUTDOWN_TIMEOUT "
+        "if set, else 300)",
+    )
+    train.add_argument(
+        "--allow-change",
+        dest="allow_change",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="resume although the recipe's KEY (or section) changed what training "
+        "means since the checkpoint, e.g. --allow-change train.batch_size "
+        "(repeatable)",
+    )
+    train.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace steps 3 to 5 with torch.profiler into <run_dir>/profile and "
+        "print compute against collective time (as [profile] steps = [3, 5])",
+    )
     train.set_defaults(run=train_command)
 
 
@@ -136,8 +184,11 @@ def _add_checkpoints_command(commands: argparse._SubParsersAction) -> None:
         "incomplete (a save that did not finish) or unverified (saved without checksums).",
     )
     _add_run_dir(checkpoints)
-    checkpoints.add_argument("--quick", action="store_true",
-                             help="check sizes and the state file only, not every file's content")  # fmt: skip
+    checkpoints.add_argument(
+        "--quick",
+        action="store_true",
+        help="check sizes and the state file only, not every file's content",
+    )
     checkpoints.set_defaults(run=checkpoints_command)
 
 
@@ -151,14 +202,28 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
         "communication per mesh axis and the pipeline bubble.",
     )
     _add_recipe(plan)
-    plan.add_argument("--world", type=_positive, required=True, metavar="N",
-                      help="number of ranks to plan for")  # fmt: skip
-    plan.add_argument("--device-memory", default=None, metavar="SIZE",
-                      help="memory per device, e.g. 80GiB: says whether the plan fits")  # fmt: skip
-    plan.add_argument("--strategy", choices=("recipe", "auto"), default="recipe",
-                      help="the recipe's degrees, or let meshtrain choose (needs --device-memory)")  # fmt: skip
-    plan.add_argument("--node-size", type=_positive, default=8, metavar="N",
-                      help="devices per node, for --strategy auto (default 8)")  # fmt: skip
+    plan.add_argument(
+        "--world", type=_positive, required=True, metavar="N", help="number of ranks to plan for"
+    )
+    plan.add_argument(
+        "--device-memory",
+        default=None,
+        metavar="SIZE",
+        help="memory per device, e.g. 80GiB: says whether the plan fits",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=("recipe", "auto"),
+        default="recipe",
+        help="the recipe's degrees, or let meshtrain choose (needs --device-memory)",
+    )
+    plan.add_argument(
+        "--node-size",
+        type=_positive,
+        default=8,
+        metavar="N",
+        help="devices per node, for --strategy auto (default 8)",
+    )
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
     plan.set_defaults(run=plan_command)
 
@@ -173,14 +238,30 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
         "safetensors shards with their index, streamed one shard at a time in this process.",
     )
     _add_run_dir(export)
-    export.add_argument("--format", default="hf", metavar="FORMAT",
-                        help="what to write: hf (a transformers directory; the default)")  # fmt: skip
-    export.add_argument("--out", required=True, metavar="OUT",
-                        help="the directory to create (must not exist, or be empty)")  # fmt: skip
-    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
-                        help="largest safetensors file, e.g. 5GB or 500MiB (default 5GB)")  # fmt: skip
-    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                        help="cast floating-point weights (default: as trained)")  # fmt: skip
+    export.add_argument(
+        "--format",
+        default="hf",
+        metavar="FORMAT",
+        help="what to write: hf (a transformers directory; the default)",
+    )
+    export.add_argument(
+        "--out",
+        required=True,
+        metavar="OUT",
+        help="the directory to create (must not exist, or be empty)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest safetensors file, e.g. 5GB or 500MiB (default 5GB)",
+    )
+    export.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="cast floating-point weights (default: as trained)",
+    )
     export.set_defaults(run=export_command)
 
 
@@ -194,8 +275,13 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
         "training data when it has none).",
     )
     _add_run_dir(evaluate)
-    evaluate.add_argument("--batches", type=_positive, default=None, metavar="M",
-                          help="batches to evaluate (default: the recipe's [eval] batches)")  # fmt: skip
+    evaluate.add_argument(
+        "--batches",
+        type=_positive,
+        default=None,
+        metavar="M",
+        help="batches to evaluate (default: the recipe's [eval] batches)",
+    )
     evaluate.set_defaults(run=eval_command)
     generate = commands.add_parser(
         "generate",
@@ -205,10 +291,20 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
     )
     _add_run_dir(generate)
     generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
-    generate.add_argument("--max-new-tokens", type=_positive, default=64, metavar="N",
-                          help="tokens to generate at most (default 64)")  # fmt: skip
-    generate.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                          help="sampling temperature; 0 picks the likeliest token (default 0.8)")  # fmt: skip
+    generate.add_argument(
+        "--max-new-tokens",
+        type=_positive,
+        default=64,
+        metavar="N",
+        help="tokens to generate at most (default 64)",
+    )
+    generate.add_argument(
+        "--temperature",
+        type=float,
+        default=0.8,
+        metavar="T",
+        help="sampling temperature; 0 picks the likeliest token (default 0.8)",
+    )
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     generate.set_defaults(run=generate_command)
     recipe = commands.add_parser("recipe", help="write recipes from other tools' configs")
@@ -221,10 +317,15 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
         "meaning; keys it cannot map are named and refused (exit status 2).",
     )
     deepspeed.add_argument("config", metavar="DS_CONFIG", help="the ds_config.json")
-    deepspeed.add_argument("--model", default="debug", metavar="MODEL",
-                           help="a preset name or a transformers model directory (default debug)")  # fmt: skip
-    deepspeed.add_argument("--out", required=True, metavar="RECIPE",
-                           help="the recipe .toml to write")  # fmt: skip
+    deepspeed.add_argument(
+        "--model",
+        default="debug",
+        metavar="MODEL",
+        help="a preset name or a transformers model directory (default debug)",
+    )
+    deepspeed.add_argument(
+        "--out", required=True, metavar="RECIPE", help="the recipe .toml to write"
+    )
     deepspeed.set_defaults(run=from_deepspeed_command)
 
 
@@ -235,8 +336,10 @@ def eval_command(args: argparse.Namespace) -> int:
     run = load_run(args.run_dir)
     print(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s", flush=True)
     result, what = evaluate_run(run, batches=args.batches)
-    print(f"step {run.step} | val_loss {result.loss:.4f} | val_perplexity "
-          f"{result.perplexity:.4g} | {result.tokens:,} tokens of {what}")  # fmt: skip
+    print(
+        f"step {run.step} | val_loss {result.loss:.4f} | val_perplexity "
+        f"{result.perplexity:.4g} | {result.tokens:,} tokens of {what}"
+    )
     return 0
 
 
@@ -246,8 +349,13 @@ def generate_command(args: argparse.Namespace) -> int:
 
     run = load_run(args.run_dir)
     _say(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s")
-    text = generate(run, args.prompt, max_new_tokens=args.max_new_tokens,
-                    temperature=args.temperature, seed=args.seed)  # fmt: skip
+    text = generate(
+        run,
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
     print(args.prompt + text)
     return 0
 
@@ -262,11 +370,19 @@ def from_deepspeed_command(args: argparse.Namespace) -> int:
 
     recipe_from_toml(text, source=args.out)  # the recipe it writes is a valid one
     Path(args.out).write_text(text, encoding="utf-8")
-    print(f"wrote {args.out}: {len(translation.settings)} settings"
-          + (f"; left to the recipe (\"auto\"): {', '.join(translation.auto)}"
-             if translation.auto else "")
-          + (f"; tuning knobs without effect on the numbers: {len(translation.tuning)}"
-             if translation.tuning else ""))  # fmt: skip
+    print(
+        f"wrote {args.out}: {len(translation.settings)} settings"
+        + (
+            f'; left to the recipe ("auto"): {", ".join(translation.auto)}'
+            if translation.auto
+            else ""
+        )
+        + (
+            f"; tuning knobs without effect on the numbers: {len(translation.tuning)}"
+            if translation.tuning
+            else ""
+        )
+    )
     return 0
 
 
@@ -288,10 +404,15 @@ def _add_run_dir(command: argparse.ArgumentParser) -> None:
 def _add_recipe(command: argparse.ArgumentParser) -> None:
     """The RECIPE argument every command takes, and ``--set`` to change any of its values."""
     command.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
-    command.add_argument("--set", dest="overrides", action="append", default=[],
-                         metavar="SECTION.KEY=VALUE",
-                         help="override a recipe value, e.g. --set train.steps=100 or "
-                         "--set lora.rank=8 (repeatable)")  # fmt: skip
+    command.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe value, e.g. --set train.steps=100 or "
+        "--set lora.rank=8 (repeatable)",
+    )
 
 
 def plan_command(args: argparse.Namespace) -> int:
@@ -303,9 +424,12 @@ def plan_command(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args.recipe, args.overrides)
     sizing = size_recipe(
-        recipe, world=args.world, device_memory=args.device_memory, strategy=args.strategy,
+        recipe,
+        world=args.world,
+        device_memory=args.device_memory,
+        strategy=args.strategy,
         node_size=args.node_size,
-    )  # fmt: skip
+    )
     if args.json:
         print(json.dumps(sizing.to_json(), indent=1, sort_keys=True))
     else:
@@ -344,10 +468,13 @@ def launch_command(args: argparse.Namespace) -> int:
     _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
     sets = [item for override in args.overrides for item in ("--set", override)]
     arguments = torchrun_arguments(
-        ["train", args.recipe, *sets], nproc=nproc, nnodes=args.nnodes,
-        node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        ["train", args.recipe, *sets],
+        nproc=nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
         max_restarts=args.max_restarts,
-    )  # fmt: skip
+    )
     from meshtrain.recipes import load_recipe
     from meshtrain.recipes.preflight import check_plan, lock_run
     from meshtrain.recipes.resume_guard import check_before_launch
@@ -356,9 +483,13 @@ def launch_command(args: argparse.Namespace) -> int:
     recipe = load_recipe(args.recipe, args.overrides)
     check_plan(recipe, nproc * args.nnodes)
     run = functools.partial(
-        run_agent, arguments, nproc=nproc, stop_timeout_s=args.stop_timeout,
-        hang_timeout_s=recipe.train.heartbeat_timeout, log_dir=recipe.run_dir / "logs",
-    )  # fmt: skip
+        run_agent,
+        arguments,
+        nproc=nproc,
+        stop_timeout_s=args.stop_timeout,
+        hang_timeout_s=recipe.train.heartbeat_timeout,
+        log_dir=recipe.run_dir / "logs",
+    )
     run = functools.partial(_run_and_explain, run, data)
     if args.node_rank != 0:  # node 0 holds the lock for the whole job
         return run()
@@ -393,9 +524,11 @@ def _starting(name: str, data: dict, nproc: int, nnodes: int) -> None:
         f"{key} {parallel[key]}" for key in ("zero", "tp", "precision") if key in parallel
     )
     nodes = f" × {nnodes} nodes" if nnodes > 1 else ""
-    print(f"meshtrain train {name}: {nproc} rank{'s' if nproc != 1 else ''}{nodes}, mesh "
-          f"{{{mesh}}}, {plan or 'default plan'}; checking the plan before the ranks start",
-          flush=True)  # fmt: skip
+    print(
+        f"meshtrain train {name}: {nproc} rank{'s' if nproc != 1 else ''}{nodes}, mesh "
+        f"{{{mesh}}}, {plan or 'default plan'}; checking the plan before the ranks start",
+        flush=True,
+    )
 
 
 def _nothing_to_train(recipe: Recipe) -> str:
@@ -589,8 +722,10 @@ def checkpoints_command(args: argparse.Namespace) -> int:
     for status in statuses:
         step = "?" if status.step is None else str(status.step)
         why = f"  {'; '.join(status.problems)}" if status.status != "intact" else ""
-        print(f"{step:>10}  {status.status:<10}  {_size(status.size_bytes):>10}  "
-              f"{status.path.name}{why}")  # fmt: skip
+        print(
+            f"{step:>10}  {status.status:<10}  {_size(status.size_bytes):>10}  "
+            f"{status.path.name}{why}"
+        )
     resumable = [status for status in statuses if status.loadable]
     if not resumable:
         print("no intact checkpoint: a run in this directory starts from scratch")
@@ -612,16 +747,25 @@ def export_command(args: argparse.Namespace) -> int:
         signal.signal(number, _stop_now)
     try:
         with byte_progress(f"exporting {args.run_dir}") as progress:
-            report = export_run(args.run_dir, args.out, format=args.format,
-                                max_shard_size=args.max_shard_size, dtype=dtype,
-                                progress=progress)  # fmt: skip
+            report = export_run(
+                args.run_dir,
+                args.out,
+                format=args.format,
+                max_shard_size=args.max_shard_size,
+                dtype=dtype,
+                progress=progress,
+            )
     except (KeyboardInterrupt, StopRequested) as err:
         name = err.signal_name if isinstance(err, StopRequested) else "SIGINT"
-        _say(f"export stopped by {name}: nothing was written to {args.out} (its scratch folder "
-             "was removed); the checkpoint is unchanged. Run the same command again.")  # fmt: skip
+        _say(
+            f"export stopped by {name}: nothing was written to {args.out} (its scratch folder "
+            "was removed); the checkpoint is unchanged. Run the same command again."
+        )
         return 130
-    print(f"wrote {report.out_dir}: {report.tensors} tensors, {_size(report.total_bytes)} in "
-          f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}")  # fmt: skip
+    print(
+        f"wrote {report.out_dir}: {report.tensors} tensors, {_size(report.total_bytes)} in "
+        f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}"
+    )
     return 0
 
 

@@ -178,8 +178,12 @@ def torchrun_arguments(
             )
         # Static rendezvous: node R's ranks are R·nproc … R·nproc + nproc - 1, and node 0 hosts
         # the store at the endpoint (c10d rendezvous would number nodes in joining order).
-        arguments += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=static",
-                      f"--rdzv-endpoint={rdzv_endpoint}"]  # fmt: skip
+        arguments += [
+            f"--nnodes={nnodes}",
+            f"--node-rank={node_rank}",
+            "--rdzv-backend=static",
+            f"--rdzv-endpoint={rdzv_endpoint}",
+        ]
     if max_restarts:
         arguments.append(f"--max-restarts={max_restarts}")
     return [*arguments, "-m", "meshtrain", *args]
@@ -280,8 +284,16 @@ def run_agent(
     os.environ.setdefault(STOP_TIMEOUT_VARIABLE, "300")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     _quiet_agent_logs()
-    restarts = max([0, *(int(item.split("=", 1)[1]) for item in arguments
-                         if item.startswith("--max-restarts="))])  # fmt: skip
+    restarts = max(
+        [
+            0,
+            *(
+                int(item.split("=", 1)[1])
+                for item in arguments
+                if item.startswith("--max-restarts=")
+            ),
+        ]
+    )
     began = time.monotonic()
     if log_dir is not None:
         os.environ[LOG_DIR_VARIABLE] = str(log_dir)
@@ -398,8 +410,12 @@ def _process_state(pid: int) -> str:
         except OSError:
             return ""
         return "alive but not beating"
-    states = {"T": "stopped by a signal (SIGSTOP or a debugger)", "t": "stopped by a debugger",
-              "D": "waiting on the kernel (uninterruptible I/O)", "Z": "a zombie (exited)"}  # fmt: skip
+    states = {
+        "T": "stopped by a signal (SIGSTOP or a debugger)",
+        "t": "stopped by a debugger",
+        "D": "waiting on the kernel (uninterruptible I/O)",
+        "Z": "a zombie (exited)",
+    }
     if fields[0] == "Z":
         return ""
     return states.get(fields[0], "running but not beating (stuck holding the interpreter?)")
@@ -541,9 +557,14 @@ def _say(line: str) -> None:
 
 #: How gloo and NCCL say that another rank is gone (they raise a plain RuntimeError).
 _PEER_GONE = (
-    "Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
-    "gloo/transport", "NCCL communicator was aborted", "ncclRemoteError",
-)  # fmt: skip
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Connection refused",
+    "gloo/transport",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
 
 
 def lost_peer(err: BaseException) -> bool:

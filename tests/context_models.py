@@ -27,14 +27,29 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 VOCAB = 128
 SEQ = 32
 WINDOW = 12  # Mistral's sliding window: shorter than a sequence, longer than a chunk
-_SIZES = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-              use_cache=False, attn_implementation="sdpa")  # fmt: skip
+_SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    use_cache=False,
+    attn_implementation="sdpa",
+)
 
 
 def own_llama() -> torch.nn.Module:
-    config = OwnLlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
-                            multiple_of=32, max_seq_len=64)  # fmt: skip
+    config = OwnLlamaConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        multiple_of=32,
+        max_seq_len=64,
+    )
     return build_llama(config, seed=0)
 
 
@@ -57,8 +72,13 @@ def own_moe() -> torch.nn.Module:
     return build_moe(config, seed=0)
 
 
-MODELS = {"llama": own_llama, "hf_llama": hf_llama, "qwen2": hf_qwen2, "mistral": hf_mistral,
-          "moe": own_moe}  # fmt: skip
+MODELS = {
+    "llama": own_llama,
+    "hf_llama": hf_llama,
+    "qwen2": hf_qwen2,
+    "mistral": hf_mistral,
+    "moe": own_moe,
+}
 
 
 def rules(fsdp: tuple[str, ...] = ("dp",)) -> mt.Rules:

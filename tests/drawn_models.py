@@ -191,8 +191,9 @@ class DrawnPlan:
     def describe(self) -> str:
         m = self.model
         traits = [f"view={m.view}", f"per_head={m.per_head}", f"heads={m.heads}"]
-        traits += [name for name in ("tied", "inplace", "running_mean", "feature_max")
-                   if getattr(m, name)]  # fmt: skip
+        traits += [
+            name for name in ("tied", "inplace", "running_mean", "feature_max") if getattr(m, name)
+        ]
         plan = [f"{a}{n}" for a, n in self.axes] + [f"tp={self.tp}"]
         plan += ["vocab"] * self.vocab + ["sp"] * self.sequence_parallel
         plan += [f"{k}={v}" for k, v in self.options]
@@ -218,12 +219,13 @@ def drawn_plans(draw: st.DrawFn) -> DrawnPlan:
     if model.running_mean and dict(axes).get("dp", 1) > 1 and draw(st.booleans()):
         options.append(("batch_buffers", "average"))
     return DrawnPlan(
-        model, axes,
+        model,
+        axes,
         tp=draw(st.sampled_from(["attention", "mlp", "both"])) if tensor else "both",
         vocab=tensor and draw(st.booleans()),
         sequence_parallel=tensor and draw(st.booleans()),
         options=tuple(options),
-    )  # fmt: skip
+    )
 
 
 def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:

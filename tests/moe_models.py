@@ -17,15 +17,29 @@ from transformers import (
 import meshtrain as mt
 
 VOCAB = 64
-_COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-               use_cache=False)  # fmt: skip
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    use_cache=False,
+)
 
 
 def qwen3_moe(experts: int = 8) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(**_COMMON, head_dim=8, moe_intermediate_size=16,
-                            num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
-                            decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    config = Qwen3MoeConfig(
+        **_COMMON,
+        head_dim=8,
+        moe_intermediate_size=16,
+        num_experts=experts,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     return Qwen3MoeForCausalLM(config)
 
 
@@ -39,16 +53,23 @@ def mixtral() -> MixtralForCausalLM:
 
 
 def qwen2_moe() -> Qwen2MoeForCausalLM:
-    config = Qwen2MoeConfig(**_COMMON, moe_intermediate_size=16, shared_expert_intermediate_size=32,
-                            num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                            mlp_only_layers=[])  # fmt: skip
+    config = Qwen2MoeConfig(
+        **_COMMON,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     return Qwen2MoeForCausalLM(config)
 
 
 def ep_rules(fsdp: str | tuple[str, ...] = ("dp",), axis: str = "ep") -> mt.Rules:
     """Expert weights over ``axis``, everything else data-parallel."""
-    return mt.Rules({r".*\.experts\.(gate_up_proj|down_proj)": mt.P(axis, None, None),
-                     ".*": mt.P()}, fsdp=fsdp)  # fmt: skip
+    return mt.Rules(
+        {r".*\.experts\.(gate_up_proj|down_proj)": mt.P(axis, None, None), ".*": mt.P()}, fsdp=fsdp
+    )
 
 
 def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:

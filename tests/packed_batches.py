@@ -21,8 +21,9 @@ def packed_positions(step: int, rows: int = 4, seq: int = SEQ) -> torch.Tensor:
             cuts = sorted(set(torch.randint(1, seq, (count,), generator=generator).tolist()))
         first = 3 if row == 2 else 0  # row 2's first document began before the window
         lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq], strict=True)]
-        out.append(torch.cat([torch.arange(n) + (first if i == 0 else 0)
-                              for i, n in enumerate(lengths)]))  # fmt: skip
+        out.append(
+            torch.cat([torch.arange(n) + (first if i == 0 else 0) for i, n in enumerate(lengths)])
+        )
     return torch.stack(out)
 
 

@@ -55,15 +55,30 @@ LABELS = 4
 
 def hf_llama() -> nn.Module:
     """The issue's replay model: transformers' Llama, hidden 64, vocabulary 256."""
-    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, use_cache=False))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            use_cache=False,
+        )
+    )
 
 
 def own_llama() -> nn.Module:
     """meshtrain's Llama (hidden 32, 2 layers), initialised from the harness's seed."""
-    config = OwnLlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB,
-                            multiple_of=32, max_seq_len=64)  # fmt: skip
+    config = OwnLlamaConfig(
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=VOCAB,
+        multiple_of=32,
+        max_seq_len=64,
+    )
     return build_llama(config, seed=torch.initial_seed())
 
 
@@ -76,11 +91,20 @@ def own_moe() -> nn.Module:
 
 def roberta_classifier() -> nn.Module:
     """RoBERTa with its sequence-classification head (4 labels)."""
-    config = RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
-                           num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                           classifier_dropout=0.0, pad_token_id=1, type_vocab_size=2,
-                           num_labels=LABELS)  # fmt: skip
+    config = RobertaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout=0.0,
+        pad_token_id=1,
+        type_vocab_size=2,
+        num_labels=LABELS,
+    )
     return RobertaForSequenceClassification(config)
 
 
@@ -255,8 +279,9 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "meshtrain-llama": Family(own_llama, tokens, _own_llama, decoder=True),
-    "meshtrain-moe": Family(own_moe, tokens, _own_moe, decoder=True, moe=True,
-                            ep_rules=moe_rules(tp=None, ep="ep")),
+    "meshtrain-moe": Family(
+        own_moe, tokens, _own_moe, decoder=True, moe=True, ep_rules=moe_rules(tp=None, ep="ep")
+    ),
     "hf-llama": Family(hf_llama, llama_tokens, _from_hf, decoder=True),
     "qwen2": Family(zoo.qwen2, tokens, _from_hf, decoder=True),
     "qwen3": Family(zoo.qwen3, tokens, _from_hf, decoder=True),
@@ -270,13 +295,15 @@ FAMILIES: dict[str, Family] = {
     "opt": Family(zoo.opt, tokens, _fixed(zoo.OPT_RULES)),
     "bart": Family(zoo.bart, tokens, _fixed(zoo.BART_RULES), pipeline=False),
     "t5": Family(zoo.t5, tokens, _fixed(zoo.T5_RULES), pipeline=False),
-    "qwen2-moe": Family(moe_models.qwen2_moe, moe_tokens, _from_hf, moe=True,
-                        ep_rules=moe_models.ep_rules()),
-    "mixtral": Family(moe_models.mixtral, moe_tokens, _from_hf, moe=True,
-                      ep_rules=moe_models.ep_rules()),
+    "qwen2-moe": Family(
+        moe_models.qwen2_moe, moe_tokens, _from_hf, moe=True, ep_rules=moe_models.ep_rules()
+    ),
+    "mixtral": Family(
+        moe_models.mixtral, moe_tokens, _from_hf, moe=True, ep_rules=moe_models.ep_rules()
+    ),
     "vit": Family(zoo.vit, vit_images, _fixed(zoo.VIT_RULES)),
     "cnn-batchnorm": Family(zoo.cnn, zoo.image_batches, None),
-}  # fmt: skip
+}
 
 PLANS = ("fsdp-zero2", "fsdp-zero3", "tp", "tp-sp", "pp", "ep", "cp")
 REPLICATED = Rules({r".*": P()}, fsdp="dp")

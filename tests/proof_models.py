@@ -23,9 +23,14 @@ class GroupNormCNN(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
-                                  nn.Conv2d(8, 8, 3, stride=2, padding=1), nn.GroupNorm(2, 8),
-                                  nn.ReLU())  # fmt: skip
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.GroupNorm(2, 8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, stride=2, padding=1),
+            nn.GroupNorm(2, 8),
+            nn.ReLU(),
+        )
         self.classifier = nn.ModuleDict({"fc1": nn.Linear(8 * 4 * 4, 32), "fc2": nn.Linear(32, 10)})
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -37,8 +42,14 @@ def group_norm_cnn() -> GroupNormCNN:
     return GroupNormCNN()
 
 
-CNN_RULES = Rules({r"classifier\.fc1\.(weight|bias)": P("tp"),
-                   r"classifier\.fc2\.weight": P(None, "tp"), r".*": P()}, fsdp="dp")  # fmt: skip
+CNN_RULES = Rules(
+    {
+        r"classifier\.fc1\.(weight|bias)": P("tp"),
+        r"classifier\.fc2\.weight": P(None, "tp"),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
 
 def image_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,8 +64,14 @@ class TokenMLP(nn.Module):
     """Embedding → MLP (``up`` column-wise, ``down`` row-wise under ``mlp``) → norm → head; the
     variants read parameters outside their module, update outputs in place or keep a statistic."""
 
-    def __init__(self, *, tied: bool = False, inplace: bool = False,
-                 running_mean: bool = False, reread: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        *,
+        tied: bool = False,
+        inplace: bool = False,
+        running_mean: bool = False,
+        reread: bool = False,
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 16)
         self.mlp = nn.ModuleDict({"up": nn.Linear(16, 32), "down": nn.Linear(32, 16)})
@@ -98,8 +115,9 @@ def rereading_mean_mlp() -> TokenMLP:
     return TokenMLP(running_mean=True, reread=True)
 
 
-MLP_RULES = Rules({r"mlp\.up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp"),
-                   r".*": P()}, fsdp="dp")  # fmt: skip
+MLP_RULES = Rules(
+    {r"mlp\.up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp"), r".*": P()}, fsdp="dp"
+)
 #: the embedding vocab-parallel too: a tied head cannot read it whole
 VOCAB_RULES = Rules({r"embed\.weight": P("tp", None), **dict(MLP_RULES.patterns)}, fsdp="dp")
 
@@ -141,8 +159,9 @@ class RotaryAttention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = _rotate(q, freqs), _rotate(k, freqs)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2), is_causal=True)  # fmt: skip
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 
@@ -199,12 +218,18 @@ def rotary_lm() -> RotaryLM:
     return RotaryLM()
 
 
-ROTARY_RULES = Rules({r"tok_embeddings\.weight": P("tp", None),
-                      r"layers\.\d+\.attention\.w[qkv]\.weight": P("tp", None),
-                      r"layers\.\d+\.attention\.wo\.weight": P(None, "tp"),
-                      r"layers\.\d+\.feed_forward\.w1\.weight": P("tp", None),
-                      r"layers\.\d+\.feed_forward\.w2\.weight": P(None, "tp"),
-                      r"output\.weight": P("tp", None), r".*": P()}, fsdp="dp")  # fmt: skip
+ROTARY_RULES = Rules(
+    {
+        r"tok_embeddings\.weight": P("tp", None),
+        r"layers\.\d+\.attention\.w[qkv]\.weight": P("tp", None),
+        r"layers\.\d+\.attention\.wo\.weight": P(None, "tp"),
+        r"layers\.\d+\.feed_forward\.w1\.weight": P("tp", None),
+        r"layers\.\d+\.feed_forward\.w2\.weight": P(None, "tp"),
+        r"output\.weight": P("tp", None),
+        r".*": P(),
+    },
+    fsdp="dp",
+)
 
 
 def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,26 +241,46 @@ def token_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def roberta_classifier() -> nn.Module:
     from transformers import RobertaConfig, RobertaForSequenceClassification
 
-    return RobertaForSequenceClassification(RobertaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=80, num_labels=4, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, classifier_dropout=0.0))  # fmt: skip
+    return RobertaForSequenceClassification(
+        RobertaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=80,
+            num_labels=4,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            classifier_dropout=0.0,
+        )
+    )
 
 
 def megatron(attention: str, out: str, up: str, down: str, **extra: P) -> Rules:
     """Column-wise q/k/v and MLP up, row-wise out and down (weights and biases)."""
-    return Rules({
-        **extra,
-        rf".*\.{attention}\.weight": P("tp", None), rf".*\.{attention}\.bias": P("tp"),
-        rf".*\.{out}\.weight": P(None, "tp"),
-        rf".*\.{up}\.weight": P("tp", None), rf".*\.{up}\.bias": P("tp"),
-        rf".*\.{down}\.weight": P(None, "tp"),
-        r".*": P(),
-    }, fsdp="dp", allow_unused=True)  # fmt: skip
+    return Rules(
+        {
+            **extra,
+            rf".*\.{attention}\.weight": P("tp", None),
+            rf".*\.{attention}\.bias": P("tp"),
+            rf".*\.{out}\.weight": P(None, "tp"),
+            rf".*\.{up}\.weight": P("tp", None),
+            rf".*\.{up}\.bias": P("tp"),
+            rf".*\.{down}\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp="dp",
+        allow_unused=True,
+    )
 
 
-ROBERTA_RULES = megatron(r"attention\.self\.(query|key|value)", r"attention\.output\.dense",
-                         r"intermediate\.dense", r"layer\.\d+\.output\.dense")  # fmt: skip
+ROBERTA_RULES = megatron(
+    r"attention\.self\.(query|key|value)",
+    r"attention\.output\.dense",
+    r"intermediate\.dense",
+    r"layer\.\d+\.output\.dense",
+)
 
 
 def label_batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:

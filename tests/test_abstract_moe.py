@@ -31,8 +31,11 @@ def test_transformers_moe_under_tp_is_proven(factory) -> None:  # type: ignore[n
     model = factory()
     plan = mt.plan(model, _abstract(dp=2, tp=2), mt.Rules.from_hf(model, fsdp="dp", tp="tp"))
     assert not _unproven(plan)
-    expected = ({f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in "qk"}
-                if factory is qwen3_moe else set())  # fmt: skip
+    expected = (
+        {f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in "qk"}
+        if factory is qwen3_moe
+        else set()
+    )
     assert {grad.param for grad in plan.partial_grads} == expected
 
 
@@ -61,13 +64,23 @@ class _DataDependent(nn.Module):
         return self.down(self.up(self.embed(kept)))
 
 
-PAIR = mt.Rules({r"up\.weight": mt.P("tp", None), r"up\.bias": mt.P("tp"),
-                 r"down\.weight": mt.P(None, "tp"), r".*": mt.P()}, fsdp="dp")  # fmt: skip
+PAIR = mt.Rules(
+    {
+        r"up\.weight": mt.P("tp", None),
+        r"up\.bias": mt.P("tp"),
+        r"down\.weight": mt.P(None, "tp"),
+        r".*": mt.P(),
+    },
+    fsdp="dp",
+)
 
 
 def test_an_unprovable_tensor_parallel_plan_is_refused_by_name() -> None:
-    with pytest.raises(mt.PlanError, match=r"cannot be proven.*'<root>' \(_DataDependent\).*"
-                                           r"nonzero.*unproven_shards='note'"):  # fmt: skip
+    with pytest.raises(
+        mt.PlanError,
+        match=r"cannot be proven.*'<root>' \(_DataDependent\).*"
+        r"nonzero.*unproven_shards='note'",
+    ):
         mt.plan(_DataDependent(), _abstract(dp=2, tp=2), PAIR)
 
 
@@ -93,5 +106,9 @@ def test_the_abstract_run_leaves_no_fake_tensor_on_the_model() -> None:
     mt.plan(model, _abstract(dp=2, tp=2), moe_rules(fsdp="dp", tp="tp", ep=None))
     after = {name: getattr(m, "last_aux_loss", "absent") for name, m in model.named_modules()}
     assert after == before
-    assert not [t for m in model.modules() for t in vars(m).values()
-                if isinstance(t, torch._subclasses.fake_tensor.FakeTensor)]  # fmt: skip
+    assert not [
+        t
+        for m in model.modules()
+        for t in vars(m).values()
+        if isinstance(t, torch._subclasses.fake_tensor.FakeTensor)
+    ]

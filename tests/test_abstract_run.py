@@ -40,10 +40,19 @@ def mesh(**axes: int) -> mt.Mesh:
 
 
 def qwen3() -> Qwen3ForCausalLM:
-    return Qwen3ForCausalLM(Qwen3Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-        use_cache=False))  # fmt: skip
+    return Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            use_cache=False,
+        )
+    )
 
 
 def test_qwen3_per_head_norms_have_partial_gradients_recorded_costed_and_explained() -> None:
@@ -68,9 +77,17 @@ def test_tensor_parallel_alone_records_them_too() -> None:
 
 
 def test_opt_reshaping_with_its_global_head_count_is_refused() -> None:
-    model = OPTForCausalLM(OPTConfig(
-        vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=64, word_embed_proj_dim=32))  # fmt: skip
+    model = OPTForCausalLM(
+        OPTConfig(
+            vocab_size=128,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+        )
+    )
     rules = megatron(r"self_attn\.(q|k|v)_proj", r"self_attn\.out_proj", "fc1", "fc2")
     with pytest.raises(mt.PlanError, match="reshapes with a global size") as refusal:
         mt.plan(model, mesh(**DP_TP), rules)
@@ -80,9 +97,17 @@ def test_opt_reshaping_with_its_global_head_count_is_refused() -> None:
 
 
 def test_t5_position_bias_with_every_head_is_refused_not_a_crash() -> None:
-    model = T5ForConditionalGeneration(T5Config(
-        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-        decoder_start_token_id=0))  # fmt: skip
+    model = T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=128,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            decoder_start_token_id=0,
+        )
+    )
     rules = megatron(r"(q|k|v)", r"o", r"wi", r"wo")
     with pytest.raises(mt.PlanError, match="mixes tensors sharded") as refusal:
         mt.plan(model, mesh(**DP_TP), rules)
@@ -90,14 +115,29 @@ def test_t5_position_bias_with_every_head_is_refused_not_a_crash() -> None:
 
 
 def test_roberta_classifier_on_the_cls_token_of_sequence_shards_is_refused() -> None:
-    model = RobertaForSequenceClassification(RobertaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=80, num_labels=4))  # fmt: skip
-    rules = megatron(r"attention\.self\.(query|key|value)", r"attention\.output\.dense",
-                     r"intermediate\.dense", r"layer\.\d+\.output\.dense")  # fmt: skip
+    model = RobertaForSequenceClassification(
+        RobertaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=80,
+            num_labels=4,
+        )
+    )
+    rules = megatron(
+        r"attention\.self\.(query|key|value)",
+        r"attention\.output\.dense",
+        r"intermediate\.dense",
+        r"layer\.\d+\.output\.dense",
+    )
     patterns = dict(rules.patterns)
-    patterns = {r"classifier\.out_proj\.weight": P("tp", None),
-                r"classifier\.out_proj\.bias": P("tp"), **patterns}  # fmt: skip
+    patterns = {
+        r"classifier\.out_proj\.weight": P("tp", None),
+        r"classifier\.out_proj\.bias": P("tp"),
+        **patterns,
+    }
     sequence = Rules(patterns, logical=[("seq", "tp")], fsdp="dp")
     with pytest.raises(mt.PlanError, match=r"aten\.select\.int") as refusal:
         mt.plan(model, mesh(**DP_TP), sequence)
@@ -133,8 +173,9 @@ class HeadScaled(nn.Module):
         return self.block["o"](heads.flatten(-2))
 
 
-RULES = Rules({r"block\.q\.(weight|bias)": P("tp"), r"block\.o\.weight": P(None, "tp"), ".*": P()},
-              fsdp="dp")  # fmt: skip
+RULES = Rules(
+    {r"block\.q\.(weight|bias)": P("tp"), r"block\.o\.weight": P(None, "tp"), ".*": P()}, fsdp="dp"
+)
 
 
 def test_a_replicated_module_on_sharded_heads_is_reduced() -> None:
@@ -206,10 +247,13 @@ class DrawnAttention(nn.Module):
     st.sampled_from([2, 4]),
     st.sampled_from([4, 8]),
 )
-def test_drawn_per_head_operations_are_reduced_or_refused(kind: str, heads: int,
-                                                          head_dim: int) -> None:  # fmt: skip
-    rules = Rules({r"attn\.q\.(weight|bias)": P("tp"), r"attn\.o\.weight": P(None, "tp"),
-                   r".*": P()}, fsdp="dp")  # fmt: skip
+def test_drawn_per_head_operations_are_reduced_or_refused(
+    kind: str, heads: int, head_dim: int
+) -> None:
+    rules = Rules(
+        {r"attn\.q\.(weight|bias)": P("tp"), r"attn\.o\.weight": P(None, "tp"), r".*": P()},
+        fsdp="dp",
+    )
     model = DrawnAttention(kind, heads, head_dim)
     if kind in ("direct_scale", "global_view"):
         expected = "parameter 'direct' is replicated" if kind == "direct_scale" else "global size"

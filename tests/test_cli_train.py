@@ -95,8 +95,9 @@ def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
         "--max-restarts N to resume automatically.\n"
     )
     # The first rank to fail is named with its own first error line, not those that followed.
-    crash = RankReport(1, EXIT_FAILED, "crash", "[rank 1] ValueError: bad (traceback: x.log)", 11,
-                       time=5.0)  # fmt: skip
+    crash = RankReport(
+        1, EXIT_FAILED, "crash", "[rank 1] ValueError: bad (traceback: x.log)", 11, time=5.0
+    )
     late = RankReport(0, EXIT_FAILED, "crash", "[rank 0] RuntimeError: later", 10, time=9.0)
     assert _after_failure({0: lost, 1: killed}, {0: late, 1: crash}) == EXIT_FAILED
     assert capsys.readouterr().err.startswith(

@@ -24,18 +24,28 @@ AOT_EAGER = {"backend": "aot_eager"}
 
 def test_qwen3_moe_compiled_trains_like_one_device_on_ep2() -> None:
     """Per-block aot_eager compile around the eager dispatch; AdamW, 2 steps."""
-    report = assert_equivalent(qwen3_moe, {"ep": 2},
-                               {"rules": ep_rules(fsdp=()), "compile": AOT_EAGER},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        qwen3_moe,
+        {"ep": 2},
+        {"rules": ep_rules(fsdp=()), "compile": AOT_EAGER},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(report.contract.level, max(c.ratio for c in report.comparisons), report.losses)
 
 
 def test_llama_compiled_trains_like_one_device_on_dp2_cp2() -> None:
     """Per-block aot_eager compile around the eager ring attention; AdamW, 2 steps."""
-    report = assert_equivalent(own_llama, {"dp": 2, "cp": 2},
-                               {"rules": rules(), "seq_len": SEQ, "compile": AOT_EAGER},
-                               batches=batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        own_llama,
+        {"dp": 2, "cp": 2},
+        {"rules": rules(), "seq_len": SEQ, "compile": AOT_EAGER},
+        batches=batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(report.contract.level, max(c.ratio for c in report.comparisons), report.losses)
 

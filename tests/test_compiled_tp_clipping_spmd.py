@@ -62,8 +62,14 @@ def clip_on_a_compiled_plan() -> dict[str, object]:
         float((full(p.grad) - ref_grads[fqn].grad).abs().max() / ref_grads[fqn].grad.abs().max())
         for fqn, p in applied.named_parameters()
     )
-    return {"torch": str(torch_clip.value), "total": str(total_norm.value), "norm": norm,
-            "ref_norm": ref_norm, "worst": worst, "notes": plan.notes}  # fmt: skip
+    return {
+        "torch": str(torch_clip.value),
+        "total": str(total_norm.value),
+        "norm": norm,
+        "ref_norm": ref_norm,
+        "worst": worst,
+        "notes": plan.notes,
+    }
 
 
 def test_torch_clipping_on_a_compiled_tp_plan_names_the_fix() -> None:
@@ -85,8 +91,9 @@ def replicated_then_compiled() -> None:
     applied = mt.apply(plan, model)  # whole parameters replicated over tp, swapped per forward
     compiled = mt.plan(_model(), mt.make_mesh(dp=1, tp=2), default_rules(), compile=COMPILE)
     assert compiled.compile_scope == "model", compiled.compile_scope
-    compile_model(dataclasses.replace(plan, options=compiled.options, compile_scope="model"),
-                  applied)  # fmt: skip
+    compile_model(
+        dataclasses.replace(plan, options=compiled.options, compile_scope="model"), applied
+    )
     _backward(plan, applied)
 
 

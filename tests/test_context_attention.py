@@ -151,9 +151,11 @@ def problems(draw: st.DrawFn) -> dict:
 
 
 def _check_within_contract(
-    ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], tol: dict[str, torch.Tensor],
+    ours: dict[str, torch.Tensor],
+    ref: dict[str, torch.Tensor],
+    tol: dict[str, torch.Tensor],
     bf16: bool,
-) -> None:  # fmt: skip
+) -> None:
     for name, value in ours.items():
         bound = tol[name] * (1 + U_BF16) + U_BF16 * ref[name].abs() if bf16 else tol[name]
         error = (value.double() - ref[name]).abs()
@@ -212,23 +214,34 @@ def test_tiled_attention_equals_one_sdpa_with_a_merge_per_key_tile(
     qpos, kpos = torch.arange(seq), torch.randperm(seq, generator=gen)
     docs = torch.randint(0, 3, (b, seq), generator=gen).sort().values if case["documents"] else None
     q = torch.randn(b, hq, seq, d, generator=gen, dtype=torch.float64) * case["logit_scale"]
-    k, v, grad = (torch.randn(b, n, seq, d, generator=gen, dtype=torch.float64)
-                  for n in (hkv, hkv, hq))  # fmt: skip
+    k, v, grad = (
+        torch.randn(b, n, seq, d, generator=gen, dtype=torch.float64) for n in (hkv, hkv, hq)
+    )
     q, k, v = (t.float().requires_grad_() for t in (q, k, v))
     cuts = torch.linspace(0, seq, case["blocks"] + 1).long().tolist()
     pieces = [slice(lo, hi) for lo, hi in itertools.pairwise(cuts) if hi > lo]
     dk = None if docs is None else docs[:, kpos]
-    blocks = [KVBlock(k[:, :, s], v[:, :, s], kpos[s], None if dk is None else dk[:, s])
-              for s in pieces]  # fmt: skip
-    out = blockwise_attention(q, blocks, positions_q=qpos, documents_q=docs,
-                              causal=case["causal"], window=case["window"], tile=Tile(rows, cols))  # fmt: skip
-    ours = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad.float()),
-                    strict=True)) | {"out": out.detach()}  # fmt: skip
+    blocks = [
+        KVBlock(k[:, :, s], v[:, :, s], kpos[s], None if dk is None else dk[:, s]) for s in pieces
+    ]
+    out = blockwise_attention(
+        q,
+        blocks,
+        positions_q=qpos,
+        documents_q=docs,
+        causal=case["causal"],
+        window=case["window"],
+        tile=Tile(rows, cols),
+    )
+    ours = dict(
+        zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), grad.float()), strict=True)
+    ) | {"out": out.detach()}
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     mask = reference_mask(qpos, kpos, b, case["causal"], case["window"], docs, dk)
     ref_out = reference_attention(q64, k64, v64, mask, None)
-    ref = dict(zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (q64, k64, v64), grad),
-                   strict=True)) | {"out": ref_out.detach()}  # fmt: skip
+    ref = dict(
+        zip(("dq", "dk", "dv"), torch.autograd.grad(ref_out, (q64, k64, v64), grad), strict=True)
+    ) | {"out": ref_out.detach()}
     merges = sum(-(-(s.stop - s.start) // cols) for s in pieces)
     mags, logit_bound = magnitudes(q, k, v, grad, mask, d**-0.5)
     tol = {n: tolerance(m, seq, d, logit_bound, merges) for n, m in mags.items()}
@@ -310,10 +323,13 @@ def test_merge_of_a_side_that_saw_nothing_keeps_the_other() -> None:
         (((1, 2, 4, 8), (1, 2, 4, 8)), {"window": 2, "causal": False}, "window=2 needs causal"),
         (((1, 2, 4, 8), (1, 2, 4, 8)), {"method": "ulysses"}, "'ulysses' is not one of"),
         (((1, 2, 4, 8), (1, 2, 4, 8)), {"documents": torch.zeros(2, 4)}, r"documents \(2, 4\)"),
-        (((1, 2, 4, 8), (1, 2, 6, 8)),
-         {"documents": torch.zeros(1, 4), "positions_kv": torch.arange(6)}, "go together"),
+        (
+            ((1, 2, 4, 8), (1, 2, 6, 8)),
+            {"documents": torch.zeros(1, 4), "positions_kv": torch.arange(6)},
+            "go together",
+        ),
     ],
-)  # fmt: skip
+)
 def test_context_attention_refuses_what_does_not_fit_before_communicating(
     shapes: tuple, kwargs: dict, match: str
 ) -> None:

@@ -102,13 +102,17 @@ def run_case(case: Case) -> dict[str, Any]:
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
     with count_bytes() as sent, c10d, hooks:
         out = context_attention(
-            q, k, v, group=group,
+            q,
+            k,
+            v,
+            group=group,
             positions_q=chunk_positions(SEQ, case.cp, cp_rank, case.balance),  # type: ignore[arg-type]
-            causal=case.causal, window=case.window,
+            causal=case.causal,
+            window=case.window,
             documents=share(whole["documents"], 1) if case.documents else None,
             method=case.method,  # type: ignore[arg-type]
             tile=DEFAULT_TILE if case.tile is None else Tile(*case.tile),
-        )  # fmt: skip
+        )
         out.backward(share(whole["grad"]))
     return {
         "members": _members(case, rank),
@@ -170,10 +174,12 @@ CASES = {
     "cp4-headtail-causal-large-logits": Case(4, 4, logit_scale=40.0),
     "cp4-contiguous-window-documents": Case(4, 4, "contiguous", window=3, documents=True),
     "cp4-headtail-bidirectional-documents": Case(4, 4, causal=False, documents=True),
-    "cp4-allgather-contiguous-documents": Case(4, 4, "contiguous", method="allgather", documents=True),
+    "cp4-allgather-contiguous-documents": Case(
+        4, 4, "contiguous", method="allgather", documents=True
+    ),
     "cp2-of-4-ranks-strided-headtail": Case(4, 2, strided=True, window=6),
     "cp2-headtail-window-documents-tiles-3x2": Case(2, 2, window=5, documents=True, tile=(3, 2)),
-}  # fmt: skip
+}
 
 
 def _reference(case: Case) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

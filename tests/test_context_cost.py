@@ -29,8 +29,9 @@ def _context_plan(cp: int, seq_len: int = 64, **options: object) -> mt.Plan:
     model = build_llama(LlamaConfig.debug(), device="meta")
     mesh = mt.make_mesh(dp=2, cp=cp, world_size=2 * cp, abstract=True)
     logical = default_rules(tp=None).logical + ((("seq", "cp"),) if cp > 1 else ())
-    return mt.plan(model, mesh, Rules(logical=logical, fsdp="dp"), batch_size=2,
-                   seq_len=seq_len, **options)  # type: ignore[arg-type]  # fmt: skip
+    return mt.plan(
+        model, mesh, Rules(logical=logical, fsdp="dp"), batch_size=2, seq_len=seq_len, **options
+    )  # type: ignore[arg-type]
 
 
 def test_the_trace_records_each_attentions_query_keys_and_values() -> None:
@@ -117,14 +118,27 @@ def test_auto_chooses_context_parallelism_when_nothing_else_fits() -> None:
     from meshtrain.plan.options import AutoSearch, PlanOptions
 
     # one head, one block: neither tensor nor pipeline parallelism can split it
-    config = LlamaConfig(dim=64, n_layers=1, n_heads=1, n_kv_heads=1, vocab_size=8192,
-                         multiple_of=32, max_seq_len=4096)  # fmt: skip
+    config = LlamaConfig(
+        dim=64,
+        n_layers=1,
+        n_heads=1,
+        n_kv_heads=1,
+        vocab_size=8192,
+        multiple_of=32,
+        max_seq_len=4096,
+    )
     model = build_llama(config, device="meta")
     request = PlanOptions(global_batch=4, seq_len=4096)
 
     def choose(mib: int) -> object:
-        return choose_plan(model, 4, default_rules(), request,
-                           search=AutoSearch(device_memory=mib * 2**20), device_type="cuda")  # fmt: skip
+        return choose_plan(
+            model,
+            4,
+            default_rules(),
+            request,
+            search=AutoSearch(device_memory=mib * 2**20),
+            device_type="cuda",
+        )
 
     roomy, tight = choose(40), choose(36)
     assert roomy.plan.context_axis is None  # type: ignore[attr-defined]
@@ -172,15 +186,23 @@ def measure_bytes(
     with count_bytes() as sent:
         for call in calls:
             q, k, v = (
-                torch.randn(shape, generator=generator).to(dtype[call.element_bytes])
+                torch.randn(shape, generator=generator)
+                .to(dtype[call.element_bytes])
                 .requires_grad_()
                 for shape in (call.query, call.key, call.value)
-            )  # fmt: skip
+            )
             seq = call.key[2]
             docs = (torch.arange(seq)[None].expand(call.key[0], seq) // 8) if documents else None
             positions = chunk_positions(seq * cp, cp, rank, balance)  # type: ignore[arg-type]
-            out = context_attention(q, k, v, group=group, positions_q=positions,  # type: ignore[arg-type]
-                                    documents=docs, method=method)  # type: ignore[arg-type]  # fmt: skip
+            out = context_attention(
+                q,
+                k,
+                v,
+                group=group,
+                positions_q=positions,  # type: ignore[arg-type]
+                documents=docs,
+                method=method,
+            )  # type: ignore[arg-type]
             out.float().sum().backward()
     return dict(sent.counts)
 
@@ -242,8 +264,16 @@ def measure_step(cp: int, checkpointing: str, precision: str, other: str = "") -
     if other == "tp":
         chosen = mt.Rules(logical=(("seq", "cp"), *default_rules(tp="tp").logical), fsdp="dp")
     pipeline = {"pipeline": mt.Pipeline(axis="pp", schedule="1F1B")} if other == "pp" else {}
-    plan = mt.plan(model, mesh, chosen, global_batch=4, seq_len=SEQ,
-                   activation_checkpointing=checkpointing, precision=precision, **pipeline)  # fmt: skip
+    plan = mt.plan(
+        model,
+        mesh,
+        chosen,
+        global_batch=4,
+        seq_len=SEQ,
+        activation_checkpointing=checkpointing,
+        precision=precision,
+        **pipeline,
+    )
     model = mt.apply(plan, model)
     inputs, targets = batches(0)
     data_rank = mesh.coordinates(torch.distributed.get_rank())["dp"]
@@ -263,14 +293,19 @@ def measure_step(cp: int, checkpointing: str, precision: str, other: str = "") -
 @pytest.mark.spmd
 @pytest.mark.parametrize(
     ("cp", "checkpointing", "precision", "other"),
-    [(4, "full", "fp32", ""), (2, "selective", "bf16", ""), (2, "none", "fp32", "tp"),
-     (2, "none", "fp32", "pp")],
-)  # fmt: skip
+    [
+        (4, "full", "fp32", ""),
+        (2, "selective", "bf16", ""),
+        (2, "none", "fp32", "tp"),
+        (2, "none", "fp32", "pp"),
+    ],
+)
 def test_a_training_steps_context_bytes_are_the_plans(
     cp: int, checkpointing: str, precision: str, other: str
 ) -> None:
-    for rank, (predicted, counts) in enumerate(get_pool(4).run(measure_step, cp, checkpointing,
-                                                              precision, other)):  # fmt: skip
+    for rank, (predicted, counts) in enumerate(
+        get_pool(4).run(measure_step, cp, checkpointing, precision, other)
+    ):
         measured = _measured(counts)
         assert predicted["forward: keys"] > 0
         assert measured == {

@@ -39,8 +39,14 @@ DP2_CP2 = {"dp": 2, "cp": 2}
 
 def _equivalent(name: str, mesh: dict[str, int], steps: int = 2, **options: Any) -> None:
     fsdp = ("dp",) if "dp" in mesh else ()
-    report = assert_equivalent(MODELS[name], mesh, {"rules": rules(fsdp), "seq_len": SEQ, **options},
-                               batches=packed_batches, steps=steps, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        MODELS[name],
+        mesh,
+        {"rules": rules(fsdp), "seq_len": SEQ, **options},
+        batches=packed_batches,
+        steps=steps,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -58,8 +64,14 @@ def test_packed_documents_train_like_one_device_on_cp4(name: str) -> None:
 @pytest.mark.parametrize("name", ["llama", "hf_llama"])
 def test_packed_documents_train_like_one_device_without_cp(name: str) -> None:
     """No context axis (FSDP over dp 2): the positions reach the model as they are."""
-    report = assert_equivalent(MODELS[name], {"dp": 2}, mt.Rules({".*": mt.P()}, fsdp=("dp",)),
-                               batches=packed_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        MODELS[name],
+        {"dp": 2},
+        mt.Rules({".*": mt.P()}, fsdp=("dp",)),
+        batches=packed_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -117,9 +129,15 @@ def documents_ignored() -> Iterator[None]:
 
 def test_ignoring_the_documents_under_cp_is_caught() -> None:
     with pytest.raises(mt.EquivalenceError) as caught:
-        assert_equivalent(MODELS["llama"], DP2_CP2, {"rules": rules(("dp",)), "seq_len": SEQ},
-                          batches=packed_batches, steps=1, optimizer="adamw",
-                          rank_context=documents_ignored)  # fmt: skip
+        assert_equivalent(
+            MODELS["llama"],
+            DP2_CP2,
+            {"rules": rules(("dp",)), "seq_len": SEQ},
+            batches=packed_batches,
+            steps=1,
+            optimizer="adamw",
+            rank_context=documents_ignored,
+        )
     worst = max(c.ratio for c in caught.value.report.comparisons)
     assert worst > 100, f"ignoring documents moved the worst comparison only to {worst:.3g}"
 
@@ -150,7 +168,12 @@ def test_packed_documents_compose_on_dp2_cp2(name: str, options: dict[str, Any])
 @pytest.mark.extended
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_packed_documents_compose_with_tensor_and_sequence_parallel(name: str) -> None:
-    report = assert_equivalent(MODELS[name], {"cp": 2, "tp": 2},
-                               {"rules": tp_rules(name), "seq_len": SEQ},
-                               batches=packed_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        MODELS[name],
+        {"cp": 2, "tp": 2},
+        {"rules": tp_rules(name), "seq_len": SEQ},
+        batches=packed_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed

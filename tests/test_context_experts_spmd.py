@@ -20,8 +20,12 @@ SEQ = 8  # token_batches' length: 2 · cp head-tail chunks of 2 tokens on cp 2
 
 
 def _with_context(rules: mt.Rules) -> mt.Rules:
-    context = mt.Rules(rules.patterns, logical=(("seq", "cp"), *rules.logical), fsdp=rules.fsdp,
-                       gathered=rules.gathered)  # fmt: skip
+    context = mt.Rules(
+        rules.patterns,
+        logical=(("seq", "cp"), *rules.logical),
+        fsdp=rules.fsdp,
+        gathered=rules.gathered,
+    )
     context.notes = rules.notes
     return context
 
@@ -34,8 +38,14 @@ def _check(factory, mesh: dict[str, int], rules: mt.Rules) -> None:  # type: ign
     plan = mt.plan(factory(), _abstract(**mesh), rules, seq_len=SEQ)
     assert plan.context_axis == "cp" and plan.expert_axis == "ep"
     assert set(plan.token_axes) == set(mesh)
-    report = assert_equivalent(factory, mesh, {"rules": rules, "seq_len": SEQ},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        factory,
+        mesh,
+        {"rules": rules, "seq_len": SEQ},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
 

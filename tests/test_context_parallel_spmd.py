@@ -41,11 +41,18 @@ LR = 0.1
 
 def _equivalent(name: str, mesh: dict[str, int], optimizer: str = "adamw", **options: Any) -> None:
     fsdp = ("dp",) if "dp" in mesh else ()
-    report = assert_equivalent(MODELS[name], mesh, {"rules": rules(fsdp), "seq_len": SEQ, **options},
-                               batches=batches, steps=2, optimizer=optimizer)  # fmt: skip
+    report = assert_equivalent(
+        MODELS[name],
+        mesh,
+        {"rules": rules(fsdp), "seq_len": SEQ, **options},
+        batches=batches,
+        steps=2,
+        optimizer=optimizer,
+    )
     assert report.passed
-    assert report.contract.level == ("reduction-order" if "precision" not in options
-                                     else "approximate")  # fmt: skip
+    assert report.contract.level == (
+        "reduction-order" if "precision" not in options else "approximate"
+    )
 
 
 def test_llama_moe_and_mistral_train_like_one_device_on_dp2_cp2() -> None:
@@ -190,9 +197,14 @@ def test_compositions_train_like_one_device(name: str, options: dict[str, Any]) 
 @pytest.mark.extended
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_tensor_and_sequence_parallel_compose_on_cp2_tp2(name: str) -> None:
-    report = assert_equivalent(MODELS[name], {"cp": 2, "tp": 2},
-                               {"rules": tp_rules(name), "seq_len": SEQ},
-                               batches=batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        MODELS[name],
+        {"cp": 2, "tp": 2},
+        {"rules": tp_rules(name), "seq_len": SEQ},
+        batches=batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed and "sequence-parallel" in report.contract.describe()
 
 
@@ -234,9 +246,15 @@ def chunks_in_the_wrong_order() -> Iterator[None]:
 @pytest.mark.parametrize("fault", [tail_chunk_positions_off_by_one, chunks_in_the_wrong_order])
 def test_planted_position_faults_are_caught(fault: Any) -> None:
     with pytest.raises(mt.EquivalenceError):
-        assert_equivalent(MODELS["llama"], DP2_CP2, {"rules": rules(), "seq_len": SEQ},
-                          batches=batches, steps=1, optimizer="adamw",
-                          rank_context=fault)  # fmt: skip
+        assert_equivalent(
+            MODELS["llama"],
+            DP2_CP2,
+            {"rules": rules(), "seq_len": SEQ},
+            batches=batches,
+            steps=1,
+            optimizer="adamw",
+            rank_context=fault,
+        )
 
 
 # ----------------------------------------------------------------------------- resume

@@ -42,11 +42,18 @@ def _pipelined(model_fn: Callable[[], nn.Module], pipeline: mt.Pipeline) -> None
     plan the ranks ran is the pipeline asked for (every stage on its own pipeline rank) with the
     sequence over ``cp``."""
     start = time.perf_counter()
-    report = assert_equivalent(model_fn, PP2_CP2,
-                               {"rules": rules(()), "seq_len": SEQ, "pipeline": pipeline},
-                               batches=batches, steps=2, optimizer="adamw")  # fmt: skip
-    print(f"{pipeline.schedule} x{pipeline.stages_per_rank}: {time.perf_counter() - start:.1f} s, "
-          f"worst {worst_ratio(report):.3f} of the bound")  # fmt: skip
+    report = assert_equivalent(
+        model_fn,
+        PP2_CP2,
+        {"rules": rules(()), "seq_len": SEQ, "pipeline": pipeline},
+        batches=batches,
+        steps=2,
+        optimizer="adamw",
+    )
+    print(
+        f"{pipeline.schedule} x{pipeline.stages_per_rank}: {time.perf_counter() - start:.1f} s, "
+        f"worst {worst_ratio(report):.3f} of the bound"
+    )
     assert report.passed and report.contract.level == "reduction-order"
     assert "context" in report.contract.describe()
     plan = json.loads(report.plan_json)
@@ -62,6 +69,5 @@ def test_transformers_families_train_like_one_device_on_pp2_cp2_1f1b(name: str) 
 
 def test_interleaved_1f1b_with_two_stages_per_rank_on_pp2_cp2() -> None:
     """Four stages over two pipeline ranks, each running the ring over cp for its two stages."""
-    pipeline = mt.Pipeline(axis="pp", schedule="Interleaved1F1B", microbatches=2,
-                           stages_per_rank=2)  # fmt: skip
+    pipeline = mt.Pipeline(axis="pp", schedule="Interleaved1F1B", microbatches=2, stages_per_rank=2)
     _pipelined(deep_mistral, pipeline)

@@ -105,8 +105,13 @@ def test_tensor_and_sequence_parallelism_compose_on_their_own_axis() -> None:
         assert (plan.context_axis, plan.tp_axis) == ("cp", "tp")
         assert plan.sequence_parallel is sequence_parallel
     with pytest.raises(mt.PlanError, match=r"seq_len=6 leaves each of the cp=2 ranks .* 3 tokens"):
-        mt.plan(_own(), mesh, Rules(logical=[*LOGICAL_RULES, ("seq", ("cp", "tp"))], fsdp="dp"),
-                seq_len=6, context_balance="contiguous")  # fmt: skip
+        mt.plan(
+            _own(),
+            mesh,
+            Rules(logical=[*LOGICAL_RULES, ("seq", ("cp", "tp"))], fsdp="dp"),
+            seq_len=6,
+            context_balance="contiguous",
+        )
 
 
 def test_hsdp_with_context_shards_over_the_shard_and_context_axes() -> None:
@@ -134,8 +139,9 @@ def test_a_sequence_rule_onto_a_data_axis_is_still_refused() -> None:
 
 def test_attention_it_cannot_place_is_refused_naming_it() -> None:
     with torch.device("meta"):
-        eager = LlamaForCausalLM(LlamaConfig(**{**hf_llama().config.to_dict(),
-                                               "attn_implementation": "eager"}))  # fmt: skip
+        eager = LlamaForCausalLM(
+            LlamaConfig(**{**hf_llama().config.to_dict(), "attn_implementation": "eager"})
+        )
     eager.config._attn_implementation = "eager"
     with pytest.raises(mt.PlanError, match=r"attn_implementation='eager'.*'sdpa'"):
         _plan(eager, dp=2, cp=2)

@@ -193,9 +193,15 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_tokenis
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
     tokenizer.save(str(tmp_path / "tokenizer.json"))
     path = _jsonl(tmp_path / "d.jsonl", [{"text": "w1 w2"}])
-    recipe = load_recipe("debug", [f"data.tokenizer={tmp_path / 'tokenizer.json'}",
-                                   "data.source=jsonl", f"data.path={path}",
-                                   f"logging.run_dir={tmp_path / 'run'}"])  # fmt: skip
+    recipe = load_recipe(
+        "debug",
+        [
+            f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+            "data.source=jsonl",
+            f"data.path={path}",
+            f"logging.run_dir={tmp_path / 'run'}",
+        ],
+    )
     with pytest.raises(RecipeError, match="has 301 ids, more than the model's vocabulary of 256"):
         prepare_recipe_data(recipe)
     assert not (tmp_path / "run" / "data").exists()
@@ -212,14 +218,19 @@ def test_tokenising_on_a_process_pool_writes_the_same_files(tmp_path: Path) -> N
     assert 1 <= default_workers(ListBytes(), 1 << 30) <= MAX_WORKERS
 
     rows = [{"prompt": f"Q{i}é ", "response": "x" * (i % 37) + f"ü{i}\x00"} for i in range(1500)]
-    source = DocumentSource("jsonl", str(_jsonl(tmp_path / "d.jsonl", rows)),
-                            format="instruction")  # fmt: skip
+    source = DocumentSource("jsonl", str(_jsonl(tmp_path / "d.jsonl", rows)), format="instruction")
     seen: dict[int, list[tuple[int, int]]] = {0: [], 1: [], 2: []}
     for workers in (0, 1, 2):  # 0: the generic path, ids as Python ints from encode()
         tokenizer = ListBytes() if workers == 0 else ByteTokenizer()
-        prepare_documents(source, tokenizer, tmp_path / f"out{workers}", validation=0.1,
-                          seed=5, workers=max(workers, 1),
-                          progress=lambda d, t, w=workers: seen[w].append((d, t)))  # fmt: skip
+        prepare_documents(
+            source,
+            tokenizer,
+            tmp_path / f"out{workers}",
+            validation=0.1,
+            seed=5,
+            workers=max(workers, 1),
+            progress=lambda d, t, w=workers: seen[w].append((d, t)),
+        )
     for split in ("train", "validation"):
         for name in ("tokens.bin", "loss_mask.bin", "tokens.json"):
             zero, one, two = (tmp_path / f"out{w}" / split / name for w in (0, 1, 2))

@@ -69,30 +69,57 @@ ZERO3_OFFLOAD = json.loads("""
 ZERO3 = copy.deepcopy(ZERO3_OFFLOAD)
 ZERO3["zero_optimization"]["offload_optimizer"] = {"device": "none"}
 ZERO3["zero_optimization"]["offload_param"] = {"device": "none"}
-ZERO3.update({
-    "bf16": {"enabled": True}, "fp16": {"enabled": False}, "gradient_accumulation_steps": 2,
-    "gradient_clipping": 1.0, "train_batch_size": 8,
-    "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8,
-                                              "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupCosineLR",
-                  "params": {"warmup_min_ratio": 0, "warmup_num_steps": 2,
-                             "total_num_steps": 6, "cos_min_ratio": 0.1}},
-})  # fmt: skip
+ZERO3.update(
+    {
+        "bf16": {"enabled": True},
+        "fp16": {"enabled": False},
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 1.0,
+        "train_batch_size": 8,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+        },
+        "scheduler": {
+            "type": "WarmupCosineLR",
+            "params": {
+                "warmup_min_ratio": 0,
+                "warmup_num_steps": 2,
+                "total_num_steps": 6,
+                "cos_min_ratio": 0.1,
+            },
+        },
+    }
+)
 
 
 @pytest.mark.parametrize(
     ("config", "expected"),
     [
         (ZERO2, {"parallel.zero": 2, "parallel.offload_optimizer": True}),
-        (ZERO3_OFFLOAD, {"parallel.zero": 3, "parallel.offload_optimizer": True,
-                         "parallel.offload": True}),
-        (ZERO3, {"parallel.zero": 3, "parallel.precision": "bf16", "parallel.microbatches": 2,
-                 "train.batch_size": 8, "train.max_norm": 1.0, "train.optimizer": "adamw",
-                 "train.lr": 3e-3, "train.betas": [0.9, 0.95], "train.weight_decay": 0.1,
-                 "train.warmup_steps": 2, "train.steps": 6}),
+        (
+            ZERO3_OFFLOAD,
+            {"parallel.zero": 3, "parallel.offload_optimizer": True, "parallel.offload": True},
+        ),
+        (
+            ZERO3,
+            {
+                "parallel.zero": 3,
+                "parallel.precision": "bf16",
+                "parallel.microbatches": 2,
+                "train.batch_size": 8,
+                "train.max_norm": 1.0,
+                "train.optimizer": "adamw",
+                "train.lr": 3e-3,
+                "train.betas": [0.9, 0.95],
+                "train.weight_decay": 0.1,
+                "train.warmup_steps": 2,
+                "train.steps": 6,
+            },
+        ),
     ],
     ids=["zero2", "zero3-offload", "zero3"],
-)  # fmt: skip
+)
 def test_the_example_configs_translate_key_by_key(
     tmp_path: Path, config: dict, expected: dict
 ) -> None:
@@ -116,19 +143,31 @@ def test_the_example_configs_translate_key_by_key(
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-         "zero_optimization.offload_param.device"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
+            "zero_optimization.offload_param.device",
+        ),
         ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.type"),
-        ({"fp16": {"enabled": True, "consecutive_hysteresis": True}},
-         "fp16.consecutive_hysteresis"),
+        (
+            {"fp16": {"enabled": True, "consecutive_hysteresis": True}},
+            "fp16.consecutive_hysteresis",
+        ),
         ({"fp16": {"enabled": True, "initial_scale_power": 16.5}}, "fp16.initial_scale_power"),
-        ({"activation_checkpointing": {"partition_activations": True}},
-         "activation_checkpointing.partition_activations"),
+        (
+            {"activation_checkpointing": {"partition_activations": True}},
+            "activation_checkpointing.partition_activations",
+        ),
         ({"optimizer": {"type": "Lamb", "params": {}}}, "optimizer.type"),
     ],
-    ids=["nvme", "linear-decay", "consecutive-hysteresis", "scale-power", "unknown-section",
-         "optimizer"],
-)  # fmt: skip
+    ids=[
+        "nvme",
+        "linear-decay",
+        "consecutive-hysteresis",
+        "scale-power",
+        "unknown-section",
+        "optimizer",
+    ],
+)
 def test_unmappable_keys_are_refused_by_name_with_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, named: str
 ) -> None:
@@ -146,13 +185,17 @@ def test_the_fp16_loss_scaler_settings_become_recipe_keys(tmp_path: Path) -> Non
     """The ZeRO-2 example's scaler (window 1000, hysteresis 2, floor 1, 2**16) and a static
     scale reach the recipe's [train] keys; with fp16 off they are listed as inactive."""
     translation = translate_deepspeed(ZERO2)
-    assert {"train.loss_scale_window": 1000, "train.loss_scale_hysteresis": 2,
-            "train.min_loss_scale": 1.0, "train.initial_loss_scale": 65536.0}.items() \
-        <= translation.settings.items()  # fmt: skip
+    assert {
+        "train.loss_scale_window": 1000,
+        "train.loss_scale_hysteresis": 2,
+        "train.min_loss_scale": 1.0,
+        "train.initial_loss_scale": 65536.0,
+    }.items() <= translation.settings.items()
     assert "train.loss_scale" not in translation.settings  # 0: dynamic, the default
     path, out = tmp_path / "ds.json", tmp_path / "recipe.toml"
-    path.write_text(json.dumps({"fp16": {"enabled": True, "loss_scale": 128,
-                                         "initial_scale_power": 12}}))  # fmt: skip
+    path.write_text(
+        json.dumps({"fp16": {"enabled": True, "loss_scale": 128, "initial_scale_power": 12}})
+    )
     assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 0
     train = load_recipe(str(out)).train
     assert (train.loss_scale, train.initial_loss_scale) == (128.0, 4096.0)
@@ -201,7 +244,13 @@ def test_a_refusal_comes_before_torch_is_imported(tmp_path: Path) -> None:
         f"code = main(['recipe', 'from-deepspeed', {str(path)!r}, '--out', 'x.toml'])\n"
         "print(code, 'torch' in sys.modules)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=True, cwd=tmp_path)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=tmp_path,
+    )
     assert done.stdout.split() == ["2", "False"]
     assert "optimizer.type" in done.stderr

@@ -23,12 +23,21 @@ STEPS = 4
 
 def _overrides(root: Path, data: Path, run: str) -> list[str]:
     return [
-        f"train.steps={STEPS}", "train.warmup_steps=1", "train.seq_len=32",
-        "train.batch_size=4", "mesh.tp=1",  # dp = 2 on 2 ranks: the reduction matters
-        "data.source=jsonl", f"data.path={data}", "data.format=instruction",
-        "data.validation=0.2", "eval.every=2", "eval.batches=2",
-        f"logging.run_dir={root / run}", "logging.console=false", "logging.wandb=disabled",
-    ]  # fmt: skip
+        f"train.steps={STEPS}",
+        "train.warmup_steps=1",
+        "train.seq_len=32",
+        "train.batch_size=4",
+        "mesh.tp=1",  # dp = 2 on 2 ranks: the reduction matters
+        "data.source=jsonl",
+        f"data.path={data}",
+        "data.format=instruction",
+        "data.validation=0.2",
+        "eval.every=2",
+        "eval.batches=2",
+        f"logging.run_dir={root / run}",
+        "logging.console=false",
+        "logging.wandb=disabled",
+    ]
 
 
 def run_recipe(overrides: list[str], planted: bool, stop_after: int | None = None) -> dict:
@@ -54,8 +63,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
 
 
 def _val_losses(run_dir: Path) -> dict[int, float]:
-    return {row["step"]: row["val_loss"] for row in read_jsonl(run_dir / "metrics.jsonl")
-            if "val_loss" in row}  # fmt: skip
+    return {
+        row["step"]: row["val_loss"]
+        for row in read_jsonl(run_dir / "metrics.jsonl")
+        if "val_loss" in row
+    }
 
 
 def test_eval_on_the_plan_matches_one_device_on_the_checkpoint(
@@ -96,8 +108,21 @@ def test_eval_and_generate_commands_read_the_run(
     assert main(["eval", str(root / "run"), "--batches", "2"]) == 0
     assert f"step {STEPS} | val_loss" in capsys.readouterr().out
     prompt = "Q7: 7+7="
-    assert main(["generate", str(root / "run"), "--prompt", prompt, "--max-new-tokens", "5",
-                 "--temperature", "0"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                str(root / "run"),
+                "--prompt",
+                prompt,
+                "--max-new-tokens",
+                "5",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     greedy = generate(load_run(root / "run"), prompt, max_new_tokens=5, temperature=0)
     assert printed == prompt + greedy + "\n"  # greedy: the same continuation each time
@@ -115,8 +140,7 @@ def test_an_export_carries_the_tokenizer_transformers_generates_with(
     prompt = "Q12: 12+12="
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     assert ids[0].tolist() == list(prompt.encode())  # the byte tokenizer's ids exactly
-    output = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=0,
-                            pad_token_id=0)  # fmt: skip
+    output = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=0, pad_token_id=0)
     ours = generate(load_run(root / "run"), prompt, max_new_tokens=6, temperature=0)
     assert tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True) == ours
 

@@ -57,14 +57,23 @@ def test_traced_moe_activations_equal_one_devices_plus_the_dispatch_buffers(buil
         assert 0.88 * real <= traced - dispatch <= 1.02 * real, (block.fqn, traced, dispatch, real)
         assert 1.1 * real <= traced <= 1.35 * real
     # the trace leaves no fake tensor on the model (routers' counts, the last balance loss)
-    assert not any(isinstance(v, torch._subclasses.FakeTensor)
-                   for m in model.modules() for v in vars(m).values())  # fmt: skip
+    assert not any(
+        isinstance(v, torch._subclasses.FakeTensor)
+        for m in model.modules()
+        for v in vars(m).values()
+    )
 
 
 def test_a_plan_of_meshtrain_moe_counts_its_activations() -> None:
     model = moe_models.meshtrain_moe()
-    plan = mt.plan(model, mt.make_mesh(dp=1), mt.Rules({".*": mt.P()}), batch_size=BATCH,
-                   seq_len=SEQ, activation_checkpointing="none")  # fmt: skip
+    plan = mt.plan(
+        model,
+        mt.make_mesh(dp=1),
+        mt.Rules({".*": mt.P()}),
+        batch_size=BATCH,
+        seq_len=SEQ,
+        activation_checkpointing="none",
+    )
     assert not any("activation memory not estimated" in note for note in plan.notes)
     measured = _measured_saved_bytes(
         model, _blocks(model), torch.zeros(BATCH, SEQ, dtype=torch.long)

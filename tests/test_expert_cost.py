@@ -121,7 +121,8 @@ def test_auto_chooses_expert_parallelism_when_only_it_fits() -> None:
     mesh = mt.make_mesh(dp=2, world_size=2, abstract=True)
     rules = default_rules(tp="tp", fsdp="dp", ep="ep")
     # 40 MiB: no dense plan fits (the layer's 64 experts gathered whole), ep 2 does (37.4 MiB)
-    plan = mt.plan(model, mesh, rules, global_batch=4, seq_len=32, strategy="auto",
-                   device_memory=40 * 2**20)  # fmt: skip
+    plan = mt.plan(
+        model, mesh, rules, global_batch=4, seq_len=32, strategy="auto", device_memory=40 * 2**20
+    )
     assert plan.mesh.shape == {"pp": 1, "dp": 1, "ep": 2, "tp": 1} and plan.expert_axis == "ep"
     assert plan.memory.total <= 40 * 2**20 and "ep 2" in plan.notes[0]

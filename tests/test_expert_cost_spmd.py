@@ -66,10 +66,17 @@ def measure(routing: str) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def predicted(routing: str, max_load: float | None = None) -> tuple[int, int]:
-    layer = ExpertLayer.swiglu("experts", num_experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN,
-                               inter=INTER)  # fmt: skip
-    rows = all_to_all_collectives([layer], axis="ep", ep=2, tokens=TOKENS, routing=routing,  # type: ignore[arg-type]
-                                  max_load=max_load)  # fmt: skip
+    layer = ExpertLayer.swiglu(
+        "experts", num_experts=EXPERTS, top_k=TOP_K, hidden=HIDDEN, inter=INTER
+    )
+    rows = all_to_all_collectives(
+        [layer],
+        axis="ep",
+        ep=2,
+        tokens=TOKENS,
+        routing=routing,  # type: ignore[arg-type]
+        max_load=max_load,
+    )
     return sum(c.count for c in rows), sum(c.bytes for c in rows)
 
 
@@ -98,8 +105,9 @@ def measure_moe_step() -> tuple[dict, dict, dict, tuple[int, int]]:
     with its own router; the counts and bytes measured, the plan's, and the worst case's."""
     model = build_moe(MoEConfig.debug(), seed=0)
     mesh = mt.make_mesh(dp=2, ep=2)
-    plan = mt.plan(model, mesh, default_rules(tp=None, fsdp="dp", ep="ep"), zero=3,
-                   batch_size=2, seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        model, mesh, default_rules(tp=None, fsdp="dp", ep="ep"), zero=3, batch_size=2, seq_len=8
+    )
     mt.apply(plan, model)
     tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -112,10 +120,15 @@ def measure_moe_step() -> tuple[dict, dict, dict, tuple[int, int]]:
     counter = CollectiveCounter(mesh)
     with counter:
         step()
-    worst = estimate_expert_collectives(plan.experts, plan.params, "ep", 2, plan.options,
-                                        routing="worst")  # fmt: skip
-    return (dict(counter.counts), dict(counter.bytes), plan.collective_totals(),
-            (sum(c.count for c in worst), sum(c.bytes for c in worst)))  # fmt: skip
+    worst = estimate_expert_collectives(
+        plan.experts, plan.params, "ep", 2, plan.options, routing="worst"
+    )
+    return (
+        dict(counter.counts),
+        dict(counter.bytes),
+        plan.collective_totals(),
+        (sum(c.count for c in worst), sum(c.bytes for c in worst)),
+    )
 
 
 def test_an_moe_step_on_dp2_ep2_meets_the_plan() -> None:

@@ -30,16 +30,28 @@ pytestmark = pytest.mark.spmd
 def test_qwen2_moe_with_a_shared_expert_trains_like_one_device_on_dp2_ep2() -> None:
     """FSDP2 over dp × ep for the dense weights and the shared expert, experts over ep and
     FSDP2 over dp: every gradient averaged over the 4 batch ranks."""
-    report = assert_equivalent(qwen2_moe, {"dp": 2, "ep": 2}, {"rules": ep_rules()},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        qwen2_moe,
+        {"dp": 2, "ep": 2},
+        {"rules": ep_rules()},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
 @pytest.mark.extended
 def test_qwen3_moe_trains_like_one_device_on_ep4() -> None:
     """8 experts, 2 per rank; FSDP2 over ep for the rest, no data axis."""
-    report = assert_equivalent(qwen3_moe, {"ep": 4}, {"rules": ep_rules(fsdp=())},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        qwen3_moe,
+        {"ep": 4},
+        {"rules": ep_rules(fsdp=())},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -47,11 +59,19 @@ def test_qwen3_moe_trains_like_one_device_on_ep4() -> None:
 def test_mixtral_trains_like_one_device_on_pp2_ep2_in_bf16() -> None:
     """A 1F1B pipeline whose stages dispatch their own layers' tokens over ep, with full
     activation checkpointing, in bf16."""
-    report = assert_equivalent(mixtral, {"pp": 2, "ep": 2},
-                               {"rules": ep_rules(fsdp=()), "precision": "bf16",
-                                "activation_checkpointing": "full",
-                                "pipeline": mt.Pipeline(axis="pp", microbatches=2)},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        mixtral,
+        {"pp": 2, "ep": 2},
+        {
+            "rules": ep_rules(fsdp=()),
+            "precision": "bf16",
+            "activation_checkpointing": "full",
+            "pipeline": mt.Pipeline(axis="pp", microbatches=2),
+        },
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed and report.contract.level == "approximate"
 
 
@@ -82,8 +102,9 @@ def plain_loop(name: str, steps: int) -> dict[str, float]:
     for group in plan.experts:
         reference.get_submodule(group.fqn).register_forward_hook(
             lambda module, args, _, fqn=group.fqn: routed.__setitem__(
-                fqn, torch.bincount(args[1].flatten(), minlength=module.num_experts))
-        )  # fmt: skip
+                fqn, torch.bincount(args[1].flatten(), minlength=module.num_experts)
+            )
+        )
     index, ranks = data_parallel_rank(plan)
     worst = {"loss": 0.0, "param": 0.0, "routing": 0.0}
     for step in range(steps):

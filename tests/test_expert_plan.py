@@ -34,7 +34,11 @@ def _mesh(**axes: int) -> mt.Mesh:
 def test_the_expert_axis_splits_experts_and_the_batch() -> None:
     plan = mt.plan(_meta(qwen3_moe), _mesh(dp=2, ep=2), ep_rules())
     assert (plan.expert_axis, plan.data_axes, plan.batch_axes, plan.tp_axis) == (
-        "ep", ("dp",), ("dp", "ep"), None)  # fmt: skip
+        "ep",
+        ("dp",),
+        ("dp", "ep"),
+        None,
+    )
     assert [g.fqn for g in plan.experts] == [EXPERTS, "model.layers.1.mlp.experts"]
     group = plan.experts[0]
     assert group == ExpertGroup(
@@ -60,8 +64,12 @@ def test_expert_axis_alone_is_the_whole_batch_split() -> None:
 
 
 def test_a_pipeline_keeps_each_stage_s_experts_expert_parallel() -> None:
-    plan = mt.plan(_meta(qwen3_moe), _mesh(pp=2, ep=2), ep_rules(fsdp=()),
-                   pipeline=mt.Pipeline(axis="pp", microbatches=2))  # fmt: skip
+    plan = mt.plan(
+        _meta(qwen3_moe),
+        _mesh(pp=2, ep=2),
+        ep_rules(fsdp=()),
+        pipeline=mt.Pipeline(axis="pp", microbatches=2),
+    )
     assert plan.expert_axis == "ep" and plan.batch_axes == ("ep",)
     stages = {fqn for stage in plan.pipeline.stages for fqn in stage.params if "experts" in fqn}
     assert stages == {fqn for group in plan.experts for fqn in group.params}
@@ -129,19 +137,45 @@ RULES = {r".*experts\..*": mt.P("ep", None, None), ".*": mt.P()}
     ("model", "mesh", "rules", "options", "names"),
     [
         (_Tiny(_Experts(6)), {"ep": 4}, RULES, {}, ["layers.0.experts.gate_up_proj", "ep=4"]),
-        (_Tiny(_Experts()), {"ep": 2}, {"proj.weight": mt.P("ep", None), **RULES}, {},
-         ["'proj.weight'", "not an experts module"]),
-        (_Tiny(_Experts()), {"ep": 2, "tp": 2}, {r".*experts\..*": mt.P("ep", "tp", None), ".*": mt.P()},
-         {}, ["layers.0.experts.down_proj", "splits dim 2 alone", "P(e, None, 'tp')"]),
-        (_Tiny(_Experts()), {"ep": 2}, {r".*gate_up_proj": mt.P("ep", None, None), ".*": mt.P()},
-         {}, ["down_proj", "split alike"]),
-        (_Tiny(_OddForward()), {"ep": 2}, RULES, {}, ["layers.0.experts", "_OddForward", "forward"]),
-        (_Tiny(_Experts()), {"ep": 2}, RULES, {"compile": {"fullgraph": True}},
-         ["fullgraph=True", "'fullgraph': False"]),
+        (
+            _Tiny(_Experts()),
+            {"ep": 2},
+            {"proj.weight": mt.P("ep", None), **RULES},
+            {},
+            ["'proj.weight'", "not an experts module"],
+        ),
+        (
+            _Tiny(_Experts()),
+            {"ep": 2, "tp": 2},
+            {r".*experts\..*": mt.P("ep", "tp", None), ".*": mt.P()},
+            {},
+            ["layers.0.experts.down_proj", "splits dim 2 alone", "P(e, None, 'tp')"],
+        ),
+        (
+            _Tiny(_Experts()),
+            {"ep": 2},
+            {r".*gate_up_proj": mt.P("ep", None, None), ".*": mt.P()},
+            {},
+            ["down_proj", "split alike"],
+        ),
+        (
+            _Tiny(_OddForward()),
+            {"ep": 2},
+            RULES,
+            {},
+            ["layers.0.experts", "_OddForward", "forward"],
+        ),
+        (
+            _Tiny(_Experts()),
+            {"ep": 2},
+            RULES,
+            {"compile": {"fullgraph": True}},
+            ["fullgraph=True", "'fullgraph': False"],
+        ),
         (_Tiny(_Experts()), {"ep": 2}, RULES, {"zero": 0}, ["zero=0"]),
     ],
     ids=["uneven", "non-experts", "tp-inside", "half-split", "forward", "fullgraph", "zero0"],
-)  # fmt: skip
+)
 def test_what_cannot_lower_is_refused_while_planning(model, mesh, rules, options, names) -> None:  # type: ignore[no-untyped-def]
     fsdp = options.pop("fsdp", ())
     with pytest.raises(MeshtrainError) as refusal:  # PlanError; SpecError for an uneven split

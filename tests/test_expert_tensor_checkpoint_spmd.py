@@ -27,10 +27,12 @@ MESHES: dict[str, tuple[dict[str, int], dict[str, Any]]] = {
     "dp2-tp2-inside": ({"dp": 2, "tp": 2}, {"tp": "tp", "fsdp": "dp", "expert_tp": True}),
     "ep2-tp2-inside": ({"ep": 2, "tp": 2}, {"tp": "tp", "fsdp": (), "ep": "ep", "expert_tp": True}),
     "dp4": ({"dp": 4}, {"tp": None, "fsdp": "dp"}),
-    "dp2-ep2-tp2-inside": ({"dp": 2, "ep": 2, "tp": 2},
-                           {"tp": "tp", "fsdp": "dp", "ep": "ep", "expert_tp": True}),
+    "dp2-ep2-tp2-inside": (
+        {"dp": 2, "ep": 2, "tp": 2},
+        {"tp": "tp", "fsdp": "dp", "ep": "ep", "expert_tp": True},
+    ),
     "dp8": ({"dp": 8}, {"tp": None, "fsdp": "dp"}),
-}  # fmt: skip
+}
 
 
 def _trained(name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -76,9 +78,13 @@ def save_and_resume(directory: str, saved_on: str, loaded_on: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("saved_on", "loaded_on"),
-    [("dp2-tp2-inside", "dp2-tp2-inside"), ("dp2-tp2-inside", "ep2-tp2-inside"),
-     ("dp2-tp2-inside", "dp4"), ("dp4", "ep2-tp2-inside")],
-)  # fmt: skip
+    [
+        ("dp2-tp2-inside", "dp2-tp2-inside"),
+        ("dp2-tp2-inside", "ep2-tp2-inside"),
+        ("dp2-tp2-inside", "dp4"),
+        ("dp4", "ep2-tp2-inside"),
+    ],
+)
 def test_checkpoint_of_experts_split_inside_reshards_exactly(
     tmp_path: Path, saved_on: str, loaded_on: str
 ) -> None:
@@ -92,6 +98,7 @@ def test_a_checkpoint_of_fsdp_experts_and_tensor_parallel_experts_reshards_exact
 ) -> None:
     """8 ranks: the packed weight FSDP-sharded over dp, split over ep and inside over tp, saved
     and loaded on dp 8 (one whole copy of each expert's gate and up rows per 8 ranks)."""
-    differing = get_pool(8).run(save_and_resume, str(tmp_path / "ckpt"), "dp2-ep2-tp2-inside",
-                                "dp8")  # fmt: skip
+    differing = get_pool(8).run(
+        save_and_resume, str(tmp_path / "ckpt"), "dp2-ep2-tp2-inside", "dp8"
+    )
     assert differing == [[]] * 8

@@ -28,8 +28,9 @@ def _inside(plan: mt.Plan) -> list[str]:
 
 
 def _check(factory, mesh: dict[str, int], rules: mt.Rules) -> None:  # type: ignore[no-untyped-def]
-    report = assert_equivalent(factory, mesh, {"rules": rules}, batches=token_batches, steps=2,
-                               optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        factory, mesh, {"rules": rules}, batches=token_batches, steps=2, optimizer="adamw"
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
 
@@ -74,10 +75,14 @@ def test_mixtral_experts_split_inside_over_ep2_tp2_in_bf16_with_checkpointing() 
     axes) with full activation checkpointing: the recomputed dispatch all-reduces over tp
     again."""
     rules = mt.Rules.from_hf(mixtral(), fsdp="dp", tp="tp", ep="ep")
-    report = assert_equivalent(mixtral, {"dp": 1, "ep": 2, "tp": 2},
-                               {"rules": rules, "precision": "bf16",
-                                "activation_checkpointing": "full"},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        mixtral,
+        {"dp": 1, "ep": 2, "tp": 2},
+        {"rules": rules, "precision": "bf16", "activation_checkpointing": "full"},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
 
@@ -88,7 +93,13 @@ def test_mixtral_experts_split_inside_in_a_pipeline_on_pp2_tp2() -> None:
     pipeline = mt.Pipeline("pp", "1F1B", microbatches=2)
     plan = mt.plan(mixtral(), _abstract(pp=2, tp=2), rules, pipeline=pipeline)
     assert _inside(plan) == [f"model.layers.{i}.mlp.experts" for i in range(2)]
-    report = assert_equivalent(mixtral, {"pp": 2, "tp": 2}, {"rules": rules, "pipeline": pipeline},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        mixtral,
+        {"pp": 2, "tp": 2},
+        {"rules": rules, "pipeline": pipeline},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")

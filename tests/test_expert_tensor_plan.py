@@ -16,8 +16,11 @@ import meshtrain as mt
 from meshtrain.errors import MeshtrainError
 from meshtrain.plan.ir import TPStyle
 
-INSIDE = {r".*gate_up_proj": mt.P(None, "tp", None), r".*down_proj": mt.P(None, None, "tp"),
-          ".*": mt.P()}  # fmt: skip
+INSIDE = {
+    r".*gate_up_proj": mt.P(None, "tp", None),
+    r".*down_proj": mt.P(None, None, "tp"),
+    ".*": mt.P(),
+}
 
 
 class _Experts(nn.Module):
@@ -54,8 +57,13 @@ def _mesh(**axes: int) -> mt.Mesh:
 def test_the_split_is_a_style_with_halved_local_weights_and_its_collectives() -> None:
     with torch.device("meta"):
         model = qwen3_moe()
-    plan = mt.plan(model, _mesh(dp=2, tp=2), mt.Rules.from_hf(model, fsdp="dp", tp="tp"),
-                   batch_size=8, seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        model,
+        _mesh(dp=2, tp=2),
+        mt.Rules.from_hf(model, fsdp="dp", tp="tp"),
+        batch_size=8,
+        seq_len=8,
+    )
     styles = {s.fqn: s for s in plan.styles}
     assert styles["model.layers.0.mlp.experts"].style == TPStyle.EXPERTS_TENSOR_PARALLEL
     layouts = {p.fqn: p for p in plan.params}
@@ -83,13 +91,19 @@ def test_beside_expert_parallelism_the_group_says_it_is_split_inside() -> None:
     [
         (_Experts(bias=True), INSIDE, ["experts.down_proj_bias", "no biases"]),
         (_Experts(inter=3), INSIDE, ["experts.down_proj", "not divisible by tp=2"]),
-        (_Experts(), {r".*gate_up_proj": mt.P(None, None, "tp"), ".*": mt.P()},
-         ["experts.gate_up_proj", "splits dim 1 alone"]),
-        (_Experts(), {r".*gate_up_proj": mt.P(None, "tp", None), ".*": mt.P()},
-         ["experts.down_proj", "splits dim 2 alone"]),
+        (
+            _Experts(),
+            {r".*gate_up_proj": mt.P(None, None, "tp"), ".*": mt.P()},
+            ["experts.gate_up_proj", "splits dim 1 alone"],
+        ),
+        (
+            _Experts(),
+            {r".*gate_up_proj": mt.P(None, "tp", None), ".*": mt.P()},
+            ["experts.down_proj", "splits dim 2 alone"],
+        ),
     ],
     ids=["bias", "uneven", "wrong-dim", "unpaired"],
-)  # fmt: skip
+)
 def test_other_splits_inside_the_experts_are_refused(experts, rules, names) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(MeshtrainError) as refusal:  # SpecError for the uneven split
         mt.plan(_Block(experts), _mesh(tp=2), mt.Rules(rules))
@@ -99,14 +113,25 @@ def test_other_splits_inside_the_experts_are_refused(experts, rules, names) -> N
 
 @settings(deadline=None)
 @given(
-    dp=st.sampled_from([1, 2]), ep=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4]),
-    experts=st.sampled_from([4, 6, 8]), inter=st.sampled_from([8, 12, 16, 24]),
-    sequence_parallel=st.booleans(), expert_tp=st.booleans(), shared=st.sampled_from([0, 1]),
-)  # fmt: skip
+    dp=st.sampled_from([1, 2]),
+    ep=st.sampled_from([1, 2, 4]),
+    tp=st.sampled_from([1, 2, 4]),
+    experts=st.sampled_from([4, 6, 8]),
+    inter=st.sampled_from([8, 12, 16, 24]),
+    sequence_parallel=st.booleans(),
+    expert_tp=st.booleans(),
+    shared=st.sampled_from([0, 1]),
+)
 def test_moe_plans_split_the_experts_as_their_specs_say_or_refuse_with_the_reason(
-    dp: int, ep: int, tp: int, experts: int, inter: int, sequence_parallel: bool,
-    expert_tp: bool, shared: int,
-) -> None:  # fmt: skip
+    dp: int,
+    ep: int,
+    tp: int,
+    experts: int,
+    inter: int,
+    sequence_parallel: bool,
+    expert_tp: bool,
+    shared: int,
+) -> None:
     """Any MoE on any dp × ep × tp mesh, with or without sequence parallelism and a split inside
     the experts: the plan's expert weights are split exactly over ep (dim 0) and, inside, over tp
     (dims 1 and 2), each MoE block runs whole under sequence parallelism and nothing else does;
@@ -115,16 +140,25 @@ def test_moe_plans_split_the_experts_as_their_specs_say_or_refuse_with_the_reaso
     from meshtrain.models.moe import MoEConfig, build_moe
     from meshtrain.models.moe import default_rules as moe_rules
 
-    config = MoEConfig.debug(n_experts=experts, moe_inter=inter, n_shared_experts=shared,
-                             top_k=2, n_kv_heads=4)  # fmt: skip
+    config = MoEConfig.debug(
+        n_experts=experts, moe_inter=inter, n_shared_experts=shared, top_k=2, n_kv_heads=4
+    )
     with torch.device("meta"):
         model = build_moe(config)
     axes = {"dp": dp, "ep": ep, "tp": tp}
-    rules = moe_rules(tp="tp", fsdp="dp", ep="ep", sequence_parallel=sequence_parallel and tp > 1,
-                      expert_tp=expert_tp)  # fmt: skip
+    rules = moe_rules(
+        tp="tp",
+        fsdp="dp",
+        ep="ep",
+        sequence_parallel=sequence_parallel and tp > 1,
+        expert_tp=expert_tp,
+    )
     splits_inside = expert_tp and tp > 1
-    reasons = [experts % ep != 0, splits_inside and inter % tp != 0,
-               shared and (shared * inter) % tp != 0]  # fmt: skip
+    reasons = [
+        experts % ep != 0,
+        splits_inside and inter % tp != 0,
+        shared and (shared * inter) % tp != 0,
+    ]
     try:
         plan = mt.plan(model, _mesh(**axes), rules, seq_len=16, batch_size=dp * ep * 2)
     except MeshtrainError as refusal:

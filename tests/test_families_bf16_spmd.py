@@ -32,9 +32,13 @@ REPLICATED = mt.Rules({r".*": mt.P()}, fsdp="dp")
 def test_family_trains_like_one_device_in_bf16(family: str, checkpointing: str | None) -> None:
     options = {"rules": REPLICATED, "precision": "bf16", "activation_checkpointing": checkpointing}
     report = assert_equivalent(
-        families.FAMILIES[family], DP4, options, batches=families.token_batches, steps=2,
+        families.FAMILIES[family],
+        DP4,
+        options,
+        batches=families.token_batches,
+        steps=2,
         optimizer="adamw",
-    )  # fmt: skip
+    )
     assert report.passed, report.format()
 
 
@@ -45,8 +49,14 @@ BF16 = {"rules": REPLICATED, "precision": "bf16"}
 def test_planted_faults_still_fail_in_bf16() -> None:
     # a gradient reduction that divides twice
     with pytest.raises(mt.EquivalenceError, match="first divergence: step 1"):
-        assert_equivalent(families.opt, DP4, {**BF16, "grad_reduction": "sum"}, steps=1,
-                          batches=families.token_batches, rank_context=gradients_averaged_twice)  # fmt: skip
+        assert_equivalent(
+            families.opt,
+            DP4,
+            {**BF16, "grad_reduction": "sum"},
+            steps=1,
+            batches=families.token_batches,
+            rank_context=gradients_averaged_twice,
+        )
     # dropout drawn differently on each rank
     with pytest.raises(mt.EquivalenceError, match="dropout"):
         assert_equivalent(zoo.gpt2_with_dropout, DP4, BF16, steps=1)

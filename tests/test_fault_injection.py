@@ -154,9 +154,14 @@ def test_a_token_id_outside_the_vocabulary_stops_every_plan_naming_the_file(
     meta["sha256"] = hashlib.sha256(data).hexdigest()
     (tokens / "tokens.json").write_text(json.dumps(meta))
     overrides = _overrides(
-        tmp_path / "run", tokens, "data.source=tokens", "data.shuffle=false",
-        "logging.wandb=disabled", "logging.console=false", *mesh,
-    )  # fmt: skip
+        tmp_path / "run",
+        tokens,
+        "data.source=tokens",
+        "data.shuffle=false",
+        "logging.wandb=disabled",
+        "logging.console=false",
+        *mesh,
+    )
     messages = get_pool(2).run(train_until_a_data_error, overrides)
     assert messages[0] == messages[1], messages
     assert messages[0].startswith(f"{tokens / 'tokens.bin'}: token id 60000 at row 0, column 0")
@@ -349,9 +354,16 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
 
     ruined = Job(
         tmp_path,
-        ["--max-restarts", "1", "--allow-change", "train.lr", "--allow-change", "train.min_lr",
-         *_sets([*good, "train.lr=1e6", "train.min_lr=0"])],
-    )  # fmt: skip
+        [
+            "--max-restarts",
+            "1",
+            "--allow-change",
+            "train.lr",
+            "--allow-change",
+            "train.min_lr",
+            *_sets([*good, "train.lr=1e6", "train.min_lr=0"]),
+        ],
+    )
     assert ruined.finish() == 2, ruined.output
     errors = [line for line in ruined.lines if "TrainingError" in line]
     assert len(errors) == 1 and errors[0].startswith("[ranks 0, 1] TrainingError: step "), errors
@@ -379,9 +391,13 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     running."""
     run_dir = tmp_path / "run"
     overrides = _overrides(
-        run_dir, corpus, "train.steps=100000", "checkpoint.interval=2",
-        "logging.wandb=disabled", "train.heartbeat_timeout=15",
-    )  # fmt: skip
+        run_dir,
+        corpus,
+        "train.steps=100000",
+        "checkpoint.interval=2",
+        "logging.wandb=disabled",
+        "train.heartbeat_timeout=15",
+    )
     job = Job(tmp_path, _sets(overrides))
     job.wait_for(r"^step 1/100000 ")
     rank1 = job.rank_pid(1)
@@ -390,8 +406,11 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     stopped_at = time.monotonic()
     assert job.finish(timeout=180) == 124, job.output
     detected_s = time.monotonic() - stopped_at
-    found = re.search(r"meshtrain: rank 1 stopped making progress after step (\d+): no heartbeat "
-                      r"for (\d+) s .*its process is stopped by a signal", job.output)  # fmt: skip
+    found = re.search(
+        r"meshtrain: rank 1 stopped making progress after step (\d+): no heartbeat "
+        r"for (\d+) s .*its process is stopped by a signal",
+        job.output,
+    )
     assert found is not None, job.output
     assert 15 <= detected_s < 60, detected_s
     assert int(found.group(1)) >= 3  # the step it reached (its last heartbeat)
@@ -461,9 +480,13 @@ def test_a_token_file_truncated_under_the_running_job_is_named(
     shutil.copytree(corpus, tokens)
     run_dir = tmp_path / "run"
     overrides = _overrides(
-        run_dir, tokens, "data.source=tokens", "train.steps=100000", "checkpoint.interval=2",
+        run_dir,
+        tokens,
+        "data.source=tokens",
+        "train.steps=100000",
+        "checkpoint.interval=2",
         "logging.wandb=disabled",
-    )  # fmt: skip
+    )
     job = Job(tmp_path, _sets(overrides))
     job.wait_for(r"^step 3/100000 ")
     with open(tokens / "tokens.bin", "r+b") as handle:

@@ -29,8 +29,9 @@ main(["train", "debug", "--nproc", "2"])
 
 
 def test_the_first_line_comes_before_torch_is_imported() -> None:
-    out = subprocess.run([sys.executable, "-c", _FIRST_LINE], capture_output=True, text=True,
-                         timeout=120, check=True).stdout.splitlines()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _FIRST_LINE], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.splitlines()
     assert out[0].startswith("meshtrain train debug: 2 ranks, mesh {dp=-1, tp=2}, zero 3")
     assert out[1] == "torch imported: False"
 
@@ -41,8 +42,16 @@ def test_nothing_to_train_is_decided_in_the_launcher(
     run_dir = tmp_path / "run"
     params = {"w": torch.nn.Parameter(torch.zeros(2))}
     Checkpointer(CheckpointConfig(run_dir / "checkpoints")).save(4, params, None, {"step": 4})
-    sets = ["--set", f"logging.run_dir={run_dir}", "--set", "train.steps=4",
-            "--set", "train.warmup_steps=1", "--set", "data.source=synthetic"]  # fmt: skip
+    sets = [
+        "--set",
+        f"logging.run_dir={run_dir}",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "train.warmup_steps=1",
+        "--set",
+        "data.source=synthetic",
+    ]
     with mock.patch("meshtrain.launch.run_agent", side_effect=AssertionError("a rank started")):
         assert main(["train", "debug", "--nproc", "2", *sets]) == 0
     assert "already at step 4 of 4; nothing to train" in capsys.readouterr().out
@@ -68,7 +77,12 @@ def test_export_reports_its_progress_to_the_last_byte(tmp_path: Path) -> None:
     params = {f"layer{i}.weight": torch.nn.Parameter(torch.ones(64, 64)) for i in range(3)}
     saved = Checkpointer(CheckpointConfig(tmp_path / "ckpt")).save(1, params, None, {"step": 1})
     calls: list[tuple[int, int]] = []
-    export_hf(saved, tmp_path / "out", config={}, max_shard_size=64 * 64 * 4,
-              progress=lambda done, total: calls.append((done, total)))  # fmt: skip
+    export_hf(
+        saved,
+        tmp_path / "out",
+        config={},
+        max_shard_size=64 * 64 * 4,
+        progress=lambda done, total: calls.append((done, total)),
+    )
     assert [done for done, _ in calls] == [64 * 64 * 4 * k for k in (1, 2, 3)]
     assert {total for _, total in calls} == {3 * 64 * 64 * 4}

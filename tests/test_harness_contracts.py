@@ -113,18 +113,32 @@ optimizers = st.sampled_from(
     vectors,
 )
 @example(  # found by the long profile: exp_avg's terms cancel (0.9·0.1 against 0.1·(-1))
-    (torch.optim.Adam, {"lr": 1e-3}), torch.tensor([0.5, 0.0, 0.0, 0.0]),
-    torch.tensor([0.0, 0.0, -1.0, 0.0]), 0.0009169139084406197, -1.0, False,
+    (torch.optim.Adam, {"lr": 1e-3}),
+    torch.tensor([0.5, 0.0, 0.0, 0.0]),
+    torch.tensor([0.0, 0.0, -1.0, 0.0]),
+    0.0009169139084406197,
+    -1.0,
+    False,
     torch.tensor([0.0, 0.0, 1.0, 0.0]),
-)  # fmt: skip
+)
 @example(  # found by the long profile: a subnormal gradient difference (float32 underflow)
     (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
-    torch.zeros(4), torch.zeros(4), 1.8210860499863144e-43, 0.7109375, False, torch.zeros(4),
-)  # fmt: skip
+    torch.zeros(4),
+    torch.zeros(4),
+    1.8210860499863144e-43,
+    0.7109375,
+    False,
+    torch.zeros(4),
+)
 @example(  # found by the long profile: Adam's lr/bc1 · m is subnormal, its rounding then ÷ eps
-    (torch.optim.Adam, {"lr": 1e-3}), torch.zeros(4), torch.tensor([0.0, 0.0, 0.0, 2.0**-126]),
-    2.0**-126, -0.5, True, torch.tensor([0.8054, 0.0, 0.0, 0.0]),
-)  # fmt: skip
+    (torch.optim.Adam, {"lr": 1e-3}),
+    torch.zeros(4),
+    torch.tensor([0.0, 0.0, 0.0, 2.0**-126]),
+    2.0**-126,
+    -0.5,
+    True,
+    torch.tensor([0.8054, 0.0, 0.0, 0.0]),
+)
 def test_update_bounds_hold_for_torch_optimizers(
     optimizer: tuple[type, dict],
     param: torch.Tensor,

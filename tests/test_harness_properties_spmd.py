@@ -61,23 +61,53 @@ def test_every_drawn_plan_trains_like_one_device_or_is_refused(world: int) -> No
 
 LLAMA_RULES = RuleSet(default_rules(), (), False, label="llama default rules")
 Q_AND_O_ONLY = RuleSet(
-    Rules({r"layers\.0\.attention\.wq\.weight": P("tp"),
-           r"layers\.0\.attention\.wo\.weight": P(None, "tp"), r".*": P()}, fsdp="dp"),
-    (("layers.0.attention.wq", "colwise"), ("layers.0.attention.wo", "rowwise")), False,
-)  # fmt: skip
+    Rules(
+        {
+            r"layers\.0\.attention\.wq\.weight": P("tp"),
+            r"layers\.0\.attention\.wo\.weight": P(None, "tp"),
+            r".*": P(),
+        },
+        fsdp="dp",
+    ),
+    (("layers.0.attention.wq", "colwise"), ("layers.0.attention.wo", "rowwise")),
+    False,
+)
 #: plans the long profile found failing, and what must happen to each now
 FOUND = {
-    "q-sharded-kv-whole": (PlanCase((("dp", 2), ("tp", 2)), DebugLlama(1), Q_AND_O_ONLY, (), 4, 8),
-                           "refused"),
+    "q-sharded-kv-whole": (
+        PlanCase((("dp", 2), ("tp", 2)), DebugLlama(1), Q_AND_O_ONLY, (), 4, 8),
+        "refused",
+    ),
     "zero-bubble-selective-checkpointing": (
-        PlanCase((("pp", 2), ("dp", 2)), DebugLlama(4), LLAMA_RULES,
-                 (("pipeline", Pipeline("pp", "InterleavedZeroBubble", 4, 2)),
-                  ("activation_checkpointing", "selective")), 8, 8), "refused"),
+        PlanCase(
+            (("pp", 2), ("dp", 2)),
+            DebugLlama(4),
+            LLAMA_RULES,
+            (
+                ("pipeline", Pipeline("pp", "InterleavedZeroBubble", 4, 2)),
+                ("activation_checkpointing", "selective"),
+            ),
+            8,
+            8,
+        ),
+        "refused",
+    ),
     "compiled-vocab-parallel-batch-of-one": (
-        PlanCase((("dp", 1), ("tp", 2)), DebugLlama(4), LLAMA_RULES,
-                 (("zero", 0), ("activation_checkpointing", "selective"),
-                  ("compile", {"backend": "aot_eager"})), 1, 8), "trains"),
-}  # fmt: skip
+        PlanCase(
+            (("dp", 1), ("tp", 2)),
+            DebugLlama(4),
+            LLAMA_RULES,
+            (
+                ("zero", 0),
+                ("activation_checkpointing", "selective"),
+                ("compile", {"backend": "aot_eager"}),
+            ),
+            1,
+            8,
+        ),
+        "trains",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(FOUND))

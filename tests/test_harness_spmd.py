@@ -31,36 +31,57 @@ ONE_F_ONE_B = mt.Pipeline(schedule="1F1B", microbatches=2)
 CASES = {
     # name: (model, mesh, plan options, optimizer, contract level)
     "one-device-checkpointing-aot-eager": (
-        DebugLlama(2), {"dp": 1, "tp": 1},
-        {"activation_checkpointing": "full", "compile": {"backend": "aot_eager"}}, "adamw",
+        DebugLlama(2),
+        {"dp": 1, "tp": 1},
+        {"activation_checkpointing": "full", "compile": {"backend": "aot_eager"}},
+        "adamw",
         "bitwise",
     ),
     "pipeline-one-microbatch": (
-        DebugLlama(4), {"pp": 2, "dp": 1, "tp": 1}, {"pipeline": GPIPE_ONE}, "sgd", "bitwise",
+        DebugLlama(4),
+        {"pp": 2, "dp": 1, "tp": 1},
+        {"pipeline": GPIPE_ONE},
+        "sgd",
+        "bitwise",
     ),
     "fsdp-tp-adamw": (DebugLlama(2), {"dp": 2, "tp": 2}, {}, "adamw", "reduction-order"),
     "tp-sp-adam": (
-        DebugLlama(2), {"dp": 1, "tp": 2}, {"rules": default_rules(sequence_parallel=True)},
-        "adam", "reduction-order",
+        DebugLlama(2),
+        {"dp": 1, "tp": 2},
+        {"rules": default_rules(sequence_parallel=True)},
+        "adam",
+        "reduction-order",
     ),
     "hsdp-zero2-microbatches": (
-        DebugLlama(2), {"rep": 2, "dp": 2, "tp": 1},
-        {"rules": default_rules(fsdp=("rep", "dp")), "zero": 2, "microbatches": 2}, "sgd",
+        DebugLlama(2),
+        {"rep": 2, "dp": 2, "tp": 1},
+        {"rules": default_rules(fsdp=("rep", "dp")), "zero": 2, "microbatches": 2},
+        "sgd",
         "reduction-order",
     ),
     "pp-fsdp-1f1b": (
-        DebugLlama(4), {"pp": 2, "dp": 2, "tp": 1}, {"zero": 2, "pipeline": ONE_F_ONE_B},
-        "adamw", "reduction-order",
+        DebugLlama(4),
+        {"pp": 2, "dp": 2, "tp": 1},
+        {"zero": 2, "pipeline": ONE_F_ONE_B},
+        "adamw",
+        "reduction-order",
     ),
     "fsdp-inductor-selective": (
-        DebugLlama(2), {"dp": 2, "tp": 1},
-        {"compile": True, "activation_checkpointing": "selective"}, "adamw", "reduction-order",
+        DebugLlama(2),
+        {"dp": 2, "tp": 1},
+        {"compile": True, "activation_checkpointing": "selective"},
+        "adamw",
+        "reduction-order",
     ),
-    "bf16-fsdp": (DebugLlama(2), {"dp": 2, "tp": 1}, {"precision": "bf16"}, "adamw",
-                  "approximate"),
-    "fp16-fsdp-tp": (DebugLlama(2), {"dp": 2, "tp": 2}, {"precision": "fp16"}, "sgd",
-                     "approximate"),
-}  # fmt: skip
+    "bf16-fsdp": (DebugLlama(2), {"dp": 2, "tp": 1}, {"precision": "bf16"}, "adamw", "approximate"),
+    "fp16-fsdp-tp": (
+        DebugLlama(2),
+        {"dp": 2, "tp": 2},
+        {"precision": "fp16"},
+        "sgd",
+        "approximate",
+    ),
+}
 
 
 # inductor's generated code still calls torch.jit.script_method

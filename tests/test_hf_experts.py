@@ -154,8 +154,10 @@ def tensor_parallel_load(path: str) -> bool:
             mine = slice(rank * half, (rank + 1) * half)
             prefix = f"model.layers.{layer}.mlp.experts"
             for expert in range(hf_config.n_experts):
-                gate, up, whole_down = (stored.get_tensor(f"{prefix}.{expert}.{p}_proj.weight")
-                                        for p in ("gate", "up", "down"))  # fmt: skip
+                gate, up, whole_down = (
+                    stored.get_tensor(f"{prefix}.{expert}.{p}_proj.weight")
+                    for p in ("gate", "up", "down")
+                )
                 same &= torch.equal(gate_up[expert], torch.cat([gate[mine], up[mine]]))
                 same &= torch.equal(down[expert], whole_down[:, mine])
     return same

@@ -123,8 +123,9 @@ def test_overrides_may_shadow_the_generated_rules(family: str) -> None:
     import moe_models
 
     model = getattr(moe_models, family)()
-    rules = Rules.from_hf(model, tp="tp", fsdp="dp",
-                          overrides={r"model\.layers\.\d+\.mlp\..*": P()})  # fmt: skip
+    rules = Rules.from_hf(
+        model, tp="tp", fsdp="dp", overrides={r"model\.layers\.\d+\.mlp\..*": P()}
+    )
     plan = mt.plan(model, _mesh(), rules)
     specs = {p.fqn: p.spec for p in plan.params}
     assert {s for f, s in specs.items() if ".mlp." in f} == {P()}
@@ -190,7 +191,9 @@ def test_qwen3_sequence_parallelism_gathers_attention_input_once_beside_per_head
     styles = {s.fqn: s.style for s in plan.styles}
     assert styles["model.layers.0.self_attn"] == "prepare_input"
     assert [g.param for g in plan.partial_grads][:2] == [
-        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]  # fmt: skip
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+    ]
 
 
 def test_replicated_with_grad_allreduce_ends_in_the_plan_s_partial_gradients() -> None:

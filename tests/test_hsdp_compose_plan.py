@@ -34,20 +34,27 @@ def _moe(mesh: mt.Mesh, fsdp: tuple[str, ...]) -> Plan:
 
 
 def _llama(mesh: mt.Mesh, fsdp: tuple[str, ...]) -> Plan:
-    return mt.plan(build_llama(LlamaConfig.debug(), device="meta"), mesh, rules(fsdp),
-                   batch_size=1, seq_len=32)  # fmt: skip
+    return mt.plan(
+        build_llama(LlamaConfig.debug(), device="meta"), mesh, rules(fsdp), batch_size=1, seq_len=32
+    )
 
 
 def _rows(plan: Plan) -> dict[tuple[str, str], int]:
     """Payload bytes per (kind, axis) of the data-parallel collectives."""
-    return {key: payload for key, (_, payload) in plan.collective_totals().items()
-            if key[0] in ("all_gather", "reduce_scatter", "all_reduce")}  # fmt: skip
+    return {
+        key: payload
+        for key, (_, payload) in plan.collective_totals().items()
+        if key[0] in ("all_gather", "reduce_scatter", "all_reduce")
+    }
 
 
 def test_hsdp_with_experts_shards_over_the_shard_and_expert_axes() -> None:
     plan = _moe(_mesh(rep=2, dp=2, ep=2), ("rep", "dp"))
     assert (plan.data_axes, plan.expert_axis, plan.batch_axes) == (
-        ("rep", "dp"), "ep", ("rep", "dp", "ep"))  # fmt: skip
+        ("rep", "dp"),
+        "ep",
+        ("rep", "dp", "ep"),
+    )
     layouts = {p.fqn: p for p in plan.params}
     # the rest: 64 rows over dp × ep (4), not over rep
     assert layouts["model.embed_tokens.weight"].shard_shape == (16, 32)
@@ -89,7 +96,10 @@ def test_hsdp_with_context_shards_over_the_shard_and_context_axes() -> None:
     plan = _llama(_mesh(rep=2, dp=2, cp=2), ("rep", "dp"))
     plain = _llama(_mesh(dp=2, cp=2), ("dp",))
     assert (plan.data_axes, plan.context_axis, plan.token_axes) == (
-        ("rep", "dp"), "cp", ("rep", "dp", "cp"))  # fmt: skip
+        ("rep", "dp"),
+        "cp",
+        ("rep", "dp", "cp"),
+    )
     assert {p.fqn: p.shard_shape for p in plan.params} == {
         p.fqn: p.shard_shape for p in plain.params
     }
@@ -103,14 +113,20 @@ def test_hsdp_with_context_shards_over_the_shard_and_context_axes() -> None:
 @pytest.mark.parametrize(
     ("plan_fn", "mesh", "says"),
     [
-        (_moe, _mesh(rep=2, dp=2, ep=2),
-         "parameters outside the experts replicated over 'rep' and sharded over 'dp+ep' (4 ranks); "
-         "the experts sharded over 'ep', then FSDP-sharded over 'dp' and replicated over 'rep'"),
-        (_llama, _mesh(rep=2, dp=2, cp=2),
-         "HSDP: parameters replicated over 'rep' and sharded over 'dp+cp' (4 ranks)"),
+        (
+            _moe,
+            _mesh(rep=2, dp=2, ep=2),
+            "parameters outside the experts replicated over 'rep' and sharded over 'dp+ep' (4 ranks); "
+            "the experts sharded over 'ep', then FSDP-sharded over 'dp' and replicated over 'rep'",
+        ),
+        (
+            _llama,
+            _mesh(rep=2, dp=2, cp=2),
+            "HSDP: parameters replicated over 'rep' and sharded over 'dp+cp' (4 ranks)",
+        ),
     ],
     ids=["experts", "context"],
-)  # fmt: skip
+)
 def test_explain_says_what_hsdp_shards_over(plan_fn, mesh: mt.Mesh, says: str) -> None:  # type: ignore[no-untyped-def]
     text = plan_fn(mesh, ("rep", "dp")).explain()
     assert "data axes ['rep', 'dp']" in text and says in text
@@ -119,10 +135,13 @@ def test_explain_says_what_hsdp_shards_over(plan_fn, mesh: mt.Mesh, says: str) -
 
 @pytest.mark.parametrize(
     ("plan_fn", "mesh", "flat"),
-    [(_moe, _mesh(ep=2, rep=2, dp=2), "dp+ep"), (_moe, _mesh(dp=2, rep=2, ep=2), "dp+ep"),
-     (_llama, _mesh(cp=2, rep=2, dp=2), "cp+dp")],
+    [
+        (_moe, _mesh(ep=2, rep=2, dp=2), "dp+ep"),
+        (_moe, _mesh(dp=2, rep=2, ep=2), "dp+ep"),
+        (_llama, _mesh(cp=2, rep=2, dp=2), "cp+dp"),
+    ],
     ids=["experts-first", "replicas-between", "context-first"],
-)  # fmt: skip
+)
 def test_any_order_of_the_mesh_plans_alike(plan_fn, mesh: mt.Mesh, flat: str) -> None:  # type: ignore[no-untyped-def]
     """The replicate axis need not come first: the same shards, the same memory; the shard
     group is named as the plan names it (the experts' plans: data axes, then the expert axis)."""
@@ -145,8 +164,13 @@ def test_hsdp_with_a_pipeline_is_refused_naming_the_axes(plan_fn, axis: str) -> 
     rules_fn = ep_rules if axis == "ep" else rules
     model = _meta_model(plan_fn)
     with pytest.raises(mt.PlanError) as refusal:
-        mt.plan(model, mesh, rules_fn(fsdp=("rep", "dp")), seq_len=32,
-                pipeline=mt.Pipeline(axis="pp", microbatches=2))  # fmt: skip
+        mt.plan(
+            model,
+            mesh,
+            rules_fn(fsdp=("rep", "dp")),
+            seq_len=32,
+            pipeline=mt.Pipeline(axis="pp", microbatches=2),
+        )
     message = str(refusal.value)
     assert "HSDP over ['rep', 'dp']" in message and "pipeline over 'pp'" in message
     assert f"parallelism over '{axis}'" in message
@@ -167,8 +191,11 @@ def test_hsdp_with_tensor_parallelism_is_refused_naming_the_axes(plan_fn, axis: 
     mesh = _mesh(**{"rep": 2, "dp": 2, axis: 2, "tp": 2})
     model = _meta_model(plan_fn)
     hsdp = ("rep", "dp")
-    tp_rules = (mt.Rules.from_hf(model, fsdp=hsdp, tp="tp", ep="ep") if axis == "ep"
-                else mt.Rules(logical=[*LOGICAL_RULES, ("seq", "cp")], fsdp=hsdp))  # fmt: skip
+    tp_rules = (
+        mt.Rules.from_hf(model, fsdp=hsdp, tp="tp", ep="ep")
+        if axis == "ep"
+        else mt.Rules(logical=[*LOGICAL_RULES, ("seq", "cp")], fsdp=hsdp)
+    )
     with pytest.raises(mt.PlanError) as refusal:
         mt.plan(model, mesh, tp_rules, seq_len=32)
     message = str(refusal.value)

@@ -48,15 +48,23 @@ def _worst_ratio(report: EquivalenceReport) -> float:
     return max(comparison.ratio for comparison in report.comparisons)
 
 
-def _equivalent(name: str, model_fn: Callable[[], torch.nn.Module], mesh: dict[str, int],
-                options: dict[str, Any], batches_fn: Callable[[int], Any]) -> dict[str, Any]:  # fmt: skip
+def _equivalent(
+    name: str,
+    model_fn: Callable[[], torch.nn.Module],
+    mesh: dict[str, int],
+    options: dict[str, Any],
+    batches_fn: Callable[[int], Any],
+) -> dict[str, Any]:
     """2 AdamW steps in fp32 against one device; the plan the ranks ran, after printing the
     worst error over its bound and the wall time."""
     start = time.perf_counter()
-    report = assert_equivalent(model_fn, mesh, options, batches=batches_fn, steps=2,
-                               optimizer="adamw")  # fmt: skip
-    print(f"{name} on {mesh}: {time.perf_counter() - start:.1f} s, worst "
-          f"{_worst_ratio(report):.3f} of the bound")  # fmt: skip
+    report = assert_equivalent(
+        model_fn, mesh, options, batches=batches_fn, steps=2, optimizer="adamw"
+    )
+    print(
+        f"{name} on {mesh}: {time.perf_counter() - start:.1f} s, worst "
+        f"{_worst_ratio(report):.3f} of the bound"
+    )
     assert report.passed and report.contract.level == "reduction-order"
     plan: dict[str, Any] = json.loads(report.plan_json)
     assert plan["data_axes"] == list(HSDP)
@@ -103,8 +111,9 @@ def test_context_parallel_trains_like_one_device_on_rep2_dp2_cp2(
     name: str, mesh: dict[str, int], options: dict[str, Any]
 ) -> None:
     model_fn = MODELS[name.split("-")[0]]
-    plan = _equivalent(name, model_fn, mesh, {"rules": rules(HSDP), "seq_len": SEQ, **options},
-                       batches)  # fmt: skip
+    plan = _equivalent(
+        name, model_fn, mesh, {"rules": rules(HSDP), "seq_len": SEQ, **options}, batches
+    )
     assert plan["context_axis"] == "cp"
 
 
@@ -113,8 +122,9 @@ def test_plain_hsdp_trains_like_one_device_with_the_replicate_axis_last(zero: in
     """{dp: 2, rep: 2} (4 ranks): FSDP2's mesh [rep, dp] is not a slice of this mesh in its
     order; it is put together dim by dim."""
     rules_hsdp = mt.Rules({".*": mt.P()}, fsdp=HSDP)
-    _equivalent("llama", MODELS["llama"], {"dp": 2, "rep": 2}, {"rules": rules_hsdp, "zero": zero},
-                batches)  # fmt: skip
+    _equivalent(
+        "llama", MODELS["llama"], {"dp": 2, "rep": 2}, {"rules": rules_hsdp, "zero": zero}, batches
+    )
 
 
 # ----------------------------------------------------------------------------- checkpoint

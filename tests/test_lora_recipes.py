@@ -36,17 +36,29 @@ def test_lora_section_builds_adapters_and_freezes_the_rest() -> None:
     [
         ("[lora]\nrank = 4\n", "r.toml: [lora] has no targets"),
         ("[lora]\nrank = 0\ntargets = ['x']\n", "r.toml: lora.rank = 0 is out of range"),
-        ("[lora]\ntargets = []\n", "r.toml: lora.targets = [] has 0 items; targets must be a non-empty array"),
+        (
+            "[lora]\ntargets = []\n",
+            "r.toml: lora.targets = [] has 0 items; targets must be a non-empty array",
+        ),
         ("[lora]\ntargets = ['(']\n", "'(' is not a valid regex"),
         ("[lora]\ntargets = ['x']\nquantize_base = 'int8'\n", 'quantize_base must be one of "nf4"'),
         ("[lora]\nranks = 4\n", "unknown key lora.ranks = 4 (did you mean 'rank'?"),
-        ("[train]\nbetas = [0.9]\n", "train.betas = [0.9] has 1 items; betas must be an array of 2 numbers"),
+        (
+            "[train]\nbetas = [0.9]\n",
+            "train.betas = [0.9] has 1 items; betas must be an array of 2 numbers",
+        ),
         ("[train]\nbetas = [0.9, 1.0]\n", "train.betas = [0.9, 1.0] is out of range"),
-        ("[train]\nbetas = ['a', 'b']\n", 'train.betas = ["a", "b"] is an array, but betas must be'),
+        (
+            "[train]\nbetas = ['a', 'b']\n",
+            'train.betas = ["a", "b"] is an array, but betas must be',
+        ),
         ("[train]\neps = 0\n", "train.eps = 0 is out of range; eps must be a positive number"),
-        ("[parallel]\noffload_optimizer = 1\n", "parallel.offload_optimizer = 1 is an integer, but"),
+        (
+            "[parallel]\noffload_optimizer = 1\n",
+            "parallel.offload_optimizer = 1 is an integer, but",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_keys_name_file_key_and_fix(section: str, message: str) -> None:
     with pytest.raises(mt.RecipeError) as error:
         recipe_from_toml(BASE + section, source="r.toml")

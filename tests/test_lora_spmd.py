@@ -30,17 +30,29 @@ PP = {"pp": 2, "dp": 2}
 
 CASES = {
     "llama-tp": (lora_models.llama_lora, {"tp": 2}, {"rules": default_rules(fsdp=())}),
-    "llama-tp-sp": (lora_models.llama_lora, {"tp": 2},
-                    {"rules": default_rules(fsdp=(), sequence_parallel=True)}),
+    "llama-tp-sp": (
+        lora_models.llama_lora,
+        {"tp": 2},
+        {"rules": default_rules(fsdp=(), sequence_parallel=True)},
+    ),
     "llama-dp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 0}),
     "llama-fsdp-tp": (lora_models.llama_lora, TP, {"rules": default_rules(), "zero": 3}),
-    "llama-pp-fsdp": (lora_models.llama_lora, PP, {"rules": default_rules(tp=None), "zero": 2,
-                                                   "pipeline": mt.Pipeline(microbatches=2)}),
-    "hf-llama-fsdp-tp": (lora_models.hf_llama_lora, TP,
-                         {"rules": zoo.hf_rules(zoo.llama()), "zero": 3}),
-    "hf-llama-pp-fsdp": (lora_models.hf_llama_lora, PP, {"rules": zoo.REPLICATED, "zero": 3,
-                                                         "pipeline": mt.Pipeline(microbatches=2)}),
-}  # fmt: skip
+    "llama-pp-fsdp": (
+        lora_models.llama_lora,
+        PP,
+        {"rules": default_rules(tp=None), "zero": 2, "pipeline": mt.Pipeline(microbatches=2)},
+    ),
+    "hf-llama-fsdp-tp": (
+        lora_models.hf_llama_lora,
+        TP,
+        {"rules": zoo.hf_rules(zoo.llama()), "zero": 3},
+    ),
+    "hf-llama-pp-fsdp": (
+        lora_models.hf_llama_lora,
+        PP,
+        {"rules": zoo.REPLICATED, "zero": 3, "pipeline": mt.Pipeline(microbatches=2)},
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -116,17 +128,29 @@ def test_a_plain_lora_loop_trains_like_one_process() -> None:
 
 COLLECTIVE_CASES = {
     "hf-llama-fsdp-tp": (lora_models.hf_llama_lora, TP, zoo.hf_rules(zoo.llama()), {"zero": 3}),
-    "hf-llama-fsdp-tp-sp": (lora_models.hf_llama_lora, TP,
-                            zoo.hf_rules(zoo.llama(), sequence_parallel=True), {"zero": 3}),
+    "hf-llama-fsdp-tp-sp": (
+        lora_models.hf_llama_lora,
+        TP,
+        zoo.hf_rules(zoo.llama(), sequence_parallel=True),
+        {"zero": 3},
+    ),
     "llama-tp": (lora_models.llama_lora, {"tp": 2}, default_rules(fsdp=()), {"microbatches": 2}),
-    "llama-tp-sp": (lora_models.llama_lora, {"tp": 2},
-                    default_rules(fsdp=(), sequence_parallel=True), {"microbatches": 2}),
+    "llama-tp-sp": (
+        lora_models.llama_lora,
+        {"tp": 2},
+        default_rules(fsdp=(), sequence_parallel=True),
+        {"microbatches": 2},
+    ),
     "llama-dp-tp": (lora_models.llama_lora, TP, default_rules(), {"zero": 0, "microbatches": 2}),
     "llama-fsdp-tp": (lora_models.llama_lora, TP, default_rules(), {"zero": 3, "microbatches": 2}),
     # gradients accumulated over micro-batches are reduced in the reduce dtype (fp32), not bf16
-    "llama-zero1-tp-bf16": (lora_models.llama_lora, TP, default_rules(),
-                            {"zero": 1, "microbatches": 2, "precision": "bf16"}),
-}  # fmt: skip
+    "llama-zero1-tp-bf16": (
+        lora_models.llama_lora,
+        TP,
+        default_rules(),
+        {"zero": 1, "microbatches": 2, "precision": "bf16"},
+    ),
+}
 
 
 def lora_collectives(name: str) -> tuple[dict, dict, dict, dict]:

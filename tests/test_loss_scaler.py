@@ -51,8 +51,9 @@ def _step(scaler: LossScaler, overflow: bool) -> bool:
     return stepped
 
 
-@pytest.mark.parametrize(("window", "hysteresis", "min_scale"), [(3, 1, 0.0), (4, 2, 1024.0),
-                                                                   (2, 3, 4096.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("window", "hysteresis", "min_scale"), [(3, 1, 0.0), (4, 2, 1024.0), (2, 3, 4096.0)]
+)
 def test_the_dynamic_scale_follows_deepspeed_step_by_step(
     window: int, hysteresis: int, min_scale: float
 ) -> None:
@@ -91,13 +92,20 @@ def test_a_static_scale_never_moves_and_still_skips_overflows() -> None:
 
 def test_the_recipe_keys_build_the_scaler() -> None:
     fp16: Any = SimpleNamespace(options=SimpleNamespace(precision="fp16"))
-    keys = ["train.loss_scale_window=7", "train.loss_scale_hysteresis=2",
-            "train.min_loss_scale=2", "train.initial_loss_scale=512"]  # fmt: skip
+    keys = [
+        "train.loss_scale_window=7",
+        "train.loss_scale_hysteresis=2",
+        "train.min_loss_scale=2",
+        "train.initial_loss_scale=512",
+    ]
     scaler = loss_scaler(load_recipe("debug", keys).train, fp16)
     assert scaler is not None and scaler.dynamic
     assert (scaler.scale_value, scaler.growth_interval, scaler.hysteresis, scaler.min_scale) == (
-        512.0, 7, 2, 2.0,
-    )  # fmt: skip
+        512.0,
+        7,
+        2,
+        2.0,
+    )
     static = loss_scaler(load_recipe("debug", ["train.loss_scale=64"]).train, fp16)
     assert static is not None and not static.dynamic and static.scale_value == 64.0
     fp32: Any = SimpleNamespace(options=SimpleNamespace(precision="fp32"))

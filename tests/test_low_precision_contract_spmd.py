@@ -27,8 +27,15 @@ DP2_TP2 = {"dp": 2, "tp": 2}
 
 def _documented(seed: int, precision: str = "bf16") -> mt.testing.EquivalenceReport:
     rules = mt.Rules.from_hf(hf_llama(), fsdp="dp")
-    return assert_equivalent(hf_llama, DP2_TP2, {"rules": rules, "precision": precision},
-                             batches=llama_tokens, optimizer="adamw", steps=2, seed=seed)  # fmt: skip
+    return assert_equivalent(
+        hf_llama,
+        DP2_TP2,
+        {"rules": rules, "precision": precision},
+        batches=llama_tokens,
+        optimizer="adamw",
+        steps=2,
+        seed=seed,
+    )
 
 
 def test_the_documented_one_liner_passes_in_bf16() -> None:
@@ -58,9 +65,15 @@ def test_fp16_under_a_data_parallel_mean_overflows_where_one_device_does() -> No
     7 of 153 drawn fp16 cases alarmed (the false-alarm benchmark, seed 20261129)."""
     case = Case("gemma2", "fsdp-zero2", "fp16", None, seed=1, steps=2, optimizer="sgd")
     model_fn = case.model_fn()
-    report = assert_equivalent(model_fn, case.mesh, case.options(model_fn()),
-                               batches=case.batches(), steps=case.steps,
-                               optimizer=case.optimizer, seed=case.seed)  # fmt: skip
+    report = assert_equivalent(
+        model_fn,
+        case.mesh,
+        case.options(model_fn()),
+        batches=case.batches(),
+        steps=case.steps,
+        optimizer=case.optimizer,
+        seed=case.seed,
+    )
     assert not [c for c in report.comparisons if c.quantity == "overflow skip"]
     assert len(report.losses) == 2
 
@@ -69,11 +82,20 @@ def test_fp16_under_a_data_parallel_mean_overflows_where_one_device_does() -> No
 def test_a_bug_in_bf16_is_told_from_rounding() -> None:
     """Gradients averaged twice under FSDP over 4 ranks, in bf16: the report puts the plan's
     error next to one device's own bf16 error and calls it a bug."""
-    options = {"rules": mt.Rules({r".*": mt.P()}, fsdp="dp"), "precision": "bf16",
-               "grad_reduction": "sum"}  # fmt: skip
+    options = {
+        "rules": mt.Rules({r".*": mt.P()}, fsdp="dp"),
+        "precision": "bf16",
+        "grad_reduction": "sum",
+    }
     with pytest.raises(mt.EquivalenceError) as failure:
-        assert_equivalent(families.opt, {"dp": 4}, options, steps=1,
-                          batches=families.token_batches, rank_context=gradients_averaged_twice)  # fmt: skip
+        assert_equivalent(
+            families.opt,
+            {"dp": 4},
+            options,
+            steps=1,
+            batches=families.token_batches,
+            rank_context=gradients_averaged_twice,
+        )
     text = str(failure.value)
     assert "first divergence: step 1" in text
     assert "one device's own bf16 error on it (against fp32)" in text

@@ -96,8 +96,11 @@ def counts_case(balance: str, steps: int = 2) -> dict[str, float]:
 def counts_cases() -> dict[str, dict[str, float]]:
     """Two steps with the balance loss training (its counts reused from the router's), one
     without it under the other balance modes (the reported loss is the same whole-batch one)."""
-    return {"aux_loss": counts_case("aux_loss", 2), "bias": counts_case("bias", 1),
-            "none": counts_case("none", 1)}  # fmt: skip
+    return {
+        "aux_loss": counts_case("aux_loss", 2),
+        "bias": counts_case("bias", 1),
+        "none": counts_case("none", 1),
+    }
 
 
 def test_router_counts_and_balance_loss_are_the_whole_batch_s_on_dp2_ep2() -> None:
@@ -123,9 +126,13 @@ def test_meshtrain_moe_trains_like_one_device_on_dp2_ep2() -> None:
     """FSDP2 over dp × ep for the dense weights, experts over ep, full activation checkpointing
     (the recomputed forward neither counts nor reduces again): every buffer equals one device's."""
     config = MoEConfig.debug(**SHAPE, balance="aux_loss")
-    report = assert_equivalent(functools.partial(build_moe, config, seed=0), MESH,
-                               {"rules": RULES, "activation_checkpointing": "full"},
-                               steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        functools.partial(build_moe, config, seed=0),
+        MESH,
+        {"rules": RULES, "activation_checkpointing": "full"},
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     _assert_counts_compared(report, steps=2)
 
@@ -135,9 +142,13 @@ def test_meshtrain_moe_with_bias_balancing_trains_like_one_device_on_ep2() -> No
     """Loss-free balancing on ep 2: the biases move after each optimizer step from the whole
     batch's counts, on the plan's ranks and on one device alike (compared as buffers)."""
     config = MoEConfig.debug(**SHAPE, balance="bias", bias_update_rate=0.01)
-    report = assert_equivalent(functools.partial(build_moe, config, seed=0), {"ep": 2},
-                               {"rules": moe_rules(tp=None, fsdp=(), ep="ep")},
-                               steps=3, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        functools.partial(build_moe, config, seed=0),
+        {"ep": 2},
+        {"rules": moe_rules(tp=None, fsdp=(), ep="ep")},
+        steps=3,
+        optimizer="adamw",
+    )
     assert report.passed
     _assert_counts_compared(report, steps=3)
     biases = _buffer_comparisons(report, "router.expert_bias")

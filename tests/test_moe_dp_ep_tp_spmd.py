@@ -46,8 +46,9 @@ def test_moe_trains_like_one_device_on_dp2_ep2_tp2(factory: Callable[[], nn.Modu
     assert not [note for note in plan.notes if "not proven" in note]
     assert {grad.param for grad in plan.partial_grads} == _partial_grads(factory)
     start = time.perf_counter()
-    report = assert_equivalent(factory, DP2_EP2_TP2, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        factory, DP2_EP2_TP2, {"rules": rules}, batches=token_batches, steps=2, optimizer="adamw"
+    )
     worst = max(comparison.ratio for comparison in report.comparisons)
     print(
         f"{factory.__name__}: {time.perf_counter() - start:.1f} s, worst {worst:.3f} of the bound"

@@ -112,9 +112,12 @@ def test_meta_build_materialises_to_the_cpu_build() -> None:
 
 
 def _reference_experts(
-    x: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up: torch.Tensor,
     down: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Token by token, slot by slot, written from the definition of a SwiGLU expert."""
     inter = down.shape[2]
     rows = []
@@ -378,11 +381,22 @@ def _tiny_qwen3_moe(layers: int) -> Qwen3MoeForCausalLM:
     routing is far from uniform and norms are not all ones."""
     torch.manual_seed(0)
     config = Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
-        max_position_embeddings=64, router_aux_loss_coef=0.01, attn_implementation="eager",
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_only_layers=[0],
+        max_position_embeddings=64,
+        router_aux_loss_coef=0.01,
+        attn_implementation="eager",
+    )
     model = Qwen3MoeForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -30,9 +30,15 @@ LONG = not settings.default.derandomize
 SEED = int(os.environ.get("MESHTRAIN_PLAN_SEED", datetime.date.today().toordinal()))
 PLANNING_ERRORS = (PlanError, SpecError, RuleError, MeshError)
 MESHES = (
-    {"ep": 4}, {"dp": 2, "ep": 2}, {"ep": 2, "tp": 2}, {"dp": 2, "tp": 2}, {"cp": 2, "ep": 2},
-    {"cp": 2, "tp": 2}, {"dp": 2, "cp": 2}, {"tp": 4},
-)  # fmt: skip
+    {"ep": 4},
+    {"dp": 2, "ep": 2},
+    {"ep": 2, "tp": 2},
+    {"dp": 2, "tp": 2},
+    {"cp": 2, "ep": 2},
+    {"cp": 2, "tp": 2},
+    {"dp": 2, "cp": 2},
+    {"tp": 4},
+)
 
 
 @dataclass(frozen=True)
@@ -47,10 +53,13 @@ class MoECase:
     def rules(self) -> mt.Rules:
         axes = dict(self.mesh)
         tp = "tp" if "tp" in axes else None
-        rules = moe_rules(tp=tp, fsdp="dp" if "dp" in axes else (),
-                          ep="ep" if "ep" in axes else None,
-                          sequence_parallel=self.sequence_parallel and tp is not None,
-                          expert_tp=self.expert_tp)  # fmt: skip
+        rules = moe_rules(
+            tp=tp,
+            fsdp="dp" if "dp" in axes else (),
+            ep="ep" if "ep" in axes else None,
+            sequence_parallel=self.sequence_parallel and tp is not None,
+            expert_tp=self.expert_tp,
+        )
         if "cp" not in axes:
             return rules
         return mt.Rules(rules.patterns, logical=(("seq", "cp"), *rules.logical), fsdp=rules.fsdp)
@@ -64,18 +73,22 @@ def moe_cases(draw: st.DrawFn) -> MoECase:
         "activation_checkpointing": draw(st.sampled_from(["none", "full", "selective"])),
         "grad_reduction": draw(st.sampled_from(["mean", "sum"])),
     }
-    return MoECase(tuple(mesh.items()), draw(st.booleans()), draw(st.booleans()),
-                   tuple(options.items()))  # fmt: skip
+    return MoECase(
+        tuple(mesh.items()), draw(st.booleans()), draw(st.booleans()), tuple(options.items())
+    )
 
 
 def _check(case: MoECase) -> bool:
     """True when the plan trained within its contract; False when it was refused."""
     try:
         report = assert_equivalent(
-            meshtrain_moe, dict(case.mesh), {"rules": case.rules(), "seq_len": 8,
-                                             **dict(case.options)},
-            batches=token_batches, steps=2, optimizer="adamw",
-        )  # fmt: skip
+            meshtrain_moe,
+            dict(case.mesh),
+            {"rules": case.rules(), "seq_len": 8, **dict(case.options)},
+            batches=token_batches,
+            steps=2,
+            optimizer="adamw",
+        )
     except PLANNING_ERRORS:
         return False
     assert report.passed

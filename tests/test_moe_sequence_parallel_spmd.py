@@ -37,8 +37,14 @@ def test_meshtrain_moe_with_sequence_parallelism_on_ep2_tp2() -> None:
     # inside the block run whole the shared expert reduces as without sequence parallelism
     assert "reduce-scattered" not in styles["layers.1.feed_forward.shared_expert.w2"].note
     assert "reduce-scattered" in styles["layers.0.feed_forward.w2"].note
-    report = assert_equivalent(meshtrain_moe, {"ep": 2, "tp": 2}, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        meshtrain_moe,
+        {"ep": 2, "tp": 2},
+        {"rules": rules},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")
 
@@ -50,7 +56,13 @@ def test_hf_moe_with_sequence_parallelism_on_dp2_tp2(factory) -> None:  # type: 
     rules = mt.Rules.from_hf(factory(), fsdp="dp", tp="tp", sequence_parallel=True)
     plan = mt.plan(factory(), _abstract(dp=2, tp=2), rules)
     assert plan.sequence_parallel and _whole(plan) == [f"model.layers.{i}.mlp" for i in range(2)]
-    report = assert_equivalent(factory, {"dp": 2, "tp": 2}, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        factory,
+        {"dp": 2, "tp": 2},
+        {"rules": rules},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
     print(f"worst {max(c.ratio for c in report.comparisons):.3f} of the bound")

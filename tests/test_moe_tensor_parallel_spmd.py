@@ -30,10 +30,17 @@ def test_hf_moe_trains_like_one_device_on_dp2_tp2(factory) -> None:  # type: ign
     assert not [note for note in plan.notes if "not proven" in note]
     norms = {grad.param for grad in plan.partial_grads}
     if factory is qwen3_moe:
-        assert norms == {f"model.layers.{i}.self_attn.{n}_norm.weight"
-                         for i in range(2) for n in "qk"}  # fmt: skip
-    report = assert_equivalent(factory, {"dp": 2, "tp": 2}, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+        assert norms == {
+            f"model.layers.{i}.self_attn.{n}_norm.weight" for i in range(2) for n in "qk"
+        }
+    report = assert_equivalent(
+        factory,
+        {"dp": 2, "tp": 2},
+        {"rules": rules},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -43,8 +50,14 @@ def test_qwen3_moe_trains_like_one_device_on_ep2_tp2() -> None:
     rules = mt.Rules.from_hf(qwen3_moe(), fsdp=(), tp="tp", ep="ep")
     plan = mt.plan(qwen3_moe(), _abstract(ep=2, tp=2), rules)
     assert plan.expert_axis == "ep" and len(plan.partial_grads) == 4
-    report = assert_equivalent(qwen3_moe, {"ep": 2, "tp": 2}, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        qwen3_moe,
+        {"ep": 2, "tp": 2},
+        {"rules": rules},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -54,6 +67,12 @@ def test_meshtrain_moe_trains_like_one_device_on_ep2_tp2() -> None:
     rules = moe_rules(tp="tp", fsdp=(), ep="ep")
     plan = mt.plan(meshtrain_moe(), _abstract(ep=2, tp=2), rules)
     assert plan.expert_axis == "ep" and not [note for note in plan.notes if "not proven" in note]
-    report = assert_equivalent(meshtrain_moe, {"ep": 2, "tp": 2}, {"rules": rules},
-                               batches=token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        meshtrain_moe,
+        {"ep": 2, "tp": 2},
+        {"rules": rules},
+        batches=token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed

@@ -26,9 +26,18 @@ def run(overrides: list[str], stop_after: int | None) -> tuple[dict[int, float],
 
 
 def _overrides(run_dir: Path, corpus: Path, *extra: str) -> list[str]:
-    return ["train.steps=6", "train.warmup_steps=1", "train.seq_len=16", f"data.path={corpus}",
-            f"data.corpus_bytes={CORPUS_BYTES}", f"logging.run_dir={run_dir}",
-            "logging.log_every=1", "logging.console=false", "checkpoint.interval=100", *extra]  # fmt: skip
+    return [
+        "train.steps=6",
+        "train.warmup_steps=1",
+        "train.seq_len=16",
+        f"data.path={corpus}",
+        f"data.corpus_bytes={CORPUS_BYTES}",
+        f"logging.run_dir={run_dir}",
+        "logging.log_every=1",
+        "logging.console=false",
+        "checkpoint.interval=100",
+        *extra,
+    ]
 
 
 def test_moe_debug_trains_and_resumes_under_another_mesh(tmp_path: Path) -> None:

@@ -36,8 +36,12 @@ from meshtrain.train.step import forward_backward
 #: fp32 unit roundoff; the bound on |packed - alone| is 64 u x max |logits|
 UNIT = 2.0**-24
 BOUND_UNITS = 64
-KEYWORD = {"llama": "positions", "moe": "positions", "hf_llama": "position_ids",
-           "qwen2": "position_ids"}  # fmt: skip
+KEYWORD = {
+    "llama": "positions",
+    "moe": "positions",
+    "hf_llama": "position_ids",
+    "qwen2": "position_ids",
+}
 
 
 def _logits(model: Any, tokens: torch.Tensor, **keywords: torch.Tensor) -> torch.Tensor:
@@ -62,12 +66,20 @@ def test_a_packed_window_equals_each_document_alone(name: str) -> None:
     with torch.no_grad():
         packed = _logits(model, tokens, **{KEYWORD[name]: positions})
         across = _logits(model, tokens)  # one causal sequence per row: attends across documents
-        alone = torch.stack([
-            torch.cat([_logits(model, part[None], **{KEYWORD[name]: pos[None]})
-                       for part, pos in zip(row.split(lengths), row_pos.split(lengths),
-                                            strict=True)], 1)[0]
-            for row, row_pos, lengths in zip(tokens, positions, rows, strict=True)
-        ])  # fmt: skip
+        alone = torch.stack(
+            [
+                torch.cat(
+                    [
+                        _logits(model, part[None], **{KEYWORD[name]: pos[None]})
+                        for part, pos in zip(
+                            row.split(lengths), row_pos.split(lengths), strict=True
+                        )
+                    ],
+                    1,
+                )[0]
+                for row, row_pos, lengths in zip(tokens, positions, rows, strict=True)
+            ]
+        )
     bound = BOUND_UNITS * UNIT * float(alone.abs().max())
     worst = float((packed - alone).abs().max())
     assert worst <= bound, f"{name}: |packed - alone| = {worst:.3g} > bound {bound:.3g}"
@@ -78,8 +90,9 @@ def test_document_ids_follow_transformers_rule() -> None:
     generator = torch.Generator().manual_seed(0)
     for _ in range(20):
         steps = torch.randint(0, 4, (3, 40), generator=generator)  # 1: the next position
-        positions = torch.where(steps == 0, torch.randint(0, 9, (3, 40), generator=generator),
-                                steps.cumsum(-1))  # fmt: skip
+        positions = torch.where(
+            steps == 0, torch.randint(0, 9, (3, 40), generator=generator), steps.cumsum(-1)
+        )
         theirs = find_packed_sequence_indices(positions)
         ours = document_ids(positions)
         expected = torch.zeros_like(ours) if theirs is None else theirs
@@ -109,8 +122,10 @@ def test_packed_windows_give_positions_to_batches_on_request_only(tmp_path: Path
     assert next(iter(DistributedBatches(plain, 2, 0, 1, seed=0))).token_positions is None
     batch = next(iter(DistributedBatches(documents, 2, 0, 1, seed=0, shuffle=False)))
     assert batch.token_positions is not None
-    assert batch.token_positions.tolist() == [documents.positions(0).tolist(),
-                                              documents.positions(1).tolist()]  # fmt: skip
+    assert batch.token_positions.tolist() == [
+        documents.positions(0).tolist(),
+        documents.positions(1).tolist(),
+    ]
     assert "document_positions=True" in repr(documents)
 
 

@@ -23,20 +23,35 @@ pytestmark = pytest.mark.spmd
 
 def qwen3() -> Qwen3ForCausalLM:
     """Per-head q/k norms between the column- and row-wise projections."""
-    config = Qwen3Config(vocab_size=zoo.VOCAB, hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=8, max_position_embeddings=64, use_cache=False)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=zoo.VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
     return Qwen3ForCausalLM(config)
 
 
 @pytest.mark.parametrize(
     ("mesh", "fsdp", "zero"), [({"dp": 2, "tp": 2}, ("dp",), 3), ({"tp": 2}, (), 0)]
 )
-def test_qwen3_from_hf_trains_like_one_device(mesh: dict[str, int], fsdp: tuple[str, ...],
-                                              zero: int) -> None:  # fmt: skip
+def test_qwen3_from_hf_trains_like_one_device(
+    mesh: dict[str, int], fsdp: tuple[str, ...], zero: int
+) -> None:
     rules = Rules.from_hf(qwen3(), fsdp=fsdp, tp="tp")
-    report = assert_equivalent(qwen3, mesh, {"rules": rules, "zero": zero},
-                               batches=zoo.token_batches, steps=2, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        qwen3,
+        mesh,
+        {"rules": rules, "zero": zero},
+        batches=zoo.token_batches,
+        steps=2,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -50,9 +65,15 @@ def partial_gradients_not_reduced() -> Iterator[None]:
 def test_a_dropped_partial_gradient_reduction_is_caught() -> None:
     rules = Rules.from_hf(qwen3(), fsdp="dp", tp="tp")
     with pytest.raises(mt.EquivalenceError) as failure:
-        assert_equivalent(qwen3, {"dp": 2, "tp": 2}, {"rules": rules, "zero": 3},
-                          batches=zoo.token_batches, steps=1, optimizer="adamw",
-                          rank_context=partial_gradients_not_reduced)  # fmt: skip
+        assert_equivalent(
+            qwen3,
+            {"dp": 2, "tp": 2},
+            {"rules": rules, "zero": 3},
+            batches=zoo.token_batches,
+            steps=1,
+            optimizer="adamw",
+            rank_context=partial_gradients_not_reduced,
+        )
     assert "norm.weight" in str(failure.value)
 
 
@@ -63,8 +84,9 @@ def _counted(mesh: dict[str, int], zero: int) -> tuple[dict, dict, dict, dict]:
 
 
 @pytest.mark.parametrize(("mesh", "zero"), [({"dp": 2, "tp": 2}, 3), ({"tp": 2}, 0)])
-def test_the_partial_gradient_all_reduces_are_the_predicted_ones(mesh: dict[str, int],
-                                                                 zero: int) -> None:  # fmt: skip
+def test_the_partial_gradient_all_reduces_are_the_predicted_ones(
+    mesh: dict[str, int], zero: int
+) -> None:
     world = 1
     for size in mesh.values():
         world *= size

@@ -240,8 +240,12 @@ def test_a_model_that_reads_a_removed_module_on_every_stage_pipelines() -> None:
     from meshtrain import P
     from meshtrain.testing import assert_equivalent
 
-    report = assert_equivalent(zoo.vit, {"pp": 2, "dp": 2},
-                               {"rules": Rules({r".*": P()}, fsdp="dp"),
-                                "pipeline": mt.Pipeline(microbatches=2)},
-                               batches=vit_images, steps=1, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        zoo.vit,
+        {"pp": 2, "dp": 2},
+        {"rules": Rules({r".*": P()}, fsdp="dp"), "pipeline": mt.Pipeline(microbatches=2)},
+        batches=vit_images,
+        steps=1,
+        optimizer="adamw",
+    )
     assert report.passed

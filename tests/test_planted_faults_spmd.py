@@ -180,37 +180,70 @@ FAULTS = {
     # name: (fault, mesh, plan options, extra harness kwargs, and the quantity and tensor that
     # must be reported far outside the bound at step 1 ("" where every gradient is wrong)
     "missing-reduction-on-one-axis": (
-        missing_reduction_on_one_axis, {"rep": 2, "dp": 2, "tp": 1},
-        {"rules": default_rules(fsdp=("rep", "dp"))}, {}, "grad", "",
+        missing_reduction_on_one_axis,
+        {"rep": 2, "dp": 2, "tp": 1},
+        {"rules": default_rules(fsdp=("rep", "dp"))},
+        {},
+        "grad",
+        "",
     ),
     "gradients-averaged-twice": (
-        gradients_averaged_twice, {"dp": 2, "tp": 1},
-        {"rules": default_rules(), "grad_reduction": "sum"}, {}, "grad", "",
+        gradients_averaged_twice,
+        {"dp": 2, "tp": 1},
+        {"rules": default_rules(), "grad_reduction": "sum"},
+        {},
+        "grad",
+        "",
     ),
     "wrong-shard-dim-in-colwise": (
-        wrong_shard_dim_in_colwise, {"dp": 1, "tp": 2}, {"rules": default_rules()}, {}, "grad",
+        wrong_shard_dim_in_colwise,
+        {"dp": 1, "tp": 2},
+        {"rules": default_rules()},
+        {},
+        "grad",
         "layers.0.attention.w",
     ),
     "microbatch-losses-not-rescaled": (
-        microbatch_losses_not_rescaled, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "loss",
+        microbatch_losses_not_rescaled,
+        {"pp": 2, "dp": 1, "tp": 1},
+        PIPELINE,
+        {},
+        "loss",
         "<global>",
     ),
     "stage-skips-a-layer": (
-        stage_skips_a_layer, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "missing", "layers.2.",
+        stage_skips_a_layer,
+        {"pp": 2, "dp": 1, "tp": 1},
+        PIPELINE,
+        {},
+        "missing",
+        "layers.2.",
     ),
     "clipping-by-local-norm": (
-        clipping_by_local_norm, {"dp": 2, "tp": 1}, {"rules": default_rules()},
-        {"max_norm": 0.1}, "grad norm", "<global>",
-    ),
-    "batch-norm-running-variance-biased": (
-        batch_norm_running_variance_biased, {"dp": 2}, {"rules": zoo.REPLICATED, "zero": 3},
-        {"model": zoo.cnn, "batches": tiny_image_batches}, "buffer", "blocks.1.norm.running_var",
-    ),
-    "pipeline-norm-from-one-stage": (
-        pipeline_norm_from_one_stage, {"pp": 2, "dp": 1, "tp": 1}, PIPELINE, {}, "grad norm",
+        clipping_by_local_norm,
+        {"dp": 2, "tp": 1},
+        {"rules": default_rules()},
+        {"max_norm": 0.1},
+        "grad norm",
         "<global>",
     ),
-}  # fmt: skip
+    "batch-norm-running-variance-biased": (
+        batch_norm_running_variance_biased,
+        {"dp": 2},
+        {"rules": zoo.REPLICATED, "zero": 3},
+        {"model": zoo.cnn, "batches": tiny_image_batches},
+        "buffer",
+        "blocks.1.norm.running_var",
+    ),
+    "pipeline-norm-from-one-stage": (
+        pipeline_norm_from_one_stage,
+        {"pp": 2, "dp": 1, "tp": 1},
+        PIPELINE,
+        {},
+        "grad norm",
+        "<global>",
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
@@ -285,12 +318,14 @@ def test_a_buffer_updated_from_each_ranks_local_batch_is_reported() -> None:
     with pytest.raises(mt.PlanError, match="buffer 'running_mean' is written from the batch"):
         assert_equivalent(RunningMeanLM, {"dp": 2}, rules, steps=1)
     with refusals_as_notes(), pytest.raises(mt.EquivalenceError) as caught:
-        assert_equivalent(RunningMeanLM, {"dp": 2}, rules, steps=1,
-                          rank_context=refusals_as_notes)  # fmt: skip
+        assert_equivalent(RunningMeanLM, {"dp": 2}, rules, steps=1, rank_context=refusals_as_notes)
     report: EquivalenceReport = caught.value.report  # type: ignore[attr-defined]
     first = report.first_divergence
     assert first is not None and (first.step, first.quantity, first.fqn) == (
-        1, "buffer", "running_mean"), report.format()  # fmt: skip
+        1,
+        "buffer",
+        "running_mean",
+    ), report.format()
     assert first.ratio > 100, report.format()
     # every gradient, parameter and optimizer state still matches: only the buffer tells
     assert {c.quantity for c in report.failures} == {"buffer"}, report.format()

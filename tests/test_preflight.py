@@ -51,19 +51,68 @@ def test_the_defaults_the_checks_assume_are_the_schemas() -> None:
 @pytest.mark.parametrize(
     ("recipe", "nproc", "nnodes", "message"),
     [
-        (_recipe(), 3, 1, "[mesh] {dp: -1, tp: 2} needs a multiple of 2 ranks (tp = 2), but this launch starts 3 (--nproc 3 × --nnodes 1)"),
-        (_recipe(mesh={"dp": 2, "tp": 2}), 2, 1, "needs exactly 4 ranks, but this launch starts 2 (--nproc 2 × --nnodes 1). Start --nproc 4"),
-        (_recipe(mesh={"dp": 2, "tp": 2}), 1, 2, "needs exactly 4 ranks, but this launch starts 2 (--nproc 1 × --nnodes 2). Start --nproc 2"),
-        (_recipe(train={"batch_size": 6}), 8, 1, "train.batch_size = 6 does not split into 4 data-parallel ranks (dp = 4) × 1 micro-batches"),
-        (_recipe(parallel={"microbatches": 3}), 4, 1, "train.batch_size = 8 does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches"),
-        (_recipe(mesh={"pp": 2, "dp": -1}, parallel={"pipeline": {"microbatches": 3}}), 4, 1, "does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches"),
+        (
+            _recipe(),
+            3,
+            1,
+            "[mesh] {dp: -1, tp: 2} needs a multiple of 2 ranks (tp = 2), but this launch starts 3 (--nproc 3 × --nnodes 1)",
+        ),
+        (
+            _recipe(mesh={"dp": 2, "tp": 2}),
+            2,
+            1,
+            "needs exactly 4 ranks, but this launch starts 2 (--nproc 2 × --nnodes 1). Start --nproc 4",
+        ),
+        (
+            _recipe(mesh={"dp": 2, "tp": 2}),
+            1,
+            2,
+            "needs exactly 4 ranks, but this launch starts 2 (--nproc 1 × --nnodes 2). Start --nproc 2",
+        ),
+        (
+            _recipe(train={"batch_size": 6}),
+            8,
+            1,
+            "train.batch_size = 6 does not split into 4 data-parallel ranks (dp = 4) × 1 micro-batches",
+        ),
+        (
+            _recipe(parallel={"microbatches": 3}),
+            4,
+            1,
+            "train.batch_size = 8 does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches",
+        ),
+        (
+            _recipe(mesh={"pp": 2, "dp": -1}, parallel={"pipeline": {"microbatches": 3}}),
+            4,
+            1,
+            "does not split into 2 data-parallel ranks (dp = 2) × 3 micro-batches",
+        ),
         (_recipe(train={"lr": float("inf")}), 2, 1, "train.lr = inf is not a finite number"),
-        (_recipe(train={"weight_decay": float("nan")}), 2, 1, "train.weight_decay = nan is not a finite number"),
-        (_recipe(parallel={"pipeline": {"axis": "pp", "x": float("-inf")}}), 2, 1, "parallel.pipeline.x = -inf is not a finite number"),
+        (
+            _recipe(train={"weight_decay": float("nan")}),
+            2,
+            1,
+            "train.weight_decay = nan is not a finite number",
+        ),
+        (
+            _recipe(parallel={"pipeline": {"axis": "pp", "x": float("-inf")}}),
+            2,
+            1,
+            "parallel.pipeline.x = -inf is not a finite number",
+        ),
     ],
-    ids=["mesh-multiple", "mesh-exact", "mesh-nodes", "batch", "microbatches", "pipeline-micro",
-         "lr-inf", "weight-decay-nan", "nested-inf"],
-)  # fmt: skip
+    ids=[
+        "mesh-multiple",
+        "mesh-exact",
+        "mesh-nodes",
+        "batch",
+        "microbatches",
+        "pipeline-micro",
+        "lr-inf",
+        "weight-decay-nan",
+        "nested-inf",
+    ],
+)
 def test_impossible_launches_are_refused_naming_the_fix(
     recipe: dict[str, Any], nproc: int, nnodes: int, message: str
 ) -> None:
@@ -126,12 +175,20 @@ def test_values_of_the_wrong_type_are_left_to_the_schema() -> None:
 
 @pytest.mark.parametrize(
     ("overrides", "world"),
-    [((), 4), ((), 3), ((), 6), (("mesh.tp=1",), 3), (("train.batch_size=6",), 8),
-     (("train.batch_size=6",), 6), (("parallel.microbatches=4",), 4),
-     (("parallel.microbatches=2",), 8), (("mesh.dp=2", "mesh.tp=2"), 8),
-     (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=2"), 4),
-     (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=3"), 4)],
-)  # fmt: skip
+    [
+        ((), 4),
+        ((), 3),
+        ((), 6),
+        (("mesh.tp=1",), 3),
+        (("train.batch_size=6",), 8),
+        (("train.batch_size=6",), 6),
+        (("parallel.microbatches=4",), 4),
+        (("parallel.microbatches=2",), 8),
+        (("mesh.dp=2", "mesh.tp=2"), 8),
+        (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=2"), 4),
+        (("mesh.pp=2", "mesh.tp=1", "parallel.pipeline.microbatches=3"), 4),
+    ],
+)
 def test_the_fast_checks_agree_with_the_planner(overrides: tuple[str, ...], world: int) -> None:
     """The torch-free rules repeat the planner's for meshes and batches: both refuse, or both
     accept (the planner may refuse for reasons of its own only where the fast checks are silent)."""
@@ -169,16 +226,19 @@ def _launch(*args: str, cwd: Path = ROOT) -> tuple[int, str, float]:
         (("--nproc", "8", "--set", "train.batch_size=6"), "does not split into 4 data-parallel"),
         (("--nproc", "2", "--set", "train.lr=inf"), "train.lr = inf is not a finite number"),
         (("--nproc", "2", "--set", "train.lr=nan"), "train.lr = nan is not a finite number"),
-        (("--nproc", "2", "--set", "data.source=tokens", "--set", "data.path=/nonexistent"),
-         "holds no prepared tokens"),
+        (
+            ("--nproc", "2", "--set", "data.source=tokens", "--set", "data.path=/nonexistent"),
+            "holds no prepared tokens",
+        ),
         (("--nproc", "2", "--set", "train.stepz=3"), "unknown key train.stepz = 3 (did you mean"),
-        (("--nproc", "2", "--set", 'train.steps="abc"'),
-         'train.steps = "abc" is a string, but steps must be a positive integer'),
+        (
+            ("--nproc", "2", "--set", 'train.steps="abc"'),
+            'train.steps = "abc" is a string, but steps must be a positive integer',
+        ),
         (("--nproc", "2", "--set", "checkpoint.interval=-1"), "checkpoint.interval = -1 is out"),
     ],
-    ids=["mesh", "batch", "lr-inf", "lr-nan", "data-path", "unknown-key", "steps-abc",
-         "interval"],
-)  # fmt: skip
+    ids=["mesh", "batch", "lr-inf", "lr-nan", "data-path", "unknown-key", "steps-abc", "interval"],
+)
 def test_the_launcher_refuses_in_under_3_s_with_one_line(
     args: tuple[str, ...], expected: str
 ) -> None:

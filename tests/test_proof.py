@@ -65,7 +65,10 @@ def test_an_image_model_without_example_inputs_is_one_line_asking_for_them() -> 
     images = pm.image_batches(0)[0]
     plan = mt.plan(pm.group_norm_cnn(), mesh(**DP_TP), pm.CNN_RULES, example_inputs=images)
     assert {s.fqn: s.style for s in plan.styles} == {
-        "classifier": "prepare_input", "classifier.fc1": "colwise", "classifier.fc2": "rowwise"}  # fmt: skip
+        "classifier": "prepare_input",
+        "classifier.fc1": "colwise",
+        "classifier.fc2": "rowwise",
+    }
 
 
 def test_example_inputs_may_be_positional_or_keyword() -> None:
@@ -88,8 +91,10 @@ def test_a_forward_that_fails_on_the_probe_names_the_module_and_asks_for_example
             x = self.embed(tokens)
             return self.mlp["down"](self.mlp["up"](x))
 
-    rules = Rules({r"mlp\.up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp"),
-                   r".*": P()}, fsdp="dp")  # fmt: skip
+    rules = Rules(
+        {r"mlp\.up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp"), r".*": P()},
+        fsdp="dp",
+    )
     with pytest.raises(mt.PlanError, match=r"failed in '<root>' \(Picky\).*example_inputs="):
         mt.plan(Picky(), mesh(**DP_TP), rules)
     plan = mt.plan(
@@ -139,8 +144,13 @@ def test_averaging_is_refused_where_it_cannot_equal_one_device() -> None:
     with pytest.raises(mt.PlanError, match="read again in the same forward"):
         mt.plan(pm.rereading_mean_mlp(), mesh(**DP_TP), pm.MLP_RULES, batch_buffers="average")
     with pytest.raises(mt.PlanError, match="2 micro-batches"):
-        mt.plan(pm.running_mean_mlp(), mesh(**DP_TP), pm.MLP_RULES, batch_buffers="average",
-                microbatches=2)  # fmt: skip
+        mt.plan(
+            pm.running_mean_mlp(),
+            mesh(**DP_TP),
+            pm.MLP_RULES,
+            batch_buffers="average",
+            microbatches=2,
+        )
 
 
 def test_batch_norm_statistics_and_constant_buffers_are_not_batch_written() -> None:
@@ -152,11 +162,27 @@ def test_batch_norm_statistics_and_constant_buffers_are_not_batch_written() -> N
 def test_attention_context_parallelism_cannot_split_is_refused_while_planning() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa")  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        max_position_embeddings=64,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     model = transformers.DeepseekV3ForCausalLM(config)
     rules = Rules({".*": P()}, fsdp="dp", logical=[("seq", "cp")])
     with pytest.raises(mt.PlanError) as refusal:
@@ -168,8 +194,9 @@ def test_attention_context_parallelism_cannot_split_is_refused_while_planning() 
 def test_a_pair_directly_under_the_root_is_costed() -> None:
     """A column-/row-wise pair whose parent is the model itself (an ``nn.Sequential``)."""
     model = nn.Sequential(nn.Linear(12, 16), nn.GELU(), nn.Linear(16, 4))
-    rules = Rules({r"0\.(weight|bias)": P("tp"), r"2\.weight": P(None, "tp"), r".*": P()},
-                  fsdp="dp")  # fmt: skip
+    rules = Rules(
+        {r"0\.(weight|bias)": P("tp"), r"2\.weight": P(None, "tp"), r".*": P()}, fsdp="dp"
+    )
     plan = mt.plan(model, mesh(**DP_TP), rules, example_inputs=torch.zeros(8, 12))
     assert {s.fqn: s.style for s in plan.styles}[""] == "prepare_input"
     assert any(c.axis == "tp" for c in plan.collectives)

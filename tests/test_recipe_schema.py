@@ -33,8 +33,10 @@ ONE_PER_SECTION = {
     "model": ("model.n_layers=4", lambda r: r.model.config.n_layers == 4),
     "mesh": ("mesh.tp=1", lambda r: r.mesh_axes() == {"dp": -1, "tp": 1}),
     "parallel": ("parallel.zero=2", lambda r: r.parallel.zero == 2),
-    "parallel.pipeline": ("parallel.pipeline.microbatches=4",
-                          lambda r: r.parallel.pipeline.microbatches == 4),
+    "parallel.pipeline": (
+        "parallel.pipeline.microbatches=4",
+        lambda r: r.parallel.pipeline.microbatches == 4,
+    ),
     "rules": ("rules.'.*'=P()", lambda r: r.explicit_rules is not None),
     "train": ("train.on_nonfinite=stop", lambda r: r.train.on_nonfinite == "stop"),
     "lora": ("lora.rank=8", lambda r: r.lora.rank == 8),
@@ -43,7 +45,7 @@ ONE_PER_SECTION = {
     "logging": ("logging.wandb=disabled", lambda r: r.logging_config().wandb == "disabled"),
     "eval": ("eval.every=5", lambda r: r.eval.every == 5),
     "profile": ("profile.steps=[2, 4]", lambda r: r.profile.steps == (2, 4)),
-}  # fmt: skip
+}
 
 
 def test_the_docs_key_reference_is_the_schemas() -> None:

@@ -38,8 +38,11 @@ PRETRAIN = sorted(AT_SCALE)
 #: The long-context recipes (docs/long-context.md): their preset and the world they plan on.
 LONG_CONTEXT = {"llama3_8b_128k": ("llama3_8b", 16), "long_debug": ("debug", 4)}
 #: The mixture-of-experts recipes (docs/moe.md; tests/test_moe_recipes.py): their preset.
-MOE = {"moe_debug": "debug", "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b",
-       "deepseek_v3_671b": "deepseek_v3_671b"}  # fmt: skip
+MOE = {
+    "moe_debug": "debug",
+    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b",
+    "deepseek_v3_671b": "deepseek_v3_671b",
+}
 
 BASE = """
 [model]
@@ -182,17 +185,32 @@ def test_an_unknown_section_names_the_allowed_sections() -> None:
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        ('[parallel]\nzero = "3"\n', 'parallel.zero = "3" is a string, but zero must be one of 0, 1, 2, 3'),
-        ("[parallel]\nzero = 5\n", "parallel.zero = 5 is not allowed; zero must be one of 0, 1, 2, 3"),
+        (
+            '[parallel]\nzero = "3"\n',
+            'parallel.zero = "3" is a string, but zero must be one of 0, 1, 2, 3',
+        ),
+        (
+            "[parallel]\nzero = 5\n",
+            "parallel.zero = 5 is not allowed; zero must be one of 0, 1, 2, 3",
+        ),
         ('[parallel]\nprecision = "bf32"\n', 'precision must be one of "fp32", "bf16", "fp16"'),
-        ("[parallel]\nsequence_parallel = 1\n", "is an integer, but sequence_parallel must be a boolean"),
-        ('[parallel]\nfsdp = "dp"\n', 'parallel.fsdp = "dp" is a string, but fsdp must be an array of strings'),
-        ("[train]\nsteps = 0\n", "train.steps = 0 is out of range; steps must be a positive integer"),
+        (
+            "[parallel]\nsequence_parallel = 1\n",
+            "is an integer, but sequence_parallel must be a boolean",
+        ),
+        (
+            '[parallel]\nfsdp = "dp"\n',
+            'parallel.fsdp = "dp" is a string, but fsdp must be an array of strings',
+        ),
+        (
+            "[train]\nsteps = 0\n",
+            "train.steps = 0 is out of range; steps must be a positive integer",
+        ),
         ("[train]\nlr = true\n", "train.lr = true is a boolean, but lr must be a positive number"),
         ('[train]\noptimizer = "lion"\n', 'optimizer must be one of "sgd", "adam", "adamw"'),
         ('[parallel.pipeline]\nschedule = "2F2B"\n', 'schedule must be one of "GPipe", "1F1B"'),
     ],
-)  # fmt: skip
+)
 def test_a_wrong_value_names_the_key_the_value_and_what_is_allowed(
     extra: str, expected: str
 ) -> None:
@@ -210,15 +228,24 @@ def test_a_wrong_value_names_the_key_the_value_and_what_is_allowed(
         ("[model]\npreset = 'debug'\n", "missing section [mesh]"),
         (BASE + "[parallel]\nfsdp = ['data']\n", "names axis 'data', which [mesh] does not have"),
         (BASE + "[parallel]\ntp = 'dp'\n", "axis 'dp' has two jobs"),
-        (BASE + "[parallel.pipeline]\naxis = 'pp'\n", "parallel.pipeline.axis = \"pp\" names axis 'pp'"),
-        (BASE + "[parallel]\nmicrobatches = 2\n[parallel.pipeline]\nmicrobatches = 4\n", "disagree"),
+        (
+            BASE + "[parallel.pipeline]\naxis = 'pp'\n",
+            "parallel.pipeline.axis = \"pp\" names axis 'pp'",
+        ),
+        (
+            BASE + "[parallel]\nmicrobatches = 2\n[parallel.pipeline]\nmicrobatches = 4\n",
+            "disagree",
+        ),
         (BASE + "pp = 1\n[parallel.pipeline]\n", "mesh.pp = 1, but [parallel.pipeline] lays"),
-        (BASE.replace('preset = "debug"', 'preset = "debug"\ndim = 65'), "not divisible by n_heads=4"),
+        (
+            BASE.replace('preset = "debug"', 'preset = "debug"\ndim = 65'),
+            "not divisible by n_heads=4",
+        ),
         (BASE.replace('preset = "debug"', 'preset = "llama2"'), 'preset must be one of "debug"'),
         ("parallel = 3\n" + BASE, "parallel = 3 is an integer, but [parallel] must be a table"),
         (BASE + "[train\n", "not valid TOML"),
     ],
-)  # fmt: skip
+)
 def test_inconsistent_recipes_say_why(text: str, expected: str) -> None:
     assert expected in _error(text)
 

@@ -187,12 +187,30 @@ def deepseek_v3() -> nn.Module:
     """Multi-head latent attention (value heads of 8, query/key heads of 16), dense MLPs."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    return DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=pm.VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
-        num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2,
-        q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, max_position_embeddings=64, use_cache=False, attn_implementation="sdpa"))  # fmt: skip
+    return DeepseekV3ForCausalLM(
+        DeepseekV3Config(
+            vocab_size=pm.VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            moe_intermediate_size=16,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=2,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            max_position_embeddings=64,
+            use_cache=False,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def fused_mlp() -> nn.Module:
@@ -229,8 +247,11 @@ class Case:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-OPT_ATTN = {r".*self_attn\.(q|k|v)_proj\.weight": P("tp", None),
-            r".*self_attn\.(q|k|v)_proj\.bias": P("tp"), r".*self_attn\.out_proj\.weight": P(None, "tp")}  # fmt: skip
+OPT_ATTN = {
+    r".*self_attn\.(q|k|v)_proj\.weight": P("tp", None),
+    r".*self_attn\.(q|k|v)_proj\.bias": P("tp"),
+    r".*self_attn\.out_proj\.weight": P(None, "tp"),
+}
 OPT_MLP = {
     r".*fc1\.weight": P("tp", None),
     r".*fc1\.bias": P("tp"),
@@ -242,96 +263,185 @@ MLP = {r"mlp\.up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp")}
 SWIGLU = {r"ffn\.w1\.weight": P("tp", None), r"ffn\.w2\.weight": P(None, "tp")}
 HEAD_BLOCK = {r"block\.q\.(weight|bias)": P("tp"), r"block\.o\.weight": P(None, "tp")}
 ATTN = {r"attn\.q\.(weight|bias)": P("tp"), r"attn\.o\.weight": P(None, "tp")}
-ROBERTA_HEAD = {r"classifier\.out_proj\.weight": P("tp", None), r"classifier\.out_proj\.bias": P("tp")}  # fmt: skip
+ROBERTA_HEAD = {
+    r"classifier\.out_proj\.weight": P("tp", None),
+    r"classifier\.out_proj\.bias": P("tp"),
+}
 FUSED = {r"mlp\.gate_up\.(weight|bias)": P("tp"), r"mlp\.down\.weight": P(None, "tp")}
 IMAGES = pm.image_batches(0)[0]
 
 CASES: dict[str, Case] = {
-    "global-reshape": Case(zoo.opt, DP_TP, {"rules": _rules({**OPT_ATTN, **OPT_MLP})},
-                           "reshapes with a global size.*Replicate the tensor-parallel projections",
-                           {"rules": _rules(OPT_MLP)}, batches=zoo.token_batches),
-    "sharded-mixed-with-whole": Case(zoo.t5, DP_TP, {"rules": _rules({**T5_ATTN, **T5_MLP})},
-                                     "mixes tensors sharded.*replicate the tensor-parallel "
-                                     "projections feeding this module",
-                                     {"rules": _rules(T5_MLP)}, batches=zoo.token_batches),
-    "reduces-along-the-shard": Case(FirstFeature, DP_TP, {"rules": _rules(MLP)},
-                                    "selects or reduces along the sharded dim.*replicate the "
-                                    "tensor-parallel weights feeding it",
-                                    {"rules": _rules({r"mlp\.down\.weight": P(None, "tp")})}),
+    "global-reshape": Case(
+        zoo.opt,
+        DP_TP,
+        {"rules": _rules({**OPT_ATTN, **OPT_MLP})},
+        "reshapes with a global size.*Replicate the tensor-parallel projections",
+        {"rules": _rules(OPT_MLP)},
+        batches=zoo.token_batches,
+    ),
+    "sharded-mixed-with-whole": Case(
+        zoo.t5,
+        DP_TP,
+        {"rules": _rules({**T5_ATTN, **T5_MLP})},
+        "mixes tensors sharded.*replicate the tensor-parallel projections feeding this module",
+        {"rules": _rules(T5_MLP)},
+        batches=zoo.token_batches,
+    ),
+    "reduces-along-the-shard": Case(
+        FirstFeature,
+        DP_TP,
+        {"rules": _rules(MLP)},
+        "selects or reduces along the sharded dim.*replicate the "
+        "tensor-parallel weights feeding it",
+        {"rules": _rules({r"mlp\.down\.weight": P(None, "tp")})},
+    ),
     "selects-a-sequence-position": Case(
-        pm.roberta_classifier, DP_TP,
-        {"rules": Rules({**ROBERTA_HEAD, **dict(pm.ROBERTA_RULES.patterns)}, logical=SEQ,
-                        fsdp="dp")},
+        pm.roberta_classifier,
+        DP_TP,
+        {
+            "rules": Rules(
+                {**ROBERTA_HEAD, **dict(pm.ROBERTA_RULES.patterns)}, logical=SEQ, fsdp="dp"
+            )
+        },
         "selects or reduces along the sharded dim.*Keep this module's tensor-parallel Linears "
-        "replicated", {"rules": Rules(pm.ROBERTA_RULES.patterns, logical=SEQ, fsdp="dp")},
-        batches=pm.label_batches),
-    "row-wise-fed-no-shard": Case(WrongFeed, DP_TP, {"rules": _rules(MLP)},
-                                  r"'mlp\.down' \(Linear\) is lowered row-wise.*replicate "
-                                  r"'mlp\.down\.weight'",
-                                  {"rules": _rules({r"mlp\.up\.(weight|bias)": P("tp")})}),
+        "replicated",
+        {"rules": Rules(pm.ROBERTA_RULES.patterns, logical=SEQ, fsdp="dp")},
+        batches=pm.label_batches,
+    ),
+    "row-wise-fed-no-shard": Case(
+        WrongFeed,
+        DP_TP,
+        {"rules": _rules(MLP)},
+        r"'mlp\.down' \(Linear\) is lowered row-wise.*replicate "
+        r"'mlp\.down\.weight'",
+        {"rules": _rules({r"mlp\.up\.(weight|bias)": P("tp")})},
+    ),
     "partial-gradient-outside-a-module": Case(
-        HeadScaled, DP_TP, {"rules": _rules(HEAD_BLOCK)},
+        HeadScaled,
+        DP_TP,
+        {"rules": _rules(HEAD_BLOCK)},
         "parameter 'scale' is replicated.*move it into a module that takes the shard",
-        {"rules": _rules(HEAD_BLOCK)}, fixed_model=head_scaled_module),
-    "sharded-parameter-read-elsewhere": Case(pm.tied_mlp, DP_TP, {"rules": pm.VOCAB_RULES},
-                                             r"Replicate it \(spec P\(\) for 'embed\.weight'\)",
-                                             {"rules": pm.MLP_RULES}),
-    "buffer-written-from-the-batch": Case(pm.running_mean_mlp, DP_TP, {"rules": pm.MLP_RULES},
-                                          "batch_buffers='average'",
-                                          {"rules": pm.MLP_RULES, "batch_buffers": "average"}),
-    "buffer-read-again": Case(pm.rereading_mean_mlp, DP_TP,
-                              {"rules": pm.MLP_RULES, "batch_buffers": "average"},
-                              "Read it before updating it",
-                              {"rules": pm.MLP_RULES, "batch_buffers": "average"},
-                              fixed_model=ReadFirstMean),
-    "buffer-over-micro-batches": Case(pm.running_mean_mlp, DP_TP,
-                                      {"rules": pm.MLP_RULES, "batch_buffers": "average",
-                                       "microbatches": 2}, "Use one micro-batch",
-                                      {"rules": pm.MLP_RULES, "batch_buffers": "average"}),
-    "no-probe": Case(pm.group_norm_cnn, DP_TP, {"rules": pm.CNN_RULES}, "pass example_inputs=",
-                     {"rules": pm.CNN_RULES, "example_inputs": IMAGES}, batches=pm.image_batches),
+        {"rules": _rules(HEAD_BLOCK)},
+        fixed_model=head_scaled_module,
+    ),
+    "sharded-parameter-read-elsewhere": Case(
+        pm.tied_mlp,
+        DP_TP,
+        {"rules": pm.VOCAB_RULES},
+        r"Replicate it \(spec P\(\) for 'embed\.weight'\)",
+        {"rules": pm.MLP_RULES},
+    ),
+    "buffer-written-from-the-batch": Case(
+        pm.running_mean_mlp,
+        DP_TP,
+        {"rules": pm.MLP_RULES},
+        "batch_buffers='average'",
+        {"rules": pm.MLP_RULES, "batch_buffers": "average"},
+    ),
+    "buffer-read-again": Case(
+        pm.rereading_mean_mlp,
+        DP_TP,
+        {"rules": pm.MLP_RULES, "batch_buffers": "average"},
+        "Read it before updating it",
+        {"rules": pm.MLP_RULES, "batch_buffers": "average"},
+        fixed_model=ReadFirstMean,
+    ),
+    "buffer-over-micro-batches": Case(
+        pm.running_mean_mlp,
+        DP_TP,
+        {"rules": pm.MLP_RULES, "batch_buffers": "average", "microbatches": 2},
+        "Use one micro-batch",
+        {"rules": pm.MLP_RULES, "batch_buffers": "average"},
+    ),
+    "no-probe": Case(
+        pm.group_norm_cnn,
+        DP_TP,
+        {"rules": pm.CNN_RULES},
+        "pass example_inputs=",
+        {"rules": pm.CNN_RULES, "example_inputs": IMAGES},
+        batches=pm.image_batches,
+    ),
     "forward-fails-on-the-probe": Case(
-        pm.group_norm_cnn, DP_TP, {"rules": pm.CNN_RULES, "example_inputs": torch.zeros(2, 3, 4)},
+        pm.group_norm_cnn,
+        DP_TP,
+        {"rules": pm.CNN_RULES, "example_inputs": torch.zeros(2, 3, 4)},
         "failed in 'stem.0'.*Pass example_inputs=",
-        {"rules": pm.CNN_RULES, "example_inputs": IMAGES}, batches=pm.image_batches),
-    "marked-input-read-inside": Case(PreHeadNorm, DP_TP, {"rules": _rules(ATTN, sp=True)},
-                                     "computes on the input of 'attn'.*Move that computation "
-                                     "out of 'attn'", {"rules": _rules(ATTN, sp=True)},
-                                     fixed_model=norm_outside),
+        {"rules": pm.CNN_RULES, "example_inputs": IMAGES},
+        batches=pm.image_batches,
+    ),
+    "marked-input-read-inside": Case(
+        PreHeadNorm,
+        DP_TP,
+        {"rules": _rules(ATTN, sp=True)},
+        "computes on the input of 'attn'.*Move that computation out of 'attn'",
+        {"rules": _rules(ATTN, sp=True)},
+        fixed_model=norm_outside,
+    ),
     "input-read-inside-under-compiled-selective": Case(
-        PreHeadNorm, {"dp": 1, "tp": 2}, {"rules": _rules(ATTN),
-                                          "compile": {"backend": "aot_eager"},
-                             "activation_checkpointing": "selective"},
+        PreHeadNorm,
+        {"dp": 1, "tp": 2},
+        {
+            "rules": _rules(ATTN),
+            "compile": {"backend": "aot_eager"},
+            "activation_checkpointing": "selective",
+        },
         r"torch\.compile over checkpointed blocks.*activation_checkpointing='none'",
-        {"rules": _rules(ATTN), "compile": {"backend": "aot_eager"}}),
-    "not-per-token-under-sp": Case(ConvInBlock, DP_TP,
-                                   {"rules": _rules({r"head\.(weight|bias)": P("tp")}, sp=True)},
-                                   r"'blocks\.0\.conv' \(Conv1d\).*Drop the \('seq', \.\.\.\)",
-                                   {"rules": _rules({r"head\.(weight|bias)": P("tp")})}),
+        {"rules": _rules(ATTN), "compile": {"backend": "aot_eager"}},
+    ),
+    "not-per-token-under-sp": Case(
+        ConvInBlock,
+        DP_TP,
+        {"rules": _rules({r"head\.(weight|bias)": P("tp")}, sp=True)},
+        r"'blocks\.0\.conv' \(Conv1d\).*Drop the \('seq', \.\.\.\)",
+        {"rules": _rules({r"head\.(weight|bias)": P("tp")})},
+    ),
     "replicated-linear-in-a-block-under-sp": Case(
-        pm.rotary_lm, DP_TP,
-        {"rules": Rules({r"layers\.\d+\.feed_forward\.w[12]\..*": P(),
-                         **dict(pm.ROTARY_RULES.patterns)}, logical=SEQ, fsdp="dp",
-                        allow_unused=True)},
+        pm.rotary_lm,
+        DP_TP,
+        {
+            "rules": Rules(
+                {r"layers\.\d+\.feed_forward\.w[12]\..*": P(), **dict(pm.ROTARY_RULES.patterns)},
+                logical=SEQ,
+                fsdp="dp",
+                allow_unused=True,
+            )
+        },
         r"feed_forward\.w1' \(Linear\) inside a repeated block.*Shard it with its partners",
-        {"rules": Rules(pm.ROTARY_RULES.patterns, logical=SEQ, fsdp="dp")}),
-    "replicated-sibling-of-a-pair": Case(SwiGLU, DP_TP, {"rules": _rules(SWIGLU)},
-                                         r"'ffn\.w3' beside.*is replicated.*Shard 'ffn\.w3\.weight' "
-                                         "column-wise too",
-                                         {"rules": _rules({**SWIGLU, r"ffn\.w3\.weight": P("tp")})}),
-    "fused-projection": Case(fused_mlp, DP_TP, {"rules": _rules(FUSED)},
-                             r"packs several projections.*Replicate 'mlp\.gate_up' \(P\(\)\)",
-                             {"rules": _rules({r"mlp\.down\.weight": P(None, "tp")})}),
-    "heads-split-unevenly": Case(zoo.llama, {"dp": 1, "tp": 4},
-                                 {"rules": zoo.hf_rules(zoo.llama())},
-                                 "Use a tp size that divides 2", {"rules": zoo.hf_rules(zoo.llama())},
-                                 batches=zoo.token_batches, extra={"fixed_axes": DP_TP}),
+        {"rules": Rules(pm.ROTARY_RULES.patterns, logical=SEQ, fsdp="dp")},
+    ),
+    "replicated-sibling-of-a-pair": Case(
+        SwiGLU,
+        DP_TP,
+        {"rules": _rules(SWIGLU)},
+        r"'ffn\.w3' beside.*is replicated.*Shard 'ffn\.w3\.weight' "
+        "column-wise too",
+        {"rules": _rules({**SWIGLU, r"ffn\.w3\.weight": P("tp")})},
+    ),
+    "fused-projection": Case(
+        fused_mlp,
+        DP_TP,
+        {"rules": _rules(FUSED)},
+        r"packs several projections.*Replicate 'mlp\.gate_up' \(P\(\)\)",
+        {"rules": _rules({r"mlp\.down\.weight": P(None, "tp")})},
+    ),
+    "heads-split-unevenly": Case(
+        zoo.llama,
+        {"dp": 1, "tp": 4},
+        {"rules": zoo.hf_rules(zoo.llama())},
+        "Use a tp size that divides 2",
+        {"rules": zoo.hf_rules(zoo.llama())},
+        batches=zoo.token_batches,
+        extra={"fixed_axes": DP_TP},
+    ),
     "context-attention-shapes": Case(
-        deepseek_v3, {"dp": 2, "cp": 2}, {"rules": Rules({".*": P()}, fsdp="dp",
-                                                         logical=[("seq", "cp")])},
+        deepseek_v3,
+        {"dp": 2, "cp": 2},
+        {"rules": Rules({".*": P()}, fsdp="dp", logical=[("seq", "cp")])},
         r"'model\.layers\.0\.self_attn' calls attention.*without the \('seq', \.\.\.\) context",
-        {"rules": Rules({".*": P()}, fsdp="dp")}, extra={"fixed_axes": {"dp": 4}}),
-}  # fmt: skip
+        {"rules": Rules({".*": P()}, fsdp="dp")},
+        extra={"fixed_axes": {"dp": 4}},
+    ),
+}
 
 
 def _mesh(axes: dict[str, int]) -> mt.Mesh:
@@ -346,8 +456,9 @@ def test_the_refusal_names_a_fix_that_plans(name: str) -> None:
         mt.plan(case.model(), _mesh(case.axes), **options)
     assert str(refusal.value)
     fixed = dict(case.fixed)
-    plan = mt.plan((case.fixed_model or case.model)(),
-                   _mesh(case.extra.get("fixed_axes", case.axes)), **fixed)  # fmt: skip
+    plan = mt.plan(
+        (case.fixed_model or case.model)(), _mesh(case.extra.get("fixed_axes", case.axes)), **fixed
+    )
     assert not [n for n in plan.notes if "not proven" in n or "refused" in n]
 
 
@@ -356,9 +467,14 @@ def test_the_refusal_names_a_fix_that_plans(name: str) -> None:
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.trains])
 def test_fixed_plans_train_like_one_device(name: str) -> None:
     case = CASES[name]
-    report = assert_equivalent(case.fixed_model or case.model,
-                               case.extra.get("fixed_axes", case.axes), dict(case.fixed),
-                               batches=case.batches, steps=1, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        case.fixed_model or case.model,
+        case.extra.get("fixed_axes", case.axes),
+        dict(case.fixed),
+        batches=case.batches,
+        steps=1,
+        optimizer="adamw",
+    )
     assert report.passed
 
 
@@ -367,6 +483,12 @@ def test_fixed_plans_train_like_one_device(name: str) -> None:
 def test_a_norm_of_the_pair_parents_input_trains_under_plain_tensor_parallelism() -> None:
     """Without sequence parallelism the parent keeps its plain input (its column-wise children
     share one replicated DTensor of it): the norm inside it computes as written."""
-    report = assert_equivalent(PreHeadNorm, DP_TP, {"rules": _rules(ATTN)},
-                               batches=pm.token_batches, steps=1, optimizer="adamw")  # fmt: skip
+    report = assert_equivalent(
+        PreHeadNorm,
+        DP_TP,
+        {"rules": _rules(ATTN)},
+        batches=pm.token_batches,
+        steps=1,
+        optimizer="adamw",
+    )
     assert report.passed

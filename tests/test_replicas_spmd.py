@@ -107,12 +107,18 @@ def train_debug_recipe(root: str, drift_at: int) -> dict[str, Any]:
     recipe = load_recipe(
         "debug",
         [
-            "train.steps=3", "train.warmup_steps=1", "train.seq_len=16", "train.verify_every=2",
+            "train.steps=3",
+            "train.warmup_steps=1",
+            "train.seq_len=16",
+            "train.verify_every=2",
             "data.source=synthetic",
-            f"logging.run_dir={root}", "logging.console=false", "logging.wandb=disabled",
-            "checkpoint.interval=0", "checkpoint.resume=false",
+            f"logging.run_dir={root}",
+            "logging.console=false",
+            "logging.wandb=disabled",
+            "checkpoint.interval=0",
+            "checkpoint.resume=false",
         ],
-    )  # fmt: skip
+    )
     with mock.patch.object(TrainStep, "__call__", drifting):
         try:
             result = train(recipe)

@@ -105,9 +105,15 @@ def test_safe_changes_pass_with_a_line_each_and_allowed_ones_say_what_happens_to
     before = load_recipe("debug").raw
     after = load_recipe(
         "debug",
-        ["train.steps=400", "mesh.tp=1", "checkpoint.interval=5", "logging.log_every=1",
-         "train.batch_size=16", "checkpoint.allow_change=['train.batch_size']"],
-    ).raw  # fmt: skip
+        [
+            "train.steps=400",
+            "mesh.tp=1",
+            "checkpoint.interval=5",
+            "logging.log_every=1",
+            "train.batch_size=16",
+            "checkpoint.allow_change=['train.batch_size']",
+        ],
+    ).raw
     verdict = check_resume(before, after, allowed=("train.batch_size",), data_step=6)
     assert verdict.refused == ()
     text = "\n".join(verdict.lines)
@@ -121,9 +127,16 @@ def test_safe_changes_pass_with_a_line_each_and_allowed_ones_say_what_happens_to
 
 @pytest.mark.parametrize(
     "override",
-    ["eval.every=3", "eval.batches=2", "profile.steps=[2, 4]", "profile.memory=false",
-     "logging.wandb='disabled'", "train.heartbeat_timeout=300", "parallel.context='cp'"],
-)  # fmt: skip
+    [
+        "eval.every=3",
+        "eval.batches=2",
+        "profile.steps=[2, 4]",
+        "profile.memory=false",
+        "logging.wandb='disabled'",
+        "train.heartbeat_timeout=300",
+        "parallel.context='cp'",
+    ],
+)
 def test_evaluation_profiling_logging_and_the_heartbeat_may_change_on_resume(override: str) -> None:
     """What only observes the run (evaluation, profiling, logging, the heartbeat) or lays it out
     (context parallelism) changes nothing trained: accepted, and said."""
@@ -139,12 +152,19 @@ def test_every_recipe_key_declares_its_resume_rule() -> None:
     """The rule lives with the key (``about(..., resume=...)``, required): every key of every
     section has one and the check reads it; a key no section declares is refused."""
     for section, section_type in SECTION_TYPES.items():
-        keys = [section] if isinstance(section_type, FreeForm) else [
-            f"{section}.{key}" for key, spec in key_table(section).items() if spec.kinds != (dict,)
-        ]  # fmt: skip
+        keys = (
+            [section]
+            if isinstance(section_type, FreeForm)
+            else [
+                f"{section}.{key}"
+                for key, spec in key_table(section).items()
+                if spec.kinds != (dict,)
+            ]
+        )
         for key in keys:
-            rule = resume_rule(key if isinstance(section_type, dict) or "." in key
-                               else f"{key}.anything")  # fmt: skip
+            rule = resume_rule(
+                key if isinstance(section_type, dict) or "." in key else f"{key}.anything"
+            )
             assert rule in ("safe", "refuse"), key
     with pytest.raises(TypeError, match="resume"):
         about("a key without a rule", 1)  # type: ignore[call-arg]
@@ -161,14 +181,19 @@ def test_the_launcher_refuses_a_changed_recipe_before_any_rank_starts(tmp_path: 
     run = [f"logging.run_dir={tmp_path}"]
     saved = load_recipe("debug", run)
     checkpointer = Checkpointer(CheckpointConfig(saved.checkpoint_dir, keep_last=0))
-    extra = {"step": 6, "data": {"epoch": 0, "step": 6}, "recipe": saved.raw,
-             "run": {"id": "a1b2c3", "recipe": "debug"}}  # fmt: skip
+    extra = {
+        "step": 6,
+        "data": {"epoch": 0, "step": 6},
+        "recipe": saved.raw,
+        "run": {"id": "a1b2c3", "recipe": "debug"},
+    }
     checkpointer.save(6, {"w": torch.zeros(4)}, None, extra)
     check_before_launch(load_recipe("debug", [*run, "train.steps=400", "mesh.tp=1"]))
     with pytest.raises(CheckpointError, match=r"  - train\.batch_size: 8 → 16\n"):
         check_before_launch(load_recipe("debug", [*run, "train.batch_size=16"]))
-    allowed = load_recipe("debug", [*run, "train.batch_size=16",
-                                    "checkpoint.allow_change=['train.batch_size']"])  # fmt: skip
+    allowed = load_recipe(
+        "debug", [*run, "train.batch_size=16", "checkpoint.allow_change=['train.batch_size']"]
+    )
     check_before_launch(allowed)
     lines = check_recipe_unchanged(allowed, saved.checkpoint_dir / "step_00000006")
     assert lines == [

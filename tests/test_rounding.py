@@ -20,9 +20,11 @@ U_BF16 = 2.0**-8
 
 
 @given(
-    tolerance=st.floats(0, 1e-4), scale=st.floats(0, 1e3), own=st.floats(0, 1e2),
+    tolerance=st.floats(0, 1e-4),
+    scale=st.floats(0, 1e3),
+    own=st.floats(0, 1e2),
     unit=st.sampled_from([2.0**-8, 2.0**-11]),
-)  # fmt: skip
+)
 def test_bound_is_the_reordering_part_plus_a_multiple_of_the_larger_rounding(
     tolerance: float, scale: float, own: float, unit: float
 ) -> None:
@@ -74,9 +76,13 @@ def test_twin_takes_parameters_and_buffers_by_name() -> None:
 
 
 def _report(comparison: Comparison) -> EquivalenceReport:
-    contract = Contract("approximate", (Reordering("data-parallel gradient and loss sum", 4),),
-                        depth=4, precision="bf16",
-                        rounding_sites=(Reordering("each rank's gradient", 4),))  # fmt: skip
+    contract = Contract(
+        "approximate",
+        (Reordering("data-parallel gradient and loss sum", 4),),
+        depth=4,
+        precision="bf16",
+        rounding_sites=(Reordering("each rank's gradient", 4),),
+    )
     plan_json = '{"mesh": {"axes": [["dp", 4]]}}'
     return EquivalenceReport(contract, (comparison,), ((1.0, 1.0),), 0, plan_json, "replay")
 

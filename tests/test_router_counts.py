@@ -18,18 +18,40 @@ def test_meshtrain_moe_plans_its_count_all_reduces() -> None:
     model = build_moe(MoEConfig.debug(balance="aux_loss"), device="meta")
     rules = default_rules(tp=None, fsdp="dp", ep="ep")
     mesh = mt.make_mesh(dp=2, ep=2, world_size=4, abstract=True)
-    plain = mt.plan(model, mesh, rules, zero=3, batch_size=1, seq_len=8, microbatches=2,
-                    activation_checkpointing="none")  # fmt: skip
+    plain = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=3,
+        batch_size=1,
+        seq_len=8,
+        microbatches=2,
+        activation_checkpointing="none",
+    )
     # 2 MoE layers × 2 micro-batches, 8 experts + 2 int64 = 80 B each
     assert _all_reduces(plain) == {("all_reduce", "dp+ep"): (4, 4 * 80)}
-    again = mt.plan(model, mesh, rules, zero=3, batch_size=1, seq_len=8, microbatches=2,
-                    activation_checkpointing="full")  # fmt: skip
+    again = mt.plan(
+        model,
+        mesh,
+        rules,
+        zero=3,
+        batch_size=1,
+        seq_len=8,
+        microbatches=2,
+        activation_checkpointing="full",
+    )
     assert _all_reduces(again) == {("all_reduce", "dp+ep"): (8, 8 * 80)}
     one = mt.plan(model, mt.make_mesh(dp=1, ep=1), rules, batch_size=1, seq_len=8)
     assert _all_reduces(one) == {}
 
 
 def test_transformers_moe_has_no_count_all_reduces() -> None:
-    plan = mt.plan(moe_models.qwen3_moe(), mt.make_mesh(dp=2, ep=2, world_size=4, abstract=True), moe_models.ep_rules(),
-                   zero=3, batch_size=1, seq_len=8)  # fmt: skip
+    plan = mt.plan(
+        moe_models.qwen3_moe(),
+        mt.make_mesh(dp=2, ep=2, world_size=4, abstract=True),
+        moe_models.ep_rules(),
+        zero=3,
+        batch_size=1,
+        seq_len=8,
+    )
     assert _all_reduces(plan) == {}

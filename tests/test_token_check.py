@@ -82,19 +82,41 @@ def test_the_launcher_refuses_bad_tokens_in_one_line_before_torch(tmp_path: Path
     tokens = np.fromfile(directory / "tokens.bin", dtype=np.uint16)
     tokens[7] = 60_000
     _rewrite(directory, tokens, reseal=True)
-    command = [sys.executable, "-X", "importtime", "-m", "meshtrain", "train", "debug", "--nproc", "2",
-               "--set", "data.source='tokens'", "--set", f"data.path='{directory}'",
-               "--set", f"logging.run_dir='{tmp_path / 'run'}'"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "meshtrain",
+        "train",
+        "debug",
+        "--nproc",
+        "2",
+        "--set",
+        "data.source='tokens'",
+        "--set",
+        f"data.path='{directory}'",
+        "--set",
+        f"logging.run_dir='{tmp_path / 'run'}'",
+    ]
     began = time.monotonic()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    done = subprocess.run(
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     elapsed = time.monotonic() - began
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert len(lines) == 1 and lines[0].startswith("DataError: token file "), lines
     assert "holds token id 60000 at position 7" in lines[0]
-    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()
-                if line.startswith("import time:")}  # fmt: skip
+    imported = {
+        line.split("|")[-1].strip()
+        for line in done.stderr.splitlines()
+        if line.startswith("import time:")
+    }
     assert "torch" not in imported
     assert elapsed < 3, elapsed
 

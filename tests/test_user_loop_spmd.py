@@ -73,9 +73,13 @@ CASES: dict[str, tuple[str, dict[str, int], Any, dict[str, Any]]] = {
     "fsdp-tp-sp": ("llama", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(True), {"zero": 3}),
     "lora-fsdp-tp": ("lora", {"dp": 2, "tp": 2}, lambda: hf_tp_rules(), {"zero": 3}),
     # a tied head through F.linear on the embedding's weight (read outside its module)
-    "tied-reader-fsdp-tp": ("tied", {"dp": 2, "tp": 2}, lambda: proof_models.MLP_RULES,
-                            {"zero": 3}),
-}  # fmt: skip
+    "tied-reader-fsdp-tp": (
+        "tied",
+        {"dp": 2, "tp": 2},
+        lambda: proof_models.MLP_RULES,
+        {"zero": 3},
+    ),
+}
 
 
 def _model(kind: str) -> nn.Module:

@@ -22,8 +22,9 @@ def _literal_values(node: ast.expr) -> tuple[object, ...] | None:
 
 
 def _enum_values(node: ast.ClassDef) -> tuple[object, ...] | None:
-    if not any(getattr(base, "id", getattr(base, "attr", "")).endswith("Enum")
-               for base in node.bases):  # fmt: skip
+    if not any(
+        getattr(base, "id", getattr(base, "attr", "")).endswith("Enum") for base in node.bases
+    ):
         return None
     return tuple(
         statement.value.value
@@ -51,8 +52,11 @@ def vocabularies() -> dict[frozenset[object], list[str]]:
 
 
 def test_no_vocabulary_is_defined_twice() -> None:
-    twice = {tuple(sorted(map(repr, values))): where
-             for values, where in vocabularies().items() if len(where) > 1}  # fmt: skip
+    twice = {
+        tuple(sorted(map(repr, values))): where
+        for values, where in vocabularies().items()
+        if len(where) > 1
+    }
     assert not twice, f"vocabularies defined more than once (import one instead): {twice}"
 
 
@@ -60,6 +64,10 @@ def test_the_check_sees_the_vocabularies_it_guards() -> None:
     """Not vacuous: the context balance and method, document format and checkpointing modes are
     found, each once."""
     found = vocabularies()
-    for values in ({"headtail", "contiguous"}, {"ring", "allgather"}, {"text", "instruction"},
-                   {"none", "full", "selective"}):  # fmt: skip
+    for values in (
+        {"headtail", "contiguous"},
+        {"ring", "allgather"},
+        {"text", "instruction"},
+        {"none", "full", "selective"},
+    ):
         assert len(found[frozenset(values)]) == 1, (values, found.get(frozenset(values)))

@@ -146,13 +146,29 @@ def test_a_replicated_module_inside_a_block_is_refused_under_sequence_parallelis
 @pytest.mark.parametrize(
     ("factory", "first", "last"),
     [
-        (zoo.llama, ("model.embed_tokens", "model.layers.0"), ("model.layers.1", "model.norm", "lm_head")),
-        (zoo.gpt2_untied, ("transformer.wte", "transformer.wpe", "transformer.h.0"), ("transformer.h.1", "transformer.ln_f", "lm_head")),
-        (zoo.bert_untied, ("bert.embeddings", "bert.encoder.layer.0"), ("bert.encoder.layer.1", "cls")),
-        (zoo.vit, ("vit.embeddings", "vit.layers.0"), ("vit.layers.1", "vit.layernorm", "classifier")),
+        (
+            zoo.llama,
+            ("model.embed_tokens", "model.layers.0"),
+            ("model.layers.1", "model.norm", "lm_head"),
+        ),
+        (
+            zoo.gpt2_untied,
+            ("transformer.wte", "transformer.wpe", "transformer.h.0"),
+            ("transformer.h.1", "transformer.ln_f", "lm_head"),
+        ),
+        (
+            zoo.bert_untied,
+            ("bert.embeddings", "bert.encoder.layer.0"),
+            ("bert.encoder.layer.1", "cls"),
+        ),
+        (
+            zoo.vit,
+            ("vit.embeddings", "vit.layers.0"),
+            ("vit.layers.1", "vit.layernorm", "classifier"),
+        ),
         (zoo.cnn, ("stem", "blocks.0"), ("blocks.1", "head")),
     ],
-)  # fmt: skip
+)
 def test_pipelines_find_nested_blocks(factory: object, first: tuple, last: tuple) -> None:
     model = factory()  # type: ignore[operator]
     # one micro-batch (the CNN's BatchNorm needs the whole batch): GPipe runs it
@@ -244,7 +260,10 @@ def test_a_plain_module_tree_with_keyword_activations_pairs() -> None:
 def test_opt_reshaping_with_its_global_head_count_is_refused_naming_the_module() -> None:
     """OPT's attention views its q/k/v as ``(bsz, -1, num_heads, head_dim)``: on a rank holding
     half the heads the ``-1`` would halve the sequence and train wrong, silently."""
-    with pytest.raises(PlanError, match=r"'model\.decoder\.layers\.0\.self_attn' \(OPTAttention\) reshapes with a global size"):  # fmt: skip
+    with pytest.raises(
+        PlanError,
+        match=r"'model\.decoder\.layers\.0\.self_attn' \(OPTAttention\) reshapes with a global size",
+    ):
         mt.plan(zoo.opt(), _mesh(dp=2, tp=2), zoo.OPT_RULES, batch_size=2, seq_len=16)
 
 
@@ -255,7 +274,10 @@ def test_opt_without_tensor_parallelism_plans() -> None:
 
 def test_t5_relative_position_bias_over_all_heads_is_refused() -> None:
     """T5 adds a position bias of every head to a rank's shard of the heads' scores."""
-    with pytest.raises(PlanError, match=r"'t5\.encoder\.block\.0\.layer\.0\.SelfAttention' \(T5Attention\).*mixes tensors sharded over tensor-parallel axis 'tp' with whole ones"):  # fmt: skip
+    with pytest.raises(
+        PlanError,
+        match=r"'t5\.encoder\.block\.0\.layer\.0\.SelfAttention' \(T5Attention\).*mixes tensors sharded over tensor-parallel axis 'tp' with whole ones",
+    ):
         mt.plan(zoo.t5(), _mesh(dp=2, tp=2), zoo.T5_RULES, batch_size=2, seq_len=16)
 
 
@@ -273,7 +295,10 @@ def test_gpt_neox_fused_qkv_from_its_own_plan_is_refused_with_the_fix() -> None:
     """GPT-NeoX's plan shards the fused ``query_key_value`` column-wise; meshtrain cannot tell a
     per-head interleaved packing from a stacked one, so it refuses and says what to write."""
     model = zoo.gpt_neox()
-    with pytest.raises(PlanError, match=r"'gpt_neox\.layers\.0\.attention\.query_key_value' \(Linear\) outputs 96 features.*packs several projections"):  # fmt: skip
+    with pytest.raises(
+        PlanError,
+        match=r"'gpt_neox\.layers\.0\.attention\.query_key_value' \(Linear\) outputs 96 features.*packs several projections",
+    ):
         mt.plan(model, _mesh(dp=2, tp=2), Rules.from_hf(model, fsdp="dp"))
 
 

@@ -30,38 +30,93 @@ DP4 = {"dp": 4}
 # name: (model factory, mesh, plan options, batches)
 CASES: dict[str, tuple[Callable[[], Any], dict[str, int], dict[str, Any], Callable[..., Any]]] = {
     "llama-fsdp-zero2": (zoo.llama, DP4, {"rules": zoo.REPLICATED, "zero": 2}, zoo.token_batches),
-    "llama-tp-sp": (zoo.llama, TP, {"rules": zoo.hf_rules(zoo.llama(), sequence_parallel=True)},
-                    zoo.token_batches),
-    "llama-tp-bf16-ac": (zoo.llama, TP, {"rules": zoo.hf_rules(zoo.llama()), "precision": "bf16",
-                                         "activation_checkpointing": "selective"}, zoo.token_batches),
-    "llama-pp-fsdp": (zoo.llama, PP, {"rules": zoo.REPLICATED, "zero": 2,
-                                      "pipeline": mt.Pipeline(microbatches=2)}, zoo.token_batches),
+    "llama-tp-sp": (
+        zoo.llama,
+        TP,
+        {"rules": zoo.hf_rules(zoo.llama(), sequence_parallel=True)},
+        zoo.token_batches,
+    ),
+    "llama-tp-bf16-ac": (
+        zoo.llama,
+        TP,
+        {
+            "rules": zoo.hf_rules(zoo.llama()),
+            "precision": "bf16",
+            "activation_checkpointing": "selective",
+        },
+        zoo.token_batches,
+    ),
+    "llama-pp-fsdp": (
+        zoo.llama,
+        PP,
+        {"rules": zoo.REPLICATED, "zero": 2, "pipeline": mt.Pipeline(microbatches=2)},
+        zoo.token_batches,
+    ),
     "qwen2-tp": (zoo.qwen2, TP, {"rules": zoo.hf_rules(zoo.qwen2())}, zoo.token_batches),
     # Qwen3 fp32 on dp 2 x tp 2 ZeRO-3 and tp 2: tests/test_partial_grads_spmd.py
-    "qwen3-tp-bf16": (zoo.qwen3, TP, {"rules": zoo.hf_rules(zoo.qwen3()), "zero": 3,
-                                      "precision": "bf16"}, zoo.token_batches),
-    "olmo2-tp-zero3": (zoo.olmo2, TP, {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3}, zoo.token_batches),
-    "olmo2-tp-bf16": (zoo.olmo2, TP, {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3,
-                                      "precision": "bf16"}, zoo.token_batches),
+    "qwen3-tp-bf16": (
+        zoo.qwen3,
+        TP,
+        {"rules": zoo.hf_rules(zoo.qwen3()), "zero": 3, "precision": "bf16"},
+        zoo.token_batches,
+    ),
+    "olmo2-tp-zero3": (
+        zoo.olmo2,
+        TP,
+        {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3},
+        zoo.token_batches,
+    ),
+    "olmo2-tp-bf16": (
+        zoo.olmo2,
+        TP,
+        {"rules": zoo.hf_rules(zoo.olmo2()), "zero": 3, "precision": "bf16"},
+        zoo.token_batches,
+    ),
     "gpt2-tp-tied": (zoo.gpt2, TP, {"rules": zoo.GPT2_RULES}, zoo.token_batches),
-    "gpt2-pp-fsdp": (zoo.gpt2_untied, PP, {"rules": zoo.REPLICATED, "zero": 3,
-                                           "pipeline": mt.Pipeline(microbatches=2)}, zoo.token_batches),
-    "bert-tp-sp-tied": (zoo.bert, TP, {"rules": zoo.with_sequence_parallelism(zoo.BERT_RULES)},
-                        zoo.token_batches),
-    "bert-pp-tp": (zoo.bert_untied, {"pp": 2, "tp": 2}, {"rules": zoo.without_data_axes(zoo.BERT_UNTIED_RULES),
-                   "pipeline": mt.Pipeline(schedule="Interleaved1F1B", microbatches=2)}, zoo.token_batches),
+    "gpt2-pp-fsdp": (
+        zoo.gpt2_untied,
+        PP,
+        {"rules": zoo.REPLICATED, "zero": 3, "pipeline": mt.Pipeline(microbatches=2)},
+        zoo.token_batches,
+    ),
+    "bert-tp-sp-tied": (
+        zoo.bert,
+        TP,
+        {"rules": zoo.with_sequence_parallelism(zoo.BERT_RULES)},
+        zoo.token_batches,
+    ),
+    "bert-pp-tp": (
+        zoo.bert_untied,
+        {"pp": 2, "tp": 2},
+        {
+            "rules": zoo.without_data_axes(zoo.BERT_UNTIED_RULES),
+            "pipeline": mt.Pipeline(schedule="Interleaved1F1B", microbatches=2),
+        },
+        zoo.token_batches,
+    ),
     "vit-tp": (zoo.vit, TP, {"rules": zoo.VIT_RULES, "zero": 3}, zoo.image_batches),
-    "vit-fsdp-bf16-ac": (zoo.vit, DP4, {"rules": zoo.REPLICATED, "precision": "bf16",
-                                        "activation_checkpointing": "full"}, zoo.image_batches),
+    "vit-fsdp-bf16-ac": (
+        zoo.vit,
+        DP4,
+        {"rules": zoo.REPLICATED, "precision": "bf16", "activation_checkpointing": "full"},
+        zoo.image_batches,
+    ),
     "bart-tp": (zoo.bart, TP, {"rules": zoo.BART_RULES}, zoo.token_batches),
     "phi3-tp-fused": (zoo.phi3, TP, {"rules": zoo.hf_rules(zoo.phi3())}, zoo.token_batches),
     "gemma2-tp-softcap": (zoo.gemma2, TP, {"rules": zoo.hf_rules(zoo.gemma2())}, zoo.token_batches),
     "opt-fsdp": (zoo.opt, DP4, {"rules": zoo.REPLICATED, "zero": 3}, zoo.token_batches),
     "cnn-fsdp-zero3": (zoo.cnn, DP4, {"rules": zoo.REPLICATED, "zero": 3}, zoo.image_batches),
-    "cnn-pp-fsdp": (zoo.cnn, PP, {"rules": zoo.REPLICATED, "zero": 2,
-                                  "pipeline": mt.Pipeline(schedule="GPipe", microbatches=1)},
-                    zoo.image_batches),
-}  # fmt: skip
+    "cnn-pp-fsdp": (
+        zoo.cnn,
+        PP,
+        {
+            "rules": zoo.REPLICATED,
+            "zero": 2,
+            "pipeline": mt.Pipeline(schedule="GPipe", microbatches=1),
+        },
+        zoo.image_batches,
+    ),
+}
 
 
 # BERT's layers return views of their input's storage; nothing in it writes into them in place
@@ -155,7 +210,7 @@ LOOPS = {
     "gpt2-tp-tied": (zoo.gpt2, TP, {"rules": zoo.GPT2_RULES, "zero": 2}),
     "bert-ddp": (zoo.bert, DP4, {"rules": zoo.REPLICATED, "zero": 0}),
     "cnn-ddp-batchnorm": (zoo.cnn, DP4, {"rules": zoo.REPLICATED, "zero": 0}),
-}  # fmt: skip
+}
 
 
 @pytest.mark.filterwarnings("ignore:.*FSDP2-wrapped module .* returned a view tensor")

@@ -184,9 +184,11 @@ def compile_loss(plan: Plan, loss_fn: Callable[..., Any]) -> Callable[..., Any]:
         return loss_fn
     options = plan.options
     return torch.compile(
-        loss_fn, backend=options.compile_backend, fullgraph=options.compile_fullgraph,
+        loss_fn,
+        backend=options.compile_backend,
+        fullgraph=options.compile_fullgraph,
         dynamic=False,
-    )  # fmt: skip
+    )
 
 
 def _compile_forward(plan: Plan, module: nn.Module) -> None:
@@ -194,9 +196,11 @@ def _compile_forward(plan: Plan, module: nn.Module) -> None:
     # Static shapes: a new batch shape recompiles instead of turning dims symbolic, which torch
     # 2.13's DTensor embedding cannot take ("unhashable type: non-nested SymInt").
     module.forward = torch.compile(
-        module.forward, backend=options.compile_backend, fullgraph=options.compile_fullgraph,
+        module.forward,
+        backend=options.compile_backend,
+        fullgraph=options.compile_fullgraph,
         dynamic=False,
-    )  # fmt: skip
+    )
 
 
 def _graph_breaks() -> Counter[str]:

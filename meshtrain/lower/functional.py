@@ -166,8 +166,10 @@ def shard_map(fn: F, *, in_specs: Any, out_specs: Any) -> F:
         if active is None or active.tp_mesh is None:
             _check_unplanned(active, leaves, specs)
             return fn(*args)
-        inputs = [_local_input(active, index, leaf, spec)
-                  for index, (leaf, spec) in enumerate(zip(leaves, specs))]  # fmt: skip
+        inputs = [
+            _local_input(active, index, leaf, spec)
+            for index, (leaf, spec) in enumerate(zip(leaves, specs))
+        ]
 
         def flat_fn(*flat: Any) -> Any:
             return fn(*optree.tree_unflatten(treedef, list(flat)))

@@ -33,9 +33,13 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     viewed = [*shape[:dim], parts, shape[dim] // parts, *shape[dim + 1 :]]
     local = tensor.to_local().unflatten(dim, (parts, -1))
     unpacked = DTensor.from_local(
-        local, tensor.device_mesh, unpacked_placements(tensor.placements, mesh_dim, dim),
-        run_check=False, shape=torch.Size(viewed), stride=_contiguous_strides(viewed),
-    )  # fmt: skip
+        local,
+        tensor.device_mesh,
+        unpacked_placements(tensor.placements, mesh_dim, dim),
+        run_check=False,
+        shape=torch.Size(viewed),
+        stride=_contiguous_strides(viewed),
+    )
     return unpacked.full_tensor().flatten(dim, dim + 1)
 
 

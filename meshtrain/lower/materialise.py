@@ -178,8 +178,12 @@ def _initialise_alone(
 def _hidden(modules: list[tuple[str, nn.Module]], names: tuple[str, ...] | None) -> Iterator[None]:
     """The ``names`` parameters (all, with ``None``) of ``modules`` out of sight (a model's own
     initialiser does not know adapters; an NF4 weight is initialised on its own)."""
-    saved = [(module, name, module._parameters.pop(name)) for _, module in modules
-             for name in list(module._parameters) if names is None or name in names]  # fmt: skip
+    saved = [
+        (module, name, module._parameters.pop(name))
+        for _, module in modules
+        for name in list(module._parameters)
+        if names is None or name in names
+    ]
     try:
         yield
     finally:

@@ -369,8 +369,9 @@ def _prune(body: nn.Module, stage: StagePlan, plan: Plan) -> _StageRunner:
     pipeline = plan.pipeline
     assert pipeline is not None
     keep = set(stage.modules)
-    runner = _StageRunner(stage, plan, first=stage.index == 0,
-                          last=stage.index == len(pipeline.stages) - 1)  # fmt: skip
+    runner = _StageRunner(
+        stage, plan, first=stage.index == 0, last=stage.index == len(pipeline.stages) - 1
+    )
     owner, _, name = pipeline.container.rpartition(".")
     parent = body.get_submodule(owner) if owner else body
     container = getattr(parent, name)
@@ -391,6 +392,9 @@ def _prune(body: nn.Module, stage: StagePlan, plan: Plan) -> _StageRunner:
             if fqn not in keep:
                 owner, _, name = fqn.rpartition(".")
                 removed = body.get_submodule(fqn).to("meta")  # its memory freed, its shape kept
-                setattr(body.get_submodule(owner) if owner else body, name,
-                        _Stub(runner, where, removed))  # fmt: skip
+                setattr(
+                    body.get_submodule(owner) if owner else body,
+                    name,
+                    _Stub(runner, where, removed),
+                )
     return runner

@@ -55,10 +55,15 @@ def _fp32_batch_norm(module: nn.modules.batchnorm._BatchNorm, x: torch.Tensor) -
     bias = module.bias.float() if module.bias is not None else None
     running = not module.training or module.track_running_stats
     y = F.batch_norm(
-        x.float(), module.running_mean if running else None,
-        module.running_var if running else None, weight, bias, batch_statistics, momentum,
+        x.float(),
+        module.running_mean if running else None,
+        module.running_var if running else None,
+        weight,
+        bias,
+        batch_statistics,
+        momentum,
         module.eps,
-    )  # fmt: skip
+    )
     return y.to(x.dtype)
 
 

@@ -251,8 +251,9 @@ class Attention(_Initialised):
         q = _apply_rope(self.wq(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         k = _apply_rope(self.wk(x).view(batch, seq, -1, self.head_dim), rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
-        out = attend(self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                     documents)  # fmt: skip
+        out = attend(
+            self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
     def _init_table(self) -> dict[str, _Init]:

@@ -150,11 +150,17 @@ class MoEConfig:
         ``ffn_dim`` is ``ffn_dim`` (default ``dense_inter``, or ``moe_inter`` without one)."""
         width = ffn_dim or self.dense_inter or self.moe_inter
         return LlamaConfig(
-            dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads, vocab_size=self.vocab_size, multiple_of=width,
-            ffn_dim_multiplier=width / int(8 * self.dim / 3), norm_eps=self.norm_eps,
-            rope_theta=self.rope_theta, max_seq_len=self.max_seq_len,
-        )  # fmt: skip
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            vocab_size=self.vocab_size,
+            multiple_of=width,
+            ffn_dim_multiplier=width / int(8 * self.dim / 3),
+            norm_eps=self.norm_eps,
+            rope_theta=self.rope_theta,
+            max_seq_len=self.max_seq_len,
+        )
 
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` routes (the first ``first_dense_layers`` are dense)."""
@@ -183,15 +189,35 @@ class MoEConfig:
     def debug(cls, **overrides: Any) -> MoEConfig:
         """Tiny model for tests: dim 64, 3 layers (the first dense), 8 experts of width 32,
         top-2, one shared expert, vocab 256; every width a multiple of 8 (bf16 grouped_mm)."""
-        shape = dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, n_experts=8,
-                     top_k=2, moe_inter=32, n_shared_experts=1, first_dense_layers=1,
-                     dense_inter=128, max_seq_len=64)  # fmt: skip
+        shape = dict(
+            dim=64,
+            n_layers=3,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=256,
+            n_experts=8,
+            top_k=2,
+            moe_inter=32,
+            n_shared_experts=1,
+            first_dense_layers=1,
+            dense_inter=128,
+            max_seq_len=64,
+        )
         return cls(**{**shape, **overrides})
 
 
 def _check_counts(config: MoEConfig) -> None:
-    positive = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "n_experts", "top_k",
-                "moe_inter", "max_seq_len")  # fmt: skip
+    positive = (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "n_experts",
+        "top_k",
+        "moe_inter",
+        "max_seq_len",
+    )
     for name in (*positive, "n_shared_experts", "first_dense_layers", "dense_inter"):
         value = getattr(config, name)
         low = 1 if name in positive else 0
@@ -246,8 +272,9 @@ class QKNormAttention(Attention):
         q, k = _apply_rope(q, rope_cos, rope_sin), _apply_rope(k, rope_cos, rope_sin)
         v = self.wv(x).view(batch, seq, -1, self.head_dim)
         # a plan may replace attention_fn, as the Llama's; documents: packed sequences
-        out = attend(self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                     documents)  # fmt: skip
+        out = attend(
+            self.attention_fn, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), documents
+        )
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -281,10 +308,15 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.balance = config.n_experts, config.balance
         self.aux_loss_coef, self.aux_loss_scale = config.aux_loss_coef, 1.0
-        self.router = Router(config.dim, config.n_experts, config.top_k,
-                             score_func=config.score_func, norm_topk_prob=config.norm_topk_prob,
-                             route_scale=config.route_scale,
-                             bias_balancing=config.balance == "bias")  # fmt: skip
+        self.router = Router(
+            config.dim,
+            config.n_experts,
+            config.top_k,
+            score_func=config.score_func,
+            norm_topk_prob=config.norm_topk_prob,
+            route_scale=config.route_scale,
+            bias_balancing=config.balance == "bias",
+        )
         self.experts = GroupedExperts(
             config.n_experts, config.dim, config.moe_inter, kernel=config.kernel, out_std=out_std
         )
@@ -525,8 +557,11 @@ def moe_stats(model: nn.Module) -> dict[str, Any]:
     for ffn in layers.values():
         counts = ffn.router.tokens_per_expert.detach().double()
         sums = ffn.last_prob_sums
-        rows.append(sums.detach().double().to(counts.device) if sums is not None
-                    else torch.zeros_like(counts))  # fmt: skip
+        rows.append(
+            sums.detach().double().to(counts.device)
+            if sums is not None
+            else torch.zeros_like(counts)
+        )
     total = reduce_counts(model, torch.stack(rows)).cpu() if rows else torch.zeros(0, 0)
     stats: dict[str, Any] = {}
     ratios, losses = [], []

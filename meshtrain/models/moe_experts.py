@@ -107,13 +107,18 @@ class Router(_Initialised):
             raise PlanError(f"Router score_func={score_func!r}: choose one of {SCORE_FUNCS}.")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.norm_topk_prob, self.route_scale = (
-            score_func, norm_topk_prob, route_scale)  # fmt: skip
+            score_func,
+            norm_topk_prob,
+            route_scale,
+        )
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         annotate(self, weight=(None, "embed"))  # never sharded over experts: every rank routes
-        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.long),
-                             persistent=False)  # fmt: skip
-        self.register_buffer("pending_tokens", torch.zeros(num_experts, dtype=torch.long),
-                             persistent=False)  # fmt: skip
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.long), persistent=False
+        )
+        self.register_buffer(
+            "pending_tokens", torch.zeros(num_experts, dtype=torch.long), persistent=False
+        )
         bias = torch.zeros(num_experts, dtype=torch.float32) if bias_balancing else None
         self.register_buffer("expert_bias", bias)  # in checkpoints: a run resumes its balance
         self.count_reducer = None
@@ -263,17 +268,25 @@ class GroupedExperts(_Initialised):
     """
 
     def __init__(
-        self, num_experts: int, dim: int, inter: int, *, kernel: str = "auto",
+        self,
+        num_experts: int,
+        dim: int,
+        inter: int,
+        *,
+        kernel: str = "auto",
         out_std: float = 0.02,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         if kernel not in KERNELS:
             raise PlanError(f"GroupedExperts kernel={kernel!r}: choose one of {KERNELS}.")
         self.num_experts, self.kernel, self.out_std = num_experts, kernel, out_std
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, inter))
-        annotate(self, gate_up_proj=("expert", "expert_mlp", "embed"),
-                 down_proj=("expert", "embed", "expert_mlp"))  # fmt: skip
+        annotate(
+            self,
+            gate_up_proj=("expert", "expert_mlp", "embed"),
+            down_proj=("expert", "embed", "expert_mlp"),
+        )
 
     def forward(self, hidden: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         tokens, top_k = top_k_index.shape

@@ -59,8 +59,14 @@ __all__ = [
     "moe_to_hf",
 ]
 
-_ATTENTION = ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight",
-              "attention.wo.weight", "attention_norm.weight", "ffn_norm.weight")  # fmt: skip
+_ATTENTION = (
+    "attention.wq.weight",
+    "attention.wk.weight",
+    "attention.wv.weight",
+    "attention.wo.weight",
+    "attention_norm.weight",
+    "ffn_norm.weight",
+)
 _DENSE = ("feed_forward.w1.weight", "feed_forward.w3.weight", "feed_forward.w2.weight")
 _QK_NORMS = {
     "attention.q_norm.weight": "self_attn.q_norm.weight",
@@ -224,17 +230,24 @@ def moe_config_from_hf(hf: Mapping[str, Any], source: str = "config.json") -> Mo
         )
     coef = float(hf.get("router_aux_loss_coef", 0.0))
     return MoEConfig(
-        dim=dim, n_layers=int(hf["num_hidden_layers"]), n_heads=heads,
-        n_kv_heads=int(hf.get("num_key_value_heads") or heads), vocab_size=int(hf["vocab_size"]),
+        dim=dim,
+        n_layers=int(hf["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        vocab_size=int(hf["vocab_size"]),
         n_experts=int(hf.get("num_experts") or hf["num_local_experts"]),
-        top_k=int(hf["num_experts_per_tok"]), moe_inter=int(hf["moe_intermediate_size"]),
-        first_dense_layers=len(dense), dense_inter=int(hf["intermediate_size"]) if dense else 0,
+        top_k=int(hf["num_experts_per_tok"]),
+        moe_inter=int(hf["moe_intermediate_size"]),
+        first_dense_layers=len(dense),
+        dense_inter=int(hf["intermediate_size"]) if dense else 0,
         norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        balance="aux_loss" if coef > 0 else "none", aux_loss_coef=coef if coef > 0 else 0.001,
-        qk_norm=True, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        balance="aux_loss" if coef > 0 else "none",
+        aux_loss_coef=coef if coef > 0 else 0.001,
+        qk_norm=True,
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_seq_len=int(hf.get("max_position_embeddings", 2048)),
-    )  # fmt: skip
+    )
 
 
 #: MoEConfig fields that are training settings, not the function a checkpoint computes.

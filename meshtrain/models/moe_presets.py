@@ -36,16 +36,42 @@ __all__ = ["MOE_PRESETS", "moe_preset"]
 
 
 def _qwen3_moe_30b_a3b() -> MoEConfig:
-    return MoEConfig(dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, vocab_size=151936,
-                     n_experts=128, top_k=8, moe_inter=768, qk_norm=True, balance="aux_loss",
-                     norm_eps=1e-6, rope_theta=1e6, max_seq_len=40960)  # fmt: skip
+    return MoEConfig(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        vocab_size=151936,
+        n_experts=128,
+        top_k=8,
+        moe_inter=768,
+        qk_norm=True,
+        balance="aux_loss",
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        max_seq_len=40960,
+    )
 
 
 def _deepseek_v3_671b() -> MoEConfig:
-    return MoEConfig(dim=7168, n_layers=61, n_heads=128, n_kv_heads=128, vocab_size=129280,
-                     n_experts=256, top_k=8, moe_inter=2048, n_shared_experts=1,
-                     first_dense_layers=3, dense_inter=18432, score_func="sigmoid",
-                     route_scale=2.5, balance="bias", norm_eps=1e-6, max_seq_len=4096)  # fmt: skip
+    return MoEConfig(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        vocab_size=129280,
+        n_experts=256,
+        top_k=8,
+        moe_inter=2048,
+        n_shared_experts=1,
+        first_dense_layers=3,
+        dense_inter=18432,
+        score_func="sigmoid",
+        route_scale=2.5,
+        balance="bias",
+        norm_eps=1e-6,
+        max_seq_len=4096,
+    )
 
 
 #: preset name → a function building its :class:`MoEConfig`

@@ -73,5 +73,12 @@ def plan(
         if search is None:
             return build_plan(model, mesh, rules, options)
         choose = choose_expert_plan if has_experts(model) else choose_plan
-        return choose(model, mesh.world_size, rules, options, search=search,
-                      device_type=mesh.device_type, abstract=mesh.is_abstract).plan  # fmt: skip
+        return choose(
+            model,
+            mesh.world_size,
+            rules,
+            options,
+            search=search,
+            device_type=mesh.device_type,
+            abstract=mesh.is_abstract,
+        ).plan

@@ -114,9 +114,13 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
     collectives += _buffer_collectives(model, mesh, layout)
     if layout.context_axis is not None and layout.profile is not None:
         collectives += context_collectives(
-            layout.profile, options, axis=layout.context_axis, cp=mesh.size(layout.context_axis),
-            checkpointed=options.checkpointed_blocks(layout.blocks), blocks=ring_blocks,
-        )  # fmt: skip
+            layout.profile,
+            options,
+            axis=layout.context_axis,
+            cp=mesh.size(layout.context_axis),
+            checkpointed=options.checkpointed_blocks(layout.blocks),
+            blocks=ring_blocks,
+        )
     return Plan(
         mesh=mesh,
         options=options,
@@ -175,14 +179,25 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     pipeline = options.pipeline
     resolution = resolve_with_adapters(rules, model, mesh)
     pipeline_axis = pipeline.axis if pipeline else None
-    context_axis = context_axis_of(rules, mesh, rules.fsdp, pipeline_axis,
-                                   param_axes(resolution))  # fmt: skip
+    context_axis = context_axis_of(rules, mesh, rules.fsdp, pipeline_axis, param_axes(resolution))
     expert_axis = expert_axis_of(resolution, model)
-    data_axes, tp_axis = infer_axes(resolution, rules.fsdp, pipeline_axis, context_axis,
-                                    expert_axis)  # fmt: skip
+    data_axes, tp_axis = infer_axes(
+        resolution, rules.fsdp, pipeline_axis, context_axis, expert_axis
+    )
     active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
-    experts = plan_experts(model, resolution, expert_axis, data_axes=active, tp_axis=tp_axis,
-                           options=options, context_axis=context_axis) if expert_axis else ()  # fmt: skip
+    experts = (
+        plan_experts(
+            model,
+            resolution,
+            expert_axis,
+            data_axes=active,
+            tp_axis=tp_axis,
+            options=options,
+            context_axis=context_axis,
+        )
+        if expert_axis
+        else ()
+    )
     ep = (expert_axis,) if expert_axis else ()
     context = (context_axis,) if context_axis else ()
     if context_axis is not None:
@@ -190,8 +205,14 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         check_context_model(model, context_axis)
     shard_axes = shard_axes_of(active) + context + ep
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
-    layouts = infer_layouts(resolution, shard_axes, options, element_bytes,
-                            trainable=trainable(model), storage=storage(model))  # fmt: skip
+    layouts = infer_layouts(
+        resolution,
+        shard_axes,
+        options,
+        element_bytes,
+        trainable=trainable(model),
+        storage=storage(model),
+    )
     if experts and fsdp_decisions(options.zero).shard_params:
         # the experts' FSDP ranks: the shard axis (HSDP: the second) and the context axis
         efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active) + context)
@@ -213,18 +234,25 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     all_units = _decided(infer_units(model, options.fsdp_units), options)
     blocks = block_fqns(all_units)
     if sequence_parallel and tp_axis is not None:
-        styles = place_sequence_split(model, styles, blocks, tp_size=mesh.size(tp_axis),
-                                      seq_len=options.seq_len)  # fmt: skip
+        styles = place_sequence_split(
+            model, styles, blocks, tp_size=mesh.size(tp_axis), seq_len=options.seq_len
+        )
     cast_axes = _cast_axes(options, data_axes, active + context + ep, mesh)
     units = all_units if active or cast_axes or context or ep else ()
     compile_scope = resolve_compile_scope(
-        options, sequence_parallel=sequence_parallel, wrapped=bool(units), tp_axis=tp_axis,
-        split_backward_schedule=pipeline.schedule if pipeline and pipeline.splits_backward else None,
-    )  # fmt: skip
+        options,
+        sequence_parallel=sequence_parallel,
+        wrapped=bool(units),
+        tp_axis=tp_axis,
+        split_backward_schedule=pipeline.schedule
+        if pipeline and pipeline.splits_backward
+        else None,
+    )
     if compile_scope is not None and tp_axis is not None:
         notes.append(plain_under_compile_note(tp_axis))
-    profile = _activation_profile(model, blocks, styles, options, mesh, tp_axis, sequence_parallel,
-                                  context_axis)  # fmt: skip
+    profile = _activation_profile(
+        model, blocks, styles, options, mesh, tp_axis, sequence_parallel, context_axis
+    )
     if isinstance(profile, str):
         notes.append(profile)
         profile = None
@@ -233,14 +261,21 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
     _check_tied(tied, blocks)
     batch_norms = _batch_norms(model, options)
     proof = prove_plan(
-        model, layouts, styles, blocks=blocks, unproven=options.unproven_shards,
-        scope=Scope(tp_axis, mesh.size(tp_axis) if tp_axis is not None else 1, sequence_parallel,
-                    data_parallel=bool(active or context or ep), context=bool(context),
-                    resharded=tuple(u.fqn for u in units
-                                    if u.fqn and u.decisions.reshard_after_forward),
-                    shared_inputs=pair_inputs_shared(compile_scope,
-                                                     options.activation_checkpointing)),
-    )  # fmt: skip
+        model,
+        layouts,
+        styles,
+        blocks=blocks,
+        unproven=options.unproven_shards,
+        scope=Scope(
+            tp_axis,
+            mesh.size(tp_axis) if tp_axis is not None else 1,
+            sequence_parallel,
+            data_parallel=bool(active or context or ep),
+            context=bool(context),
+            resharded=tuple(u.fqn for u in units if u.fqn and u.decisions.reshard_after_forward),
+            shared_inputs=pair_inputs_shared(compile_scope, options.activation_checkpointing),
+        ),
+    )
     notes += proof.notes
     try:
         averaged = _batch_buffers(proof, options, [*active, *context, *ep])
@@ -248,10 +283,29 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         if not kept_as_notes():
             raise
         averaged, notes = (), [*notes, f"refused (kept as a note): {refusal}"]
-    return Inferred(active, tp_axis, sequence_parallel, layouts, styles, units, blocks, cast_axes,
-                  compile_scope, buffers, profile, tuple(notes), tied, batch_norms,
-                  proof.partial_grads, context_axis, expert_axis, experts, proof.readers,
-                  proof.fresh_outputs, averaged)  # fmt: skip
+    return Inferred(
+        active,
+        tp_axis,
+        sequence_parallel,
+        layouts,
+        styles,
+        units,
+        blocks,
+        cast_axes,
+        compile_scope,
+        buffers,
+        profile,
+        tuple(notes),
+        tied,
+        batch_norms,
+        proof.partial_grads,
+        context_axis,
+        expert_axis,
+        experts,
+        proof.readers,
+        proof.fresh_outputs,
+        averaged,
+    )
 
 
 def _batch_buffers(
@@ -290,9 +344,13 @@ def cost_flat(
 ) -> tuple[Memory, tuple[Collective, ...], tuple[str, ...], tuple[tuple[str, int], ...]]:
     """Memory per rank, collectives per step, notes and activation estimates per checkpointing
     mode of a plan without a pipeline."""
-    memory = estimate_memory(layout.params, layout.units, options, buffers=layout.buffers,
-                             sharded=bool(layout.data_axes or layout.context_axis
-                                          or layout.expert_axis))  # fmt: skip
+    memory = estimate_memory(
+        layout.params,
+        layout.units,
+        options,
+        buffers=layout.buffers,
+        sharded=bool(layout.data_axes or layout.context_axis or layout.expert_axis),
+    )
     estimates: tuple[tuple[str, int], ...] = ()
     profile = layout.profile
     if profile is not None:
@@ -305,27 +363,43 @@ def cost_flat(
             for mode in CHECKPOINTING_MODES
         )
     if layout.expert_axis is not None and layout.experts:  # experts units over the data axes
-        collectives = expert_data_collectives(layout.params, layout.units, layout.data_axes,
-                                              layout.expert_axis, layout.experts, options)  # fmt: skip
+        collectives = expert_data_collectives(
+            layout.params,
+            layout.units,
+            layout.data_axes,
+            layout.expert_axis,
+            layout.experts,
+            options,
+        )
     else:
         collectives = estimate_collectives(layout.params, layout.units, layout.data_axes, options)
     collectives += estimate_tp_collectives(
-        layout.styles, layout.params, layout.tp_axis, options,
-        sequence_parallel=layout.sequence_parallel, data_parallel=bool(layout.data_axes),
-        tied=layout.tied, units=layout.units,
-    )  # fmt: skip
+        layout.styles,
+        layout.params,
+        layout.tp_axis,
+        options,
+        sequence_parallel=layout.sequence_parallel,
+        data_parallel=bool(layout.data_axes),
+        tied=layout.tied,
+        units=layout.units,
+    )
     collectives += partial_grad_collectives(
-        layout.partial_grads, layout.params, options,
-        data_parallel=bool(layout.data_axes), units=layout.units,
-    )  # fmt: skip
+        layout.partial_grads,
+        layout.params,
+        options,
+        data_parallel=bool(layout.data_axes),
+        units=layout.units,
+    )
     notes = layout.notes
     if layout.expert_axis is not None and layout.experts:
         ep = layout.experts[0].num_experts // layout.experts[0].local_experts
         checkpointed = options.checkpointed_blocks(layout.blocks)
-        collectives += estimate_expert_collectives(layout.experts, layout.params,
-                                                   layout.expert_axis, ep, options, checkpointed)  # fmt: skip
-        notes += expert_notes(layout.experts, layout.params, layout.expert_axis, ep, options,
-                              checkpointed)  # fmt: skip
+        collectives += estimate_expert_collectives(
+            layout.experts, layout.params, layout.expert_axis, ep, options, checkpointed
+        )
+        notes += expert_notes(
+            layout.experts, layout.params, layout.expert_axis, ep, options, checkpointed
+        )
     return memory, collectives, notes, estimates
 
 
@@ -341,12 +415,18 @@ def cost_pipelined(
     tp_axis = layout.tp_axis
     seq_shards = mesh.size(tp_axis) if layout.sequence_parallel and tp_axis is not None else 1
     pipeline_plan = plan_pipeline(
-        model, mesh, pipeline, options, seq_shards=seq_shards,
-        resharded=bool(layout.data_axes) and any(u.decisions.reshard_after_forward for u in layout.units),
+        model,
+        mesh,
+        pipeline,
+        options,
+        seq_shards=seq_shards,
+        resharded=bool(layout.data_axes)
+        and any(u.decisions.reshard_after_forward for u in layout.units),
         param_bytes={p.fqn: p.bytes_at_rest for p in layout.params},
-        activations=layout.profile, checkpointed=options.checkpointed_blocks(layout.blocks),
+        activations=layout.profile,
+        checkpointed=options.checkpointed_blocks(layout.blocks),
         trainable={p.fqn: p.trainable for p in layout.params},
-    )  # fmt: skip
+    )
     costs = pipeline_costs(pipeline_plan, mesh, layout, options)
     note = (
         f"memory and collectives are the busiest pipeline rank's ({pipeline.axis} rank "
@@ -357,8 +437,9 @@ def cost_pipelined(
     groups = tuple(g for g in layout.experts if set(g.params) & kept)
     if layout.expert_axis is not None and groups:  # the busiest rank's MoE layers' all-to-alls
         ep, checkpointed = mesh.size(layout.expert_axis), options.checkpointed_blocks(layout.blocks)
-        collectives += estimate_expert_collectives(groups, layout.params, layout.expert_axis, ep,
-                                                   options, checkpointed)  # fmt: skip
+        collectives += estimate_expert_collectives(
+            groups, layout.params, layout.expert_axis, ep, options, checkpointed
+        )
         notes += expert_notes(groups, layout.params, layout.expert_axis, ep, options, checkpointed)
     return pipeline_plan, costs.memory, collectives, notes, costs.estimates
 
@@ -374,13 +455,16 @@ def _router_count_collectives(
     of the busiest pipeline rank's ``modules`` when given."""
     routers = counting_routers(model)
     if modules is not None:
-        routers = tuple(r for r in routers
-                        if any(r.fqn == m or r.fqn.startswith(m + ".") for m in modules))  # fmt: skip
+        routers = tuple(
+            r for r in routers if any(r.fqn == m or r.fqn.startswith(m + ".") for m in modules)
+        )
     axes = (*layout.data_axes, layout.expert_axis, layout.context_axis)
     return count_collectives(
-        routers, axis=mesh.joined(tuple(a for a in axes if a is not None)),
-        microbatches=options.microbatches, checkpointed=options.checkpointed_blocks(layout.blocks),
-    )  # fmt: skip
+        routers,
+        axis=mesh.joined(tuple(a for a in axes if a is not None)),
+        microbatches=options.microbatches,
+        checkpointed=options.checkpointed_blocks(layout.blocks),
+    )
 
 
 def _buffer_collectives(model: nn.Module, mesh: Mesh, layout: Inferred) -> tuple[Collective, ...]:
@@ -391,9 +475,15 @@ def _buffer_collectives(model: nn.Module, mesh: Mesh, layout: Inferred) -> tuple
     axes = (*layout.data_axes, layout.expert_axis, layout.context_axis)
     found = [buffers[fqn] for fqn, _ in layout.averaged_buffers if fqn in buffers]
     payload = sum(b.numel() * b.element_size() for b in found)
-    return (Collective("all_reduce", mesh.joined(tuple(a for a in axes if a is not None)),
-                       len(found), payload, "buffers written from the batch, averaged after each "
-                       "forward (batch_buffers='average')"),)  # fmt: skip
+    return (
+        Collective(
+            "all_reduce",
+            mesh.joined(tuple(a for a in axes if a is not None)),
+            len(found),
+            payload,
+            "buffers written from the batch, averaged after each forward (batch_buffers='average')",
+        ),
+    )
 
 
 def _hsdp_note(
@@ -413,8 +503,10 @@ def _hsdp_note(
     what = "parameters outside the experts" if expert_axis else "parameters"
     note = f"HSDP: {what} replicated over '{replicate}' and sharded over '{flat}' ({ways} ranks)"
     if expert_axis:
-        note += (f"; the experts sharded over '{expert_axis}', then FSDP-sharded over '{shard}' "
-                 f"and replicated over '{replicate}'")  # fmt: skip
+        note += (
+            f"; the experts sharded over '{expert_axis}', then FSDP-sharded over '{shard}' "
+            f"and replicated over '{replicate}'"
+        )
     return note
 
 
@@ -448,8 +540,10 @@ def _batch_norms(model: nn.Module, options: PlanOptions) -> tuple[str, ...]:
 def _check_tied(tied: tuple[tuple[str, ...], ...], blocks: tuple[str, ...]) -> None:
     """A tied parameter is gathered with one FSDP unit: every module using it must be in it."""
     for group in tied:
-        owners = {max((b for b in blocks if fqn.startswith(b + ".")), key=len, default="")
-                  for fqn in group}  # fmt: skip
+        owners = {
+            max((b for b in blocks if fqn.startswith(b + ".")), key=len, default="")
+            for fqn in group
+        }
         if len(owners) > 1:
             raise PlanError(
                 f"parameters {list(group)} are one tensor (tied weights) used in different FSDP "

@@ -167,18 +167,38 @@ def estimate_collectives(
     syncs = options.microbatches if decided.sync_every_microbatch and not pipelined else 1
     grad_bytes = sum(grads) * reduce_bytes * syncs
     if decided.grad_sync == "all_reduce":
-        return (Collective("all_reduce", "+".join(data_axes), reducing * syncs, grad_bytes,
-                           "gradients, one per unit with trainable parameters"),)  # fmt: skip
+        return (
+            Collective(
+                "all_reduce",
+                "+".join(data_axes),
+                reducing * syncs,
+                grad_bytes,
+                "gradients, one per unit with trainable parameters",
+            ),
+        )
     replicate_axis, shard_axis = data_axes if len(data_axes) == 2 else (None, data_axes[0])
     result = list(_parameter_gathers(layouts, units, shard_axis, options, pipelined, block_gathers))
-    result.append(Collective("reduce_scatter", shard_axis, reducing * syncs, grad_bytes,
-                             "gradients, one per unit with trainable parameters per sync"))  # fmt: skip
+    result.append(
+        Collective(
+            "reduce_scatter",
+            shard_axis,
+            reducing * syncs,
+            grad_bytes,
+            "gradients, one per unit with trainable parameters per sync",
+        )
+    )
     if replicate_axis is not None:
         owned = {fqn for unit in units for fqn in unit.params}
         shard_total = sum(p.shard_numel for p in layouts if p.trainable and p.fqn in owned)
-        result.append(Collective("all_reduce", replicate_axis, reducing * syncs,
-                                 shard_total * reduce_bytes * syncs,
-                                 "HSDP: gradient shards across replicas"))  # fmt: skip
+        result.append(
+            Collective(
+                "all_reduce",
+                replicate_axis,
+                reducing * syncs,
+                shard_total * reduce_bytes * syncs,
+                "HSDP: gradient shards across replicas",
+            )
+        )
     return tuple(result)
 
 
@@ -203,13 +223,25 @@ def _parameter_gathers(
         return _stage_zero3(axis, len(units), sum(resharded), root, forward, backward)
     regathered = not (pipelined or units[-1].decisions.gathered_across_microbatches)
     gathers = micro if regathered else 1
-    rows = [Collective("all_gather", axis, len(units) * gathers, sum(gathered) * gathers,
-                       "parameters, one per unit in forward")]  # fmt: skip
+    rows = [
+        Collective(
+            "all_gather",
+            axis,
+            len(units) * gathers,
+            sum(gathered) * gathers,
+            "parameters, one per unit in forward",
+        )
+    ]
     if resharded:
-        rows.append(Collective(
-            "all_gather", axis, len(resharded) * micro, sum(resharded) * micro,
-            "parameters again in backward (non-root units are resharded after forward; the root is kept)",
-        ))  # fmt: skip
+        rows.append(
+            Collective(
+                "all_gather",
+                axis,
+                len(resharded) * micro,
+                sum(resharded) * micro,
+                "parameters again in backward (non-root units are resharded after forward; the root is kept)",
+            )
+        )
     return tuple(rows)
 
 
@@ -236,10 +268,13 @@ def pipeline_step_scalars(
     rows = [Collective("all_reduce", tokens, 1, scalar, "the step's loss tokens")] if tokens else []
     rows.append(
         Collective(
-            "all_reduce", mesh.joined((pipeline_axis, *axes)), 1, scalar,
+            "all_reduce",
+            mesh.joined((pipeline_axis, *axes)),
+            1,
+            scalar,
             "the step's loss, returned on every rank",
         )
-    )  # fmt: skip
+    )
     return tuple(rows)
 
 
@@ -251,14 +286,20 @@ def _stage_zero3(
     n_blocks = n_units - 1
     return (
         Collective(
-            "all_gather", axis, n_blocks * forward + 1, blocks * forward + root,
+            "all_gather",
+            axis,
+            n_blocks * forward + 1,
+            blocks * forward + root,
             "parameters in forward: the stage's root once, its blocks whenever resharded",
         ),
         Collective(
-            "all_gather", axis, n_blocks * backward, blocks * backward,
+            "all_gather",
+            axis,
+            n_blocks * backward,
+            blocks * backward,
             "parameters in backward: blocks resharded since their last backward",
         ),
-    )  # fmt: skip
+    )
 
 
 __all__ = [

@@ -86,10 +86,13 @@ class FSDPDecisions:
         """
         sharded = [
             name
-            for name, flag in (("params", self.shard_params), ("grads", self.shard_grads),
-                               ("optimizer states", self.shard_optimizer_states))
+            for name, flag in (
+                ("params", self.shard_params),
+                ("grads", self.shard_grads),
+                ("optimizer states", self.shard_optimizer_states),
+            )
             if flag
-        ]  # fmt: skip
+        ]
         parts = [
             self.wrapper,
             f"{'/'.join(sharded)} sharded" if sharded else "nothing sharded",

@@ -44,8 +44,10 @@ def infer_axes(
         for axis in param.spec.axes:
             used.setdefault(axis, param.fqn)
     _check_sharded_axes(used, data, pipeline_axis, mesh)
-    tp_axes = sorted({axis for axis in used if mesh.size(axis) > 1 and axis != expert_axis},
-                     key=mesh.axis_names.index)  # fmt: skip
+    tp_axes = sorted(
+        {axis for axis in used if mesh.size(axis) > 1 and axis != expert_axis},
+        key=mesh.axis_names.index,
+    )
     if len(tp_axes) > 1:
         raise PlanError(
             f"parameters are sharded over several model axes {tp_axes} on mesh {mesh} (e.g. "

@@ -224,8 +224,10 @@ class ExpertGroup:
         """One line for ``Plan.explain()``."""
         top_k = f"top-{self.top_k}" if self.top_k else "top-k unknown"
         inside = f", split inside over '{self.tensor_axis}'" if self.tensor_axis else ""
-        return (f"{self.fqn}: {self.num_experts} experts, {self.local_experts} per rank, {top_k}, "
-                f"{len(self.params)} parameters{inside}")  # fmt: skip
+        return (
+            f"{self.fqn}: {self.num_experts} experts, {self.local_experts} per rank, {top_k}, "
+            f"{len(self.params)} parameters{inside}"
+        )
 
 
 @dataclass(frozen=True)
@@ -347,9 +349,12 @@ class PipelinePlan:
                 f"activations forward across {crossings} rank boundar"
                 f"{'y' if crossings == 1 else 'ies'}, their gradients backward across "
                 f"{crossings - frozen}: "
-                + ("the first has no trainable parameter before it" if frozen == 1 else
-                   f"the first {frozen} have no trainable parameter before them")
-            )  # fmt: skip
+                + (
+                    "the first has no trainable parameter before it"
+                    if frozen == 1
+                    else f"the first {frozen} have no trainable parameter before them"
+                )
+            )
         lines.append(
             f"  point-to-point per step: {self.p2p_count} sends of {self.p2p_bytes:,} B in total"
             f" ({what}){sized}"
@@ -491,29 +496,40 @@ class Plan:
             lines += ["", *self.pipeline.explain_lines()]
         if self.batch_norms:
             where = "over every data-parallel rank" if self.data_axes else "on this rank"
-            lines += ["", f"BatchNorm statistics over the global batch ({where}): "
-                      + ", ".join(self.batch_norms)]  # fmt: skip
+            lines += [
+                "",
+                f"BatchNorm statistics over the global batch ({where}): "
+                + ", ".join(self.batch_norms),
+            ]
         if self.partial_grads:
             lines += [
                 "",
                 "partial gradients all-reduced over the tensor-parallel axis (replicated "
                 "parameters computing on its shards; module, input dim sharded):",
             ]
-            lines += [f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
-                      for g in self.partial_grads]  # fmt: skip
+            lines += [
+                f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
+                for g in self.partial_grads
+            ]
         lines += self._proof_lines()
         if self.experts:
-            lines += ["", f"expert parallelism over '{self.expert_axis}' (tokens dispatched to "
-                      "their expert's rank by all-to-all, dropless; the batch split over "
-                      f"{list(self.batch_axes)}):"]  # fmt: skip
+            lines += [
+                "",
+                f"expert parallelism over '{self.expert_axis}' (tokens dispatched to "
+                "their expert's rank by all-to-all, dropless; the batch split over "
+                f"{list(self.batch_axes)}):",
+            ]
             lines += [f"  {group.describe()}" for group in self.experts]
         if self.context_axis is not None:
             options = self.options
-            lines += ["", f"context parallelism over '{self.context_axis}' "
-                      f"({self.mesh.size(self.context_axis)} ranks per sequence, balance "
-                      f"{options.context_balance!r}, attention by {options.context_method!r}): "
-                      "parameters replicated over it, gradients and loss tokens reduced over "
-                      f"{list(self.token_axes)}"]  # fmt: skip
+            lines += [
+                "",
+                f"context parallelism over '{self.context_axis}' "
+                f"({self.mesh.size(self.context_axis)} ranks per sequence, balance "
+                f"{options.context_balance!r}, attention by {options.context_method!r}): "
+                "parameters replicated over it, gradients and loss tokens reduced over "
+                f"{list(self.token_axes)}",
+            ]
         if self.tied:
             lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
             lines += [f"  {' = '.join(group)}" for group in self.tied]
@@ -525,17 +541,28 @@ class Plan:
         """What the abstract run found that the lowering acts on (beside partial gradients)."""
         lines = []
         if self.readers:
-            lines += ["", "replicated parameters read outside their module (the reader computes "
-                      "on their local tensors):"]  # fmt: skip
+            lines += [
+                "",
+                "replicated parameters read outside their module (the reader computes "
+                "on their local tensors):",
+            ]
             lines += [f"  {r.param}: read by '{r.reader or '<root>'}'" for r in self.readers]
         if self.fresh_outputs:
-            lines += ["", "outputs updated in place by the forward (handed out as fresh tensors): "
-                      + ", ".join(self.fresh_outputs)]  # fmt: skip
+            lines += [
+                "",
+                "outputs updated in place by the forward (handed out as fresh tensors): "
+                + ", ".join(self.fresh_outputs),
+            ]
         if self.averaged_buffers:
-            lines += ["", f"buffers written from the batch, averaged over {list(self.token_axes)} "
-                      "after the forward of the module writing each:"]  # fmt: skip
-            lines += [f"  {buffer}: after '{writer or '<root>'}'"
-                      for buffer, writer in self.averaged_buffers]  # fmt: skip
+            lines += [
+                "",
+                f"buffers written from the batch, averaged over {list(self.token_axes)} "
+                "after the forward of the module writing each:",
+            ]
+            lines += [
+                f"  {buffer}: after '{writer or '<root>'}'"
+                for buffer, writer in self.averaged_buffers
+            ]
         return lines
 
     def _compute_lines(self) -> list[str]:
@@ -655,9 +682,12 @@ def _param_lines(params: tuple[ParamLayout, ...]) -> list[str]:
     if frozen:
         trainable = sum(math.prod(p.shape) for p in params if p.trainable)
         total = sum(math.prod(p.shape) for p in params)
-        lines += ["", f"trainable parameters: {trainable:,} of {total:,} "
-                  f"({trainable / max(total, 1):.3%}); {len(frozen)} frozen tensors get no "
-                  "gradient, optimizer state or gradient collective"]  # fmt: skip
+        lines += [
+            "",
+            f"trainable parameters: {trainable:,} of {total:,} "
+            f"({trainable / max(total, 1):.3%}); {len(frozen)} frozen tensors get no "
+            "gradient, optimizer state or gradient collective",
+        ]
     return lines
 
 
@@ -680,9 +710,11 @@ def _decision_lines(units: tuple[FSDPUnit, ...]) -> list[str]:
         groups.setdefault(unit.decisions, []).append(unit.fqn or "<root>")
     lines = []
     for decisions, names in groups.items():
-        which = "every unit" if len(names) == len(units) else (
-            ", ".join(names) if len(names) <= 3 else f"{len(names)} units ({names[0]}, …)"
-        )  # fmt: skip
+        which = (
+            "every unit"
+            if len(names) == len(units)
+            else (", ".join(names) if len(names) <= 3 else f"{len(names)} units ({names[0]}, …)")
+        )
         lines.append(f"  decided for {which}: {decisions.describe()}")
     return lines
 

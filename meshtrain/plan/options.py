@@ -202,13 +202,17 @@ class PlanOptions:
             )
         _check_context_options(self.context_balance, self.context_method)
         if self.unproven_shards not in ("refuse", "note"):
-            raise PlanError(f"unproven_shards={self.unproven_shards!r} is not one of 'refuse' "
-                            "(default) or 'note' (plan a tensor-parallel plan the abstract run "
-                            "cannot prove, with a note).")  # fmt: skip
+            raise PlanError(
+                f"unproven_shards={self.unproven_shards!r} is not one of 'refuse' "
+                "(default) or 'note' (plan a tensor-parallel plan the abstract run "
+                "cannot prove, with a note)."
+            )
         if self.batch_buffers not in ("refuse", "average"):
-            raise PlanError(f"batch_buffers={self.batch_buffers!r} is not one of 'refuse' "
-                            "(default) or 'average' (buffers written from the batch averaged over "
-                            "the data-parallel ranks after each forward).")  # fmt: skip
+            raise PlanError(
+                f"batch_buffers={self.batch_buffers!r} is not one of 'refuse' "
+                "(default) or 'average' (buffers written from the batch averaged over "
+                "the data-parallel ranks after each forward)."
+            )
         if self.optimizer not in _OPTIMIZER_STATES:
             raise PlanError(
                 f"optimizer={self.optimizer!r} is unknown to the memory model; use one of "
@@ -317,8 +321,10 @@ class PlanOptions:
         data = asdict(self)
         if self.pipeline is not None:
             split = self.pipeline.split
-            data["pipeline"] = {**asdict(self.pipeline),
-                                "split": split if isinstance(split, str) else list(split)}  # fmt: skip
+            data["pipeline"] = {
+                **asdict(self.pipeline),
+                "split": split if isinstance(split, str) else list(split),
+            }
         if self.fsdp_units is not None:
             data["fsdp_units"] = list(self.fsdp_units)
         for name in ("unproven_shards", "batch_buffers"):

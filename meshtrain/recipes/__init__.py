@@ -41,18 +41,33 @@ if TYPE_CHECKING:
 #: import no torch.
 _LAZY = {
     **dict.fromkeys(
-        ("OptimizerBuilder", "Recipe", "apply_overrides", "describe_shrink",
-         "load_recipe", "recipe_from_toml", "shrink"),
+        (
+            "OptimizerBuilder",
+            "Recipe",
+            "apply_overrides",
+            "describe_shrink",
+            "load_recipe",
+            "recipe_from_toml",
+            "shrink",
+        ),
         "meshtrain.recipes.recipe",
     ),
     **dict.fromkeys(("FactoryBuilder", "HFBuilder", "LlamaBuilder"), "meshtrain.recipes.models"),
     **dict.fromkeys(
-        ("CheckpointSection", "DataSection", "LoggingSection", "LoRASection", "ModelSection",
-         "ParallelSection", "PipelineSection", "TrainSection"),
+        (
+            "CheckpointSection",
+            "DataSection",
+            "LoggingSection",
+            "LoRASection",
+            "ModelSection",
+            "ParallelSection",
+            "PipelineSection",
+            "TrainSection",
+        ),
         "meshtrain.recipes.sections",
     ),
     "parse_spec": "meshtrain.recipes.schema",
-}  # fmt: skip
+}
 
 
 def __getattr__(name: str) -> object:

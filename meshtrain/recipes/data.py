@@ -60,8 +60,9 @@ def recipe_tokenizer(recipe: Recipe) -> Tokenizer:
 
 def document_source(recipe: Recipe) -> DocumentSource:
     data = recipe.data
-    return DocumentSource(data.source, data.path, data.text_field, data.format,
-                          data.prompt_field, data.response_field)  # fmt: skip
+    return DocumentSource(
+        data.source, data.path, data.text_field, data.format, data.prompt_field, data.response_field
+    )
 
 
 def prepare_recipe_data(
@@ -75,9 +76,13 @@ def prepare_recipe_data(
     started = time.perf_counter()
     with _ProgressBar(f"tokenising {recipe.data.path}") as progress:
         prepared = prepare_documents(
-            document_source(recipe), tokenizer, data_directory(recipe),
-            validation=recipe.data.validation, seed=recipe.data.seed, progress=progress,
-        )  # fmt: skip
+            document_source(recipe),
+            tokenizer,
+            data_directory(recipe),
+            validation=recipe.data.validation,
+            seed=recipe.data.seed,
+            progress=progress,
+        )
     train = TokenFile(prepared.train).info
     held_out = TokenFile(prepared.validation).info if prepared.validation else None
     what = "reused" if prepared.reused else f"tokenised in {time.perf_counter() - started:.1f} s"
@@ -98,8 +103,10 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
     check_file_keys(recipe)
     if data.source == "synthetic":
         seed = data.seed + 1_000_003  # held-out sequences: another stream of the same law
-        return (SyntheticTokens(vocab, seq_len, data.samples, data.seed),
-                SyntheticTokens(vocab, seq_len, max(1, data.samples // 16), seed))  # fmt: skip
+        return (
+            SyntheticTokens(vocab, seq_len, data.samples, data.seed),
+            SyntheticTokens(vocab, seq_len, max(1, data.samples // 16), seed),
+        )
     local_first = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
     if data.source in FILE_SOURCES:
         if local_first:
@@ -109,9 +116,12 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
         validation = out / "validation" if data.validation > 0 else None
         _check_vocab(recipe, out / "train", vocab)
         documents = data.document_mask
-        return (PackedWindows(out / "train", seq_len, document_positions=documents),
-                PackedWindows(validation, seq_len, document_positions=documents)
-                if validation else None)  # fmt: skip
+        return (
+            PackedWindows(out / "train", seq_len, document_positions=documents),
+            PackedWindows(validation, seq_len, document_positions=documents)
+            if validation
+            else None,
+        )
     path = Path(data.path)
     if data.source == "corpus":
         if local_first:
@@ -142,9 +152,11 @@ def check_file_keys(recipe: Recipe) -> None:
         )
     if data.source in FILE_SOURCES:
         return
-    for key, value, default in (("validation", data.validation, 0.0),
-                                ("format", data.format, "text"),
-                                ("document_mask", data.document_mask, False)):  # fmt: skip
+    for key, value, default in (
+        ("validation", data.validation, 0.0),
+        ("format", data.format, "text"),
+        ("document_mask", data.document_mask, False),
+    ):
         if value != default:
             raise RecipeError(
                 f"{recipe.source}: data.{key} = {value!r} applies to data.source "
@@ -190,16 +202,18 @@ class _ProgressBar:
             return None
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-        self._bar = Progress(SpinnerColumn(), TextColumn("{task.description}"),
-                             TimeElapsedColumn(), transient=True)  # fmt: skip
+        self._bar = Progress(
+            SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True
+        )
         self._bar.start()
         self._task = self._bar.add_task(self.title)
         return self._update
 
     def _update(self, documents: int, tokens: int) -> None:
         assert self._bar is not None and self._task is not None
-        self._bar.update(self._task, description=f"{self.title}: {documents:,} documents, "
-                         f"{tokens:,} tokens")  # fmt: skip
+        self._bar.update(
+            self._task, description=f"{self.title}: {documents:,} documents, {tokens:,} tokens"
+        )
 
     def __exit__(self, *exc: object) -> None:
         if self._bar is not None:

@@ -38,31 +38,51 @@ from meshtrain.errors import DeepSpeedConfigError
 __all__ = ["DeepSpeedConfigError", "Translation", "read_deepspeed", "translate_deepspeed"]
 
 #: Keys that tune speed or memory, never the numbers a step computes.
-TUNING_KEYS = frozenset({
-    "zero_optimization.overlap_comm", "zero_optimization.contiguous_gradients",
-    "zero_optimization.reduce_bucket_size", "zero_optimization.allgather_bucket_size",
-    "zero_optimization.allgather_partitions", "zero_optimization.reduce_scatter",
-    "zero_optimization.sub_group_size", "zero_optimization.round_robin_gradients",
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_param_persistence_threshold",
-    "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-    "zero_optimization.offload_optimizer.pin_memory", "zero_optimization.offload_param.pin_memory",
-    "zero_optimization.offload_optimizer.buffer_count", "zero_optimization.offload_param.buffer_count",
-    "zero_optimization.offload_param.buffer_size", "zero_optimization.offload_param.max_in_cpu",
-    "zero_optimization.offload_optimizer.fast_init", "zero_allow_untested_optimizer",
-    "wall_clock_breakdown", "communication_data_type",
-})  # fmt: skip
+TUNING_KEYS = frozenset(
+    {
+        "zero_optimization.overlap_comm",
+        "zero_optimization.contiguous_gradients",
+        "zero_optimization.reduce_bucket_size",
+        "zero_optimization.allgather_bucket_size",
+        "zero_optimization.allgather_partitions",
+        "zero_optimization.reduce_scatter",
+        "zero_optimization.sub_group_size",
+        "zero_optimization.round_robin_gradients",
+        "zero_optimization.stage3_prefetch_bucket_size",
+        "zero_optimization.stage3_param_persistence_threshold",
+        "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_max_reuse_distance",
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save",
+        "zero_optimization.offload_optimizer.pin_memory",
+        "zero_optimization.offload_param.pin_memory",
+        "zero_optimization.offload_optimizer.buffer_count",
+        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_param.buffer_size",
+        "zero_optimization.offload_param.max_in_cpu",
+        "zero_optimization.offload_optimizer.fast_init",
+        "zero_allow_untested_optimizer",
+        "wall_clock_breakdown",
+        "communication_data_type",
+    }
+)
 #: DeepSpeed's fp16 loss-scaler keys → the ``[train]`` key :class:`meshtrain.train.scaler.LossScaler`
 #: honours it by, and how the value converts (``None``: refused).
 SCALER: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "loss_scale": ("train.loss_scale", lambda v: float(v) if _number(v) and v >= 0 else None),
-    "initial_scale_power": ("train.initial_loss_scale",
-                            lambda v: 2.0**v if _integer(v) and 0 <= v < 128 else None),
-    "loss_scale_window": ("train.loss_scale_window", lambda v: v if _integer(v) and v > 0 else None),
+    "initial_scale_power": (
+        "train.initial_loss_scale",
+        lambda v: 2.0**v if _integer(v) and 0 <= v < 128 else None,
+    ),
+    "loss_scale_window": (
+        "train.loss_scale_window",
+        lambda v: v if _integer(v) and v > 0 else None,
+    ),
     "hysteresis": ("train.loss_scale_hysteresis", lambda v: v if _integer(v) and v > 0 else None),
-    "min_loss_scale": ("train.min_loss_scale", lambda v: float(v) if _number(v) and v >= 0 else None),
-}  # fmt: skip
+    "min_loss_scale": (
+        "train.min_loss_scale",
+        lambda v: float(v) if _number(v) and v >= 0 else None,
+    ),
+}
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 
 
@@ -239,8 +259,12 @@ def _optimizer_param(out: Translation, key: str, value: Any, config: Mapping[str
     name = key.rsplit(".", 1)[1]
     if name == "torch_adam" or name == "adam_w_mode":
         return "" if value in (True, False) else "a boolean"
-    targets = {"lr": "train.lr", "eps": "train.eps", "weight_decay": "train.weight_decay",
-               "betas": "train.betas"}  # fmt: skip
+    targets = {
+        "lr": "train.lr",
+        "eps": "train.eps",
+        "weight_decay": "train.weight_decay",
+        "betas": "train.betas",
+    }
     if name == "momentum" and value == 0:
         return ""
     if name not in targets:
@@ -291,8 +315,10 @@ def _check_batch(out: Translation, config: Mapping[str, Any]) -> None:
             f"train_batch_size = {batch} (not a multiple of gradient_accumulation_steps = {steps})"
         )
     if isinstance(micro, int) and not isinstance(batch, int):
-        out.auto.append("train_micro_batch_size_per_gpu (global batch = it × ranks × "
-                        "accumulation; set train.batch_size)")  # fmt: skip
+        out.auto.append(
+            "train_micro_batch_size_per_gpu (global batch = it × ranks × "
+            "accumulation; set train.batch_size)"
+        )
 
 
 def _positive_int(value: Any) -> bool:

@@ -55,8 +55,16 @@ class Evaluator:
     """Validation during a run: :meth:`after_step` evaluates when ``[eval] every`` says so (and
     at the last step) and logs the result to every sink. Built on every rank alike."""
 
-    def __init__(self, recipe: Recipe, plan: Plan, model: Any, validation: Any,
-                 dp_rank: int, dp_size: int, sinks: Sinks) -> None:  # fmt: skip
+    def __init__(
+        self,
+        recipe: Recipe,
+        plan: Plan,
+        model: Any,
+        validation: Any,
+        dp_rank: int,
+        dp_size: int,
+        sinks: Sinks,
+    ) -> None:
         self.every, self.limit = recipe.eval.every, recipe.eval.batches
         self.plan, self.model, self.sinks = plan, model, sinks
         self.loader = None
@@ -81,8 +89,9 @@ class Evaluator:
                     f"{recipe.train.seq_len} tokens, fewer than the {dp_size} data-parallel ranks. "
                     "Raise data.validation."
                 )
-            self.loader = DistributedBatches(validation, batch, dp_rank, dp_size, seed=0,
-                                             shuffle=False)  # fmt: skip
+            self.loader = DistributedBatches(
+                validation, batch, dp_rank, dp_size, seed=0, shuffle=False
+            )
 
     def after_step(self, step: int, last: bool) -> EvalResult | None:
         if self.loader is None or not (step % self.every == 0 or last):
@@ -176,8 +185,10 @@ def _held_out(recipe: Recipe) -> tuple[Any, str]:
         directory = data_directory(recipe)
         if data.validation > 0 and (directory / "validation").is_dir():
             validation = directory / "validation"
-            return (PackedWindows(validation, seq_len, document_positions=data.document_mask),
-                    "the validation split")  # fmt: skip
+            return (
+                PackedWindows(validation, seq_len, document_positions=data.document_mask),
+                "the validation split",
+            )
         train = PackedWindows(directory / "train", seq_len, document_positions=data.document_mask)
         return train, "the training data (no split)"
     if data.source in ("corpus", "tokens"):
@@ -203,12 +214,14 @@ def generate(
     ids = tokenizer.encode(prompt)
     if not ids:
         raise RecipeError("the prompt encodes to no tokens; give some text.")
-    return tokenizer.decode(list(_sample(run, ids, tokenizer.eos_id, max_new_tokens,
-                                         temperature, seed)))  # fmt: skip
+    return tokenizer.decode(
+        list(_sample(run, ids, tokenizer.eos_id, max_new_tokens, temperature, seed))
+    )
 
 
-def _sample(run: LoadedRun, ids: list[int], eos: int, count: int, temperature: float,
-            seed: int) -> Iterator[int]:  # fmt: skip
+def _sample(
+    run: LoadedRun, ids: list[int], eos: int, count: int, temperature: float, seed: int
+) -> Iterator[int]:
     window = run.recipe.train.seq_len
     generator = torch.Generator().manual_seed(seed)
     context = list(ids)

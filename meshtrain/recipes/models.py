@@ -91,8 +91,14 @@ class AdaptedBuilder:
     def adapt(self, model: nn.Module) -> nn.Module:
         """Adapters on ``model`` (already built, e.g. with base weights loaded)."""
         generator = torch.Generator().manual_seed(self.seed)
-        return lora(model, rank=self.rank, alpha=self.alpha, targets=list(self.targets),
-                    quantize_base=self.quantize_base or None, generator=generator)  # fmt: skip
+        return lora(
+            model,
+            rank=self.rank,
+            alpha=self.alpha,
+            targets=list(self.targets),
+            quantize_base=self.quantize_base or None,
+            generator=generator,
+        )
 
 
 @dataclass(frozen=True)

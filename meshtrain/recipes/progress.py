@@ -37,8 +37,13 @@ def byte_progress(title: str) -> Iterator[Callable[[int, int], None] | None]:
         TimeRemainingColumn,
     )
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                   TimeRemainingColumn(), transient=True)  # fmt: skip
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+    )
     task = bar.add_task(title, total=None)
 
     def update(done: int, total: int) -> None:
@@ -63,8 +68,14 @@ def count_progress(title: str, unit: str) -> Iterator[Callable[[int, int], None]
         return
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TextColumn(unit), TimeElapsedColumn(), transient=True)  # fmt: skip
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(unit),
+        TimeElapsedColumn(),
+        transient=True,
+    )
     task = bar.add_task(title, total=None)
 
     def update(done: int, total: int) -> None:

@@ -96,8 +96,9 @@ class OptimizerBuilder:
             return torch.optim.SGD(params, lr=self.lr, momentum=0.9)
         if self.name == "adam":
             return torch.optim.Adam(params, lr=self.lr, betas=self.betas, eps=self.eps)
-        return torch.optim.AdamW(params, lr=self.lr, weight_decay=self.weight_decay,
-                                 betas=self.betas, eps=self.eps)  # fmt: skip
+        return torch.optim.AdamW(
+            params, lr=self.lr, weight_decay=self.weight_decay, betas=self.betas, eps=self.eps
+        )
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,14 @@ class Recipe:
     def optimizer_fn(self) -> OptimizerBuilder:
         """The optimizer ``[train]`` names, with its hyper-parameters (a picklable builder)."""
         train = self.train
-        return OptimizerBuilder(train.optimizer, train.lr, train.weight_decay, train.betas,
-                                train.eps, self.parallel.offload_optimizer)  # fmt: skip
+        return OptimizerBuilder(
+            train.optimizer,
+            train.lr,
+            train.weight_decay,
+            train.betas,
+            train.eps,
+            self.parallel.offload_optimizer,
+        )
 
     def rules(self) -> Rules:
         """``[rules]`` as regex rules (plus the sequence rule under sequence parallelism), else
@@ -192,9 +199,15 @@ class Recipe:
         axis = self.parallel.context
         if not axis:
             return rules
-        context = Rules(rules.patterns, logical=(("seq", axis), *rules.logical), fsdp=rules.fsdp,
-                        allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
-                        gathered=rules.gathered, generated=tuple(rules.generated))  # fmt: skip
+        context = Rules(
+            rules.patterns,
+            logical=(("seq", axis), *rules.logical),
+            fsdp=rules.fsdp,
+            allow_unmatched=rules.allow_unmatched,
+            allow_unused=rules.allow_unused,
+            gathered=rules.gathered,
+            generated=tuple(rules.generated),
+        )
         context.notes = rules.notes  # what from_hf noted still holds
         return context
 
@@ -202,8 +215,12 @@ class Recipe:
         par = self.parallel
         tp = par.tp or None
         if self.explicit_rules is None and self.model.kind == "hf":
-            return Rules.from_hf(self.build_model("meta", adapters=False), fsdp=par.fsdp, tp=tp or "tp",
-                                 sequence_parallel=par.sequence_parallel and tp is not None)  # fmt: skip
+            return Rules.from_hf(
+                self.build_model("meta", adapters=False),
+                fsdp=par.fsdp,
+                tp=tp or "tp",
+                sequence_parallel=par.sequence_parallel and tp is not None,
+            )
         if self.explicit_rules is None and self.model.kind == "factory":
             raise RecipeError(
                 f"{self.source}: [model] factory {self.model.factory!r} needs [rules] (regex = "
@@ -212,8 +229,13 @@ class Recipe:
             )
         if self.explicit_rules is None and self.model.kind == "moe":  # experts over ep if any
             ep = "ep" if "ep" in self.mesh_axes() else None
-            return moe_rules(tp=tp, fsdp=par.fsdp, ep=ep, sequence_parallel=par.sequence_parallel,
-                             expert_tp=par.expert_tp and tp is not None)  # fmt: skip
+            return moe_rules(
+                tp=tp,
+                fsdp=par.fsdp,
+                ep=ep,
+                sequence_parallel=par.sequence_parallel,
+                expert_tp=par.expert_tp and tp is not None,
+            )
         if self.explicit_rules is None:
             return default_rules(tp=tp, fsdp=par.fsdp, sequence_parallel=par.sequence_parallel)
         logical = (("seq", tp),) if par.sequence_parallel and tp else ()
@@ -234,8 +256,12 @@ class Recipe:
         par, pipe, train = self.parallel, self.parallel.pipeline, self.train
         pipeline = None
         if pipe is not None:
-            pipeline = Pipeline(axis=pipe.axis, schedule=pipe.schedule,
-                                microbatches=pipe.microbatches, stages_per_rank=pipe.stages_per_rank)  # fmt: skip
+            pipeline = Pipeline(
+                axis=pipe.axis,
+                schedule=pipe.schedule,
+                microbatches=pipe.microbatches,
+                stages_per_rank=pipe.stages_per_rank,
+            )
         return PlanOptions(
             zero=par.zero,
             precision=par.precision,
@@ -257,16 +283,25 @@ class Recipe:
     def logging_config(self) -> LoggingConfig:
         """``[logging]``'s sinks as the train layer takes them (the run directory aside)."""
         log = self.logging
-        return LoggingConfig(console=log.console, jsonl=log.jsonl, wandb=log.wandb,
-                             wandb_project=log.wandb_project, wandb_entity=log.wandb_entity or None,
-                             log_every=log.log_every)  # fmt: skip
+        return LoggingConfig(
+            console=log.console,
+            jsonl=log.jsonl,
+            wandb=log.wandb,
+            wandb_project=log.wandb_project,
+            wandb_entity=log.wandb_entity or None,
+            log_every=log.log_every,
+        )
 
     def checkpoint_config(self) -> CheckpointConfig:
         """``[checkpoint]``'s saving as the train layer takes it (resuming and the files in and
         out are the recipe's run's)."""
         checkpoint = self.checkpoint
-        return CheckpointConfig(directory=self.checkpoint_dir, interval=checkpoint.interval,
-                                keep_last=checkpoint.keep_last, async_save=checkpoint.async_save)  # fmt: skip
+        return CheckpointConfig(
+            directory=self.checkpoint_dir,
+            interval=checkpoint.interval,
+            keep_last=checkpoint.keep_last,
+            async_save=checkpoint.async_save,
+        )
 
 
 def load_recipe(path_or_name: str | Path, overrides: Sequence[str] = ()) -> Recipe:
@@ -439,10 +474,16 @@ def _small_llama(config: LlamaConfig, tp: int, stages: int, seq_len: int) -> Lla
     kv_choices = [d for d in range(tp, n_heads + 1, tp) if n_heads % d == 0]
     n_kv_heads = max((d for d in kv_choices if d <= target), default=kv_choices[0])
     return LlamaConfig(
-        dim=16 * n_heads, n_layers=max(2, stages), n_heads=n_heads, n_kv_heads=n_kv_heads,
-        vocab_size=-(-256 // tp) * tp, multiple_of=math.lcm(32, tp), norm_eps=config.norm_eps,
-        rope_theta=config.rope_theta, max_seq_len=max(64, seq_len),
-    )  # fmt: skip
+        dim=16 * n_heads,
+        n_layers=max(2, stages),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=-(-256 // tp) * tp,
+        multiple_of=math.lcm(32, tp),
+        norm_eps=config.norm_eps,
+        rope_theta=config.rope_theta,
+        max_seq_len=max(64, seq_len),
+    )
 
 
 def _small_moe(config: MoEConfig, ep: int, stages: int, seq_len: int) -> MoEConfig:
@@ -451,11 +492,15 @@ def _small_moe(config: MoEConfig, ep: int, stages: int, seq_len: int) -> MoEConf
     return MoEConfig.debug(
         n_layers=max(2 + min(config.first_dense_layers, 1), stages),
         n_experts=ep * max(2, -(-8 // ep)),
-        top_k=min(config.top_k, 2), first_dense_layers=min(config.first_dense_layers, 1),
-        n_shared_experts=min(config.n_shared_experts, 1), score_func=config.score_func,
-        norm_topk_prob=config.norm_topk_prob, balance=config.balance, qk_norm=config.qk_norm,
+        top_k=min(config.top_k, 2),
+        first_dense_layers=min(config.first_dense_layers, 1),
+        n_shared_experts=min(config.n_shared_experts, 1),
+        score_func=config.score_func,
+        norm_topk_prob=config.norm_topk_prob,
+        balance=config.balance,
+        qk_norm=config.qk_norm,
         max_seq_len=max(64, seq_len),
-    )  # fmt: skip
+    )
 
 
 def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:

@@ -123,11 +123,16 @@ def _train(
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
-    schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps,
-                            train_cfg.min_lr)  # fmt: skip
-    step_fn = make_train_step(plan, summed_cross_entropy, optimizer, schedule,
-                              max_norm=train_cfg.max_norm, on_nonfinite=train_cfg.on_nonfinite,
-                              scaler=loss_scaler(train_cfg, plan))  # fmt: skip
+    schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr)
+    step_fn = make_train_step(
+        plan,
+        summed_cross_entropy,
+        optimizer,
+        schedule,
+        max_norm=train_cfg.max_norm,
+        on_nonfinite=train_cfg.on_nonfinite,
+        scaler=loss_scaler(train_cfg, plan),
+    )
     state = TrainState.create(applied, optimizer)
     checkpointer = Checkpointer(recipe.checkpoint_config())
     budget = SkipBudget(train_cfg.max_consecutive_skips, train_cfg.max_total_skips)
@@ -135,12 +140,22 @@ def _train(
     stop.arm()  # from here on a stop waits for a step boundary and saves
     dp_rank, dp_size = data_parallel_rank(plan)
     dataset, validation = _dataset(recipe, model)
-    loader = DistributedBatches(dataset, recipe.train.batch_size, dp_rank, dp_size,
-                                seed=recipe.data.seed, shuffle=recipe.data.shuffle)  # fmt: skip
+    loader = DistributedBatches(
+        dataset,
+        recipe.train.batch_size,
+        dp_rank,
+        dp_size,
+        seed=recipe.data.seed,
+        shuffle=recipe.data.shuffle,
+    )
     sinks = make_sinks(
-        recipe.logging_config(), run_dir=recipe.run_dir, rank=dist.get_rank(),
-        total_steps=train_cfg.steps, run_name=recipe.name, start_step=state.step,
-    )  # fmt: skip
+        recipe.logging_config(),
+        run_dir=recipe.run_dir,
+        rank=dist.get_rank(),
+        total_steps=train_cfg.steps,
+        run_name=recipe.name,
+        start_step=state.step,
+    )
     sinks.start(config=recipe.raw, plan_text=plan.explain(), plan_json=plan.to_json())
     meter = Throughput(
         flops_per_token=flops_per_token(model, train_cfg.seq_len),
@@ -151,8 +166,12 @@ def _train(
     loop.evaluator = Evaluator(recipe, plan, applied, validation, dp_rank, dp_size, sinks)
     loop.router = router_metrics(applied)
     if recipe.profile.steps:
-        loop.profiler = StepProfiler(recipe.profile.steps, recipe.run_dir / "profile",
-                                     rank=dist.get_rank(), memory=recipe.profile.memory)  # fmt: skip
+        loop.profiler = StepProfiler(
+            recipe.profile.steps,
+            recipe.run_dir / "profile",
+            rank=dist.get_rank(),
+            memory=recipe.profile.memory,
+        )
     loop.tokens = TokenGuard.of(dataset, vocab_size(model) or 0)
     failed = True
     try:
@@ -165,8 +184,15 @@ def _train(
             export_safetensors(loop.saved, Path(recipe.checkpoint.export))
         dist.barrier()
     resumed_from = checkpoint_step(resume) if resume is not None else None
-    return RunResult(loop.losses, resumed_from, loop.saved, recipe.run_dir, fingerprint,
-                     loop.stopped_by, state.step)  # fmt: skip
+    return RunResult(
+        loop.losses,
+        resumed_from,
+        loop.saved,
+        recipe.run_dir,
+        fingerprint,
+        loop.stopped_by,
+        state.step,
+    )
 
 
 class _Loop:
@@ -197,9 +223,17 @@ class _Loop:
         # a checkpoint is good once the run trained a whole interval past it with no skip
         self.confirm_steps = max(1, recipe.checkpoint.interval)
 
-    def run(self, state: TrainState, step_fn: Any, loader: DistributedBatches, sinks: Sinks,
-            meter: Throughput, stop: GracefulStop, stop_after: int | None,
-            device: torch.device) -> TrainState:  # fmt: skip
+    def run(
+        self,
+        state: TrainState,
+        step_fn: Any,
+        loader: DistributedBatches,
+        sinks: Sinks,
+        meter: Throughput,
+        stop: GracefulStop,
+        stop_after: int | None,
+        device: torch.device,
+    ) -> TrainState:
         """Train until ``train.steps``, ``stop_after`` steps, an agreed stop or a spent budget."""
         steps, due = self.recipe.train.steps, False
         batches = iter(loader.batches(state.data))
@@ -244,16 +278,19 @@ class _Loop:
         if self.profiler is not None:
             self.profiler.close()  # a run that ended inside the profiled steps still writes
             if self.profiler.summary is not None:
-                announce(f"profile of steps {self.profiler.first}-{self.profiler.last} → "
-                         f"{self.profiler.out_dir} (rank 0):\n"
-                         f"{summary_table(self.profiler.summary)}")  # fmt: skip
+                announce(
+                    f"profile of steps {self.profiler.first}-{self.profiler.last} → "
+                    f"{self.profiler.out_dir} (rank 0):\n"
+                    f"{summary_table(self.profiler.summary)}"
+                )
         return state
 
     def _count(self, step: int, metrics: dict[str, float]) -> None:
         """Skipped-step accounting, and which checkpoint is the last good one."""
         skipped = bool(metrics.get("skipped"))
-        self.last_good = self.last_good.after_step(skipped=skipped,
-                                                   confirm_steps=self.confirm_steps)  # fmt: skip
+        self.last_good = self.last_good.after_step(
+            skipped=skipped, confirm_steps=self.confirm_steps
+        )
         self.checkpointer.protect(self.last_good.step)
         try:
             self.guard.update(step, metrics)
@@ -266,8 +303,7 @@ class _Loop:
         if good is None:
             return "No checkpoint of this run was confirmed good (trained past with no skip)."
         directory = self.recipe.checkpoint_dir
-        newer = [path.name for path in list_checkpoints(directory)
-                 if checkpoint_step(path) > good]  # fmt: skip
+        newer = [path.name for path in list_checkpoints(directory) if checkpoint_step(path) > good]
         advice = (
             f"The last good checkpoint (trained {self.confirm_steps} steps past with no skipped "
             f"step) is {directory / checkpoint_name(good)}"
@@ -281,8 +317,9 @@ class _Loop:
         extra["nonfinite"] = self.guard.record.to_json()
         extra["last_good"] = self.last_good.to_json()
         extra["run"] = {"id": self.run_id, "recipe": self.recipe.name}
-        self.saved = self.checkpointer.save(state.step, state.params, state.optimizer, extra,
-                                            wait=wait)  # fmt: skip
+        self.saved = self.checkpointer.save(
+            state.step, state.params, state.optimizer, extra, wait=wait
+        )
         self.saved_step, self.last_good = state.step, self.last_good.after_save(state.step)
 
 
@@ -371,8 +408,9 @@ def start_model(
     meta = recipe.model.meta_init
     base = recipe.build_model(device="meta" if meta else device, seed=seed, adapters=False)
     model = recipe.adapt(base, seed=seed)
-    plan = make_plan(model, mesh, recipe.rules(), recipe.plan_options(),
-                     example_inputs=recipe.example_inputs())  # fmt: skip
+    plan = make_plan(
+        model, mesh, recipe.rules(), recipe.plan_options(), example_inputs=recipe.example_inputs()
+    )
     applied = apply(plan, model)
     if meta:
         materialise(applied, device=device, seed=seed)
@@ -380,9 +418,11 @@ def start_model(
     with _load_progress(recipe) as progress:  # a bar on rank 0's terminal
         loaded = initialise_from(recipe, applied, progress)  # each rank its slices
     if loaded is not None:
-        announce(f"{recipe.name}: loaded {loaded.tensors} tensors from "
-                 f"{recipe.checkpoint.init_from} in {time.perf_counter() - started:.1f} s "
-                 f"({loaded.bytes_read / 2**20:,.1f} MiB read on rank 0)")  # fmt: skip
+        announce(
+            f"{recipe.name}: loaded {loaded.tensors} tensors from "
+            f"{recipe.checkpoint.init_from} in {time.perf_counter() - started:.1f} s "
+            f"({loaded.bytes_read / 2**20:,.1f} MiB read on rank 0)"
+        )
     return plan, applied, model
 
 
@@ -413,8 +453,13 @@ def _restore(state: TrainState, extra: dict[str, Any]) -> TrainState:
     """The state a checkpoint's JSON half describes (tensors and the optimizer's
     hyper-parameters are already loaded in place)."""
     rng = torch.frombuffer(bytearray(base64.b64decode(extra["rng"])), dtype=torch.uint8).clone()
-    return TrainState.create(state.model, state.optimizer, step=int(extra["step"]),
-                             data=DataPosition.from_json(extra["data"]), rng=rng)  # fmt: skip
+    return TrainState.create(
+        state.model,
+        state.optimizer,
+        step=int(extra["step"]),
+        data=DataPosition.from_json(extra["data"]),
+        rng=rng,
+    )
 
 
 def loss_scaler(train_cfg: TrainSection, plan: Plan) -> LossScaler | None:

@@ -75,8 +75,14 @@ __all__ = [
 OPTIMIZERS: tuple[str, ...] = typing.get_args(OptimizerName)
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 _AXIS = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_KINDS = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-          list: "an array", dict: "a table"}  # fmt: skip
+_KINDS = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "an array",
+    dict: "a table",
+}
 _SPEC_FIX = "Write a spec like \"P('tp', None)\": entries None, 'axis' or ('axis1', 'axis2')."
 Section = TypeVar("Section", bound="DataclassInstance")
 
@@ -126,9 +132,16 @@ def _type_names() -> dict[str, Any]:
     from meshtrain.train.metrics.config import WandbMode
     from meshtrain.train.step import OnNonFinite
 
-    return {"LlamaConfig": LlamaConfig, "MoEConfig": MoEConfig, "Checkpointing": Checkpointing,
-            "Precision": Precision, "ZeroStage": ZeroStage, "WandbMode": WandbMode,
-            "OnNonFinite": OnNonFinite, "DocumentFormat": DocumentFormat}  # fmt: skip
+    return {
+        "LlamaConfig": LlamaConfig,
+        "MoEConfig": MoEConfig,
+        "Checkpointing": Checkpointing,
+        "Precision": Precision,
+        "ZeroStage": ZeroStage,
+        "WandbMode": WandbMode,
+        "OnNonFinite": OnNonFinite,
+        "DocumentFormat": DocumentFormat,
+    }
 
 
 @functools.cache
@@ -148,8 +161,13 @@ def key_table(section: str) -> dict[str, Key]:
     for field in dataclasses.fields(section_type):
         expand = field.metadata.get("keys_from")
         if expand is not None:  # a key two configs share keeps the first's entry
-            keys.update({k: v for k, v in _config_keys(expand(), field.metadata["resume"]).items()
-                         if k not in keys})  # fmt: skip
+            keys.update(
+                {
+                    k: v
+                    for k, v in _config_keys(expand(), field.metadata["resume"]).items()
+                    if k not in keys
+                }
+            )
         else:
             keys[field.metadata["toml"] or field.name] = _derive(field, hints[field.name])
     return keys
@@ -174,10 +192,19 @@ def _derive(field: dataclasses.Field[Any], hint: Any) -> Key:
         kinds = (dict,)
     else:
         kinds = _kinds_of(hint)
-    return Key(kinds, meta["example"], tuple(choices), positive=meta["bound"] == "positive",
-               nonnegative=meta["bound"] == "nonnegative", items=items, length=length,
-               doc=meta["doc"], default=field.default, shown=meta["shown"],
-               resume=meta["resume"])  # fmt: skip
+    return Key(
+        kinds,
+        meta["example"],
+        tuple(choices),
+        positive=meta["bound"] == "positive",
+        nonnegative=meta["bound"] == "nonnegative",
+        items=items,
+        length=length,
+        doc=meta["doc"],
+        default=field.default,
+        shown=meta["shown"],
+        resume=meta["resume"],
+    )
 
 
 def _config_keys(config_type: type, resume: str) -> dict[str, Key]:
@@ -185,8 +212,9 @@ def _config_keys(config_type: type, resume: str) -> dict[str, Key]:
     positive, or non-negative where the field's default is 0 (a count that may be none)."""
     hints = {name: _without_none(hint) for name, hint in typing.get_type_hints(config_type).items()}
     examples = {int: 2, float: 1.0, bool: True, str: ""}
-    numbers = {field.name for field in dataclasses.fields(config_type)
-               if hints[field.name] in (int, float)}  # fmt: skip
+    numbers = {
+        field.name for field in dataclasses.fields(config_type) if hints[field.name] in (int, float)
+    }
     zero = {field.name for field in dataclasses.fields(config_type) if field.default == 0}
     return {
         field.name: Key(
@@ -221,8 +249,10 @@ def build_section(section_type: type[Section], values: Mapping[str, Any]) -> Sec
         >>> build_section(CheckpointSection, {"async": True}).async_save
         True
     """
-    names = {field.metadata.get("toml") or field.name: field.name
-             for field in dataclasses.fields(section_type)}  # fmt: skip
+    names = {
+        field.metadata.get("toml") or field.name: field.name
+        for field in dataclasses.fields(section_type)
+    }
     return section_type(**{names[key]: value for key, value in values.items()})
 
 
@@ -528,15 +558,27 @@ def reference_table() -> str:
     shown = {"safe": "safe", "refuse": "refused"}
     for section, section_type in SECTION_TYPES.items():
         if isinstance(section_type, FreeForm):
-            rows = [(section_type.key, section_type.value, section_type.default,
-                     shown[section_type.resume], section_type.doc)]  # fmt: skip
+            rows = [
+                (
+                    section_type.key,
+                    section_type.value,
+                    section_type.default,
+                    shown[section_type.resume],
+                    section_type.doc,
+                )
+            ]
         else:
             rows = [
-                (f"`{key}`", spec.describe(), spec.shown or f"`{toml_value(spec.default)}`",
-                 shown[spec.resume], spec.doc)
+                (
+                    f"`{key}`",
+                    spec.describe(),
+                    spec.shown or f"`{toml_value(spec.default)}`",
+                    shown[spec.resume],
+                    spec.doc,
+                )
                 for key, spec in key_table(section).items()
                 if spec.kinds != (dict,)  # a nested table: its own rows
-            ]  # fmt: skip
+            ]
         for index, (key, kind, default, resume, doc) in enumerate(rows):
             name = f"`[{section}]`" if index == 0 else ""
             lines.append(f"| {name} | {key} | {kind} | {default} | {resume} | {doc} |")

@@ -102,8 +102,17 @@ def about(
         >>> dataclasses.fields(PipelineSection)[0].metadata["doc"]
         'the mesh axis the stages are laid along'
     """
-    return {"doc": doc, "example": example, "bound": bound, "choices": choices, "toml": toml,
-            "shown": shown, "keys_from": keys_from, "subsection": subsection, "resume": resume}  # fmt: skip
+    return {
+        "doc": doc,
+        "example": example,
+        "bound": bound,
+        "choices": choices,
+        "toml": toml,
+        "shown": shown,
+        "keys_from": keys_from,
+        "subsection": subsection,
+        "resume": resume,
+    }
 
 
 _LLAMA_CONFIG = lazy("meshtrain.models.llama", "LlamaConfig")
@@ -462,10 +471,12 @@ class TrainSection:
     loss_scale_window: int = field(
         default=2000,
         metadata=about(
-            "fp16: finite steps in a row after which the dynamic scale doubles", 1000,
+            "fp16: finite steps in a row after which the dynamic scale doubles",
+            1000,
             bound="positive",
-         resume="refuse",),
-    )  # fmt: skip
+            resume="refuse",
+        ),
+    )
     loss_scale_hysteresis: int = field(
         default=1,
         metadata=about(
@@ -479,10 +490,12 @@ class TrainSection:
     min_loss_scale: float = field(
         default=0.0,
         metadata=about(
-            "fp16: the floor the dynamic scale does not halve below; 0: none", 1.0,
+            "fp16: the floor the dynamic scale does not halve below; 0: none",
+            1.0,
             bound="nonnegative",
-         resume="refuse",),
-    )  # fmt: skip
+            resume="refuse",
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -56,16 +56,29 @@ class Sizing:
         )
         notes = [f"  - {note}" for note in self.plan.notes]
         tail = ["", "notes:", *notes] if notes else []
-        return "\n".join([head, self.footprint.format().rstrip("\n"), *tail,
-                          f"planned in {self.seconds:.2f} s"]) + "\n"  # fmt: skip
+        return (
+            "\n".join(
+                [
+                    head,
+                    self.footprint.format().rstrip("\n"),
+                    *tail,
+                    f"planned in {self.seconds:.2f} s",
+                ]
+            )
+            + "\n"
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "recipe": self.recipe, "world": self.world, "strategy": self.strategy,
-            "global_batch": self.global_batch, "batch_note": self.batch_note,
-            "seconds": round(self.seconds, 3), "notes": list(self.plan.notes),
+            "recipe": self.recipe,
+            "world": self.world,
+            "strategy": self.strategy,
+            "global_batch": self.global_batch,
+            "batch_note": self.batch_note,
+            "seconds": round(self.seconds, 3),
+            "notes": list(self.plan.notes),
             **self.footprint.to_json(),
-        }  # fmt: skip
+        }
 
 
 def size_recipe(
@@ -92,13 +105,22 @@ def size_recipe(
             raise PlanError("strategy auto needs the memory per device: give --device-memory.")
         chosen = PlanOptions()  # what the search chooses starts from the defaults
         request = dataclasses.replace(
-            options, zero=chosen.zero, activation_checkpointing=chosen.activation_checkpointing,
-            checkpoint_every=chosen.checkpoint_every, pipeline=None,
+            options,
+            zero=chosen.zero,
+            activation_checkpointing=chosen.activation_checkpointing,
+            checkpoint_every=chosen.checkpoint_every,
+            pipeline=None,
             microbatches=chosen.microbatches,
-        )  # fmt: skip
+        )
         choose = choose_expert_plan if has_experts(model) else choose_plan
-        choice = choose(model, world, recipe.rules(), request,
-                        search=AutoSearch(memory, node_size), device_type="cuda")  # fmt: skip
+        choice = choose(
+            model,
+            world,
+            recipe.rules(),
+            request,
+            search=AutoSearch(memory, node_size),
+            device_type="cuda",
+        )
         plan, used, note = choice.plan, global_batch, ""
     elif strategy == "recipe":
         mesh = _mesh(recipe, world)
@@ -113,8 +135,9 @@ def size_recipe(
     else:
         raise PlanError(f"strategy {strategy!r} is unknown: use 'recipe' or 'auto'.")
     report = footprint(plan, memory)
-    return Sizing(recipe.name, world, strategy, used, note, plan, report,
-                  time.perf_counter() - start)  # fmt: skip
+    return Sizing(
+        recipe.name, world, strategy, used, note, plan, report, time.perf_counter() - start
+    )
 
 
 def _mesh(recipe: Recipe, world: int) -> Any:

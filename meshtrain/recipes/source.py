@@ -137,6 +137,8 @@ def _override_value(section: str, key: str, text: str) -> Any:
     section_type = SECTION_TYPES[section]
     if isinstance(value, str) or not dataclasses.is_dataclass(section_type):
         return value
-    types = {field.metadata.get("toml") or field.name: field.type
-             for field in dataclasses.fields(section_type)}  # fmt: skip
+    types = {
+        field.metadata.get("toml") or field.name: field.type
+        for field in dataclasses.fields(section_type)
+    }
     return text if types.get(key) in ("str", str) else value

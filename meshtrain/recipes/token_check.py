@@ -56,8 +56,11 @@ def _metadata(meta_path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, ValueError) as err:
         raise DataError(f"token metadata {str(meta_path)!r} is unreadable ({err}). {fix}") from err
     types = {"num_tokens": int, "dtype": str, "vocab_size": int, "sha256": str}
-    wrong = [key for key, kind in types.items() if not isinstance(data, dict)
-             or not isinstance(data.get(key), kind)]  # fmt: skip
+    wrong = [
+        key
+        for key, kind in types.items()
+        if not isinstance(data, dict) or not isinstance(data.get(key), kind)
+    ]
     if wrong or data["dtype"] not in _ITEMSIZE:
         raise DataError(
             f"token metadata {str(meta_path)!r} lacks or mistypes {', '.join(wrong) or 'dtype'} "
@@ -99,8 +102,12 @@ def verify_token_file(directory: str | Path) -> TokenCheck:
             f"{meta['num_tokens']:,} {meta['dtype']} tokens ({expected:,} bytes): it was "
             f"truncated or overwritten. {fix}"
         )
-    key = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": meta["sha256"],
-           "vocab_size": meta["vocab_size"]}  # fmt: skip
+    key = {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "sha256": meta["sha256"],
+        "vocab_size": meta["vocab_size"],
+    }
     cache = root / CACHE_FILE
     with contextlib.suppress(OSError, ValueError):
         if json.loads(cache.read_text()) == key:

@@ -30,8 +30,11 @@ _BESIDE = ("tokenizer_config.json", "special_tokens_map.json")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable stand-in for each byte (what the ByteLevel pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = list(printable)
     extra = 0
     for byte in range(256):
@@ -72,8 +75,12 @@ def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
         return []  # the model directory's own files are copied with config.json
     if name == "byte":
         (out_dir / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": _bytes_to_unicode()[0],
-                  "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}  # fmt: skip
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": _bytes_to_unicode()[0],
+            "model_max_length": 1 << 30,
+            "clean_up_tokenization_spaces": False,
+        }
         (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
         return ["tokenizer.json", "tokenizer_config.json"]
     source = Path(name)

@@ -62,63 +62,106 @@ class HFStyle:
 
 _OVERRIDE = "replicate the module with `Rules.from_hf(model, overrides={pattern: P()})`"
 HF_STYLES: Mapping[str, HFStyle] = {
-    "colwise": HFStyle("colwise", "`colwise`, output kept sharded for its row-wise partner "
-                       "(`prepare_input` once per pair); unpaired: `colwise_gathered`"),
-    "colwise_rep": HFStyle("gathered", "`colwise_gathered`: output all-gathered to full "
-                           "features, its row-wise partner slices a replicated input"),
-    "colwise_gather_output": HFStyle("gathered", "`colwise_gathered`: output all-gathered to "
-                                     "full features (OLMo2's q/k/v before their full-width "
-                                     "norms); the partner is `rowwise_replicated_input`"),
-    "local_colwise": HFStyle("colwise", "as `colwise` (older transformers: the same math on "
-                             "local tensors)"),
-    "rowwise": HFStyle("rowwise", "`rowwise` (partial sums all-reduced); on an `nn.Embedding` "
-                       "(older plans) `vocab_parallel_embedding`"),
-    "rowwise_rep": HFStyle("rowwise", "`rowwise`, or `rowwise_replicated_input` when its "
-                           "column-wise producer is gathered"),
-    "rowwise_split_input": HFStyle("rowwise", "`rowwise_replicated_input`: the replicated input "
-                                   "sliced locally, partial sums all-reduced"),
-    "embedding_rowwise": HFStyle("vocab", "`vocab_parallel_embedding` (partial lookups "
-                                 "all-reduced)"),
-    "embedding_colwise": HFStyle("embedding_dim", "`embedding_dim_parallel` (output "
-                                 "all-gathered)"),
-    "replicated_with_grad_allreduce": HFStyle("replicated", "`P()`; the plan's abstract run "
-                                              "finds its gradient partial and all-reduces it "
-                                              "over `tp` (`partial_grads` in `explain()`: "
-                                              "Qwen3's per-head `q_norm`/`k_norm`)"),
+    "colwise": HFStyle(
+        "colwise",
+        "`colwise`, output kept sharded for its row-wise partner "
+        "(`prepare_input` once per pair); unpaired: `colwise_gathered`",
+    ),
+    "colwise_rep": HFStyle(
+        "gathered",
+        "`colwise_gathered`: output all-gathered to full "
+        "features, its row-wise partner slices a replicated input",
+    ),
+    "colwise_gather_output": HFStyle(
+        "gathered",
+        "`colwise_gathered`: output all-gathered to "
+        "full features (OLMo2's q/k/v before their full-width "
+        "norms); the partner is `rowwise_replicated_input`",
+    ),
+    "local_colwise": HFStyle(
+        "colwise", "as `colwise` (older transformers: the same math on local tensors)"
+    ),
+    "rowwise": HFStyle(
+        "rowwise",
+        "`rowwise` (partial sums all-reduced); on an `nn.Embedding` "
+        "(older plans) `vocab_parallel_embedding`",
+    ),
+    "rowwise_rep": HFStyle(
+        "rowwise",
+        "`rowwise`, or `rowwise_replicated_input` when its column-wise producer is gathered",
+    ),
+    "rowwise_split_input": HFStyle(
+        "rowwise",
+        "`rowwise_replicated_input`: the replicated input sliced locally, partial sums all-reduced",
+    ),
+    "embedding_rowwise": HFStyle(
+        "vocab", "`vocab_parallel_embedding` (partial lookups all-reduced)"
+    ),
+    "embedding_colwise": HFStyle("embedding_dim", "`embedding_dim_parallel` (output all-gathered)"),
+    "replicated_with_grad_allreduce": HFStyle(
+        "replicated",
+        "`P()`; the plan's abstract run "
+        "finds its gradient partial and all-reduces it "
+        "over `tp` (`partial_grads` in `explain()`: "
+        "Qwen3's per-head `q_norm`/`k_norm`)",
+    ),
     "replicate": HFStyle("replicated", "`P()`"),
     "local": HFStyle("replicated", "`P()` (older transformers)"),
-    "sequence_parallel": HFStyle("replicated", "`P()`; the norm runs on sequence shards when "
-                                 "`Rules.from_hf(..., sequence_parallel=True)`"),
-    "local_rowwise": HFStyle("refused", "refused: its partial output is left for a later "
-                             f"`gather` to reduce; {_OVERRIDE}"),
-    "gather": HFStyle("refused", "refused: it reduces partial outputs of `local_rowwise` "
-                      f"children; {_OVERRIDE}"),
-    "all_reduce": HFStyle("refused", "refused: it all-reduces a partial output of modules the "
-                          f"plan does not shard; {_OVERRIDE}"),
-    "packed_colwise": HFStyle("refused", "refused: a fused projection (`gate_up_proj`) needs "
-                              "each packed half sharded alike (or unfuse it into two Linears); "
-                              f"{_OVERRIDE}"),
-    "packed_rowwise": HFStyle("refused", "refused: the row-wise partner of a packed "
-                              f"projection; {_OVERRIDE}"),
-    "mla_kv_a_proj": HFStyle("refused", "refused: MLA's split projection (DeepSeek-V2) whose "
-                             f"rotary half bypasses `kv_b_proj`; {_OVERRIDE}"),
-    "local_params": HFStyle("refused", "refused: a bare parameter sharded by its own entry; "
-                            f"{_OVERRIDE}"),
-    "moe_tp_experts": HFStyle("refused", "refused on a module that is not an experts module (an "
-                              "int `num_experts`, 3-D weights [experts, ...]); an experts "
-                              "module's weights split over the expert axis with "
-                              "`Rules.from_hf(model, ep='ep')`, or stay whole (`P()`, with a "
-                              f"note) without it; {_OVERRIDE}"),
-    "moe_identity_expert": HFStyle("refused", "refused: part of `moe_tp_experts`; "
-                                   f"{_OVERRIDE}"),
-    "grouped_gemm": HFStyle("refused", "refused in a tensor-parallel plan: an expert-parallel "
-                            "style, read from `base_model_ep_plan` by `Rules.from_hf(model, "
-                            f"ep='ep')` (expert weights `P(ep, None, None)`); {_OVERRIDE}"),
-    "ep_dispatch_experts": HFStyle("refused", "refused in a tensor-parallel plan: an "
-                                   "expert-parallel style, read from `base_model_ep_plan` by "
-                                   "`Rules.from_hf(model, ep='ep')` (the module whose tokens "
-                                   f"are dispatched); {_OVERRIDE}"),
-}  # fmt: skip
+    "sequence_parallel": HFStyle(
+        "replicated",
+        "`P()`; the norm runs on sequence shards when `Rules.from_hf(..., sequence_parallel=True)`",
+    ),
+    "local_rowwise": HFStyle(
+        "refused",
+        f"refused: its partial output is left for a later `gather` to reduce; {_OVERRIDE}",
+    ),
+    "gather": HFStyle(
+        "refused", f"refused: it reduces partial outputs of `local_rowwise` children; {_OVERRIDE}"
+    ),
+    "all_reduce": HFStyle(
+        "refused",
+        f"refused: it all-reduces a partial output of modules the plan does not shard; {_OVERRIDE}",
+    ),
+    "packed_colwise": HFStyle(
+        "refused",
+        "refused: a fused projection (`gate_up_proj`) needs "
+        "each packed half sharded alike (or unfuse it into two Linears); "
+        f"{_OVERRIDE}",
+    ),
+    "packed_rowwise": HFStyle(
+        "refused", f"refused: the row-wise partner of a packed projection; {_OVERRIDE}"
+    ),
+    "mla_kv_a_proj": HFStyle(
+        "refused",
+        "refused: MLA's split projection (DeepSeek-V2) whose "
+        f"rotary half bypasses `kv_b_proj`; {_OVERRIDE}",
+    ),
+    "local_params": HFStyle(
+        "refused", f"refused: a bare parameter sharded by its own entry; {_OVERRIDE}"
+    ),
+    "moe_tp_experts": HFStyle(
+        "refused",
+        "refused on a module that is not an experts module (an "
+        "int `num_experts`, 3-D weights [experts, ...]); an experts "
+        "module's weights split over the expert axis with "
+        "`Rules.from_hf(model, ep='ep')`, or stay whole (`P()`, with a "
+        f"note) without it; {_OVERRIDE}",
+    ),
+    "moe_identity_expert": HFStyle("refused", f"refused: part of `moe_tp_experts`; {_OVERRIDE}"),
+    "grouped_gemm": HFStyle(
+        "refused",
+        "refused in a tensor-parallel plan: an expert-parallel "
+        "style, read from `base_model_ep_plan` by `Rules.from_hf(model, "
+        f"ep='ep')` (expert weights `P(ep, None, None)`); {_OVERRIDE}",
+    ),
+    "ep_dispatch_experts": HFStyle(
+        "refused",
+        "refused in a tensor-parallel plan: an "
+        "expert-parallel style, read from `base_model_ep_plan` by "
+        "`Rules.from_hf(model, ep='ep')` (the module whose tokens "
+        f"are dispatched); {_OVERRIDE}",
+    ),
+}
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -347,6 +390,8 @@ def _experts_matching(modules: Mapping[str, nn.Module], regex: str) -> list[nn.M
         for fqn, module in modules.items()
         if re.fullmatch(regex, fqn)
         and isinstance(getattr(module, "num_experts", None), int)
-        and any(p.ndim == 3 and p.shape[0] == module.num_experts
-                for p in module.parameters(recurse=False))
-    ]  # fmt: skip
+        and any(
+            p.ndim == 3 and p.shape[0] == module.num_experts
+            for p in module.parameters(recurse=False)
+        )
+    ]

@@ -159,9 +159,10 @@ def packed_placement(
         if not isinstance(placement, _StridedShard):
             continue
         later = math.prod(
-            size for size, split in zip(sizes[index + 1 :], split_dims[index + 1 :])
+            size
+            for size, split in zip(sizes[index + 1 :], split_dims[index + 1 :])
             if split == placement.dim
-        )  # fmt: skip
+        )
         if later != placement.split_factor:
             return index, placement.dim, int(placement.split_factor)
     return None

@@ -197,9 +197,13 @@ class Rules:
         logical = [("seq", tp)] if sequence_parallel and tp is not None else []
         made = [*experts, *generated, (r".*", P())]
         own = {pattern for pattern, _ in written}
-        rules = cls([*written, *made], logical=logical, fsdp=fsdp,
-                    gathered=hf_gathered(model, covered=covered) if tp is not None else (),
-                    generated=[pattern for pattern, _ in made if pattern not in own])  # fmt: skip
+        rules = cls(
+            [*written, *made],
+            logical=logical,
+            fsdp=fsdp,
+            gathered=hf_gathered(model, covered=covered) if tp is not None else (),
+            generated=[pattern for pattern, _ in made if pattern not in own],
+        )
         rules.notes = tuple(notes)
         return rules
 
@@ -279,8 +283,11 @@ class Rules:
             params.append(param)
         if unmatched and not self.allow_unmatched:
             raise self._unmatched_error(unmatched, shapes, names, mesh)
-        unused = [pattern for pattern, _ in self.patterns
-                  if pattern not in used_patterns and pattern not in self.generated]  # fmt: skip
+        unused = [
+            pattern
+            for pattern, _ in self.patterns
+            if pattern not in used_patterns and pattern not in self.generated
+        ]
         if unused and not self.allow_unused:
             raise self._unused_error(unused, shapes, mesh)
         return Resolution(mesh, tuple(params), self.gathered)

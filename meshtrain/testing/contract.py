@@ -145,8 +145,11 @@ def expert_reordering(ways: int) -> Reordering:
         >>> expert_reordering(4).levels
         3
     """
-    return Reordering("expert-parallel token dispatch: each expert's rows and weight-gradient sum "
-                      "taken over the tokens of its expert ranks", ways)  # fmt: skip
+    return Reordering(
+        "expert-parallel token dispatch: each expert's rows and weight-gradient sum "
+        "taken over the tokens of its expert ranks",
+        ways,
+    )
 
 
 def context_reordering(ways: int) -> Reordering:
@@ -161,9 +164,12 @@ def context_reordering(ways: int) -> Reordering:
         >>> context_reordering(4).levels
         10
     """
-    return Reordering("context-parallel attention: log-sum-exp merge of each row over the key "
-                      "blocks of the context ranks, key/value gradients over their query blocks",
-                      ways, chained=3)  # fmt: skip
+    return Reordering(
+        "context-parallel attention: log-sum-exp merge of each row over the key "
+        "blocks of the context ranks, key/value gradients over their query blocks",
+        ways,
+        chained=3,
+    )
 
 
 def contract_for(plan: Plan, *, statistics_size: int | None = None) -> Contract:

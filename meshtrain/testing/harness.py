@@ -182,8 +182,10 @@ class EquivalenceReport:
             shown = sorted(self.comparisons, key=lambda c: -c.ratio)[:limit]
             lines.append(f"closest to their bounds (of {len(self.comparisons)} comparisons):")
         own = self.contract.level == "approximate"
-        header = (f"  {'step':>4}  {'quantity':<18} {'tensor':<36} {'abs err':>9} "
-                  f"{'rel err':>9} {'× bound':>9}")  # fmt: skip
+        header = (
+            f"  {'step':>4}  {'quantity':<18} {'tensor':<36} {'abs err':>9} "
+            f"{'rel err':>9} {'× bound':>9}"
+        )
         lines.append(header + (f" {'own err':>9} {'× own':>9}" if own else ""))
         for c in shown:
             row = (
@@ -584,9 +586,12 @@ class _Run:
         fp16 = self.plan.options.precision == "fp16"
         self.ref_scaler: LossScaler | None = LossScaler() if fp16 else None
         runtime_step = make_train_step(
-            self.plan, config.loss_fn, self.optimizer, max_norm=config.max_norm,
+            self.plan,
+            config.loss_fn,
+            self.optimizer,
+            max_norm=config.max_norm,
             scaler=LossScaler() if fp16 else None,
-        )  # fmt: skip
+        )
         self.train_step = _ObservedStep.of(runtime_step, self._compare_grads)
         self.state = TrainState.create(self.applied, self.optimizer)
         self.data_index, self.data_ranks = data_parallel_rank(self.plan)
@@ -609,8 +614,9 @@ class _Run:
             ref_norm, ref_grads, old_states = self._reference_clip_and_capture()
             ref_finite = ref_finite and math.isfinite(ref_loss) and math.isfinite(ref_norm)
             if ref_finite and finite:
-                self._compare_scalar(step, "grad norm", norm, ref_norm, self.own.grad_norm,
-                                     self.flips.grad_norm)  # fmt: skip
+                self._compare_scalar(
+                    step, "grad norm", norm, ref_norm, self.own.grad_norm, self.flips.grad_norm
+                )
             elif finite != ref_finite:
                 self._compare_overflow(step, finite, ref_finite, ref_largest)
             if ref_finite:
@@ -665,8 +671,15 @@ class _Run:
             f"scaled gradients up to {largest * scale:.4g}"
             + (f", within a factor {2 * ways} of fp16's limit: rounding" if near else "")
         )
-        self._record(step, "overflow skip", "<all>", 0.0 if near else 1.0,
-                     0.0 if near else 1.0, 0.0 if near else math.inf, note=note)  # fmt: skip
+        self._record(
+            step,
+            "overflow skip",
+            "<all>",
+            0.0 if near else 1.0,
+            0.0 if near else 1.0,
+            0.0 if near else math.inf,
+            note=note,
+        )
 
     def _measure_own(
         self,
@@ -682,9 +695,16 @@ class _Run:
             return OwnRounding()
         keywords = {} if positions is None else {positions_keyword(self.twin.model): positions}
         with _same_draws(self._ref_draws):
-            own = self.twin.measure(ref_loss, self.ref_named, inputs, targets,
-                                    self.config.loss_fn, keywords, self.low_choices,
-                                    self.contract.unit)  # fmt: skip
+            own = self.twin.measure(
+                ref_loss,
+                self.ref_named,
+                inputs,
+                targets,
+                self.config.loss_fn,
+                keywords,
+                self.low_choices,
+                self.contract.unit,
+            )
         if own.near_ties:
             self.flips = self._flip_allowance(own.near_ties, inputs, targets, positions)
         return own
@@ -711,8 +731,11 @@ class _Run:
             output = self.reference(inputs, **keywords)
         loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
-        flipped = {fqn: full_tensor(p.grad).detach() / scale for fqn, p in self.ref_named.items()
-                   if p.grad is not None}  # fmt: skip
+        flipped = {
+            fqn: full_tensor(p.grad).detach() / scale
+            for fqn, p in self.ref_named.items()
+            if p.grad is not None
+        }
         allowance = FlipAllowance(
             rows=sum(int(r.sum()) for r in rows.values()),
             loss=abs(float(full_tensor(loss.detach())) - self._ref_loss),
@@ -735,21 +758,34 @@ class _Run:
         :class:`_ObservedStep`)."""
         per_rank = inputs.shape[0] // self.data_ranks
         mine = slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
-        batch = StepBatch(inputs[mine], targets[mine],
-                          token_positions=None if positions is None else positions[mine])  # fmt: skip
+        batch = StepBatch(
+            inputs[mine],
+            targets[mine],
+            token_positions=None if positions is None else positions[mine],
+        )
         self.state, metrics = self.train_step(self.state, batch)
         return metrics["loss"], metrics["grad_norm"], not metrics["skipped"]
 
     # ---------------------------------------------------------------- comparisons
 
-    def _record(self, step: int, quantity: str, fqn: str, abs_error: float, rel_error: float,
-                ratio: float, note: str = "", own_error: float | None = None) -> None:  # fmt: skip
+    def _record(
+        self,
+        step: int,
+        quantity: str,
+        fqn: str,
+        abs_error: float,
+        rel_error: float,
+        ratio: float,
+        note: str = "",
+        own_error: float | None = None,
+    ) -> None:
         self.result.comparisons.append(
             Comparison(step, quantity, fqn, abs_error, rel_error, ratio, note, own_error)
         )
 
-    def _bound(self, scale: float, own_error: float, rounded: float | None = None,
-               flip: float = 0.0) -> float:  # fmt: skip
+    def _bound(
+        self, scale: float, own_error: float, rounded: float | None = None, flip: float = 0.0
+    ) -> float:
         """The contract's bound on a quantity of largest magnitude ``scale`` whose one-device
         low-precision error is ``own_error`` (:func:`~meshtrain.testing.rounding.rounding_bound`),
         plus ``FLIP_FACTOR`` × what flipping the step's near-ties changes (``flip``)."""
@@ -768,19 +804,36 @@ class _Run:
         """What the report shows as the reference's own error (``None`` when unmeasured)."""
         return own_error if self.twin is not None else None
 
-    def _compare_scalar(self, step: int, quantity: str, value: float, reference: float,
-                        own_error: float = 0.0, flip: float = 0.0) -> None:  # fmt: skip
+    def _compare_scalar(
+        self,
+        step: int,
+        quantity: str,
+        value: float,
+        reference: float,
+        own_error: float = 0.0,
+        flip: float = 0.0,
+    ) -> None:
         abs_error = abs(value - reference)
         rel_error = abs_error / max(abs(reference), 1e-30)
         if not math.isfinite(value) and not math.isfinite(reference):
             abs_error = rel_error = 0.0
         ratio = self._ratio(abs_error, self._bound(abs(reference), own_error, flip=flip))
-        self._record(step, quantity, "<global>", abs_error, rel_error, ratio,
-                     own_error=self._own(own_error))  # fmt: skip
+        self._record(
+            step, quantity, "<global>", abs_error, rel_error, ratio, own_error=self._own(own_error)
+        )
 
-    def _compare_tensor(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
-                        reference: torch.Tensor, floor: float = 0.0, own_error: float = 0.0,
-                        rounded: float | None = None, flip: float = 0.0) -> None:  # fmt: skip
+    def _compare_tensor(
+        self,
+        step: int,
+        quantity: str,
+        fqn: str,
+        value: torch.Tensor,
+        reference: torch.Tensor,
+        floor: float = 0.0,
+        own_error: float = 0.0,
+        rounded: float | None = None,
+        flip: float = 0.0,
+    ) -> None:
         diff = (value.double() - reference.double()).abs()
         abs_error = float(diff.max()) if diff.numel() else 0.0
         own = float(reference.double().abs().max()) if reference.numel() else 0.0
@@ -792,8 +845,7 @@ class _Run:
         ratio = self._ratio(abs_error, self._bound(scale, own_error, rounded, flip))
         if flip and not note:
             note = f"{self.flips.rows} near-tie choice(s) allowed to flip"
-        self._record(step, quantity, fqn, abs_error, rel_error, ratio, note,
-                     self._own(own_error))  # fmt: skip
+        self._record(step, quantity, fqn, abs_error, rel_error, ratio, note, self._own(own_error))
 
     def _scale(self, own: float, floor: float, own_error: float = 0.0) -> float:
         """What a tensor's errors are measured against: its own largest magnitude, or — for a
@@ -814,19 +866,38 @@ class _Run:
         step = self.step
         floor = self._gradient_scale()
         self.plan_largest = max(
-            (float(full_tensor(p.grad).detach().abs().max()) for p in self.named.values()
-             if p.grad is not None and p.grad.numel()), default=0.0,
-        )  # fmt: skip
+            (
+                float(full_tensor(p.grad).detach().abs().max())
+                for p in self.named.values()
+                if p.grad is not None and p.grad.numel()
+            ),
+            default=0.0,
+        )
         for fqn, param in self.named.items():
             reference = self.ref_named[fqn].grad
             if param.grad is None or reference is None:
                 if (param.grad is None) != (reference is None):
-                    self._record(step, "grad", fqn, math.inf, math.inf, math.inf,
-                                 note="gradient present on one side only")  # fmt: skip
+                    self._record(
+                        step,
+                        "grad",
+                        fqn,
+                        math.inf,
+                        math.inf,
+                        math.inf,
+                        note="gradient present on one side only",
+                    )
                 continue
             value, ref = full_tensor(param.grad).detach(), full_tensor(reference).detach()
-            self._compare_tensor(step, "grad", fqn, value, ref, floor, self.own.grads.get(fqn, 0.0),
-                                 flip=self.flips.grads.get(fqn, 0.0))  # fmt: skip
+            self._compare_tensor(
+                step,
+                "grad",
+                fqn,
+                value,
+                ref,
+                floor,
+                self.own.grads.get(fqn, 0.0),
+                flip=self.flips.grads.get(fqn, 0.0),
+            )
 
     def _grad_bound(self, fqn: str, ref: torch.Tensor, floor: float) -> float:
         """A gradient's bound: the contract's reduction-order part of its scale, plus under low
@@ -885,9 +956,13 @@ class _Run:
             # The clipped gradient carries the gradient's and the norm's relative error.
             delta = 2 * self._grad_bound(fqn, grad, floor)
             new_ref = full_tensor(ref_param.detach())
-            bound = None if bitwise else param_bound(
-                self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref
-            )  # fmt: skip
+            bound = (
+                None
+                if bitwise
+                else param_bound(
+                    self.rule, grad, delta, old_states[fqn], self._step_count(ref_param), new_ref
+                )
+            )
             self._compare_elementwise(
                 step, "param", fqn, full_tensor(param.detach()), new_ref, bound
             )
@@ -910,14 +985,29 @@ class _Run:
                 continue
             value, ref = full_tensor(buffer).detach(), full_tensor(reference[fqn]).detach()
             if value.shape != ref.shape:
-                self._record(step, "buffer", fqn, math.inf, math.inf, math.inf,
-                             note=f"shape {tuple(value.shape)} vs {tuple(ref.shape)}")  # fmt: skip
+                self._record(
+                    step,
+                    "buffer",
+                    fqn,
+                    math.inf,
+                    math.inf,
+                    math.inf,
+                    note=f"shape {tuple(value.shape)} vs {tuple(ref.shape)}",
+                )
             elif ref.is_floating_point() and self.contract.level != "bitwise":
                 # running statistics are fp32 arithmetic on low-precision activations: their
                 # rounding is what the twin measures, not one rounding of the statistic
                 own = self.twin.buffer_error(fqn, ref) if self.twin is not None else 0.0
-                self._compare_tensor(step, "buffer", fqn, value, ref, own_error=own, rounded=0.0,
-                                     flip=self.flips.buffers.get(fqn, 0.0))  # fmt: skip
+                self._compare_tensor(
+                    step,
+                    "buffer",
+                    fqn,
+                    value,
+                    ref,
+                    own_error=own,
+                    rounded=0.0,
+                    flip=self.flips.buffers.get(fqn, 0.0),
+                )
             else:  # exactly, but for what flipping the step's near-ties changes (counts)
                 same = torch.equal(value, ref.to(value.dtype))
                 error = 0.0 if same else self._exact_error(value, ref)
@@ -935,8 +1025,15 @@ class _Run:
         value = self.ref_optimizer.state[ref_param].get("step", 1)
         return int(value.item() if isinstance(value, torch.Tensor) else value)
 
-    def _compare_elementwise(self, step: int, quantity: str, fqn: str, value: torch.Tensor,
-                             reference: torch.Tensor, bound: torch.Tensor | None) -> None:  # fmt: skip
+    def _compare_elementwise(
+        self,
+        step: int,
+        quantity: str,
+        fqn: str,
+        value: torch.Tensor,
+        reference: torch.Tensor,
+        bound: torch.Tensor | None,
+    ) -> None:
         diff = (value.double() - reference.double()).abs()
         abs_error = float(diff.max()) if diff.numel() else 0.0
         scale = float(reference.double().abs().max()) if reference.numel() else 0.0
@@ -1019,9 +1116,14 @@ def _merge(config: _Config, plan: Plan, results: list[_RankResult]) -> Equivalen
     for fqn in results[0].reference_fqns:
         if fqn not in held:
             worst[(1, "missing", fqn)] = Comparison(
-                1, "missing", fqn, math.inf, math.inf, math.inf,
+                1,
+                "missing",
+                fqn,
+                math.inf,
+                math.inf,
+                math.inf,
                 note="no rank holds this parameter of the one-device model",
-            )  # fmt: skip
+            )
     comparisons = tuple(sorted(worst.values(), key=lambda c: (c.step, c.quantity, c.fqn)))
     update = results[0].update
     unchecked = (

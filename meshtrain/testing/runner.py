@@ -213,8 +213,13 @@ def _worker_main(spec: _RankSpec, conn: mpc.Connection) -> None:
             conn.send(_Progress("torch imported"))
             torch.set_num_threads(1)
             store = dist.FileStore(spec.store_path, spec.world_size)
-            init_distributed(backend="gloo", store=store, rank=spec.rank,
-                             world_size=spec.world_size, timeout_s=_PG_TIMEOUT_S)  # fmt: skip
+            init_distributed(
+                backend="gloo",
+                store=store,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                timeout_s=_PG_TIMEOUT_S,
+            )
     except BaseException:
         traceback.print_exc()
         conn.send(_Reply(False, b"", traceback.format_exc(), ()))

@@ -80,9 +80,12 @@ def update_rule(optimizer: torch.optim.Optimizer) -> UpdateRule:
     if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and not group.get("amsgrad"):
         beta1, beta2 = group["betas"]
         return UpdateRule(
-            "adam", lr=float(group["lr"]), betas=(float(beta1), float(beta2)),
-            eps=float(group["eps"]), name=name,
-        )  # fmt: skip
+            "adam",
+            lr=float(group["lr"]),
+            betas=(float(beta1), float(beta2)),
+            eps=float(group["eps"]),
+            name=name,
+        )
     return UpdateRule("none", name=name)
 
 

@@ -51,5 +51,9 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         """This batch with its tensors on ``device``."""
         positions = self.token_positions
-        return Batch(self.inputs.to(device), self.targets.to(device), self.position,
-                     None if positions is None else positions.to(device))  # fmt: skip
+        return Batch(
+            self.inputs.to(device),
+            self.targets.to(device),
+            self.position,
+            None if positions is None else positions.to(device),
+        )

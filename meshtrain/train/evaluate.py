@@ -52,8 +52,11 @@ class EvalResult:
 
     def metrics(self) -> dict[str, float]:
         """As logged: ``val_loss``, ``val_perplexity``, ``val_tokens``."""
-        return {"val_loss": self.loss, "val_perplexity": self.perplexity,
-                "val_tokens": float(self.tokens)}  # fmt: skip
+        return {
+            "val_loss": self.loss,
+            "val_perplexity": self.perplexity,
+            "val_tokens": float(self.tokens),
+        }
 
 
 def evaluate(

@@ -65,8 +65,9 @@ def start(directory: str | os.PathLike[str], *, rank: int, attempt: int, every_s
     path = beat_path(directory, rank, attempt)
     _beating[:] = [(path, rank)]
     _beat(path, rank)
-    thread = threading.Thread(target=_beat_forever, args=(path, rank, every_s),
-                              name="meshtrain-heartbeat", daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=_beat_forever, args=(path, rank, every_s), name="meshtrain-heartbeat", daemon=True
+    )
     thread.start()
     logs = os.environ.get(LOG_DIR_VARIABLE)
     if logs and hasattr(signal, "SIGUSR1"):

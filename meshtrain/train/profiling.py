@@ -76,8 +76,11 @@ def summary_table(summary: ProfileSummary) -> str:
     """
     per_step = summary.wall_s / summary.steps * 1e3
     rows = [("wall", per_step), ("compute and other", summary.compute_s / summary.steps * 1e3)]
-    rows += [(kind, seconds / summary.steps * 1e3)
-             for kind, seconds in summary.collective_s.items() if seconds > 0]  # fmt: skip
+    rows += [
+        (kind, seconds / summary.steps * 1e3)
+        for kind, seconds in summary.collective_s.items()
+        if seconds > 0
+    ]
     lines = [f"{f'per step over {summary.steps} steps':<22}{'ms':>7}  share"]
     for name, value in rows:
         share = value / per_step if per_step else 0.0
@@ -88,8 +91,9 @@ def summary_table(summary: ProfileSummary) -> str:
 class StepProfiler:
     """Profiles steps ``first..last`` (inclusive) on this rank; see the module docstring."""
 
-    def __init__(self, steps: Sequence[int], out_dir: Path, *, rank: int,
-                 memory: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self, steps: Sequence[int], out_dir: Path, *, rank: int, memory: bool = True
+    ) -> None:
         if len(steps) != 2 or not 1 <= steps[0] <= steps[1]:
             raise TrainingError(
                 f"profile.steps = {list(steps)} must be [first, last] with 1 <= first <= last "
@@ -157,8 +161,14 @@ def _collective_seconds(profile: Any) -> dict[str, float]:
     device = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     for event in profile.key_averages():
         name = event.key.lower()
-        kind = next((kind for kind, parts in COLLECTIVE_KINDS.items()
-                     if any(part in name for part in parts)), None)  # fmt: skip
+        kind = next(
+            (
+                kind
+                for kind, parts in COLLECTIVE_KINDS.items()
+                if any(part in name for part in parts)
+            ),
+            None,
+        )
         if kind is None:
             continue
         if event.key.startswith(_OPERATOR_PREFIXES):

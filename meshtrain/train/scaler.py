@@ -51,8 +51,14 @@ class LossScaler:
         dynamic: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        if (not init_scale > 0 or not growth_factor > 1 or not 0 < backoff_factor < 1
-                or growth_interval < 1 or hysteresis < 1 or not 0 <= min_scale <= init_scale):  # fmt: skip
+        if (
+            not init_scale > 0
+            or not growth_factor > 1
+            or not 0 < backoff_factor < 1
+            or growth_interval < 1
+            or hysteresis < 1
+            or not 0 <= min_scale <= init_scale
+        ):
             raise PlanError(
                 f"LossScaler(init_scale={init_scale}, growth_factor={growth_factor}, "
                 f"backoff_factor={backoff_factor}, growth_interval={growth_interval}, "

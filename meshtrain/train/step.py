@@ -89,8 +89,9 @@ def make_train_step(
         raise TrainingError(f"max_norm={max_norm} must be positive, or None to not clip.")
     if plan.options.precision == "fp16" and scaler is None:
         scaler = LossScaler()
-    return TrainStep(plan, compile_loss(plan, loss_fn), optimizer, schedule, max_norm, on_nonfinite,
-                     scaler)  # fmt: skip
+    return TrainStep(
+        plan, compile_loss(plan, loss_fn), optimizer, schedule, max_norm, on_nonfinite, scaler
+    )
 
 
 @dataclass(frozen=True)
@@ -138,8 +139,13 @@ class TrainStep:
             self.optimizer.step()
             after_optimizer_step(state.model)  # MoE loss-free balancing from global counts
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = {"loss": loss, "grad_norm": norm, "lr": lr, "tokens": tokens,
-                   "skipped": float(not finite)}  # fmt: skip
+        metrics = {
+            "loss": loss,
+            "grad_norm": norm,
+            "lr": lr,
+            "tokens": tokens,
+            "skipped": float(not finite),
+        }
         if self.scaler is not None:
             metrics["loss_scale"] = self.scaler.scale_value
             self.scaler.update()
@@ -231,8 +237,10 @@ def _forwards(
     if positions is None:
         return [functools.partial(model, x) for x in inputs]
     keyword = positions_keyword(model)
-    return [functools.partial(model, x, **{keyword: p})
-            for x, p in zip(inputs, positions.chunk(micro), strict=True)]  # fmt: skip
+    return [
+        functools.partial(model, x, **{keyword: p})
+        for x, p in zip(inputs, positions.chunk(micro), strict=True)
+    ]
 
 
 def backward_factor(plan: Plan) -> float:

@@ -86,8 +86,10 @@ class TokenGuard:
         (returned; it wins over the rest), and — when none — a :class:`DataError` on every rank
         alike when any rank's token file (:meth:`before_read`) or batch is bad. ``batch`` is
         None where the file was not read."""
-        problems = (getattr(self, "_pending", None),
-                    self._problem(batch) if batch is not None else None)  # fmt: skip
+        problems = (
+            getattr(self, "_pending", None),
+            self._problem(batch) if batch is not None else None,
+        )
         flags = [stop, *(0 if p is None else 1 for p in problems)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             agreed = torch.tensor(flags, dtype=torch.int64, device=device)

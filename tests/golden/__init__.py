@@ -167,8 +167,15 @@ def path(name: str) -> Path:
 def diff(name: str, now: str, limit: int = 80) -> str:
     """A unified diff of the stored plan against ``now`` (at most ``limit`` lines)."""
     stored = path(name).read_text() if path(name).exists() else ""
-    lines = list(difflib.unified_diff(stored.splitlines(), now.splitlines(),
-                                      f"tests/golden/plans/{name}.json (stored)",
-                                      f"{name} (planned now)", lineterm="", n=2))  # fmt: skip
+    lines = list(
+        difflib.unified_diff(
+            stored.splitlines(),
+            now.splitlines(),
+            f"tests/golden/plans/{name}.json (stored)",
+            f"{name} (planned now)",
+            lineterm="",
+            n=2,
+        )
+    )
     more = f"\n... {len(lines) - limit} more lines" if len(lines) > limit else ""
     return "\n".join(lines[:limit]) + more

@@ -185,8 +185,15 @@ def accumulation_mean_per_microbatch() -> Iterator[None]:
     ``microbatches`` times too large."""
     step = importlib.import_module("meshtrain.train.step")
 
-    def own_mean(plan: Any, model: Any, inputs: Any, targets: Any, loss_fn: Any,
-                 tokens: Any, loss_scale: float) -> torch.Tensor:  # fmt: skip
+    def own_mean(
+        plan: Any,
+        model: Any,
+        inputs: Any,
+        targets: Any,
+        loss_fn: Any,
+        tokens: Any,
+        loss_scale: float,
+    ) -> torch.Tensor:
         summed = torch.zeros((), dtype=torch.float32)
         for i, (x, y) in enumerate(zip(inputs, targets)):
             with step.micro_batch(plan, model, last=i == len(inputs) - 1), step.loss_parallel(plan):
@@ -524,8 +531,9 @@ def batch_buffer_summed() -> Iterator[None]:
     """Buffers written from the batch summed over the data ranks, not averaged."""
     batch_buffers = importlib.import_module("meshtrain.lower.data.batch_buffers")
 
-    def summed(group: Any, owner: nn.Module, name: str, module: nn.Module, args: Any,
-               output: Any) -> None:  # fmt: skip
+    def summed(
+        group: Any, owner: nn.Module, name: str, module: nn.Module, args: Any, output: Any
+    ) -> None:
         with torch.no_grad():
             dist.all_reduce(owner._buffers[name], group=group)
 
@@ -559,8 +567,9 @@ def tail_input_not_gathered() -> Iterator[None]:
     from torch.distributed.tensor import Shard
 
     def local(style: Any, context: Any) -> Any:
-        return tensor_parallel._PrepareActivation(style.fqn, style.argument, Shard(1), Shard(1),
-                                                  local=True)  # fmt: skip
+        return tensor_parallel._PrepareActivation(
+            style.fqn, style.argument, Shard(1), Shard(1), local=True
+        )
 
     with mock.patch.dict(tensor_parallel.LOWERINGS, {ir.TPStyle.SEQUENCE_GATHERED_TAIL: local}):
         yield
@@ -827,8 +836,10 @@ def experts_split_contiguously() -> Iterator[None]:
     def contiguous(name: str) -> Any:
         return Shard(1) if name == "gate_up_proj" else Shard(2)
 
-    with mock.patch.object(expert_tensor, "tensor_placement", contiguous), \
-            mock.patch.object(expert_parallel, "tensor_placement", contiguous):  # fmt: skip
+    with (
+        mock.patch.object(expert_tensor, "tensor_placement", contiguous),
+        mock.patch.object(expert_parallel, "tensor_placement", contiguous),
+    ):
         yield
 
 
@@ -842,8 +853,10 @@ def experts_input_grad_not_summed() -> Iterator[None]:
     def unsummed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
         return tensor
 
-    with mock.patch.object(expert_tensor, "sum_backward", unsummed), \
-            mock.patch.object(expert_parallel, "sum_backward", unsummed):  # fmt: skip
+    with (
+        mock.patch.object(expert_tensor, "sum_backward", unsummed),
+        mock.patch.object(expert_parallel, "sum_backward", unsummed),
+    ):
         yield
 
 

@@ -197,9 +197,15 @@ def _tiles(
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
-    out: torch.Tensor, lse: torch.Tensor, tile: Tile = DEFAULT_TILE,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    tile: Tile = DEFAULT_TILE,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``out`` and ``lse`` (the running merge, fp32 ``[B, Hq, Sq, D]`` and ``[B, Hq, Sq]``)
     with one block's keys merged in, tile by tile: each tile's attention and log-sum-exp
     (online softmax, :func:`merge`) so only ``[B, Hq, tile.q, tile.k]`` scores live at once.
@@ -222,9 +228,13 @@ def attend(
 
 
 def block_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask, scale: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Mask,
+    scale: float,
     tile: Tile = DEFAULT_TILE,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One block's attention in fp32: the output ``[B, Hq, Sq, D]`` normalised over this block
     alone, and its log-sum-exp ``[B, Hq, Sq]`` (``-inf`` on rows that see none of it).
 
@@ -303,8 +313,14 @@ class _Blockwise(torch.autograd.Function):
     """Attention over a list of blocks in one process, saving only q, the blocks, out and lse."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, masks: list[BlockMask], scale: float, tile: Tile,
-                *kv: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        masks: list[BlockMask],
+        scale: float,
+        tile: Tile,
+        *kv: torch.Tensor,
+    ) -> torch.Tensor:
         out = torch.zeros_like(_acc(q))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
         for i, mask in enumerate(masks):

@@ -105,10 +105,17 @@ class ContextGroup:
         """One device's attention for this rank's queries (``[B, H, S_local, D]``); with
         ``documents`` (``[B, S_local]`` ids, :meth:`documents`), within each document."""
         return context_attention(
-            q, k, v, group=self.group, positions_q=self.positions(q.shape[2], q.device),
-            causal=causal, window=window, scale=scale, method=self.method,  # type: ignore[arg-type]
+            q,
+            k,
+            v,
+            group=self.group,
+            positions_q=self.positions(q.shape[2], q.device),
+            causal=causal,
+            window=window,
+            scale=scale,
+            method=self.method,  # type: ignore[arg-type]
             documents=documents,
-        )  # fmt: skip
+        )
 
 
 @functools.lru_cache(maxsize=64)
@@ -122,8 +129,13 @@ def context_group(plan: Plan) -> ContextGroup | None:
         return None
     group = axis_group(plan.mesh, plan.context_axis)
     options = plan.options
-    return ContextGroup(group, dist.get_world_size(group), dist.get_rank(group),
-                        options.context_balance, options.context_method)  # fmt: skip
+    return ContextGroup(
+        group,
+        dist.get_world_size(group),
+        dist.get_rank(group),
+        options.context_balance,
+        options.context_method,
+    )
 
 
 def apply_context_parallel(plan: Plan, model: nn.Module) -> None:
@@ -277,8 +289,15 @@ def hf_context_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     documents = kwargs.get(HF_DOCUMENTS)
-    out = context.attend(query, key, value, causal=bool(causal), window=sliding_window,
-                         scale=scaling, documents=documents)  # fmt: skip
+    out = context.attend(
+        query,
+        key,
+        value,
+        causal=bool(causal),
+        window=sliding_window,
+        scale=scaling,
+        documents=documents,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

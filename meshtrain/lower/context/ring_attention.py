@@ -181,9 +181,16 @@ class _Ring(torch.autograd.Function):
     """Ring attention: forward merges the blocks as they arrive; backward rotates them again."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                group: ProcessGroup, layout: _Layout, scale: float,
-                tile: blocks.Tile) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: ProcessGroup,
+        layout: _Layout,
+        scale: float,
+        tile: blocks.Tile,
+    ) -> torch.Tensor:
         rank, cp = dist.get_rank(group), dist.get_world_size(group)
         out = torch.zeros_like(blocks._acc(q))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=out.dtype, device=q.device)
@@ -240,9 +247,13 @@ def _count_reduce_scatter(grad: torch.Tensor) -> None:
 
 
 def _allgather(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: ProcessGroup, layout: _Layout,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ProcessGroup,
+    layout: _Layout,
     scale: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Gather every rank's keys and values (autograd: the backward reduce-scatters dk, dv), then
     one masked attention in plain differentiable torch."""
     cp = dist.get_world_size(group)
@@ -286,10 +297,17 @@ def _shape(tensor: torch.Tensor | None) -> str:
 
 
 def _check(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions_q: torch.Tensor,
-    positions_kv: torch.Tensor, documents: torch.Tensor | None,
-    documents_kv: torch.Tensor | None, causal: bool, window: int | None, method: str,
-) -> None:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions_q: torch.Tensor,
+    positions_kv: torch.Tensor,
+    documents: torch.Tensor | None,
+    documents_kv: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    method: str,
+) -> None:
     """A ``PlanError`` naming what does not fit, raised before any communication."""
     where = f"context attention (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)})"
     if method not in METHODS:

@@ -38,8 +38,9 @@ def average_batch_buffers(plan: Plan, model: nn.Module) -> None:
             modules[writer].register_forward_hook(hook)
 
 
-def _average(group: ProcessGroup, owner: nn.Module, name: str, module: nn.Module, args: Any,
-             output: Any) -> None:  # fmt: skip
+def _average(
+    group: ProcessGroup, owner: nn.Module, name: str, module: nn.Module, args: Any, output: Any
+) -> None:
     buffer = owner._buffers.get(name)
     if buffer is None:
         return

@@ -55,9 +55,13 @@ def apply_data_parallel(plan: Plan, model: nn.Module) -> None:
         module = modules[unit.fqn]
         decisions = unit.decisions
         for inner in experts_of(plan, unit.fqn) if expert_mesh is not None else ():
-            fully_shard(modules[inner], mesh=expert_mesh, mp_policy=mp_policy,
-                        reshard_after_forward=decisions.reshard_after_forward,
-                        offload_policy=_offload_policy(decisions.offload))  # fmt: skip
+            fully_shard(
+                modules[inner],
+                mesh=expert_mesh,
+                mp_policy=mp_policy,
+                reshard_after_forward=decisions.reshard_after_forward,
+                offload_policy=_offload_policy(decisions.offload),
+            )
             wrapped.append(modules[inner])
         if decisions.wrapper == "replicate":
             from torch.distributed._composable.replicate_with_fsdp import replicate

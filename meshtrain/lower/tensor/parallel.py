@@ -183,8 +183,11 @@ def _sync_partial_grads(plan: Plan, modules: dict[str, nn.Module]) -> None:
         if style.style == TPStyle.SEQUENCE_PARALLEL and plan.sequence_parallel:
             fqns += [prefix + name for name, p in module.named_parameters() if p.requires_grad]
         elif style.module_type == "LoRALinear":
-            fqns += [prefix + name for name, p in module.named_parameters()
-                     if name.startswith("lora_") and p.requires_grad]  # fmt: skip
+            fqns += [
+                prefix + name
+                for name, p in module.named_parameters()
+                if name.startswith("lora_") and p.requires_grad
+            ]
     if fqns:
         sync = PartialGradSync(tuple(fqns))
         sync.attach(modules[""])
@@ -318,8 +321,12 @@ class _AdapterColwise(ColwiseParallel):
     (dim 0), ``lora_A`` replicated (see :mod:`meshtrain.plan.adapters`)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        placements = {"weight": Shard(0), "bias": Shard(0), "lora_A": Replicate(),
-                      "lora_B": Shard(0)}  # fmt: skip
+        placements = {
+            "weight": Shard(0),
+            "bias": Shard(0),
+            "lora_A": Replicate(),
+            "lora_B": Shard(0),
+        }
         return _distribute_adapted(self, module, device_mesh, placements)
 
 
@@ -329,8 +336,12 @@ class _AdapterRowwise(RowwiseParallel):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         self.desired_input_layouts = (Shard(-1),)
-        placements = {"weight": Shard(1), "bias": Replicate(), "lora_A": Shard(1),
-                      "lora_B": Replicate()}  # fmt: skip
+        placements = {
+            "weight": Shard(1),
+            "bias": Replicate(),
+            "lora_A": Shard(1),
+            "lora_B": Replicate(),
+        }
         return _distribute_adapted(self, module, device_mesh, placements)
 
 
@@ -465,16 +476,20 @@ class SharedInput:
             return None
         frame = self.frames[-1]
         if frame[1] is None and isinstance(frame[0], torch.Tensor):
-            frame[1] = DTensor.from_local(frame[0], self.device_mesh, (Replicate(),),
-                                          run_check=False)  # fmt: skip
+            frame[1] = DTensor.from_local(
+                frame[0], self.device_mesh, (Replicate(),), run_check=False
+            )
         return (frame[1], *args[1:]) if frame[1] is not None else None
 
 
 def share_inputs(plan: Plan, modules: dict[str, nn.Module]) -> None:
     """Hook each column-wise module under a pair parent lowered with :class:`_SharedInput` (the
     innermost such parent) to take its shared input."""
-    parents = [fqn for fqn, m in modules.items() if isinstance(
-        getattr(m, "_meshtrain_shared_input", None), SharedInput)]  # fmt: skip
+    parents = [
+        fqn
+        for fqn, m in modules.items()
+        if isinstance(getattr(m, "_meshtrain_shared_input", None), SharedInput)
+    ]
     for style in plan.styles:
         if style.style != TPStyle.COLWISE or style.fqn not in modules:
             continue

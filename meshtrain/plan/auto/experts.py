@@ -103,13 +103,23 @@ def choose_expert_plan(
     dense: AutoChoice | None = None
     dense_error = ""
     try:
-        dense = choose_plan(model, world_size, _without_axis(rules, expert_axis), options,
-                            search=search, links=links, device_type=device_type,
-                            abstract=abstract)  # fmt: skip
+        dense = choose_plan(
+            model,
+            world_size,
+            _without_axis(rules, expert_axis),
+            options,
+            search=search,
+            links=links,
+            device_type=device_type,
+            abstract=abstract,
+        )
     except MeshtrainError as error:
         dense_error = error.message.split(". ")[0]
-    evaluated = list(_expert_candidates(model, world_size, rules, options, search, links,
-                                        device_type, expert_axis))  # fmt: skip
+    evaluated = list(
+        _expert_candidates(
+            model, world_size, rules, options, search, links, device_type, expert_axis
+        )
+    )
     fitting = [e for e, _ in evaluated if e.fits(search.device_memory)]
     if dense is not None:
         fitting.append(dense.chosen)
@@ -127,18 +137,27 @@ def choose_expert_plan(
     plan = plans[id(best)]
     if not abstract:
         assert isinstance(best.candidate, ExpertCandidate)
-        plan = _plan(model, best.candidate, rules, options, world_size, device_type, False,
-                     expert_axis)  # fmt: skip
+        plan = _plan(
+            model, best.candidate, rules, options, world_size, device_type, False, expert_axis
+        )
     reason = (
         f"strategy auto on {world_size} devices of {format_bytes(search.device_memory)}: chose "
         f"{best.candidate.describe()}: peak {format_bytes(best.peak_bytes or 0)} per rank, "
         f"modelled overhead {best.cost * 1e3:.1f} ms per step"
-        + (f"; the best without expert parallelism costs {dense.chosen.cost * 1e3:.1f} ms"
-           if dense is not None else f"; without expert parallelism: {dense_error or 'nothing fits'}")
-    )  # fmt: skip
+        + (
+            f"; the best without expert parallelism costs {dense.chosen.cost * 1e3:.1f} ms"
+            if dense is not None
+            else f"; without expert parallelism: {dense_error or 'nothing fits'}"
+        )
+    )
     candidates = tuple(e for e, _ in evaluated) + (dense.candidates if dense is not None else ())
-    return AutoChoice(replace(plan, notes=(reason, *plan.notes)), best, candidates,
-                      search.device_memory, (reason,))  # fmt: skip
+    return AutoChoice(
+        replace(plan, notes=(reason, *plan.notes)),
+        best,
+        candidates,
+        search.device_memory,
+        (reason,),
+    )
 
 
 def _expert_candidates(
@@ -183,16 +202,27 @@ def _plan(
     abstract: bool,
     expert_axis: str,
 ) -> Plan:
-    mesh = make_mesh({"pp": 1, "dp": c.dp, expert_axis: c.ep, "tp": 1}, world_size=world_size,
-                     abstract=abstract, device_type=device_type)  # fmt: skip
-    chosen = options.with_overrides(zero=c.zero, activation_checkpointing=c.checkpointing,
-                                    microbatches=1, pipeline=None)  # fmt: skip
+    mesh = make_mesh(
+        {"pp": 1, "dp": c.dp, expert_axis: c.ep, "tp": 1},
+        world_size=world_size,
+        abstract=abstract,
+        device_type=device_type,
+    )
+    chosen = options.with_overrides(
+        zero=c.zero, activation_checkpointing=c.checkpointing, microbatches=1, pipeline=None
+    )
     return build_plan(model, mesh, rules, chosen)
 
 
 def _without_axis(rules: Rules, axis: str) -> Rules:
     """``rules`` with logical rules onto ``axis`` mapping to nothing instead (experts whole)."""
     logical = tuple((name, None if target == axis else target) for name, target in rules.logical)
-    return Rules(rules.patterns, logical=logical, fsdp=rules.fsdp,
-                 allow_unmatched=rules.allow_unmatched, allow_unused=rules.allow_unused,
-                 gathered=rules.gathered, generated=tuple(rules.generated))  # fmt: skip
+    return Rules(
+        rules.patterns,
+        logical=logical,
+        fsdp=rules.fsdp,
+        allow_unmatched=rules.allow_unmatched,
+        allow_unused=rules.allow_unused,
+        gathered=rules.gathered,
+        generated=tuple(rules.generated),
+    )

@@ -170,13 +170,28 @@ def choose_plan(
     """
     _check_request(options, world_size, search)
     assert options.global_batch is not None and options.seq_len is not None
-    shared = replace(options, zero=3, activation_checkpointing="none", checkpoint_every=1,
-                     microbatches=1, pipeline=None)  # fmt: skip
+    shared = replace(
+        options,
+        zero=3,
+        activation_checkpointing="none",
+        checkpoint_every=1,
+        microbatches=1,
+        pipeline=None,
+    )
     engine = _Search(
-        model, world_size, rules, search.device_memory, options.global_batch, options.seq_len,
-        search.node_size, links or Links(), device_type, shared, n_blocks=_n_blocks(model),
+        model,
+        world_size,
+        rules,
+        search.device_memory,
+        options.global_batch,
+        options.seq_len,
+        search.node_size,
+        links or Links(),
+        device_type,
+        shared,
+        n_blocks=_n_blocks(model),
         rest_bytes=_rest_bytes(model, shared),
-    )  # fmt: skip
+    )
     evaluated = list(engine.evaluate_all())
     fitting = [e for e in evaluated if e.fits(search.device_memory)]
     if not fitting:  # long sequences: split each over context ranks (plan/context/cost.py)
@@ -187,14 +202,23 @@ def choose_plan(
     best = min(fitting, key=lambda e: (e.cost, e.candidate.simplicity))
     plan = engine.plan(best.candidate, abstract=abstract)
     reasons = _reasons(best, evaluated, search.device_memory, world_size, search.node_size)
-    return AutoChoice(replace(plan, notes=(*reasons, *plan.notes)), best, tuple(evaluated),
-                      search.device_memory, reasons)  # fmt: skip
+    return AutoChoice(
+        replace(plan, notes=(*reasons, *plan.notes)),
+        best,
+        tuple(evaluated),
+        search.device_memory,
+        reasons,
+    )
 
 
 def _check_request(options: PlanOptions, world_size: int, search: AutoSearch) -> None:
     """What auto chooses must be left alone; what it needs must be given."""
-    chosen = {"pipeline": None, "microbatches": 1, "activation_checkpointing": "none",
-              "batch_size": None}  # fmt: skip
+    chosen = {
+        "pipeline": None,
+        "microbatches": 1,
+        "activation_checkpointing": "none",
+        "batch_size": None,
+    }
     clashes = [
         f"{name}={getattr(options, name)!r}"
         for name, default in chosen.items()
@@ -224,8 +248,9 @@ def step_cost(
     comm = 0.0
     for traffic in report.traffic:
         span = max(plan.mesh.span(axis) for axis in traffic.axis.split("+"))
-        comm += links.seconds(traffic.sent_bytes, inside_node=span <= node_size,
-                              collectives=traffic.count)  # fmt: skip
+        comm += links.seconds(
+            traffic.sent_bytes, inside_node=span <= node_size, collectives=traffic.count
+        )
     params = sum(math.prod(p.shape) for p in plan.params)
     compute = 6 * params * tokens_per_step / plan.mesh.world_size / links.flops_per_s
     bubble = report.bubble_fraction / (1 - report.bubble_fraction) * compute
@@ -300,9 +325,13 @@ def _options(c: Candidate, global_batch: int, shared: PlanOptions) -> PlanOption
     pipeline = (
         Pipeline(axis="pp", schedule="1F1B", microbatches=c.microbatches) if c.pp > 1 else None
     )
-    return shared.with_overrides(zero=c.zero, activation_checkpointing=c.checkpointing,
-                                 global_batch=global_batch, pipeline=pipeline,
-                                 microbatches=1 if pipeline else c.microbatches)  # fmt: skip
+    return shared.with_overrides(
+        zero=c.zero,
+        activation_checkpointing=c.checkpointing,
+        global_batch=global_batch,
+        pipeline=pipeline,
+        microbatches=1 if pipeline else c.microbatches,
+    )
 
 
 @dataclass(frozen=True)
@@ -323,21 +352,34 @@ class _Search:
     rest_bytes: int  # the whole model's bytes at rest (see _rest_bytes)
 
     def plan(
-        self, c: Candidate, *, world: int | None = None, batch: int | None = None,
+        self,
+        c: Candidate,
+        *,
+        world: int | None = None,
+        batch: int | None = None,
         abstract: bool = True,
-    ) -> Plan:  # fmt: skip
+    ) -> Plan:
         """Candidate ``c`` planned (on ``world`` ranks with global ``batch`` if given); with
         ``c.cp > 1`` on a mesh with a ``cp`` axis and the rule ``("seq", "cp")``."""
         axes = {"pp": c.pp, "dp": c.dp, "tp": c.tp}
         rules = self.rules
         if c.cp > 1:
             axes = {"pp": c.pp, "dp": c.dp, "cp": c.cp, "tp": c.tp}
-            rules = Rules(rules.patterns, logical=(("seq", "cp"), *rules.logical),
-                          fsdp=rules.fsdp, allow_unmatched=rules.allow_unmatched,
-                          allow_unused=rules.allow_unused, gathered=rules.gathered,
-                          generated=tuple(rules.generated))  # fmt: skip
-        mesh = make_mesh(axes, world_size=world or self.world_size, abstract=abstract,
-                         device_type=self.device_type)  # fmt: skip
+            rules = Rules(
+                rules.patterns,
+                logical=(("seq", "cp"), *rules.logical),
+                fsdp=rules.fsdp,
+                allow_unmatched=rules.allow_unmatched,
+                allow_unused=rules.allow_unused,
+                gathered=rules.gathered,
+                generated=tuple(rules.generated),
+            )
+        mesh = make_mesh(
+            axes,
+            world_size=world or self.world_size,
+            abstract=abstract,
+            device_type=self.device_type,
+        )
         options = _options(c, batch or self.global_batch, self.shared)
         return build_plan(self.model, mesh, rules, options)
 
@@ -354,9 +396,13 @@ class _Search:
         for pp, dp, tp in candidates(self.world_size, self.node_size, self.n_blocks):
             micros = _microbatches(pp, dp, self.global_batch)
             if not micros:
-                yield Evaluated(Candidate(pp, dp, tp, 0, "none", 0), None, None,
-                                f"global batch {self.global_batch} does not split into {dp} "
-                                f"data-parallel ranks × ≥{pp} micro-batches")  # fmt: skip
+                yield Evaluated(
+                    Candidate(pp, dp, tp, 0, "none", 0),
+                    None,
+                    None,
+                    f"global batch {self.global_batch} does not split into {dp} "
+                    f"data-parallel ranks × ≥{pp} micro-batches",
+                )
                 continue
             for micro in micros:
                 for zero in (0, 1, 2, 3):
@@ -383,8 +429,13 @@ class _Search:
         floor = _at_rest_floor(self.rest_bytes, base, self.shared)
         if floor > self.device_memory:
             for mode in MODES:
-                yield Evaluated(replace(base, checkpointing=mode), None, None,
-                                f"memory at rest ≥ {format_bytes(floor)}", floor)  # fmt: skip
+                yield Evaluated(
+                    replace(base, checkpointing=mode),
+                    None,
+                    None,
+                    f"memory at rest ≥ {format_bytes(floor)}",
+                    floor,
+                )
             return
         try:
             plan = self.plan(base)
@@ -399,16 +450,23 @@ class _Search:
                 if mode == "full":
                     yield full
                 else:
-                    yield Evaluated(replace(base, checkpointing=mode), other + estimates[mode],
-                                    self.cost(plan, mode))  # fmt: skip
+                    yield Evaluated(
+                        replace(base, checkpointing=mode),
+                        other + estimates[mode],
+                        self.cost(plan, mode),
+                    )
             return
         monotone = not estimates or estimates["none"] >= estimates["selective"] >= estimates["full"]
         yield full
         for mode in ("selective", "none"):
             c = replace(base, checkpointing=mode)
             if monotone and not full.fits(self.device_memory):
-                yield Evaluated(c, None, None, "keeps more activations than full checkpointing, "
-                                "which does not fit")  # fmt: skip
+                yield Evaluated(
+                    c,
+                    None,
+                    None,
+                    "keeps more activations than full checkpointing, which does not fit",
+                )
                 continue
             planned = self.plan(c)
             yield Evaluated(c, planned.memory.total, self.cost(planned))
@@ -436,8 +494,9 @@ class _Search:
             f"devices of at least {need}{self.smallest_world()}."
         )
 
-    def try_plan(self, c: Candidate, world: int | None = None,
-                 batch: int | None = None) -> Evaluated | None:  # fmt: skip
+    def try_plan(
+        self, c: Candidate, world: int | None = None, batch: int | None = None
+    ) -> Evaluated | None:
         """``c`` planned (its peak, no cost), or None when the planner rejects it."""
         try:
             return Evaluated(c, self.plan(c, world=world, batch=batch).memory.total, None)
@@ -457,8 +516,10 @@ class _Search:
                 c = Candidate(pp, dp, tp, 3, "full", micros[-1])
                 result = self.try_plan(c, world, batch)
                 if result is not None and result.fits(self.device_memory):
-                    return (f", or at least {world} devices of this memory ({c.describe()}, "
-                            f"global batch {batch}: the same sequences per data-parallel rank)")  # fmt: skip
+                    return (
+                        f", or at least {world} devices of this memory ({c.describe()}, "
+                        f"global batch {batch}: the same sequences per data-parallel rank)"
+                    )
         return f" (no world up to {world:,} devices of this memory fits either)"
 
 

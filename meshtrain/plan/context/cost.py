@@ -131,23 +131,46 @@ def attention_collectives(
     kv = sum(kv_bytes(c, tp_size) for c in forward_calls) * m
     kv_backward = sum(kv_bytes(c, tp_size) for c in calls) * m
     rows = [
-        Collective("all_gather", axis, n * m,
-                   sum(metadata_bytes(c, cp, documents) for c in forward_calls) * m,
-                   "positions (and document ids) of every context rank's keys, once per attention"),
-    ]  # fmt: skip
+        Collective(
+            "all_gather",
+            axis,
+            n * m,
+            sum(metadata_bytes(c, cp, documents) for c in forward_calls) * m,
+            "positions (and document ids) of every context rank's keys, once per attention",
+        ),
+    ]
     if method == "allgather":
-        return (*rows,
-                Collective("all_gather", axis, n * m, cp * kv,
-                           "forward: every context rank's keys and values"),
-                Collective("reduce_scatter", axis, len(calls) * m, cp * kv_backward,
-                           "backward: key and value gradients back to their ranks"))  # fmt: skip
+        return (
+            *rows,
+            Collective(
+                "all_gather", axis, n * m, cp * kv, "forward: every context rank's keys and values"
+            ),
+            Collective(
+                "reduce_scatter",
+                axis,
+                len(calls) * m,
+                cp * kv_backward,
+                "backward: key and value gradients back to their ranks",
+            ),
+        )
     grads = sum(_per_rank(kv_elements(c), ACC_BYTES, c, tp_size) for c in calls) * m
-    return (*rows,
-            Collective("send/recv", axis, (cp - 1) * n * m, (cp - 1) * kv,
-                       "forward: keys and values passed around the context ring"),
-            Collective("send/recv", axis, (2 * cp - 1) * len(calls) * m,
-                       (cp - 1) * kv_backward + cp * grads,
-                       "backward: keys and values again, their fp32 gradients travelling home"))  # fmt: skip
+    return (
+        *rows,
+        Collective(
+            "send/recv",
+            axis,
+            (cp - 1) * n * m,
+            (cp - 1) * kv,
+            "forward: keys and values passed around the context ring",
+        ),
+        Collective(
+            "send/recv",
+            axis,
+            (2 * cp - 1) * len(calls) * m,
+            (cp - 1) * kv_backward + cp * grads,
+            "backward: keys and values again, their fp32 gradients travelling home",
+        ),
+    )
 
 
 def context_profile(
@@ -215,11 +238,14 @@ def context_collectives(
     again = options.activation_checkpointing != "none"
     recomputed = [fqn for fqn in checkpointed if blocks is None or fqn in blocks]
     return attention_collectives(
-        attention_calls(profile, blocks), cp=cp, axis=axis, method=options.context_method,
+        attention_calls(profile, blocks),
+        cp=cp,
+        axis=axis,
+        method=options.context_method,
         microbatches=options.microbatches,
         recomputed=attention_calls(profile, recomputed) if again else (),
         tp_size=profile.tp_size,
-    )  # fmt: skip
+    )
 
 
 def _saved_beyond_sdpa(block: BlockActivations, cp: int, method: str) -> BlockActivations:

@@ -57,15 +57,21 @@ def dispatch_bytes(layer: ExpertLayer, *, tokens: int, element_bytes: int) -> tu
     return saved, kept
 
 
-def traced_experts(module: nn.Module, fqn: str, report: Report,
-                   paused: Callable[[], Any]) -> Callable[..., torch.Tensor]:  # fmt: skip
+def traced_experts(
+    module: nn.Module, fqn: str, report: Report, paused: Callable[[], Any]
+) -> Callable[..., torch.Tensor]:
     """A forward for experts module ``module`` (see module doc): the dense stand-in's output,
     computed inside ``paused()`` (a context in which the trace counts nothing), and the
     dispatch's bytes given to ``report``."""
     dense = dense_forward(module)
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def forward(
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         with paused():
             out = dense(hidden_states, top_k_index, top_k_weights)
         tokens, top_k = hidden_states.numel() // hidden_states.shape[-1], top_k_index.shape[-1]
@@ -78,8 +84,9 @@ def traced_experts(module: nn.Module, fqn: str, report: Report,
     return forward
 
 
-def counts_shape(ids: torch.Tensor, weights: torch.Tensor | None = None,
-                 minlength: int = 0) -> torch.Tensor:  # fmt: skip
+def counts_shape(
+    ids: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0
+) -> torch.Tensor:
     """``bincount(ids, minlength=n)`` as zeros of its shape (ids below ``n``: a router's tokens
     per expert); without ``minlength`` the size is the ids' values', which a shape-only run cannot know."""
     if minlength < 1:
@@ -94,8 +101,11 @@ def counts_shape(ids: torch.Tensor, weights: torch.Tensor | None = None,
 def tensor_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
     """Every module's plain attributes by module and name (a forward may store a tensor in one:
     an MoE layer's last balance loss, a router's last counts)."""
-    return {(fqn, name): value for fqn, module in model.named_modules()
-            for name, value in vars(module).items()}  # fmt: skip
+    return {
+        (fqn, name): value
+        for fqn, module in model.named_modules()
+        for name, value in vars(module).items()
+    }
 
 
 def restore_attributes(model: nn.Module, kept: dict[tuple[str, str], Any]) -> None:

@@ -101,8 +101,16 @@ def plan_experts(
         _check_module(fqn, module, names, specs, expert_axis, mesh)
         count = _count(module)
         inside = tp_axis if any(tp_axis in specs[name].spec.axes for name in names) else None
-        groups.append(ExpertGroup(fqn, count, count // mesh.size(expert_axis), tuple(names),
-                                  _top_k(model, module), inside))  # fmt: skip
+        groups.append(
+            ExpertGroup(
+                fqn,
+                count,
+                count // mesh.size(expert_axis),
+                tuple(names),
+                _top_k(model, module),
+                inside,
+            )
+        )
     return tuple(groups)
 
 
@@ -122,9 +130,10 @@ def expert_shards(
     expert = {fqn for group in groups for fqn in group.params}
     return tuple(
         replace(p, shard_shape=(-(-p.local_shape[0] // ways), *p.local_shape[1:]))
-        if p.fqn in expert else p
+        if p.fqn in expert
+        else p
         for p in layouts
-    )  # fmt: skip
+    )
 
 
 def _count(module: nn.Module) -> int:
@@ -172,9 +181,15 @@ def _check_combination(
         )
     sized = [a for a in data_axes if mesh.size(a) > 1]
     tp = tp_axis if tp_axis is not None and mesh.size(tp_axis) > 1 else None
-    beside = (f"a pipeline over '{options.pipeline.axis}'" if options.pipeline is not None
-              else f"tensor parallelism over '{tp}'" if tp is not None
-              else f"context parallelism over '{context_axis}'" if context_axis else None)  # fmt: skip
+    beside = (
+        f"a pipeline over '{options.pipeline.axis}'"
+        if options.pipeline is not None
+        else f"tensor parallelism over '{tp}'"
+        if tp is not None
+        else f"context parallelism over '{context_axis}'"
+        if context_axis
+        else None
+    )
     if beside is not None and len(sized) > 1:
         raise PlanError(
             f"expert parallelism over '{axis}' with HSDP over {sized} and {beside} on mesh "
@@ -251,8 +266,11 @@ def _check_module(
             mesh=mesh,
         )
     prefix = f"{fqn}." if fqn else ""
-    missing = [prefix + name for name, p in module.named_parameters()
-               if prefix + name not in names and p.ndim >= 1 and p.shape[0] == count]  # fmt: skip
+    missing = [
+        prefix + name
+        for name, p in module.named_parameters()
+        if prefix + name not in names and p.ndim >= 1 and p.shape[0] == count
+    ]
     if missing:
         raise PlanError(
             f"experts module '{fqn}' has {names} sharded over expert axis '{axis}' but not "

@@ -183,16 +183,33 @@ def all_to_all_collectives(
     tokens_forward = sum(pair(layer) for layer in layers) * microbatches
     routed = sum(routing_data(layer) for layer in layers) * microbatches
     result = [
-        Collective("all_to_all", axis, 2 * n, tokens_forward,
-                   f"tokens to their experts and the results back, forward, {how}"),
+        Collective(
+            "all_to_all",
+            axis,
+            2 * n,
+            tokens_forward,
+            f"tokens to their experts and the results back, forward, {how}",
+        ),
         Collective("all_to_all", axis, n, routed, "tokens per expert (int64), forward"),
-        Collective("all_to_all", axis, 2 * n, tokens_forward,
-                   f"gradients of the results and of the tokens, backward, {how}"),
-    ]  # fmt: skip
+        Collective(
+            "all_to_all",
+            axis,
+            2 * n,
+            tokens_forward,
+            f"gradients of the results and of the tokens, backward, {how}",
+        ),
+    ]
     if recomputed:
         repeated = sum(pair(layer) + routing_data(layer) for layer in again) * microbatches
-        result.append(Collective("all_to_all", axis, 3 * recomputed * microbatches, repeated,
-                                 f"the forward's three again, recomputing checkpointed blocks, {how}"))  # fmt: skip
+        result.append(
+            Collective(
+                "all_to_all",
+                axis,
+                3 * recomputed * microbatches,
+                repeated,
+                f"the forward's three again, recomputing checkpointed blocks, {how}",
+            )
+        )
     return tuple(result)
 
 
@@ -226,8 +243,9 @@ def expert_memory(
     """
     decided = fsdp_decisions(zero)
     ways = efsdp if decided.wrapper == "fully_shard" else 1
-    shard = sum(_fsdp_shard(shape, shard_dim, ways) for layer in layers
-                for shape in layer.local_shapes(ep))  # fmt: skip
+    shard = sum(
+        _fsdp_shard(shape, shard_dim, ways) for layer in layers for shape in layer.local_shapes(ep)
+    )
     local = [sum(math.prod(shape) for shape in layer.local_shapes(ep)) for layer in layers]
     whole = sum(local)
 
@@ -295,8 +313,9 @@ def expert_layers(
         gate_up = [shape for fqn, shape in named.items() if fqn.endswith("gate_up_proj")]
         first = next(iter(named.values()))
         hidden = down[0][1] if down else gate_up[0][2] if gate_up else first[-1]
-        layers.append(ExpertLayer(group.fqn, group.num_experts, group.top_k, hidden,
-                                  tuple(named.values())))  # fmt: skip
+        layers.append(
+            ExpertLayer(group.fqn, group.num_experts, group.top_k, hidden, tuple(named.values()))
+        )
     return tuple(layers)
 
 
@@ -321,10 +340,16 @@ def estimate_expert_collectives(
     ordered += [layer for layer, flag in zip(layers, inside) if not flag]
     tokens = (options.batch_size or 0) * (options.seq_len or 0)
     return all_to_all_collectives(
-        ordered, axis=axis, ep=ep, tokens=tokens, microbatches=options.microbatches,
-        activation_bytes=_itemsize(options.param_dtype), recomputed=sum(inside),
-        routing=routing, max_load=max_load,
-    )  # fmt: skip
+        ordered,
+        axis=axis,
+        ep=ep,
+        tokens=tokens,
+        microbatches=options.microbatches,
+        activation_bytes=_itemsize(options.param_dtype),
+        recomputed=sum(inside),
+        routing=routing,
+        max_load=max_load,
+    )
 
 
 def expert_notes(
@@ -350,14 +375,19 @@ def expert_notes(
         return tuple(notes)
 
     def per_step(routing: Routing) -> int:
-        rows = estimate_expert_collectives(groups, params, axis, ep, options, checkpointed,
-                                           routing=routing)  # fmt: skip
+        rows = estimate_expert_collectives(
+            groups, params, axis, ep, options, checkpointed, routing=routing
+        )
         return sum(c.bytes for c in rows)
 
     dtype = _itemsize(options.param_dtype)
-    working = [max(moe_working_set(layer, tokens=tokens, ep=ep, activation_bytes=dtype,
-                                   routing=routing) for layer in layers)
-               for routing in ("uniform", "worst")]  # fmt: skip
+    working = [
+        max(
+            moe_working_set(layer, tokens=tokens, ep=ep, activation_bytes=dtype, routing=routing)
+            for layer in layers
+        )
+        for routing in ("uniform", "worst")
+    ]
     notes.append(
         f"expert all-to-alls over '{axis}' are sized for uniform routing "
         f"({format_bytes(per_step('uniform'))} per step on each rank); routing is dropless and "

@@ -65,16 +65,26 @@ def count_collectives(
     if not axis or not routers:
         return ()
     rows = [
-        Collective("all_reduce", axis, len(routers) * microbatches,
-                   sum(r.bytes for r in routers) * microbatches,
-                   "the routers' tokens per expert summed over the token ranks (int64, experts + 2), "
-                   "once per MoE layer and micro-batch"),
-    ]  # fmt: skip
+        Collective(
+            "all_reduce",
+            axis,
+            len(routers) * microbatches,
+            sum(r.bytes for r in routers) * microbatches,
+            "the routers' tokens per expert summed over the token ranks (int64, experts + 2), "
+            "once per MoE layer and micro-batch",
+        ),
+    ]
     again = [r for r in routers if r.again_on_recompute and _inside(r.fqn, checkpointed)]
     if again:
-        rows.append(Collective("all_reduce", axis, len(again) * microbatches,
-                               sum(r.bytes for r in again) * microbatches,
-                               "the balance loss's counts again, recomputing checkpointed blocks"))  # fmt: skip
+        rows.append(
+            Collective(
+                "all_reduce",
+                axis,
+                len(again) * microbatches,
+                sum(r.bytes for r in again) * microbatches,
+                "the balance loss's counts again, recomputing checkpointed blocks",
+            )
+        )
     return tuple(rows)
 
 

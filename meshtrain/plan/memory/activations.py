@@ -176,9 +176,14 @@ def trace_activations(
     modules and parameter shapes, so planning one model many ways traces it once per batch shape.
     """
     key = (
-        tuple(blocks), batch_size, seq_len, dtype, frozenset(tp_modules), frozenset(whole_modules),
+        tuple(blocks),
+        batch_size,
+        seq_len,
+        dtype,
+        frozenset(tp_modules),
+        frozenset(whole_modules),
         tuple((fqn, tuple(p.shape), p.dtype) for fqn, p in model.named_parameters()),
-    )  # fmt: skip
+    )
     known = _PROFILES.setdefault(model, {})
     if key not in known:
         known[key] = _trace(model, blocks, batch_size, seq_len, dtype, tp_modules, whole_modules)
@@ -354,8 +359,13 @@ class _Recorder(TorchDispatchMode):
             self._note(self.kept, first)
         if func in ATTENTION_OPS and len(args) >= 3:
             query, key, value = args[0], args[1], args[2]
-            call = AttentionCall(tuple(query.shape), tuple(key.shape), tuple(value.shape),
-                                 key.element_size(), self.tp_depth > 0)  # fmt: skip
+            call = AttentionCall(
+                tuple(query.shape),
+                tuple(key.shape),
+                tuple(value.shape),
+                key.element_size(),
+                self.tp_depth > 0,
+            )
             self.attention.setdefault(self.block, []).append(call)
         return out
 

@@ -139,8 +139,10 @@ class Footprint:
                     f"  {mode:<10} activations {gib(value):>12}   total {gib(self.total_with(mode)):>12}{fits}"
                 )
         lines += ["", "communication per step, this rank (ring algorithm):"]
-        lines.append(f"  {'axis':<6} {'size':>6}  {'collective':<15} {'count':>6}  "
-                     f"{'payload':>12}  {'sent':>12}")  # fmt: skip
+        lines.append(
+            f"  {'axis':<6} {'size':>6}  {'collective':<15} {'count':>6}  "
+            f"{'payload':>12}  {'sent':>12}"
+        )
         for t in self.traffic:
             lines.append(
                 f"  {t.axis:<6} {t.axis_size:>6}  {t.kind:<15} {t.count:>6}  "

@@ -58,10 +58,17 @@ def pipeline_costs(
     profile, blocks = inferred.profile, inferred.blocks
     if profile is not None:  # per mode, for the busiest rank's stages and micro-batches
         estimates = tuple(
-            (mode, sum(profile.peak(mode, blocks if mode != "none" else (), stage.modules,
-                                    stage.in_flight) for stage in stages))
+            (
+                mode,
+                sum(
+                    profile.peak(
+                        mode, blocks if mode != "none" else (), stage.modules, stage.in_flight
+                    )
+                    for stage in stages
+                ),
+            )
             for mode in CHECKPOINTING_MODES
-        )  # fmt: skip
+        )
     return PipelineCosts(memory, collectives, busiest, estimates)
 
 
@@ -107,19 +114,33 @@ def _rank_collectives(
     data_parallel: list[Collective] = []
     for stage in stages:
         data_parallel += estimate_collectives(
-            [by_fqn[fqn] for fqn in stage.params], _stage_units((stage,), inferred.units),
-            inferred.data_axes, options, pipelined=True, block_gathers=stage.zero3_gathers,
-        )  # fmt: skip
+            [by_fqn[fqn] for fqn in stage.params],
+            _stage_units((stage,), inferred.units),
+            inferred.data_axes,
+            options,
+            pipelined=True,
+            block_gathers=stage.zero3_gathers,
+        )
     tensor_parallel = estimate_tp_collectives(
-        local_styles, inferred.params, inferred.tp_axis, options,
-        sequence_parallel=inferred.sequence_parallel, data_parallel=bool(inferred.data_axes),
-        pipelined=True, tied=inferred.tied, units=inferred.units,
-    )  # fmt: skip
+        local_styles,
+        inferred.params,
+        inferred.tp_axis,
+        options,
+        sequence_parallel=inferred.sequence_parallel,
+        data_parallel=bool(inferred.data_axes),
+        pipelined=True,
+        tied=inferred.tied,
+        units=inferred.units,
+    )
     held = {fqn for stage in stages for fqn in stage.params}
     tensor_parallel += partial_grad_collectives(
-        [grad for grad in inferred.partial_grads if grad.param in held], inferred.params, options,
-        data_parallel=bool(inferred.data_axes), pipelined=True, units=inferred.units,
-    )  # fmt: skip
+        [grad for grad in inferred.partial_grads if grad.param in held],
+        inferred.params,
+        options,
+        data_parallel=bool(inferred.data_axes),
+        pipelined=True,
+        units=inferred.units,
+    )
     return (send, *_merged(data_parallel), *tensor_parallel)
 
 
@@ -129,8 +150,9 @@ def _merged(collectives: Sequence[Collective]) -> tuple[Collective, ...]:
     for c in collectives:
         key = (c.kind, c.axis, c.why)
         old = rows.get(key)
-        rows[key] = c if old is None else replace(old, count=old.count + c.count,
-                                                   bytes=old.bytes + c.bytes)  # fmt: skip
+        rows[key] = (
+            c if old is None else replace(old, count=old.count + c.count, bytes=old.bytes + c.bytes)
+        )
     return tuple(rows.values())
 
 

@@ -47,8 +47,15 @@ from meshtrain.plan.options import SCHEDULE_KINDS, SCHEDULES, Pipeline, PlanOpti
 from meshtrain.plan.pipeline.stages import Stage, split_stages, units_of
 from meshtrain.spec.mesh import Mesh
 
-__all__ = ["SCHEDULES", "Pipeline", "bubble_fraction", "check_pipeline_axis", "frozen_crossings",
-           "plan_pipeline", "stage_ranks"]  # fmt: skip
+__all__ = [
+    "SCHEDULES",
+    "Pipeline",
+    "bubble_fraction",
+    "check_pipeline_axis",
+    "frozen_crossings",
+    "plan_pipeline",
+    "stage_ranks",
+]
 
 # Relative cost of the schedule's actions for the bubble estimate: forward 1, full backward 2,
 # its input- and weight-gradient halves 1 each (an overlapped forward+backward: the sum).
@@ -104,10 +111,17 @@ def plan_pipeline(
     width = _hidden_width(model)
     boundary = _boundary_bytes(options, width, seq_shards)
     stage_plans = _stage_plans(
-        stages, ranks, params_of, _peak_in_flight(tasks, n_stages), resharded_gathers(order),
-        options, param_bytes=param_bytes or {}, activations=activations,
-        checkpointed=checkpointed, block_bytes=34 * boundary // 2,
-    )  # fmt: skip
+        stages,
+        ranks,
+        params_of,
+        _peak_in_flight(tasks, n_stages),
+        resharded_gathers(order),
+        options,
+        param_bytes=param_bytes or {},
+        activations=activations,
+        checkpointed=checkpointed,
+        block_bytes=34 * boundary // 2,
+    )
     stage_params = [params_of[s] for s in range(n_stages)]
     _check_frozen_start(pipeline.schedule, stage_params, trainable or {})
     frozen = frozen_crossings(ranks, stage_params, trainable or {})

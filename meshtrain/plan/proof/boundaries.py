@@ -35,8 +35,9 @@ class Prover(Protocol):
     whole: tuple[str, ...]
     axis: str
 
-    def shard(self, local: torch.Tensor, dim: int, whole: torch.Tensor,
-              outer: int = 1) -> torch.Tensor: ...  # fmt: skip
+    def shard(
+        self, local: torch.Tensor, dim: int, whole: torch.Tensor, outer: int = 1
+    ) -> torch.Tensor: ...
 
     def mark(self, tensor: torch.Tensor, fqn: str) -> torch.Tensor: ...
 
@@ -47,18 +48,29 @@ class Prover(Protocol):
 #: boundaries)
 LEAF_STYLES = frozenset(
     {
-        TPStyle.COLWISE, TPStyle.ROWWISE, TPStyle.ROWWISE_REPLICATED_INPUT,
-        TPStyle.COLWISE_GATHERED, TPStyle.LOSS_PARALLEL_HEAD, TPStyle.VOCAB_PARALLEL_EMBEDDING,
-        TPStyle.EMBEDDING_DIM_PARALLEL, TPStyle.SEQUENCE_PARALLEL, TPStyle.EXPERTS_TENSOR_PARALLEL,
+        TPStyle.COLWISE,
+        TPStyle.ROWWISE,
+        TPStyle.ROWWISE_REPLICATED_INPUT,
+        TPStyle.COLWISE_GATHERED,
+        TPStyle.LOSS_PARALLEL_HEAD,
+        TPStyle.VOCAB_PARALLEL_EMBEDDING,
+        TPStyle.EMBEDDING_DIM_PARALLEL,
+        TPStyle.SEQUENCE_PARALLEL,
+        TPStyle.EXPERTS_TENSOR_PARALLEL,
     }
-)  # fmt: skip
+)
 
 #: styles the abstract run emulates at their module's input or output only (the module's own
 #: ops are checked)
 REGION_STYLES = frozenset(
-    {TPStyle.PREPARE_INPUT, TPStyle.SEQUENCE_SPLIT, TPStyle.SEQUENCE_SPLIT_INPUT,
-     TPStyle.SEQUENCE_GATHERED, TPStyle.SEQUENCE_GATHERED_TAIL}
-)  # fmt: skip
+    {
+        TPStyle.PREPARE_INPUT,
+        TPStyle.SEQUENCE_SPLIT,
+        TPStyle.SEQUENCE_SPLIT_INPUT,
+        TPStyle.SEQUENCE_GATHERED,
+        TPStyle.SEQUENCE_GATHERED_TAIL,
+    }
+)
 
 
 class Refused(Exception):
@@ -116,14 +128,16 @@ def _tail(
     shard = prover.shards.get(x) if isinstance(x, torch.Tensor) else None
     if shard is None or shard.dim != 1:
         what = prover.describe([x]) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise Refused(PlanError(
-            f"'{style.fqn}' ({style.module_type}) is where sequence parallelism gathers the "
-            f"sequence before the model's output (its last module with parameters), but on a rank "
-            f"it receives {what}, not a sequence shard: it does not run after the blocks. Shard "
-            f"the output head column-wise (P('{prover.axis}') on its weight), or drop the "
-            "('seq', ...) activation rule.",
-            fqn=style.fqn,
-        ))  # fmt: skip
+        raise Refused(
+            PlanError(
+                f"'{style.fqn}' ({style.module_type}) is where sequence parallelism gathers the "
+                f"sequence before the model's output (its last module with parameters), but on a rank "
+                f"it receives {what}, not a sequence shard: it does not run after the blocks. Shard "
+                f"the output head column-wise (P('{prover.axis}') on its weight), or drop the "
+                "('seq', ...) activation rule.",
+                fqn=style.fqn,
+            )
+        )
     if positional:
         return (shard.whole, *args[1:]), kwargs
     return args, {**kwargs, style.argument: shard.whole}
@@ -183,8 +197,7 @@ def whole_forward(
     def run(*args: Any, **kwargs: Any) -> Any:
         whole = params()
         owners = {name: module.get_submodule(name.rpartition(".")[0]) for name in whole}
-        saved = {name: owner._parameters[name.rpartition(".")[2]]
-                 for name, owner in owners.items()}  # fmt: skip
+        saved = {name: owner._parameters[name.rpartition(".")[2]] for name, owner in owners.items()}
         for name, owner in owners.items():
             owner._parameters[name.rpartition(".")[2]] = whole[name]  # type: ignore[assignment]
         try:

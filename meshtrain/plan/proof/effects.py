@@ -67,8 +67,15 @@ class Effects:
     )
     prepared: Callable[[str], bool] = lambda fqn: False
 
-    def on_op(self, func: Any, args: Any, kwargs: Any, inputs: list[torch.Tensor], output: Any,
-              stack: Sequence[str]) -> None:  # fmt: skip
+    def on_op(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        inputs: list[torch.Tensor],
+        output: Any,
+        stack: Sequence[str],
+    ) -> None:
         """Called for every aten op the run looks at (outside styled modules)."""
         where = stack[-1] if stack else ""
         self._reads(inputs, stack)
@@ -137,8 +144,7 @@ class Effects:
                 )
             )
 
-    def on_enter(self, fqn: str, module: nn.Module, args: Any, kwargs: Any,
-                 styled: bool) -> None:  # fmt: skip
+    def on_enter(self, fqn: str, module: nn.Module, args: Any, kwargs: Any, styled: bool) -> None:
         """Under sequence parallelism a pair parent's input is gathered into one DTensor for its
         column-wise Linears: a module with parameters of its own and no style reading it would
         compute on that DTensor (refused)."""
@@ -147,28 +153,37 @@ class Effects:
         if not any(True for _ in module.parameters(recurse=False)):
             return
         for point in self._points(pytree.tree_leaves((args, kwargs)), [fqn]):
-            raise Refused(_gathered_refusal(point, f"module '{fqn}' ({type(module).__name__})",
-                                            fqn, self.why_dtensor))  # fmt: skip
+            raise Refused(
+                _gathered_refusal(
+                    point, f"module '{fqn}' ({type(module).__name__})", fqn, self.why_dtensor
+                )
+            )
 
     def _gathered_read(self, func: Any, inputs: list[torch.Tensor], stack: Sequence[str]) -> None:
         """An op of the pair parent's own code on the gathered input (``x + attention(x)``
         inside it), refused under sequence parallelism (see :meth:`on_enter`)."""
         for point in self._points(inputs, stack):
             where = stack[-1] if stack else ""
-            raise Refused(_gathered_refusal(point, f"'{where or '<root>'}' ({func})", where,
-                                            self.why_dtensor))  # fmt: skip
+            raise Refused(
+                _gathered_refusal(point, f"'{where or '<root>'}' ({func})", where, self.why_dtensor)
+            )
 
     def _points(self, values: Sequence[Any], stack: Sequence[str]) -> list[str]:
         found = []
         for value in values:
             if isinstance(value, torch.Tensor) and value in self.marked:
-                found += [p for p in self.marked[value] if self.prepared(p) and any(
-                    s == p or s.startswith(p + ".") or not p for s in stack)]  # fmt: skip
+                found += [
+                    p
+                    for p in self.marked[value]
+                    if self.prepared(p)
+                    and any(s == p or s.startswith(p + ".") or not p for s in stack)
+                ]
         return found
 
     def batch_leaves(self, value: Any) -> bool:
-        return any(isinstance(t, torch.Tensor) and t in self.batch
-                   for t in pytree.tree_leaves(value))  # fmt: skip
+        return any(
+            isinstance(t, torch.Tensor) and t in self.batch for t in pytree.tree_leaves(value)
+        )
 
     def taint(self, value: Any) -> None:
         for t in pytree.tree_leaves(value):

@@ -36,8 +36,13 @@ def dense_forward(module: nn.Module) -> Callable[..., torch.Tensor]:
     indices and weights ``[T, k]``) that returns ``[T, H]`` computed from every parameter of the
     module (see module doc); its parameters are read at call time (``functional_call``'s)."""
 
-    def forward(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:  # fmt: skip
+    def forward(
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         mix = top_k_weights.sum(-1, keepdim=True).to(hidden_states.dtype)
         for weight in module.parameters(recurse=False):
             mix = mix + _meet(hidden_states, weight)

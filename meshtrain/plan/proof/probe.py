@@ -58,10 +58,11 @@ class Probe:
     def make(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """The inputs as tensors (call under the run's fake mode); values are zeros."""
         made = pytree.tree_map(
-            lambda leaf: torch.zeros(leaf.shape, dtype=leaf.dtype)
-            if isinstance(leaf, TensorSpec) else leaf,
+            lambda leaf: (
+                torch.zeros(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, TensorSpec) else leaf
+            ),
             (self.args, dict(self.kwargs)),
-        )  # fmt: skip
+        )
         return made[0], made[1]
 
     def tensors(self) -> list[TensorSpec]:
@@ -73,8 +74,9 @@ class Probe:
         if self.kind != "example" and first is not None:
             return f"a fake [{', '.join(map(str, first.shape))}] {_KINDS[self.kind]}"
         resized = f" (batch resized to {first.shape[0]})" if first and self.resized_from else ""
-        shapes = ", ".join(f"{format_shape(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-                           for t in self.tensors())  # fmt: skip
+        shapes = ", ".join(
+            f"{format_shape(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in self.tensors()
+        )
         return f"the example inputs{resized}: {shapes}"
 
 

@@ -58,9 +58,16 @@ class Prover(TorchDispatchMode):
     """Propagates shards through every aten op and records where replicated parameters meet
     them, and what :class:`~meshtrain.plan.proof.effects.Effects` looks for."""
 
-    def __init__(self, model: nn.Module, params: Sequence[ParamLayout],
-                 styles: Sequence[ModuleStyle], tp_axis: str | None, tp_size: int,
-                 sequence_parallel: bool, effects: Effects) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: nn.Module,
+        params: Sequence[ParamLayout],
+        styles: Sequence[ModuleStyle],
+        tp_axis: str | None,
+        tp_size: int,
+        sequence_parallel: bool,
+        effects: Effects,
+    ) -> None:
         super().__init__()
         self.model, self.layouts = model, {p.fqn: p for p in params}
         self.styles = {s.fqn: s for s in styles}
@@ -157,10 +164,10 @@ class Prover(TorchDispatchMode):
         """Module hooks: the module stack, the styles' boundaries, repeated blocks skipped."""
         handles = []
         for fqn, module in self.model.named_modules():
-            handles.append(module.register_forward_pre_hook(
-                _bound(self.enter, fqn), with_kwargs=True))  # fmt: skip
-            handles.append(module.register_forward_hook(
-                _bound(self.exit, fqn), with_kwargs=True))  # fmt: skip
+            handles.append(
+                module.register_forward_pre_hook(_bound(self.enter, fqn), with_kwargs=True)
+            )
+            handles.append(module.register_forward_hook(_bound(self.exit, fqn), with_kwargs=True))
         for fqn, style in self.styles.items():
             module = self.model.get_submodule(fqn) if fqn else self.model
             if style.style in LEAF_STYLES and "forward" not in vars(module):
@@ -218,8 +225,10 @@ class Prover(TorchDispatchMode):
             prefix = representative + "."
             for param, (module, op) in self.found.items():
                 if param.startswith(prefix):
-                    found[copy + param[len(representative):]] = (
-                        copy + module[len(representative):], op)  # fmt: skip
+                    found[copy + param[len(representative) :]] = (
+                        copy + module[len(representative) :],
+                        op,
+                    )
         result = []
         names = [name for name, _ in self.model.named_parameters()]
         for param, (where, op) in sorted(found.items(), key=lambda item: _order(names, item[0])):
@@ -231,8 +240,9 @@ class Prover(TorchDispatchMode):
         return tuple(result)
 
     # -- module boundaries ----------------------------------------------------------------
-    def enter(self, fqn: str, module: nn.Module, args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:  # fmt: skip
+    def enter(
+        self, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         self.stack.append(fqn)
         self._buffers_before.append(dict(module._buffers))  # type: ignore[arg-type]
         first = args[0] if args else None
@@ -254,24 +264,35 @@ class Prover(TorchDispatchMode):
         """Under sequence parallelism a column-wise Linear takes its input gathered by its
         pair's parent: a parent never called (a ModuleDict whose Linears its owner calls) gathers
         nothing, and the Linear would compute on a sequence shard."""
-        parents = [f for f, s in self.styles.items()
-                   if s.style == TPStyle.PREPARE_INPUT and (not f or style.fqn.startswith(f + "."))]  # fmt: skip
+        parents = [
+            f
+            for f, s in self.styles.items()
+            if s.style == TPStyle.PREPARE_INPUT and (not f or style.fqn.startswith(f + "."))
+        ]
         parent = max(parents, key=len, default=None)
         if parent is None or parent in self.stack:
             return
         module = self.model.get_submodule(parent) if parent else self.model
-        raise Refused(PlanError(
-            f"'{style.fqn}' is column-wise in a pair under '{parent}' ({type(module).__name__}), "
-            f"whose input sequence parallelism gathers once for its Linears, but "
-            f"'{parent}' is not called in the forward (its Linears are called directly, from "
-            f"'{(self.stack[-2] if len(self.stack) > 1 else '') or '<root>'}'): nothing would gather "
-            "their input from its sequence shards. Put the pair in a module whose forward calls "
-            "them, or drop the ('seq', ...) activation rule.",
-            fqn=style.fqn,
-        ))  # fmt: skip
+        raise Refused(
+            PlanError(
+                f"'{style.fqn}' is column-wise in a pair under '{parent}' ({type(module).__name__}), "
+                f"whose input sequence parallelism gathers once for its Linears, but "
+                f"'{parent}' is not called in the forward (its Linears are called directly, from "
+                f"'{(self.stack[-2] if len(self.stack) > 1 else '') or '<root>'}'): nothing would gather "
+                "their input from its sequence shards. Put the pair in a module whose forward calls "
+                "them, or drop the ('seq', ...) activation rule.",
+                fqn=style.fqn,
+            )
+        )
 
-    def exit(self, fqn: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-             output: Any) -> Any:  # fmt: skip
+    def exit(
+        self,
+        fqn: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        output: Any,
+    ) -> Any:
         self.stack.pop()
         self.effects.rebound(fqn, module, self._buffers_before.pop())
         style = self.styles.get(fqn)
@@ -286,8 +307,9 @@ class Prover(TorchDispatchMode):
         self._keeps_shard(fqn, args, kwargs, result)
         return result
 
-    def _keeps_shard(self, fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     result: Any) -> None:  # fmt: skip
+    def _keeps_shard(
+        self, fqn: str, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> None:
         first = args[0] if args else kwargs.get("hidden_states")
         if isinstance(first, torch.Tensor) and isinstance(result, torch.Tensor):
             before, after = self.shards.get(first), self.shards.get(result)
@@ -301,8 +323,9 @@ class Prover(TorchDispatchMode):
         style = self.styles.get(fqn)
         return style is not None and style.style == TPStyle.PREPARE_INPUT
 
-    def shard(self, local: torch.Tensor, dim: int, whole: torch.Tensor,
-              outer: int = 1) -> torch.Tensor:  # fmt: skip
+    def shard(
+        self, local: torch.Tensor, dim: int, whole: torch.Tensor, outer: int = 1
+    ) -> torch.Tensor:
         self.shards[local] = Shard(dim, whole, outer)
         if local in self.effects.batch:
             self.effects.batch[whole] = True
@@ -337,8 +360,9 @@ class Prover(TorchDispatchMode):
             self._propagate(func, resized or args, kwargs, sharded, output, resized is not None)
         return output
 
-    def _note_origin(self, func: Any, inputs: list[torch.Tensor], sharded: list[torch.Tensor],
-                     output: Any) -> None:  # fmt: skip
+    def _note_origin(
+        self, func: Any, inputs: list[torch.Tensor], sharded: list[torch.Tensor], output: Any
+    ) -> None:
         """Views and casts of a replicated parameter stay its; one meeting a shard is partial."""
         origins = [self.origin[t] for t in inputs if t in self.origin and t not in self.shards]
         if not origins:
@@ -353,18 +377,26 @@ class Prover(TorchDispatchMode):
                 if isinstance(out, torch.Tensor):
                     self.origin[out] = origins[0]
 
-    def _propagate(self, func: Any, args: Any, kwargs: Any, sharded: list[torch.Tensor],
-                   output: Any, known: bool) -> None:  # fmt: skip
+    def _propagate(
+        self,
+        func: Any,
+        args: Any,
+        kwargs: Any,
+        sharded: list[torch.Tensor],
+        output: Any,
+        known: bool,
+    ) -> None:
         """Run ``func`` on one device's tensors too and mark the rank's outputs as their shards.
         Sizes the model's code read off a shard become one device's (``known``:
         :mod:`~meshtrain.plan.proof.sizes`); sizes torch computed from a rank's shapes inside
         an op (``flatten``) are tried scaled to one device's, one at a time, when the op fails
         on them as given."""
         whole_args, whole_kwargs = pytree.tree_map(
-            lambda t: self.shards[t].whole
-            if isinstance(t, torch.Tensor) and t in self.shards else t,
+            lambda t: (
+                self.shards[t].whole if isinstance(t, torch.Tensor) and t in self.shards else t
+            ),
             (args, kwargs),
-        )  # fmt: skip
+        )
         cut = {t.shape[self.shards[t].dim] for t in sharded}
         candidates = [whole_args] if known else _scaled_sizes(whole_args, self.ways, cut)
         refusal: PlanError | None = None
@@ -390,8 +422,9 @@ class Prover(TorchDispatchMode):
         for local, whole, dim, outer in chosen:
             self.shard(local, dim, whole, outer)
 
-    def _shards_of(self, func: Any, sharded: list[torch.Tensor], output: Any,
-                   whole_output: Any) -> list[tuple[torch.Tensor, torch.Tensor, int, int]] | PlanError:  # fmt: skip
+    def _shards_of(
+        self, func: Any, sharded: list[torch.Tensor], output: Any, whole_output: Any
+    ) -> list[tuple[torch.Tensor, torch.Tensor, int, int]] | PlanError:
         """(rank tensor, one device's, shard dim, its outer factor) per tensor output that is a
         shard, or why one is no shard."""
         found = []
@@ -403,9 +436,14 @@ class Prover(TorchDispatchMode):
                 continue  # a new tensor of one device's sizes: whole
             if dim is None or dim == NOT_A_SHARD:
                 return self._lost(func, sharded, local, whole, dim)
-            outer = next((self.shards[t].outer for t in sharded
-                          if self.shards[t].whole.shape[self.shards[t].dim] == whole.shape[dim]),
-                         1)  # fmt: skip
+            outer = next(
+                (
+                    self.shards[t].outer
+                    for t in sharded
+                    if self.shards[t].whole.shape[self.shards[t].dim] == whole.shape[dim]
+                ),
+                1,
+            )
             if (func in _RESHAPES or func in _FLATTENS) and sharded:
                 placed = self._check_reshape(func, sharded[0], whole, dim)
                 if isinstance(placed, PlanError):
@@ -430,34 +468,66 @@ class Prover(TorchDispatchMode):
             if shard is None:
                 parts.append(f"whole {format_shape(tuple(t.shape))}")
             else:
-                parts.append(f"{format_shape(tuple(t.shape))} (a shard over '{self.axis}' on dim "
-                             f"{shard.dim} of one device's {format_shape(tuple(shard.whole.shape))})")  # fmt: skip
+                parts.append(
+                    f"{format_shape(tuple(t.shape))} (a shard over '{self.axis}' on dim "
+                    f"{shard.dim} of one device's {format_shape(tuple(shard.whole.shape))})"
+                )
         return ", ".join(parts)
 
     def _mixed(self, func: Any, inputs: list[torch.Tensor], error: Exception) -> PlanError:
-        return mixed(self.where(), self._fqn(), func, self.axis, self.describe(inputs),
-                              str(error).splitlines()[0])  # fmt: skip
+        return mixed(
+            self.where(),
+            self._fqn(),
+            func,
+            self.axis,
+            self.describe(inputs),
+            str(error).splitlines()[0],
+        )
 
-    def _lost(self, func: Any, sharded: list[torch.Tensor], local: Any, whole: Any,
-              dim: int | None) -> PlanError:  # fmt: skip
-        shapes = (f" (rank {format_shape(tuple(local.shape))}, one device "
-                  f"{format_shape(tuple(whole.shape))})" if isinstance(whole, torch.Tensor)
-                  and isinstance(local, torch.Tensor) else "")  # fmt: skip
+    def _lost(
+        self, func: Any, sharded: list[torch.Tensor], local: Any, whole: Any, dim: int | None
+    ) -> PlanError:
+        shapes = (
+            f" (rank {format_shape(tuple(local.shape))}, one device "
+            f"{format_shape(tuple(whole.shape))})"
+            if isinstance(whole, torch.Tensor) and isinstance(local, torch.Tensor)
+            else ""
+        )
         sequence = self.sp and any(self.shards[t].dim == 1 for t in sharded)
-        return lost(self.where(), self._fqn(), func, self.describe(sharded), shapes,
-                             selects=dim is None, sequence=sequence)  # fmt: skip
+        return lost(
+            self.where(),
+            self._fqn(),
+            func,
+            self.describe(sharded),
+            shapes,
+            selects=dim is None,
+            sequence=sequence,
+        )
 
-    def _check_reshape(self, func: Any, source: torch.Tensor, whole: torch.Tensor,
-                       dim: int) -> PlanError | int:  # fmt: skip
+    def _check_reshape(
+        self, func: Any, source: torch.Tensor, whole: torch.Tensor, dim: int
+    ) -> PlanError | int:
         """The shard's outer factor after a reshape, or why the reshape cuts it differently."""
         shard = self.shards[source]
-        placed = reshaped_shard_dim(tuple(shard.whole.shape), tuple(whole.shape), shard.dim,
-                                    ways=self.ways, outer=shard.outer)  # fmt: skip
+        placed = reshaped_shard_dim(
+            tuple(shard.whole.shape),
+            tuple(whole.shape),
+            shard.dim,
+            ways=self.ways,
+            outer=shard.outer,
+        )
         if placed is not None and placed[0] == dim:
             return placed[1]
         expected = placed[0] if placed is not None else None
-        return global_reshape(self.where(), self._fqn(), func, self.describe([source]),
-                                       dim, format_shape(tuple(whole.shape)), expected)  # fmt: skip
+        return global_reshape(
+            self.where(),
+            self._fqn(),
+            func,
+            self.describe([source]),
+            dim,
+            format_shape(tuple(whole.shape)),
+            expected,
+        )
 
 
 def _scaled_sizes(args: tuple[Any, ...], ways: int, cut: set[int]) -> list[tuple[Any, ...]]:
@@ -472,7 +542,8 @@ def _scaled_sizes(args: tuple[Any, ...], ways: int, cut: set[int]) -> list[tuple
                 if size >= 1:
                     scaled = type(arg)(n * ways if i == position else n for i, n in enumerate(arg))
                     (first if size in cut else then).append(
-                        (*args[:index], scaled, *args[index + 1:]))  # fmt: skip
+                        (*args[:index], scaled, *args[index + 1 :])
+                    )
     return first + then
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from meshtrain.errors import PlanError
 
 
-def mixed(where: str, fqn: str | None, func: object, axis: str, described: str,
-          error: str) -> PlanError:  # fmt: skip
+def mixed(
+    where: str, fqn: str | None, func: object, axis: str, described: str, error: str
+) -> PlanError:
     return PlanError(
         f"module {where} would fail on a rank of this plan: {func} mixes tensors sharded over "
         f"tensor-parallel axis '{axis}' with whole ones ({described}: {error}); e.g. a bias or "
@@ -23,11 +24,21 @@ def mixed(where: str, fqn: str | None, func: object, axis: str, described: str,
     )
 
 
-def lost(where: str, fqn: str | None, func: object, described: str, shapes: str,
-         selects: bool, sequence: bool) -> PlanError:  # fmt: skip
-    what = ("selects or reduces along the sharded dim (a position such as x[:, 0], or a sum "
-            "over it), so each rank computes a different value than one device"
-            if selects else "gives a tensor that is no shard of one device's")  # fmt: skip
+def lost(
+    where: str,
+    fqn: str | None,
+    func: object,
+    described: str,
+    shapes: str,
+    selects: bool,
+    sequence: bool,
+) -> PlanError:
+    what = (
+        "selects or reduces along the sharded dim (a position such as x[:, 0], or a sum "
+        "over it), so each rank computes a different value than one device"
+        if selects
+        else "gives a tensor that is no shard of one device's"
+    )
     fix = (
         "Keep this module's tensor-parallel Linears replicated (spec P()) so that meshtrain "
         "gathers the sequence before it, or drop sequence parallelism (the ('seq', ...) rule)."
@@ -42,8 +53,15 @@ def lost(where: str, fqn: str | None, func: object, described: str, shapes: str,
     )
 
 
-def global_reshape(where: str, fqn: str | None, func: object, described: str, dim: int,
-                   whole: str, expected: int | None) -> PlanError:  # fmt: skip
+def global_reshape(
+    where: str,
+    fqn: str | None,
+    func: object,
+    described: str,
+    dim: int,
+    whole: str,
+    expected: int | None,
+) -> PlanError:
     return PlanError(
         f"module {where} reshapes with a global size: {func} turns {described} into a shard on "
         f"dim {dim} of {whole}, where one device's shard would be on dim {expected} — e.g. "

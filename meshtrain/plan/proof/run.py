@@ -130,10 +130,14 @@ def prove_plan(
         scope, styles = replace(scope, tp_axis=None, tp_size=1, sequence_parallel=False), ()
     probe = probe_for(model, current_example(), tp_size=scope.tp_size)
     key = (
-        tuple(styles), tuple(blocks), scope, probe_signature(probe), _KEPT_AS_NOTES[0],
+        tuple(styles),
+        tuple(blocks),
+        scope,
+        probe_signature(probe),
+        _KEPT_AS_NOTES[0],
         tuple((p.fqn, p.shape, p.spec, p.trainable) for p in params),
         tuple((fqn, tuple(t.shape), t.dtype) for fqn, t in model.named_parameters()),
-    )  # fmt: skip
+    )
     known = _PROVEN.setdefault(model, {})
     if key not in known:
         known[key] = _prove(model, params, styles, scope, blocks, probe)
@@ -185,13 +189,20 @@ def kept_as_notes() -> bool:
     return _KEPT_AS_NOTES[0]
 
 
-def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[ModuleStyle],
-           scope: Scope, blocks: Sequence[str], probe: Probe | str) -> Proof | PlanError:  # fmt: skip
+def _prove(
+    model: nn.Module,
+    params: Sequence[ParamLayout],
+    styles: Sequence[ModuleStyle],
+    scope: Scope,
+    blocks: Sequence[str],
+    probe: Probe | str,
+) -> Proof | PlanError:
     if isinstance(probe, str):
         return Proof(notes=(_NO_PROBE + probe,))
     effects = Effects(context=scope.context, units=frozenset(scope.resharded))
-    prover = Prover(model, params, styles, scope.tp_axis, scope.tp_size,
-                    scope.sequence_parallel, effects)  # fmt: skip
+    prover = Prover(
+        model, params, styles, scope.tp_axis, scope.tp_size, scope.sequence_parallel, effects
+    )
     if not scope.shared_inputs and not scope.sequence_parallel:
         effects.sequence_parallel, effects.why_dtensor = True, _COMPILED_SELECTIVE
     try:
@@ -202,10 +213,12 @@ def _prove(model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[Mod
         return _kept(error)
     except Exception as error:  # the model's own forward on fake inputs: nothing proven
         first = str(error).splitlines()[0] if str(error) else ""
-        return Proof(notes=(
-            f"shards not proven at plan time: the abstract forward on {probe.describe()} failed "
-            f"in {prover.where()} ({type(error).__name__}: {first[:200]})",
-        ))  # fmt: skip
+        return Proof(
+            notes=(
+                f"shards not proven at plan time: the abstract forward on {probe.describe()} failed "
+                f"in {prover.where()} ({type(error).__name__}: {first[:200]})",
+            )
+        )
     try:
         return _results(model, prover, effects)
     except PlanError as error:
@@ -267,16 +280,20 @@ def _copied(found: Mapping[str, str], copies: Mapping[str, str]) -> dict[str, st
         for key, value in found.items():
             if key.startswith(prefix):
                 moved = value.startswith(prefix) or value == representative
-                result[look_alike + key[len(representative):]] = (
-                    look_alike + value[len(representative):] if moved else value)  # fmt: skip
+                result[look_alike + key[len(representative) :]] = (
+                    look_alike + value[len(representative) :] if moved else value
+                )
     return dict(sorted(result.items()))
 
 
 def _tensor_attributes(model: nn.Module) -> dict[tuple[str, str], Any]:
     """Every module's plain attributes by module and name: a forward may store a tensor in one
     (an MoE layer's last balance loss)."""
-    return {(fqn, name): value for fqn, module in model.named_modules()
-            for name, value in vars(module).items()}  # fmt: skip
+    return {
+        (fqn, name): value
+        for fqn, module in model.named_modules()
+        for name, value in vars(module).items()
+    }
 
 
 def _drop_fake_attributes(model: nn.Module, kept: dict[tuple[str, str], Any]) -> None:

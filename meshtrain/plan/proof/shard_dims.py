@@ -95,8 +95,12 @@ def _groups(
                 prod_out, j = prod_out * shape_out[j], j + 1
             else:
                 break
-        groups.append((tuple(range(start_i, min(i, len(shape_in)))),
-                       tuple(range(start_j, min(j, len(shape_out))))))  # fmt: skip
+        groups.append(
+            (
+                tuple(range(start_i, min(i, len(shape_in)))),
+                tuple(range(start_j, min(j, len(shape_out)))),
+            )
+        )
     return groups
 
 

@@ -61,8 +61,11 @@ class LocalSize(int):
         if not isinstance(other, int) or isinstance(other, bool):
             return op(int(other), int(self)) if flip else op(int(self), other)
         other_whole = other.whole if isinstance(other, LocalSize) else int(other)
-        pair = ((int(other), int(self)), (other_whole, self.whole)) if flip else (
-            (int(self), int(other)), (self.whole, other_whole))  # fmt: skip
+        pair = (
+            ((int(other), int(self)), (other_whole, self.whole))
+            if flip
+            else ((int(self), int(other)), (self.whole, other_whole))
+        )
         local, whole = op(*pair[0]), op(*pair[1])
         return LocalSize(local, whole) if type(local) is int and local != whole else local
 
@@ -193,8 +196,9 @@ class SizeProvenance(TorchFunctionMode):
         if isinstance(result, int):  # x.size(d)
             asked = args[1] if len(args) > 1 else kwargs.get("dim")
             return LocalSize(result, whole) if asked % tensor.dim() == dim else result
-        return Sizes(LocalSize(n, whole) if i == dim and n != whole else n
-                     for i, n in enumerate(result))  # fmt: skip
+        return Sizes(
+            LocalSize(n, whole) if i == dim and n != whole else n for i, n in enumerate(result)
+        )
 
     def whole_sizes(self, func: Any, args: Sequence[Any]) -> tuple[Any, ...] | None:
         """``args`` of an aten op with the rank's size lists (and scalar sizes, at the positions
@@ -221,15 +225,24 @@ class SizeProvenance(TorchFunctionMode):
 #: shapes (matmul folds batch dims together; flatten merges dims): checked as one op, their
 #: output against one device's, instead of op by op
 COMPOSITES = frozenset(
-    {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.Tensor.__rmatmul__,
-     torch.flatten, torch.Tensor.flatten, torch.Tensor.unflatten, torch.einsum}
-)  # fmt: skip
+    {
+        torch.matmul,
+        torch.Tensor.matmul,
+        torch.Tensor.__matmul__,
+        torch.Tensor.__rmatmul__,
+        torch.flatten,
+        torch.Tensor.flatten,
+        torch.Tensor.unflatten,
+        torch.einsum,
+    }
+)
 
 _SHAPE_READS = frozenset({torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.__len__})  # type: ignore[attr-defined]
 
 
-def _record(args: Any, kwargs: dict[str, Any]) -> tuple[dict[tuple[int, ...], tuple[int, ...]],
-                                                        dict[int, int]]:  # fmt: skip
+def _record(
+    args: Any, kwargs: dict[str, Any]
+) -> tuple[dict[tuple[int, ...], tuple[int, ...]], dict[int, int]]:
     """The rank's → one device's size lists and scalar sizes among a torch call's arguments: each
     list holding a :class:`LocalSize`, the run of int positional arguments (``view(*sizes)``)."""
     lists: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -242,8 +255,9 @@ def _record(args: Any, kwargs: dict[str, Any]) -> tuple[dict[tuple[int, ...], tu
     return lists, scalars
 
 
-def _collect(value: Any, lists: dict[tuple[int, ...], tuple[int, ...]],
-             scalars: dict[int, int]) -> None:  # fmt: skip
+def _collect(
+    value: Any, lists: dict[tuple[int, ...], tuple[int, ...]], scalars: dict[int, int]
+) -> None:
     if isinstance(value, LocalSize):
         scalars[int(value)] = value.whole
     elif isinstance(value, slice):

@@ -134,22 +134,31 @@ def _rowwise(c: _StepCounts, style: ModuleStyle) -> None:
     width = c.shape(style.fqn)[0]
     c.add("reduce_scatter" if c.sp_at(style.fqn) else "all_reduce", _ROW_PARTIALS, width)
     if c.sp_at(style.fqn) and c.output_grad(style.fqn):
-        c.add("all_gather", "backward: output gradients of row-wise modules from sequence shards",
-              width)  # fmt: skip
+        c.add(
+            "all_gather",
+            "backward: output gradients of row-wise modules from sequence shards",
+            width,
+        )
 
 
 def _rowwise_replicated_input(c: _StepCounts, style: ModuleStyle) -> None:
     c.add("all_reduce", _ROW_PARTIALS, c.shape(style.fqn)[0])
     if c.input_grad(style.fqn):
-        c.add("all_gather", "backward: input gradients of row-wise modules fed a replicated input",
-              c.shape(style.fqn)[1])  # fmt: skip
+        c.add(
+            "all_gather",
+            "backward: input gradients of row-wise modules fed a replicated input",
+            c.shape(style.fqn)[1],
+        )
 
 
 def _vocab_parallel_embedding(c: _StepCounts, style: ModuleStyle) -> None:
     shards_out = c.sp and not c.split_at_block  # the embedding's output is a sequence shard
     width = c.shape(style.fqn)[1]
-    c.add(c.partial_kind if shards_out else "all_reduce",
-          "forward: partial sums of the vocab-parallel embedding", width)  # fmt: skip
+    c.add(
+        c.partial_kind if shards_out else "all_reduce",
+        "forward: partial sums of the vocab-parallel embedding",
+        width,
+    )
     if shards_out and c.output_grad(style.fqn):
         c.add("all_gather", "backward: embedding output gradient from sequence shards", width)
 
@@ -157,8 +166,11 @@ def _vocab_parallel_embedding(c: _StepCounts, style: ModuleStyle) -> None:
 def _sequence_split_input(c: _StepCounts, style: ModuleStyle) -> None:
     if c.input_grad(style.fqn):
         parent = next(s.fqn for s in c.styles if s.style == TPStyle.PREPARE_INPUT)
-        c.add("all_gather", "backward: the first block's input gradient from sequence shards",
-              c.child_in_width(parent))  # fmt: skip
+        c.add(
+            "all_gather",
+            "backward: the first block's input gradient from sequence shards",
+            c.child_in_width(parent),
+        )
 
 
 def _colwise(c: _StepCounts, style: ModuleStyle) -> None:
@@ -178,12 +190,15 @@ def _marked_input(c: _StepCounts, style: ModuleStyle, width: int) -> None:
     """A replicated input marked once: all-gathered from sequence shards in forward and
     reduce-scattered back in backward, else its gradient all-reduced."""
     if c.sp_at(style.fqn):
-        c.add("all_gather", "forward: inputs of pair parents and the head from sequence shards",
-              width)  # fmt: skip
+        c.add(
+            "all_gather", "forward: inputs of pair parents and the head from sequence shards", width
+        )
         if c.input_grad(style.fqn):
-            c.add("reduce_scatter",
-                  "backward: input gradients of pair parents and the head to sequence shards",
-                  width)  # fmt: skip
+            c.add(
+                "reduce_scatter",
+                "backward: input gradients of pair parents and the head to sequence shards",
+                width,
+            )
     elif c.input_grad(style.fqn):
         c.add("all_reduce", _MARKED_INPUTS, width)
 
@@ -215,15 +230,20 @@ def _sequence_gathered(c: _StepCounts, style: ModuleStyle) -> None:
     in backward (its output sliced locally). The width is the block's input width: its first
     two-dimensional weight's input features (a router's)."""
     width = next(
-        (layout.shape[-1] for fqn, layout in c.weights.items()
-         if fqn.startswith(style.fqn + ".") and len(layout.shape) == 2),
+        (
+            layout.shape[-1]
+            for fqn, layout in c.weights.items()
+            if fqn.startswith(style.fqn + ".") and len(layout.shape) == 2
+        ),
         0,
-    )  # fmt: skip
+    )
     c.add("all_gather", "forward: inputs of blocks run whole (MoE) from sequence shards", width)
     if c.output_grad(style.fqn):
-        c.add("all_gather",
-              "backward: output gradients of blocks run whole (MoE) from sequence shards",
-              width)  # fmt: skip
+        c.add(
+            "all_gather",
+            "backward: output gradients of blocks run whole (MoE) from sequence shards",
+            width,
+        )
 
 
 def _sequence_gathered_tail(c: _StepCounts, style: ModuleStyle) -> None:
@@ -231,10 +251,13 @@ def _sequence_gathered_tail(c: _StepCounts, style: ModuleStyle) -> None:
     all-gathered from sequence shards in forward; its input gradient, the same on every rank,
     sliced back locally. The width is its first weight's input features."""
     width = next(
-        (layout.shape[-1] for fqn, layout in c.weights.items()
-         if (fqn == style.fqn or fqn.startswith(style.fqn + ".")) and len(layout.shape) == 2),
+        (
+            layout.shape[-1]
+            for fqn, layout in c.weights.items()
+            if (fqn == style.fqn or fqn.startswith(style.fqn + ".")) and len(layout.shape) == 2
+        ),
         0,
-    )  # fmt: skip
+    )
     c.add("all_gather", "forward: the tail's input (run whole) from sequence shards", width)
 
 
@@ -340,8 +363,15 @@ def estimate_tp_collectives(
     grad_bytes = getattr(torch, dtype).itemsize
     for why, params in ((_NORM_GRADS, counts.replicated_grads), (_ADAPTER_GRADS, adapters)):
         if params:
-            result.append(Collective("all_reduce", tp_axis, len(params) * syncs,
-                                     sum(p.local_numel for p in params) * grad_bytes * syncs, why))  # fmt: skip
+            result.append(
+                Collective(
+                    "all_reduce",
+                    tp_axis,
+                    len(params) * syncs,
+                    sum(p.local_numel for p in params) * grad_bytes * syncs,
+                    why,
+                )
+            )
     return tuple(result)
 
 
@@ -375,10 +405,15 @@ def partial_grad_collectives(
         if grad.param in by_fqn:
             per_axis.setdefault(grad.axis, []).append(by_fqn[grad.param])
     return tuple(
-        Collective("all_reduce", axis, len(params) * syncs,
-                   sum(p.local_numel for p in params) * grad_bytes * syncs, _PARTIAL_GRADS)
+        Collective(
+            "all_reduce",
+            axis,
+            len(params) * syncs,
+            sum(p.local_numel for p in params) * grad_bytes * syncs,
+            _PARTIAL_GRADS,
+        )
         for axis, params in per_axis.items()
-    )  # fmt: skip
+    )
 
 
 def _replicated_adapters(

@@ -145,8 +145,11 @@ def _prepare_point(
     """Where the pair's shared input is marked: the scope when nothing else there reads it,
     else the one projection group under the scope that holds every column-wise module (None
     when there is none: each column-wise module marks its own input)."""
-    others = [f for f in untouched_consumers(scope, modules, raw)
-              if not _narrow(modules.get(f), colwise, modules)]  # fmt: skip
+    others = [
+        f
+        for f in untouched_consumers(scope, modules, raw)
+        if not _narrow(modules.get(f), colwise, modules)
+    ]
     if not cross and not others:
         return scope
     children = {_child_of(scope, fqn) for fqn in colwise}

@@ -282,9 +282,15 @@ def _prepare_styles(
         )
         module = modules[pair.prepare]
         styles.append(
-            ModuleStyle(pair.prepare, type(module).__name__, TPStyle.PREPARE_INPUT, axis, note,
-                        activation_argument(module))
-        )  # fmt: skip
+            ModuleStyle(
+                pair.prepare,
+                type(module).__name__,
+                TPStyle.PREPARE_INPUT,
+                axis,
+                note,
+                activation_argument(module),
+            )
+        )
     return styles
 
 
@@ -296,17 +302,23 @@ def _mixed_under_sequence_parallelism(
     module = modules.get(other)
     if module is None:  # a parameter of the scope itself
         what = "a parameter of it"
-        fix = (f"Move '{other}' into a module of its own (its gradient is then reduced as a "
-               "partial one where it meets the shards), or drop the ('seq', ...) activation rule")  # fmt: skip
+        fix = (
+            f"Move '{other}' into a module of its own (its gradient is then reduced as a "
+            "partial one where it meets the shards), or drop the ('seq', ...) activation rule"
+        )
     elif _is_norm(module):
         what = type(module).__name__
-        fix = ("A norm as wide as the input stays replicated there: train this model without "
-               "sequence parallelism (drop sequence_parallel=True / the ('seq', ...) activation "
-               "rule)")  # fmt: skip
+        fix = (
+            "A norm as wide as the input stays replicated there: train this model without "
+            "sequence parallelism (drop sequence_parallel=True / the ('seq', ...) activation "
+            "rule)"
+        )
     else:
         what = type(module).__name__
-        fix = (f"Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), or drop "
-               "the ('seq', ...) activation rule")  # fmt: skip
+        fix = (
+            f"Shard it too (column-wise P('{axis}') or row-wise P(None, '{axis}')), or drop "
+            "the ('seq', ...) activation rule"
+        )
     return PlanError(
         f"sequence parallelism all-gathers the input of '{pair.scope}' "
         f"({type(modules[pair.scope]).__name__}) for its tensor-parallel Linears, but {other!r} "
@@ -422,8 +434,11 @@ def _tail_style(modules: dict[str, nn.Module], axis: str, styled: set[str]) -> M
     module (below the root, holding no repeated blocks and no style) around the last module with
     parameters — a classification head (RoBERTa's ``classifier`` on the first token), a
     replicated LM head. It runs on the whole sequence, as every rank's copy of it."""
-    holders = [f for f, m in modules.items() if f and not isinstance(m, nn.Embedding)
-               and any(True for _ in m.parameters(recurse=False))]  # fmt: skip
+    holders = [
+        f
+        for f, m in modules.items()
+        if f and not isinstance(m, nn.Embedding) and any(True for _ in m.parameters(recurse=False))
+    ]
     last = holders[-1] if holders else ""
     tail = ""
     for fqn in [*_ancestors(last)[::-1], last] if last else []:
@@ -440,9 +455,14 @@ def _tail_style(modules: dict[str, nn.Module], axis: str, styled: set[str]) -> M
             f"{type(modules['']).__name__} does not have apart from tensor-parallel ones. Shard the "
             "head's weight over the tensor-parallel axis, or drop the ('seq', ...) activation rule."
         )
-    return ModuleStyle(tail, type(modules[tail]).__name__, TPStyle.SEQUENCE_GATHERED_TAIL, axis,
-                       "input all-gathered from sequence shards: the model's tail runs on the "
-                       "whole sequence", activation_argument(modules[tail]))  # fmt: skip
+    return ModuleStyle(
+        tail,
+        type(modules[tail]).__name__,
+        TPStyle.SEQUENCE_GATHERED_TAIL,
+        axis,
+        "input all-gathered from sequence shards: the model's tail runs on the whole sequence",
+        activation_argument(modules[tail]),
+    )
 
 
 def _check_on_shards(fqn: str, module: nn.Module, modules: dict[str, nn.Module], axis: str) -> None:

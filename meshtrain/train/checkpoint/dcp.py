@@ -225,9 +225,12 @@ class Checkpointer:
         written: Future[Any] = Future()
         try:
             with single_process_dcp():
-                metadata = dcp.save(described, storage_writer=FileSystemWriter(scratch),
-                                    planner=PackedSavePlanner(),
-                                    no_dist=not _distributed())  # fmt: skip
+                metadata = dcp.save(
+                    described,
+                    storage_writer=FileSystemWriter(scratch),
+                    planner=PackedSavePlanner(),
+                    no_dist=not _distributed(),
+                )
             written.set_result(metadata)
         except _FAILURES as err:  # DCP raises on every rank when any rank failed
             written.set_exception(err)
@@ -378,8 +381,12 @@ def load_checkpoint(
         _raise_problems(f"cannot load checkpoint {str(path)!r}", gathered)
         with single_process_dcp():
             described = {fqn: checkpoint_view(tensor) for fqn, tensor in targets.items()}
-            dcp.load(described, storage_reader=reader, planner=PackedLoadPlanner(),
-                     no_dist=not _distributed())  # fmt: skip
+            dcp.load(
+                described,
+                storage_reader=reader,
+                planner=PackedLoadPlanner(),
+                no_dist=not _distributed(),
+            )
     except _FAILURES as err:
         if prepared is not None:
             prepared.undo()

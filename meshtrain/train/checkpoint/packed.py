@@ -54,7 +54,7 @@ class PackedShards:
         if shape[dim] % parts:
             raise ValueError(f"dim {dim} of {shape} does not split into {parts} packed parts")
         self.part = shape[dim] // parts
-        viewed = [*shape[:dim], parts, self.part, *shape[dim + 1:]]  # fmt: skip
+        viewed = [*shape[:dim], parts, self.part, *shape[dim + 1 :]]
         placements = unpacked_placements(tensor.placements, mesh_dim, dim)
         sizes, offsets = compute_local_shape_and_global_offset(
             torch.Size(viewed), tensor.device_mesh, placements
@@ -79,8 +79,11 @@ class PackedShards:
         unflat = local.unflatten(self.dim, (self.parts, self.local_size))
         pieces = []
         for part in range(self.parts):
-            offsets = [*self.offsets[: self.dim], part * self.part + self.local_offset,
-                       *self.offsets[self.dim + 2:]]  # fmt: skip
+            offsets = [
+                *self.offsets[: self.dim],
+                part * self.part + self.local_offset,
+                *self.offsets[self.dim + 2 :],
+            ]
             sizes = [*self.sizes[: self.dim], self.local_size, *self.sizes[self.dim + 2 :]]
             pieces.append((torch.Size(offsets), torch.Size(sizes), unflat.select(self.dim, part)))
         return pieces

@@ -103,8 +103,11 @@ def pack_chunk(tokenizer: Tokenizer, documents: Sequence[Document], dtype: np.dt
 def _byte_fast(tokenizer: Tokenizer) -> bool:
     """The byte tokenizer with its own ``encode`` and end-of-document id 0: its ids are the
     UTF-8 bytes, read as an array without a Python int per byte."""
-    return (isinstance(tokenizer, ByteTokenizer) and type(tokenizer).encode is ByteTokenizer.encode
-            and tokenizer.eos_id == 0)  # fmt: skip
+    return (
+        isinstance(tokenizer, ByteTokenizer)
+        and type(tokenizer).encode is ByteTokenizer.encode
+        and tokenizer.eos_id == 0
+    )
 
 
 def _encode(tokenizer: Tokenizer, text: str, fast: bool) -> bytes | list[int]:

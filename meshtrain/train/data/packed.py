@@ -278,10 +278,15 @@ class _PackedWriter:
             context.__exit__(None, None, None)
         self._finished = True
         info = TokenFileInfo(
-            num_tokens=self.tokens, dtype=self._out_dtype.name, tokenizer=tokenizer.name,
-            vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-            num_documents=self.documents, sha256=self._digest.hexdigest(), source=key,
-        )  # fmt: skip
+            num_tokens=self.tokens,
+            dtype=self._out_dtype.name,
+            tokenizer=tokenizer.name,
+            vocab_size=tokenizer.vocab_size,
+            eos_id=tokenizer.eos_id,
+            num_documents=self.documents,
+            sha256=self._digest.hexdigest(),
+            source=key,
+        )
         text = json.dumps(info.to_json(), indent=2, sort_keys=True) + "\n"
         write_text_atomically(self.directory / TOKENS_JSON, text)
 
@@ -387,9 +392,18 @@ def _unit(seed: int, index: int) -> float:
 def _cache_key(source: DocumentSource, tokenizer: Tokenizer, validation: float, seed: int) -> str:
     files = [(str(path), *_stamp(path)) for path in source_files(source)]
     described = json.dumps(
-        [source.kind, source.path, source.fields(), source.format, tokenizer.name,
-         validation, seed, files], sort_keys=True,
-    )  # fmt: skip
+        [
+            source.kind,
+            source.path,
+            source.fields(),
+            source.format,
+            tokenizer.name,
+            validation,
+            seed,
+            files,
+        ],
+        sort_keys=True,
+    )
     return f"{source.kind}:{source.path}:{hashlib.sha256(described.encode()).hexdigest()[:16]}"
 
 

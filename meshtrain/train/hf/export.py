@@ -212,8 +212,9 @@ def export_hf(
         largest = _stream(source, writer, limit, transform, rename, dtype, progress)
         files = writer.finish()
         written_dtype = dtype or next(iter(source.entries.values())).properties.dtype
-        text = json.dumps({**config, "dtype": str(written_dtype).removeprefix("torch.")},
-                          indent=2, sort_keys=True)  # fmt: skip
+        text = json.dumps(
+            {**config, "dtype": str(written_dtype).removeprefix("torch.")}, indent=2, sort_keys=True
+        )
         (scratch / CONFIG_FILE).write_text(text + "\n", encoding="utf-8")
         for extra in copy_files:
             shutil.copy2(extra, scratch / Path(extra).name)

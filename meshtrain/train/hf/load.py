@@ -330,8 +330,9 @@ def local_indices(tensor: DTensor) -> list[Tensor]:
     shape = tuple(tensor.shape)
     splits = [1] * len(shape)
     packed = packed_dim(tensor)  # each rank holds several pieces of that dim
-    for index, (placement, size) in enumerate(zip(placements, tensor.device_mesh.shape,
-                                                  strict=True)):  # fmt: skip
+    for index, (placement, size) in enumerate(
+        zip(placements, tensor.device_mesh.shape, strict=True)
+    ):
         if isinstance(placement, Shard | _StridedShard):  # FSDP2 under TP: _StridedShard
             splits[placement.dim] *= size * (packed[2] if packed and packed[0] == index else 1)
     indices = []
@@ -340,9 +341,11 @@ def local_indices(tensor: DTensor) -> list[Tensor]:
         view = [-1 if other == dim else 1 for other in range(len(shape))]
         probe = torch.arange(size).view(view).expand(probe_shape).contiguous()
         local = distribute_tensor(
-            probe.to(tensor.device_mesh.device_type), tensor.device_mesh, placements,
+            probe.to(tensor.device_mesh.device_type),
+            tensor.device_mesh,
+            placements,
             src_data_rank=None,
-        ).to_local()  # fmt: skip
+        ).to_local()
         flat = local.movedim(dim, 0).reshape(local.shape[dim], -1)
         indices.append(flat[:, 0].cpu() if flat.shape[1] else flat.new_zeros(0).cpu())
     return indices
@@ -354,8 +357,9 @@ def _read(stored: Any, indices: list[Tensor]) -> tuple[Tensor, int]:
     if not indices:  # a scalar
         value = stored[()]
         return value, value.element_size()
-    unique, inverse = zip(*(torch.unique(index, return_inverse=True) for index in indices),
-                          strict=True)  # fmt: skip
+    unique, inverse = zip(
+        *(torch.unique(index, return_inverse=True) for index in indices), strict=True
+    )
     runs = [_runs(values) for values in unique]
     read = 0
     blocks: dict[tuple[int, ...], Tensor] = {}
@@ -385,10 +389,11 @@ def _assemble(blocks: dict[tuple[int, ...], Tensor], counts: list[int], dim: int
     if len(counts) == 1:
         return torch.cat([blocks[(k,)] for k in range(counts[0])], dim=dim)
     parts = [
-        _assemble({key[1:]: block for key, block in blocks.items() if key[0] == k}, counts[1:],
-                  dim + 1)
+        _assemble(
+            {key[1:]: block for key, block in blocks.items() if key[0] == k}, counts[1:], dim + 1
+        )
         for k in range(counts[0])
-    ]  # fmt: skip
+    ]
     return torch.cat(parts, dim=dim)
 
 
