@@ -95,7 +95,9 @@ class LossScaler:
         found = torch.zeros(1, device=flag_device)
         for (device, _), grads in groups.items():  # the flag and 1/scale live beside the grads
             found_here = torch.zeros(1, device=device)
-            inverse = torch.full((1,), 1.0 / (self.scale_value if scale is None else scale), device=device)
+            inverse = torch.full(
+                (1,), 1.0 / (self.scale_value if scale is None else scale), device=device
+            )
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse)
             found = torch.maximum(found, found_here.to(flag_device))
         if dist.is_available() and dist.is_initialized():
