@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from meshtrain.cli import _write_traceback
+from meshtrain.recipes.job import _write_traceback
 from meshtrain.train.metrics.sinks import ConsoleSink
 
 
