@@ -71,3 +71,32 @@ def test_the_check_sees_the_vocabularies_it_guards() -> None:
         {"none", "full", "selective"},
     ):
         assert len(found[frozenset(values)]) == 1, (values, found.get(frozenset(values)))
+
+
+def _functions() -> list[tuple[str, ast.FunctionDef]]:
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        name = str(path.relative_to(PACKAGE.parent))
+        found += [(name, n) for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)]
+    return found
+
+
+def test_one_flattener_of_nested_tables_and_one_toml_value_writer() -> None:
+    """Dotted keys come from ``meshtrain/tables.py``'s ``flatten_table`` and TOML values from its
+    ``toml_value``: no other flattening function calls itself with a dotted ``prefix``, and no
+    other function writes TOML values."""
+    flatteners = [
+        f"{name}:{function.name}"
+        for name, function in _functions()
+        if "flatten" in function.name
+        and any(
+            isinstance(call, ast.Call)
+            and getattr(call.func, "id", None) == function.name
+            and any(isinstance(arg, ast.JoinedStr) for arg in call.args)
+            for call in ast.walk(function)
+        )
+    ]
+    writers = [f"{n}:{f.name}" for n, f in _functions() if "toml_value" in f.name]
+    assert flatteners == ["meshtrain/tables.py:flatten_table"]
+    assert writers == ["meshtrain/tables.py:toml_value"]

@@ -34,6 +34,10 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import DeepSpeedConfigError
+from meshtrain.tables import flatten_table, toml_value
+
+#: the optimizer's and scheduler's ``params`` stay together under their section
+_WHOLE_TABLES = ("optimizer.params", "scheduler.params")
 
 __all__ = ["DeepSpeedConfigError", "Translation", "read_deepspeed", "translate_deepspeed"]
 
@@ -109,14 +113,14 @@ class Translation:
         lines += ["", "[model]"]
         model_path = Path(self.model)
         if model_path.is_dir():
-            lines.append(f"hf = {json.dumps(str(model_path))}")
+            lines.append(f"hf = {toml_value(str(model_path))}")
         else:
-            lines += ['name = "llama"', f"preset = {json.dumps(self.model)}"]
+            lines += ['name = "llama"', f"preset = {toml_value(self.model)}"]
         lines += ["", "[mesh]", "dp = -1"]
         sections: dict[str, list[str]] = {}
         for key, value in sorted(self.settings.items()):
             section, name = key.rsplit(".", 1)
-            sections.setdefault(section, []).append(f"{name} = {_toml_value(value)}")
+            sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
         for section, entries in sections.items():
             lines += ["", f"[{section}]", *entries]
         return "\n".join(lines) + "\n"
@@ -137,7 +141,7 @@ def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> T
     """Map every key of ``config`` (see the module docstring); raise on any refused key."""
     out = Translation(model=model)
     out.settings["parallel.fsdp"] = ["dp"]
-    for key, value in _flatten(config):
+    for key, value in flatten_table(config, keep=_WHOLE_TABLES).items():
         if key in TUNING_KEYS:
             out.tuning.append(key)
         elif value == "auto":
@@ -152,21 +156,6 @@ def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> T
             + ". Remove them, or set what they mean in the recipe."
         )
     return out
-
-
-def _flatten(config: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
-    """``(dotted key, value)`` of every leaf; the optimizer's and scheduler's ``type`` and
-    ``params`` stay together under their section."""
-    items: list[tuple[str, Any]] = []
-    for key, value in config.items():
-        dotted = f"{prefix}{key}"
-        if isinstance(value, Mapping) and dotted not in ("optimizer.params", "scheduler.params"):
-            items += _flatten(value, f"{dotted}.")
-        elif isinstance(value, Mapping):
-            items += [(f"{dotted}.{name}", inner) for name, inner in value.items()]
-        else:
-            items.append((dotted, value))
-    return items
 
 
 def _map_key(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> None:
@@ -357,13 +346,3 @@ _HANDLERS: dict[str, Callable[[Translation, str, Any, Mapping[str, Any]], str]] 
                     "warmup_type", "warmup_min_ratio", "cos_min_ratio")},
 }
 # fmt: on
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    if isinstance(value, float) and value.is_integer() and abs(value) >= 1e6:
-        return repr(value)
-    return json.dumps(value) if isinstance(value, str) else repr(value)

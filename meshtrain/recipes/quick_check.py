@@ -23,8 +23,9 @@ from typing import Any
 
 from meshtrain.errors import RecipeError, did_you_mean
 from meshtrain.recipes import sections
-from meshtrain.recipes.schema import Key, _derive, check_sections, check_table, toml_value
+from meshtrain.recipes.schema import Key, _derive, check_sections, check_table
 from meshtrain.recipes.sections import SECTION_TYPES
+from meshtrain.tables import toml_value
 
 __all__ = ["check_recipe_quickly"]
 

@@ -30,8 +30,9 @@ from typing import Any
 
 from meshtrain.errors import CheckpointError
 from meshtrain.recipes.sections import SECTION_TYPES, resume_rule
+from meshtrain.tables import flatten_table
 
-__all__ = ["RecipeChange", "ResumeCheck", "check_resume", "compare_recipes", "flatten_recipe"]
+__all__ = ["RecipeChange", "ResumeCheck", "check_resume", "compare_recipes"]
 
 #: What an allowed change of these keys does to the saved data position.
 _DATA_EFFECT = {
@@ -92,23 +93,6 @@ class ResumeCheck:
         )
 
 
-def flatten_recipe(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Dotted key → value; tables of their own (``parallel.pipeline``) are flattened too.
-
-    Example:
-        >>> flatten_recipe({"parallel": {"zero": 3, "pipeline": {"axis": "pp"}}})
-        {'parallel.zero': 3, 'parallel.pipeline.axis': 'pp'}
-    """
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(flatten_recipe(value, f"{name}."))
-        else:
-            flat[name] = list(value) if isinstance(value, tuple) else value
-    return flat
-
-
 def _default(key: str) -> Any:
     section, _, name = key.rpartition(".")
     section_type = SECTION_TYPES.get(section)
@@ -129,7 +113,7 @@ def _is_safe(key: str) -> bool:
 
 def compare_recipes(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[RecipeChange]:
     """Every key whose value differs between two recipes as read (defaults filled in)."""
-    old, new = flatten_recipe(saved), flatten_recipe(now)
+    old, new = flatten_table(saved), flatten_table(now)
     changes = []
     for key in sorted(old.keys() | new.keys()):
         before = old.get(key, _default(key))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import json
 import math
 import re
 import types
@@ -45,6 +44,7 @@ from meshtrain.recipes.sections import (
     TrainSection,
 )
 from meshtrain.recipes.source import find_recipe as find_recipe  # re-exported
+from meshtrain.tables import toml_value
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -527,16 +527,6 @@ def parse_spec(text: str, *, where: str = "spec") -> P:
         return P(*entries)
     except MeshtrainError as err:
         raise RecipeError(f"{shown}: {err.message}") from None
-
-
-def toml_value(value: Any) -> str:
-    """A value as a recipe would write it.
-
-    Example:
-        >>> toml_value(["dp"]), toml_value(True)
-        ('["dp"]', 'true')
-    """
-    return json.dumps(value, default=str, ensure_ascii=False)
 
 
 def _kind(value: Any) -> str:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.errors import TrainingError
+from meshtrain.tables import flatten_table
 
 
 def fingerprint(plan_json: str, recipe: Mapping[str, Any]) -> str:
@@ -76,7 +77,7 @@ def check_same_plan(plan_json: str, recipe: Mapping[str, Any]) -> str:
 
 def recipe_differences(left: Mapping[str, Any], right: Mapping[str, Any]) -> list[str]:
     """``section.key = a vs b`` for every leaf that differs (a missing one shows as <unset>)."""
-    flat_left, flat_right = _flatten(left), _flatten(right)
+    flat_left, flat_right = flatten_table(left), flatten_table(right)
     return [
         f"{key} = {_show(flat_left, key)} vs {_show(flat_right, key)}"
         for key in sorted(set(flat_left) | set(flat_right))
@@ -89,17 +90,6 @@ _UNSET = object()
 
 def _show(flat: Mapping[str, Any], key: str) -> str:
     return json.dumps(flat[key], default=str) if key in flat else "<unset>"
-
-
-def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in table.items():
-        path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
-            flat.update(_flatten(value, path + "."))
-        else:
-            flat[path] = value
-    return flat
 
 
 def _canonical(recipe: Mapping[str, Any]) -> str:

@@ -38,7 +38,7 @@ from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import ExpertGroup, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
-from meshtrain.spec.partition import P
+from meshtrain.spec.partition import P, entry_axes
 from meshtrain.spec.rules import ParamSpec, Resolution
 
 #: the forward an experts module must have (after ``self``), by position
@@ -242,8 +242,7 @@ def _check_param(
 
 def _sized(entry: str | tuple[str, ...] | None, mesh: Mesh) -> tuple[str, ...]:
     """The axes larger than 1 of a spec entry."""
-    axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
-    return tuple(axis for axis in axes if mesh.size(axis) > 1)
+    return tuple(axis for axis in entry_axes(entry) if mesh.size(axis) > 1)
 
 
 def _check_module(

@@ -36,7 +36,7 @@ from torch import nn
 
 from meshtrain.errors import PlanError
 from meshtrain.plan.ir import ModuleStyle, TPStyle
-from meshtrain.spec.partition import P
+from meshtrain.spec.partition import P, entry_axes
 
 #: the packed (gate and up) projection and its row-wise partner, by parameter name
 PACKED, ROWWISE = "gate_up_proj", "down_proj"
@@ -70,7 +70,7 @@ def expert_tensor_style(
         )
     for name, dim in TENSOR_DIMS.items():
         entries = specs.get(name, P()).padded(3)
-        found = [d for d, entry in enumerate(entries) if entry is not None and axis in _axes(entry)]
+        found = [d for d, entry in enumerate(entries) if axis in entry_axes(entry)]
         if found != [dim] or entries[dim] != axis:
             raise PlanError(
                 f"parameter '{fqn}.{name}' {list(params[name].shape)} of {where} has spec "
@@ -96,7 +96,3 @@ def expert_tensor_style(
         f"each expert's intermediate features split over '{axis}' ({PACKED} packed column-wise, "
         f"{ROWWISE} row-wise); outputs all-reduced, input gradients all-reduced",
     )
-
-
-def _axes(entry: str | tuple[str, ...]) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry)

@@ -36,6 +36,7 @@ from meshtrain.plan.proof.experts import dense_forward
 from meshtrain.plan.proof.refusals import global_reshape, lost, mixed, refuse_partial
 from meshtrain.plan.proof.shard_dims import NOT_A_SHARD, reshaped_shard_dim, shard_dim_of
 from meshtrain.plan.proof.sizes import SizeProvenance, whole_args
+from meshtrain.spec.partition import entry_axes
 
 _aten = torch.ops.aten
 _RESHAPES = frozenset({_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default})
@@ -127,7 +128,7 @@ class Prover(TorchDispatchMode):
     def _local(self, layout: ParamLayout) -> tuple[int, ...]:
         entries = layout.spec.padded(len(layout.shape))
         return tuple(
-            -(-n // self.ways) if entry is not None and self.axis in _axes(entry) else n
+            -(-n // self.ways) if self.axis in entry_axes(entry) else n
             for n, entry in zip(layout.shape, entries)
         )
 
@@ -569,10 +570,6 @@ def representative_fqn(fqn: str, copies: Mapping[str, str]) -> str:
 
 def _order(names: list[str], fqn: str) -> int:
     return names.index(fqn) if fqn in names else len(names)
-
-
-def _axes(entry: Any) -> tuple[str, ...]:
-    return tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _join(prefix: str, name: str) -> str:
