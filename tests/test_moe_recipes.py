@@ -22,6 +22,23 @@ def test_recipes_name_the_moe_model_and_take_its_overrides() -> None:
     assert load_recipe("qwen3_moe_30b_a3b").model.moe.n_experts == 128
 
 
+def test_the_expert_axis_is_a_parallel_key_like_tp_and_context() -> None:
+    """``[parallel] ep`` names the expert axis: "ep" when the mesh has it, another axis when the
+    recipe says so, none with "" (the experts then stay whole, FSDP-sharded like the rest)."""
+    assert load_recipe("moe_debug").parallel.ep == "ep"
+    assert load_recipe("debug").parallel.ep == ""  # no ep axis in its mesh
+    renamed = load_recipe("moe_debug", ["mesh.ep=1", "mesh.xp=-1", "parallel.ep=xp"])
+    assert dict(renamed.rules().logical)["expert"] == "xp"
+    whole = load_recipe("moe_debug", ["parallel.ep="])
+    assert dict(whole.rules().logical).get("expert") is None
+    with pytest.raises(RecipeError, match="axis 'dp' has two jobs"):
+        load_recipe("moe_debug", ["parallel.ep=dp"])
+    with pytest.raises(
+        RecipeError, match=r"parallel.ep = \"ex\" names axis 'ex', which \[mesh\] does not have"
+    ):
+        load_recipe("moe_debug", ["parallel.ep=ex"])
+
+
 def test_moe_keys_and_presets_are_checked_by_name() -> None:
     with pytest.raises(RecipeError, match=r"unknown LlamaConfig field.*n_experts"):
         load_recipe("debug", ["model.n_experts=4"])

@@ -228,11 +228,10 @@ class Recipe:
                 "and shard with data parallelism only."
             )
         if self.explicit_rules is None and self.model.kind == "moe":  # experts over ep if any
-            ep = "ep" if "ep" in self.mesh_axes() else None
             return moe_rules(
                 tp=tp,
                 fsdp=par.fsdp,
-                ep=ep,
+                ep=par.ep or None,
                 sequence_parallel=par.sequence_parallel,
                 expert_tp=par.expert_tp and tp is not None,
             )
@@ -436,7 +435,7 @@ def shrink(recipe: Recipe, world: int) -> Recipe:
     if model.config is not None:
         model = dataclasses.replace(model, config=_small_llama(model.config, tp, stages, seq_len))
     if model.moe is not None:
-        ep = sizes.get("ep", 1)
+        ep = sizes[par.ep] if par.ep else 1
         model = dataclasses.replace(model, moe=_small_moe(model.moe, ep, stages, seq_len))
     if pipe is not None:
         micro = min(pipe.microbatches or stages, stages)
@@ -515,7 +514,7 @@ def _shrink_mesh(recipe: Recipe, world: int) -> dict[str, int]:
     least = 2 ** len(needed)
     if world == 1:  # one rank: low precision needs no data axis
         needed = {axis: why for axis, why in needed.items() if axis not in data}
-    expert = "ep" if recipe.model.kind == "moe" and "ep" in original else ""
+    expert = par.ep if recipe.model.kind == "moe" else ""
     order = [*needed, *(axis for axis in (par.tp, expert, *data) if axis and axis not in needed)]
     sizes = dict.fromkeys(original, 1)
     left = world

@@ -443,7 +443,7 @@ def _moe_section(source: str, section: ModelSection, overrides: dict[str, Any]) 
 
 
 def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -> ParallelSection:
-    """``[parallel]``: tp defaults to "tp" and fsdp to ["dp"] when the mesh has those axes; every
+    """``[parallel]``: tp, ep and fsdp default to "tp", "ep" and ["dp"] when the mesh has those axes; every
     named axis must exist and have one job."""
     values = check_table(source, "parallel", table)
     pipe = None
@@ -453,10 +453,12 @@ def parallel_section(source: str, table: dict[str, Any], mesh: dict[str, int]) -
         )
     default = ParallelSection()  # its axes where the mesh has them
     values.setdefault("tp", default.tp if default.tp in mesh else "")
+    values.setdefault("ep", default.ep if default.ep in mesh else "")
     values.setdefault("fsdp", tuple(axis for axis in default.fsdp if axis in mesh))
     par = dataclasses.replace(build_section(ParallelSection, values), pipeline=pipe)
     jobs = [(f"parallel.fsdp = {toml_value(list(par.fsdp))}", axis) for axis in par.fsdp]
     jobs += [(f"parallel.tp = {toml_value(par.tp)}", par.tp)] if par.tp else []
+    jobs += [(f"parallel.ep = {toml_value(par.ep)}", par.ep)] if par.ep else []
     if pipe is not None:
         jobs.append((f"parallel.pipeline.axis = {toml_value(pipe.axis)}", pipe.axis))
         if par.microbatches not in (1, pipe.microbatches):

@@ -262,6 +262,16 @@ class ParallelSection:
             resume="safe",
         ),
     )
+    ep: str = field(
+        default="ep",
+        metadata=about(
+            "the expert-parallel axis of meshtrain's mixture of experts: each rank holds its "
+            'share of every layer\'s experts ([mixture of experts](moe.md)); `""` for none',
+            "ep",
+            shown='`"ep"` if the mesh has `ep`, else `""`',
+            resume="safe",
+        ),
+    )
     context: str = field(
         default="",
         metadata=about(

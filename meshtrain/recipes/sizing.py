@@ -158,7 +158,8 @@ def _global_batch(
     recipe: Recipe, sizes: dict[str, int], global_batch: int, options: PlanOptions
 ) -> tuple[int, str]:
     """The batch rule (module docstring): the recipe's, or the next multiple that splits."""
-    experts = ("ep",) if recipe.model.kind == "moe" else ()  # the expert axis splits the batch too
+    ep = recipe.parallel.ep
+    experts = (ep,) if recipe.model.kind == "moe" and ep else ()  # it splits the batch too
     data_ranks = math.prod(sizes.get(axis, 1) for axis in (*recipe.parallel.fsdp, *experts))
     pipeline = options.pipeline
     if pipeline is not None:
