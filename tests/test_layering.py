@@ -229,3 +229,17 @@ def test_public_train_sub_packages_keep_their_names() -> None:
     assert WandbSink.__module__ == "meshtrain.train.metrics.wandb_sink"
     assert callable(find_resume_point) and callable(prepare_corpus) and callable(make_sinks)
     assert LoggingConfig.__module__ == "meshtrain.train.metrics.config"
+
+
+def test_lowering_reads_the_plans_decisions_and_never_decides_again() -> None:
+    """What a setting decides is computed once while planning and carried on the plan
+    (``FSDPUnit.decisions``, ``PlanOptions.decisions``, ``Plan.pair_inputs_shared``): no
+    lowering module calls the functions that decide."""
+    deciders = {"fsdp_decisions", "pair_inputs_shared"}
+    calls = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in sorted((PACKAGE / "lower").rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in deciders
+    ]
+    assert calls == []

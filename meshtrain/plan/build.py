@@ -43,7 +43,7 @@ from meshtrain.plan.context.cost import (
     local_seq_len,
 )
 from meshtrain.plan.cost import estimate_collectives, estimate_memory
-from meshtrain.plan.decisions import fsdp_decisions
+from meshtrain.plan.decisions import pair_inputs_shared
 from meshtrain.plan.experts.axis import expert_axis_of, expert_shards, plan_experts
 from meshtrain.plan.experts.cost import (
     estimate_expert_collectives,
@@ -79,7 +79,6 @@ from meshtrain.plan.pipeline.cost import pipeline_costs
 from meshtrain.plan.pipeline.schedule import check_pipeline_axis, plan_pipeline
 from meshtrain.plan.policies import (
     block_fqns,
-    pair_inputs_shared,
     plain_under_compile_note,
     resolve_compile_scope,
 )
@@ -213,11 +212,11 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         trainable=trainable(model),
         storage=storage(model),
     )
-    if experts and fsdp_decisions(options.zero).shard_params:
+    if experts and options.decisions.shard_params:
         # the experts' FSDP ranks: the shard axis (HSDP: the second) and the context axis
         efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active) + context)
         layouts = expert_shards(layouts, experts, efsdp)
-    sharded = fsdp_decisions(options.zero).shard_params
+    sharded = options.decisions.shard_params
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
     sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis, context_axis)
     styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
@@ -512,10 +511,7 @@ def _hsdp_note(
 
 def _decided(units: tuple[FSDPUnit, ...], options: PlanOptions) -> tuple[FSDPUnit, ...]:
     """The units with what the ZeRO stage decides for each (:func:`fsdp_decisions`)."""
-    return tuple(
-        replace(u, decisions=fsdp_decisions(options.zero, root=not u.fqn, offload=options.offload))
-        for u in units
-    )
+    return tuple(replace(u, decisions=options.unit_decisions(u.fqn)) for u in units)
 
 
 def _batch_norms(model: nn.Module, options: PlanOptions) -> tuple[str, ...]:

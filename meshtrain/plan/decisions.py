@@ -135,3 +135,16 @@ def fsdp_decisions(zero: int, *, root: bool = False, offload: bool = False) -> F
         gathered_across_microbatches=zero == 1,
         offload=offload,
     )
+
+
+def pair_inputs_shared(compile_scope: str | None, activation_checkpointing: str) -> bool:
+    """Whether a pair parent without sequence parallelism keeps its plain input (its column-wise
+    Linears share one replicated DTensor of it) rather than taking it as that DTensor. Not where
+    ``torch.compile`` traces checkpointed blocks: the sharing hooks keep Python state it cannot
+    trace inside a checkpointed region (torch 2.13 fails at the first compiled forward,
+    "Mixing fake modes").
+
+    >>> pair_inputs_shared("model", "selective"), pair_inputs_shared(None, "selective")
+    (False, True)
+    """
+    return compile_scope is None or activation_checkpointing == "none"

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import FSDPUnit, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.layout import local_shape
@@ -208,7 +207,7 @@ def infer_layouts(
     ``trainable``: whether each requires a gradient (default yes); ``storage``: "nf4" for
     4-bit weights."""
     mesh = resolution.mesh
-    sharded = fsdp_decisions(options.zero).shard_params
+    sharded = options.decisions.shard_params
     ways = math.prod(mesh.size(axis) for axis in shard_axes) if sharded else 1
     layouts = []
     for param in resolution.params:

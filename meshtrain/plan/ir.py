@@ -21,7 +21,7 @@ from typing import Any
 
 from meshtrain.adapters.nf4 import nf4_bytes
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
+from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions, pair_inputs_shared
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
 from meshtrain.spec.partition import P
@@ -412,6 +412,13 @@ class Plan:
     averaged_buffers: tuple[tuple[str, str], ...] = ()
 
     @property
+    def pair_inputs_shared(self) -> bool:
+        """Whether tensor-parallel pair parents keep their plain input, shared by their
+        column-wise Linears (:func:`~meshtrain.plan.decisions.pair_inputs_shared`): the proof
+        and the lowering read this one decision."""
+        return pair_inputs_shared(self.compile_scope, self.options.activation_checkpointing)
+
+    @property
     def batch_axes(self) -> tuple[str, ...]:
         """The axes the batch is split over: the data axes, then the expert axis (expert
         parallelism is carved out of the data ranks: every rank trains its own tokens). Loss,
@@ -698,7 +705,7 @@ def _unit_from_data(data: dict[str, Any], options: PlanOptions) -> FSDPUnit:
     decisions = (
         FSDPDecisions.from_json(data["decisions"])
         if "decisions" in data
-        else fsdp_decisions(options.zero, root=not fqn, offload=options.offload)
+        else options.unit_decisions(fqn)
     )
     return FSDPUnit(fqn, tuple(data["params"]), decisions)
 

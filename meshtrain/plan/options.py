@@ -15,13 +15,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, get_args
 
 from meshtrain.errors import PlanError, did_you_mean
-from meshtrain.plan.decisions import fsdp_decisions
+from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
 from meshtrain.plan.memory.sizes import parse_bytes
 
 #: name → (stage → rank style, splits backward into input and weight gradients)
@@ -246,7 +247,22 @@ class PlanOptions:
                 f"compile backend={self.compile_backend!r} must name a torch.compile backend "
                 "('inductor', 'aot_eager', ...)."
             )
-        fsdp_decisions(self.zero, offload=self.offload)  # offload needs a stage that shards
+        self.unit_decisions("")  # decided here, once: offload needs a stage that shards
+
+    @functools.cached_property
+    def decisions(self) -> FSDPDecisions:
+        """What the ZeRO stage decides for every FSDP unit but the root, decided once: cost,
+        inference and lowering read it here (or on :attr:`FSDPUnit.decisions`)."""
+        return fsdp_decisions(self.zero, root=False, offload=self.offload)
+
+    @functools.cached_property
+    def root_decisions(self) -> FSDPDecisions:
+        """What the ZeRO stage decides for the model's root unit (it keeps its parameters)."""
+        return fsdp_decisions(self.zero, root=True, offload=self.offload)
+
+    def unit_decisions(self, fqn: str) -> FSDPDecisions:
+        """The decisions of the FSDP unit at ``fqn`` (``""``: the root)."""
+        return self.decisions if fqn else self.root_decisions
 
     def checkpointed_blocks(self, blocks: Sequence[str]) -> tuple[str, ...]:
         """The blocks whose activations are recomputed: all, or the k-th, 2k-th, … of them.

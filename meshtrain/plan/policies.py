@@ -97,19 +97,6 @@ def resolve_compile_scope(
     return scope
 
 
-def pair_inputs_shared(compile_scope: str | None, activation_checkpointing: str) -> bool:
-    """Whether a pair parent without sequence parallelism keeps its plain input (its column-wise
-    Linears share one replicated DTensor of it) rather than taking it as that DTensor. Not where
-    ``torch.compile`` traces checkpointed blocks: the sharing hooks keep Python state it cannot
-    trace inside a checkpointed region (torch 2.13 fails at the first compiled forward,
-    "Mixing fake modes").
-
-    >>> pair_inputs_shared("model", "selective"), pair_inputs_shared(None, "selective")
-    (False, True)
-    """
-    return compile_scope is None or activation_checkpointing == "none"
-
-
 def plain_under_compile_note(tp_axis: str) -> str:
     """The note a plan that compiles under tensor parallelism carries: its whole parameters stay
     plain tensors (torch 2.13's compile fails on them as DTensors), so PyTorch's own clipping

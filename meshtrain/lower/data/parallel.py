@@ -32,7 +32,6 @@ from meshtrain.errors import PlanError
 from meshtrain.lower.experts.parallel import experts_ignored, experts_of
 from meshtrain.lower.groups import device_mesh, hsdp_mesh_over, mesh_over
 from meshtrain.lower.tensor.parallel import PartialGradSync
-from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import Plan
 
 
@@ -99,7 +98,7 @@ def data_parallel_mesh(plan: Plan) -> DeviceMesh:
         plan = mt.plan(model, mt.make_mesh(rep=2, dp=2, cp=2), rules)  # fsdp=("rep", "dp")
         data_parallel_mesh(plan).mesh_dim_names                        # ('rep', 'dp+cp')
     """
-    if len(plan.data_axes) == 2 and fsdp_decisions(plan.options.zero).wrapper == "replicate":
+    if len(plan.data_axes) == 2 and plan.options.decisions.wrapper == "replicate":
         return mesh_over(plan, plan.token_axes)  # nothing sharded: one flat dim, as DDP
     if len(plan.data_axes) == 2:
         replicate = plan.data_axes[0]

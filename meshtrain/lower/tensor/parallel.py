@@ -43,7 +43,6 @@ from meshtrain.errors import PlanError, format_shape
 from meshtrain.lower.experts.tensor import ExpertsTensorParallel
 from meshtrain.plan.ir import WHOLE_SEQUENCE, ModuleStyle, Plan, TPStyle
 from meshtrain.plan.layers import linear_widths
-from meshtrain.plan.policies import pair_inputs_shared
 from meshtrain.plan.tensor.styles import inside
 
 
@@ -234,7 +233,7 @@ def _tp_styles(plan: Plan) -> dict[str, ParallelStyle]:
         return Replicate() if inside(style.fqn, whole) and style.fqn not in whole else stream
 
     dispatched = {group.fqn for group in plan.experts}  # split by the expert-parallel lowering
-    share = pair_inputs_shared(plan.compile_scope, plan.options.activation_checkpointing)
+    share = plan.pair_inputs_shared
     return {
         style.fqn: LOWERINGS[style.style](style, _context(style, at(style), split_at_block, share))
         for style in plan.styles

@@ -34,7 +34,6 @@ from dataclasses import replace
 from torch import nn
 
 from meshtrain.errors import PlanError
-from meshtrain.plan.decisions import fsdp_decisions
 from meshtrain.plan.ir import ExpertGroup, ParamLayout
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
@@ -172,7 +171,7 @@ def _check_combination(
             "{'fullgraph': False}, or train the expert-parallel plan eagerly (compile=False).",
             mesh=mesh,
         )
-    if fsdp_decisions(options.zero).wrapper == "replicate":
+    if options.decisions.wrapper == "replicate":
         raise PlanError(
             f"expert parallelism over '{axis}' on mesh {mesh} with zero=0 is not supported: "
             "the experts are data-parallel under FSDP2 over the data ranks outside the expert "

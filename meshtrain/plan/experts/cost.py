@@ -424,7 +424,7 @@ def expert_data_collectives(
         [('all_gather', 'dp'), ('all_gather', 'dp+ep'), ('reduce_scatter', 'dp'), ('reduce_scatter', 'dp+ep')]
     """
     expert = {fqn for group in groups for fqn in group.params}
-    decided = fsdp_decisions(options.zero, root=False, offload=options.offload)
+    decided = options.decisions
     own = tuple(FSDPUnit(group.fqn, group.params, decided) for group in groups)
     rest = tuple(replace(u, params=tuple(p for p in u.params if p not in expert)) for u in units)
     replicate = data_axes[:-1]  # HSDP: the replicate axis stays a dim of its own

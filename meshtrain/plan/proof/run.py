@@ -106,7 +106,7 @@ class Scope:
     data_parallel: bool = False
     context: bool = False
     resharded: tuple[str, ...] = ()  # FSDP units resharded after forward (ZeRO-3), not the root
-    shared_inputs: bool = True  # plan/policies.py: pair_inputs_shared
+    shared_inputs: bool = True  # plan/decisions.py: pair_inputs_shared
 
 
 def prove_plan(

@@ -43,7 +43,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from meshtrain.adapters.lora import ADAPTERS
-from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions
+from meshtrain.plan.decisions import FSDPDecisions
 from meshtrain.plan.ir import (
     WHOLE_SEQUENCE,
     Collective,
@@ -436,7 +436,7 @@ def _replicated_adapters(
 def _decisions(units: Sequence[FSDPUnit], options: PlanOptions) -> FSDPDecisions:
     """The decisions the data-parallel units share (the root's: only reshard-after-forward
     differs between units); the options' stage for a caller that gives no units."""
-    return units[-1].decisions if units else fsdp_decisions(options.zero)
+    return units[-1].decisions if units else options.decisions
 
 
 def _partial_grad_syncs(
