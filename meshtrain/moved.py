@@ -52,6 +52,7 @@ MOVED = {
     "meshtrain.plan.expert_tensor": "meshtrain.plan.experts.tensor",
     "meshtrain.plan.footprint": "meshtrain.plan.memory.footprint",
     "meshtrain.plan.pairs": "meshtrain.plan.tensor.pairs",
+    "meshtrain.plan.inferred": "meshtrain.plan.infer",
     "meshtrain.plan.pipeline_cost": "meshtrain.plan.pipeline.cost",
     "meshtrain.plan.probe": "meshtrain.plan.proof.probe",
     "meshtrain.plan.router_counts": "meshtrain.plan.experts.router_counts",

@@ -423,3 +423,25 @@ def test_sequence_parallel_embedding_inputs_are_checked_on_forward() -> None:
         _check_sequence("pos", "tp", 2, embedding, (torch.zeros(6, dtype=torch.long),))
     with pytest.raises(PlanError, match=r"sequence length 5 .* does not divide over"):
         _check_sequence("tok", "tp", 2, embedding, (torch.zeros(2, 5, dtype=torch.long),))
+
+
+def test_a_new_plan_field_is_one_declaration_its_json_follows() -> None:
+    """A field declared with its JSON codec (meshtrain/plan/codec.py) is written by ``to_json``
+    and read by ``from_json`` with no other edit; a plan written before it existed reads back
+    with the field's default."""
+    import dataclasses
+    import json
+
+    from meshtrain.plan.codec import STRINGS, json_field
+
+    @dataclasses.dataclass(frozen=True)
+    class Wider(Plan):
+        hosts: tuple[str, ...] = json_field(STRINGS, default=())
+
+    plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules())
+    fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(Plan)}
+    wider = Wider(**fields, hosts=("node-a", "node-b"))
+    text = wider.to_json()
+    assert json.loads(text)["hosts"] == ["node-a", "node-b"]
+    assert Wider.from_json(text) == wider
+    assert Wider.from_json(plan.to_json()) == Wider(**fields)

@@ -16,8 +16,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,6 +55,7 @@ from meshtrain.plan.experts.cost import (
 from meshtrain.plan.experts.router_counts import count_collectives, counting_routers
 from meshtrain.plan.experts.router_logits import refuse_router_logits
 from meshtrain.plan.infer import (
+    Inferred,
     check_sequence_length,
     describe_uneven,
     infer_axes,
@@ -61,7 +64,6 @@ from meshtrain.plan.infer import (
     infer_units,
     shard_axes_of,
 )
-from meshtrain.plan.inferred import Inferred
 from meshtrain.plan.ir import (
     WHOLE_SEQUENCE,
     Collective,
@@ -121,33 +123,25 @@ def build_plan(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions)
             blocks=ring_blocks,
         )
     return Plan(
-        mesh=mesh,
-        options=options,
-        data_axes=layout.data_axes,
-        tp_axis=layout.tp_axis,
-        sequence_parallel=layout.sequence_parallel,
-        activation_rules=rules.logical,
-        params=layout.params,
-        styles=layout.styles,
-        units=layout.units,
-        collectives=collectives,
-        memory=memory,
-        pipeline=pipeline_plan,
-        notes=notes,
-        blocks=layout.blocks,
-        compile_scope=layout.compile_scope,
-        cast_axes=layout.cast_axes,
-        activation_estimates=estimates,
-        tied=layout.tied,
-        batch_norms=layout.batch_norms,
-        partial_grads=layout.partial_grads,
-        context_axis=layout.context_axis,
-        expert_axis=layout.expert_axis,
-        experts=layout.experts,
-        readers=layout.readers,
-        fresh_outputs=layout.fresh_outputs,
-        averaged_buffers=layout.averaged_buffers,
+        **{
+            **carried(layout),
+            "mesh": mesh,
+            "options": options,
+            "activation_rules": rules.logical,
+            "collectives": collectives,
+            "memory": memory,
+            "pipeline": pipeline_plan,
+            "notes": notes,
+            "activation_estimates": estimates,
+        }
     )
+
+
+def carried(layout: Inferred) -> dict[str, Any]:
+    """The fields inference decided that the plan keeps as they are (a field of the same name
+    on both :class:`Inferred` and :class:`Plan`): a new one needs no line here."""
+    kept = {field.name for field in dataclasses.fields(Plan)}
+    return {f.name: getattr(layout, f.name) for f in dataclasses.fields(layout) if f.name in kept}
 
 
 def resolve_options(
@@ -283,27 +277,27 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
             raise
         averaged, notes = (), [*notes, f"refused (kept as a note): {refusal}"]
     return Inferred(
-        active,
-        tp_axis,
-        sequence_parallel,
-        layouts,
-        styles,
-        units,
-        blocks,
-        cast_axes,
-        compile_scope,
-        buffers,
-        profile,
-        tuple(notes),
-        tied,
-        batch_norms,
-        proof.partial_grads,
-        context_axis,
-        expert_axis,
-        experts,
-        proof.readers,
-        proof.fresh_outputs,
-        averaged,
+        data_axes=active,
+        tp_axis=tp_axis,
+        sequence_parallel=sequence_parallel,
+        params=layouts,
+        styles=styles,
+        units=units,
+        blocks=blocks,
+        cast_axes=cast_axes,
+        compile_scope=compile_scope,
+        buffers=buffers,
+        profile=profile,
+        notes=tuple(notes),
+        tied=tied,
+        batch_norms=batch_norms,
+        partial_grads=proof.partial_grads,
+        context_axis=context_axis,
+        expert_axis=expert_axis,
+        experts=experts,
+        readers=proof.readers,
+        fresh_outputs=proof.fresh_outputs,
+        averaged_buffers=averaged,
     )
 
 

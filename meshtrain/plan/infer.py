@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
 from meshtrain.errors import PlanError, format_shape
-from meshtrain.plan.ir import FSDPUnit, ParamLayout
+from meshtrain.plan.ir import (
+    ExpertGroup,
+    FSDPUnit,
+    ModuleStyle,
+    ParamLayout,
+    ParamReader,
+    PartialGrad,
+)
+from meshtrain.plan.memory.activations import ActivationProfile
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.layout import local_shape
 from meshtrain.spec.mesh import Mesh
@@ -244,3 +253,31 @@ def describe_uneven(
         return []
     names = ", ".join(f"'{p.fqn}' ({format_shape(p.local_shape)})" for p in padded[:5])
     return [f"FSDP pads dim 0 of {len(padded)} parameter(s) to a multiple of {ways}: {names}"]
+
+
+@dataclass(frozen=True)
+class Inferred:
+    """What inference decides before costing: axes, per-parameter layouts, module styles, FSDP
+    units, blocks, compute policies, the activation profile and the notes so far."""
+
+    data_axes: tuple[str, ...]  # data axes larger than 1
+    tp_axis: str | None
+    sequence_parallel: bool
+    params: tuple[ParamLayout, ...]
+    styles: tuple[ModuleStyle, ...]
+    units: tuple[FSDPUnit, ...]
+    blocks: tuple[str, ...]
+    cast_axes: tuple[str, ...]
+    compile_scope: str | None
+    buffers: int
+    profile: ActivationProfile | None
+    notes: tuple[str, ...]
+    tied: tuple[tuple[str, ...], ...] = ()
+    batch_norms: tuple[str, ...] = ()
+    partial_grads: tuple[PartialGrad, ...] = ()
+    context_axis: str | None = None
+    expert_axis: str | None = None
+    experts: tuple[ExpertGroup, ...] = ()
+    readers: tuple[ParamReader, ...] = ()
+    fresh_outputs: tuple[str, ...] = ()
+    averaged_buffers: tuple[tuple[str, str], ...] = ()

@@ -13,14 +13,28 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from meshtrain.adapters.nf4 import nf4_bytes
 from meshtrain.errors import PlanError, format_shape
+from meshtrain.plan.codec import (
+    NESTED,
+    PLAIN,
+    STRINGS,
+    Codec,
+    from_data,
+    json_field,
+    methods,
+    record,
+    records,
+    to_data,
+)
 from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions, pair_inputs_shared
 from meshtrain.plan.options import PlanOptions
 from meshtrain.spec.mesh import Mesh
@@ -362,6 +376,73 @@ class PipelinePlan:
         return lines
 
 
+def _mesh_data(mesh: Mesh) -> dict[str, Any]:
+    return {
+        "axes": [[name, size] for name, size in mesh.shape.items()],
+        "device_type": mesh.device_type,
+    }
+
+
+def _mesh_from_data(data: dict[str, Any], _: Mapping[str, Any]) -> Mesh:
+    axes = dict(data["axes"])  # [name, size] pairs: JSON keeps their order
+    return Mesh(tuple(axes), tuple(axes.values()), data["device_type"])
+
+
+def _param_data(p: ParamLayout) -> dict[str, Any]:
+    return {
+        "fqn": p.fqn,
+        "shape": list(p.shape),
+        "spec": p.spec.to_json(),
+        "source": p.source,
+        "local_shape": list(p.local_shape),
+        "shard_shape": list(p.shard_shape),
+        "element_bytes": p.element_bytes,
+        "trainable": p.trainable,
+        "storage": p.storage,
+    }
+
+
+def _param_from_data(p: dict[str, Any]) -> ParamLayout:
+    return ParamLayout(
+        fqn=p["fqn"],
+        shape=tuple(p["shape"]),
+        spec=P.from_json(p["spec"]),
+        source=p["source"],
+        local_shape=tuple(p["local_shape"]),
+        shard_shape=tuple(p["shard_shape"]),
+        element_bytes=p["element_bytes"],
+        trainable=p.get("trainable", True),
+        storage=p.get("storage", ""),
+    )
+
+
+def _unit_data(u: FSDPUnit) -> dict[str, Any]:
+    return {"fqn": u.fqn, "params": list(u.params), "decisions": u.decisions.to_json()}
+
+
+_MESH = Codec(_mesh_data, _mesh_from_data)
+_PARAMS = Codec(
+    lambda params: [_param_data(p) for p in params],
+    lambda data, _: tuple(_param_from_data(p) for p in data),
+)
+_UNITS = Codec(
+    lambda units: [_unit_data(u) for u in units],
+    lambda data, decoded: tuple(_unit_from_data(u, decoded["options"]) for u in data),
+)
+_RULES = Codec(
+    lambda rules: [[name, target] for name, target in rules],
+    lambda data, _: tuple(
+        (name, tuple(target) if isinstance(target, list) else target) for name, target in data
+    ),
+)
+_PIPELINE = Codec(
+    lambda pipeline: None if pipeline is None else _pipeline_data(pipeline),
+    lambda data, _: _pipeline_from_data(data),
+)
+_OMITTED_STRINGS = dataclasses.replace(STRINGS, omit_empty=True)
+_OMITTED_NESTED = dataclasses.replace(NESTED, omit_empty=True)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a model trains on a mesh, as plain data; ``mt.plan`` builds it, ``mt.apply`` lowers it.
@@ -384,32 +465,34 @@ class Plan:
     (``batch_buffers="average"``).
     """
 
-    mesh: Mesh
-    options: PlanOptions
-    data_axes: tuple[str, ...]
-    tp_axis: str | None
-    params: tuple[ParamLayout, ...]
-    styles: tuple[ModuleStyle, ...]
-    units: tuple[FSDPUnit, ...]
-    collectives: tuple[Collective, ...]
-    memory: Memory
-    sequence_parallel: bool = False
-    activation_rules: tuple[tuple[str, AxisTarget], ...] = ()
-    pipeline: PipelinePlan | None = None
-    notes: tuple[str, ...] = field(default=())
-    blocks: tuple[str, ...] = ()
-    compile_scope: str | None = None
-    cast_axes: tuple[str, ...] = ()
-    activation_estimates: tuple[tuple[str, int], ...] = ()
-    tied: tuple[tuple[str, ...], ...] = ()
-    batch_norms: tuple[str, ...] = ()
-    partial_grads: tuple[PartialGrad, ...] = ()
-    expert_axis: str | None = None
-    experts: tuple[ExpertGroup, ...] = ()
-    context_axis: str | None = None
-    readers: tuple[ParamReader, ...] = ()
-    fresh_outputs: tuple[str, ...] = ()
-    averaged_buffers: tuple[tuple[str, str], ...] = ()
+    # each field with its JSON codec (meshtrain.plan.codec): to_json and from_json follow
+    mesh: Mesh = json_field(_MESH)
+    options: PlanOptions = json_field(methods(PlanOptions))
+    data_axes: tuple[str, ...] = json_field(STRINGS)
+    tp_axis: str | None = json_field(PLAIN)
+    params: tuple[ParamLayout, ...] = json_field(_PARAMS)
+    styles: tuple[ModuleStyle, ...] = json_field(records(ModuleStyle))
+    units: tuple[FSDPUnit, ...] = json_field(_UNITS)
+    collectives: tuple[Collective, ...] = json_field(records(Collective))
+    memory: Memory = json_field(record(Memory))
+    sequence_parallel: bool = json_field(PLAIN, default=False)
+    activation_rules: tuple[tuple[str, AxisTarget], ...] = json_field(_RULES, default=())
+    pipeline: PipelinePlan | None = json_field(_PIPELINE, default=None)
+    notes: tuple[str, ...] = json_field(STRINGS, default=())
+    blocks: tuple[str, ...] = json_field(STRINGS, default=())
+    compile_scope: str | None = json_field(PLAIN, default=None)
+    cast_axes: tuple[str, ...] = json_field(STRINGS, default=())
+    activation_estimates: tuple[tuple[str, int], ...] = json_field(NESTED, default=())
+    tied: tuple[tuple[str, ...], ...] = json_field(NESTED, default=())
+    batch_norms: tuple[str, ...] = json_field(STRINGS, default=())
+    partial_grads: tuple[PartialGrad, ...] = json_field(records(PartialGrad), default=())
+    expert_axis: str | None = json_field(PLAIN, default=None)
+    experts: tuple[ExpertGroup, ...] = json_field(methods(ExpertGroup, many=True), default=())
+    context_axis: str | None = json_field(PLAIN, default=None)
+    # the abstract run's findings: in the JSON only when there are some
+    readers: tuple[ParamReader, ...] = json_field(records(ParamReader, omit_empty=True), default=())
+    fresh_outputs: tuple[str, ...] = json_field(_OMITTED_STRINGS, default=())
+    averaged_buffers: tuple[tuple[str, str], ...] = json_field(_OMITTED_NESTED, default=())
 
     @property
     def pair_inputs_shared(self) -> bool:
@@ -615,63 +698,14 @@ class Plan:
 
     def to_json(self) -> str:
         """Stable JSON (sorted keys): replayable with :meth:`from_json`."""
-        return json.dumps(_to_data(self), sort_keys=True, indent=1)
+        return json.dumps(to_data(self), sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Inverse of :meth:`to_json` (the mesh comes back as a description: applying the plan
         binds it to the running ranks when their number matches)."""
-        data = json.loads(text)
-        mesh_axes = dict(data["mesh"]["axes"])  # [name, size] pairs: JSON keeps their order
-        options = PlanOptions.from_json(data["options"])
-        return cls(
-            mesh=Mesh(tuple(mesh_axes), tuple(mesh_axes.values()), data["mesh"]["device_type"]),
-            options=options,
-            data_axes=tuple(data["data_axes"]),
-            tp_axis=data["tp_axis"],
-            params=tuple(
-                ParamLayout(
-                    fqn=p["fqn"],
-                    shape=tuple(p["shape"]),
-                    spec=P.from_json(p["spec"]),
-                    source=p["source"],
-                    local_shape=tuple(p["local_shape"]),
-                    shard_shape=tuple(p["shard_shape"]),
-                    element_bytes=p["element_bytes"],
-                    trainable=p.get("trainable", True),
-                    storage=p.get("storage", ""),
-                )
-                for p in data["params"]
-            ),
-            styles=tuple(ModuleStyle(**s) for s in data["styles"]),
-            units=tuple(_unit_from_data(u, options) for u in data["units"]),
-            collectives=tuple(Collective(**c) for c in data["collectives"]),
-            memory=Memory(**data["memory"]),
-            sequence_parallel=data["sequence_parallel"],
-            activation_rules=tuple(
-                (name, tuple(target) if isinstance(target, list) else target)
-                for name, target in data["activation_rules"]
-            ),
-            pipeline=_pipeline_from_data(data["pipeline"]),
-            notes=tuple(data["notes"]),
-            blocks=tuple(data["blocks"]),
-            compile_scope=data["compile_scope"],
-            cast_axes=tuple(data["cast_axes"]),
-            activation_estimates=tuple(
-                (name, value) for name, value in data["activation_estimates"]
-            ),
-            tied=tuple(tuple(group) for group in data.get("tied", ())),
-            batch_norms=tuple(data.get("batch_norms", ())),
-            partial_grads=tuple(PartialGrad(**g) for g in data.get("partial_grads", ())),
-            expert_axis=data.get("expert_axis"),
-            experts=tuple(ExpertGroup.from_json(g) for g in data.get("experts", ())),
-            context_axis=data.get("context_axis"),
-            readers=tuple(ParamReader(**r) for r in data.get("readers", ())),
-            fresh_outputs=tuple(data.get("fresh_outputs", ())),
-            averaged_buffers=tuple(
-                (buffer, writer) for buffer, writer in data.get("averaged_buffers", ())
-            ),
-        )
+        plan: Plan = from_data(cls, json.loads(text))
+        return plan
 
 
 def _param_lines(params: tuple[ParamLayout, ...]) -> list[str]:
@@ -749,67 +783,6 @@ def _pipeline_from_data(data: dict[str, Any] | None) -> PipelinePlan | None:
             "after": tuple(data.get("after", ())),
         }
     )
-
-
-def _to_data(plan: Plan) -> dict[str, Any]:
-    return {
-        "mesh": {
-            "axes": [[name, size] for name, size in plan.mesh.shape.items()],
-            "device_type": plan.mesh.device_type,
-        },
-        "options": plan.options.to_json(),
-        "data_axes": list(plan.data_axes),
-        "tp_axis": plan.tp_axis,
-        "sequence_parallel": plan.sequence_parallel,
-        "activation_rules": [[name, target] for name, target in plan.activation_rules],
-        "params": [
-            {
-                "fqn": p.fqn,
-                "shape": list(p.shape),
-                "spec": p.spec.to_json(),
-                "source": p.source,
-                "local_shape": list(p.local_shape),
-                "shard_shape": list(p.shard_shape),
-                "element_bytes": p.element_bytes,
-                "trainable": p.trainable,
-                "storage": p.storage,
-            }
-            for p in plan.params
-        ],
-        "styles": [vars(s) for s in plan.styles],
-        "units": [
-            {"fqn": u.fqn, "params": list(u.params), "decisions": u.decisions.to_json()}
-            for u in plan.units
-        ],
-        "collectives": [vars(c) for c in plan.collectives],
-        "memory": vars(plan.memory),
-        "pipeline": None if plan.pipeline is None else _pipeline_data(plan.pipeline),
-        "notes": list(plan.notes),
-        "blocks": list(plan.blocks),
-        "compile_scope": plan.compile_scope,
-        "cast_axes": list(plan.cast_axes),
-        "activation_estimates": [[name, value] for name, value in plan.activation_estimates],
-        "tied": [list(group) for group in plan.tied],
-        "batch_norms": list(plan.batch_norms),
-        "partial_grads": [vars(g) for g in plan.partial_grads],
-        "expert_axis": plan.expert_axis,
-        "experts": [group.to_json() for group in plan.experts],
-        "context_axis": plan.context_axis,
-        **_proof_data(plan),
-    }
-
-
-def _proof_data(plan: Plan) -> dict[str, Any]:
-    """The abstract run's findings the lowering acts on, each only when there is one (plans
-    without them keep their JSON)."""
-    data: dict[str, Any] = {}
-    if plan.readers:
-        data["readers"] = [vars(r) for r in plan.readers]
-    if plan.fresh_outputs:
-        data["fresh_outputs"] = list(plan.fresh_outputs)
-    if plan.averaged_buffers:
-        data["averaged_buffers"] = [list(pair) for pair in plan.averaged_buffers]
-    return data
 
 
 def _pipeline_data(pipeline: PipelinePlan) -> dict[str, Any]:

@@ -55,7 +55,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import replace
 
-from meshtrain.plan.inferred import Inferred
+from meshtrain.plan.infer import Inferred
 from meshtrain.plan.ir import Collective
 from meshtrain.plan.memory.activations import ActivationProfile, AttentionCall, BlockActivations
 from meshtrain.plan.options import PlanOptions

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from meshtrain.plan.cost import estimate_collectives, estimate_memory, pipeline_step_scalars
-from meshtrain.plan.inferred import Inferred
+from meshtrain.plan.infer import Inferred
 from meshtrain.plan.ir import Collective, FSDPUnit, Memory, PipelinePlan, StagePlan
 from meshtrain.plan.options import CHECKPOINTING_MODES, PlanOptions
 from meshtrain.plan.tensor.cost import estimate_tp_collectives, partial_grad_collectives
