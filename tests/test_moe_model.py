@@ -244,6 +244,20 @@ def test_router_weights_from_the_scores(score_func: str) -> None:
     )
 
 
+def test_router_counts_the_last_forward_or_every_forward_of_a_step() -> None:
+    router = Router(dim=8, num_experts=4, top_k=2)
+    torch.nn.init.normal_(router.weight)
+    first, second = torch.randn(5, 8), torch.randn(3, 8)
+    router(first)
+    router(second)
+    assert int(router.tokens_per_expert.sum()) == 3 * 2  # the last forward's
+    router.begin_step()
+    router(first)
+    router(second)
+    assert int(router.tokens_per_expert.sum()) == (5 + 3) * 2  # the step's micro-batches
+    assert int(router.pending_tokens.sum()) == (5 + 3 + 5 + 3) * 2
+
+
 def test_router_ties_are_broken_the_same_way_every_time() -> None:
     router = Router(4, 8, 2)
     torch.nn.init.zeros_(router.weight)  # every score equal: all ties

@@ -418,6 +418,13 @@ class MoE(Decoder):
         present = [loss for loss in losses if loss is not None]
         return torch.stack(present).sum() if present else torch.zeros(())
 
+    def begin_step(self) -> None:
+        """What a train loop calls before each step's first forward (meshtrain's train step
+        does): the routers' ``tokens_per_expert`` count the step's whole batch, every
+        micro-batch of it, not only its last forward."""
+        for ffn in moe_layers(self).values():
+            ffn.router.begin_step()
+
     def set_aux_loss_scale(self, scale: float) -> None:
         """The factor on the balance loss's injected gradient beyond ``aux_loss_coef`` (see the
         module docstring: ``1/N`` for ``N`` accumulated micro-batches, a loss scaler's scale)."""

@@ -67,8 +67,10 @@ class Router(_Initialised):
     by ``torch.topk``, which is deterministic for identical inputs on one device type, so every
     rank that routes the same tokens with the same weights picks the same experts.
 
-    Counts of tokens per expert (``tokens_per_expert``: the last forward; ``pending_tokens``: every
-    forward since the last :meth:`update_bias`) are kept for statistics and balancing. They are the
+    Counts of tokens per expert (``tokens_per_expert``: the last forward's, or under
+    :meth:`begin_step` every forward of the step — a train step that accumulates micro-batches
+    counts its whole batch, as one device's one forward does; ``pending_tokens``: every forward
+    since the last :meth:`update_bias`) are kept for statistics and balancing. They are the
     whole batch's: with a ``count_reducer`` (a :data:`CountReducer`, set by the MoE layer's
     ``set_count_reducer``, which lowering installs) each forward sums its counts over the ranks
     that split the batch (one all-reduce of ``experts + 2`` integers, kept with the token and rank
@@ -123,6 +125,14 @@ class Router(_Initialised):
         self.register_buffer("expert_bias", bias)  # in checkpoints: a run resumes its balance
         self.count_reducer = None
         self.last_batch_counts = None
+        self.counting_step = False
+
+    def begin_step(self) -> None:
+        """A train step starts: ``tokens_per_expert`` restarts and sums this step's forwards
+        (its micro-batches) from now on."""
+        self.counting_step = True
+        if not self.tokens_per_expert.is_meta:
+            self.tokens_per_expert.zero_()
 
     def forward(self, hidden: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         logits = F.linear(hidden, self.weight).float()
@@ -141,7 +151,10 @@ class Router(_Initialised):
             return
         summed = batch_counts(top_k_index, self.num_experts, self.count_reducer)
         self.last_batch_counts = summed
-        self.tokens_per_expert.copy_(summed[:-2])
+        if self.counting_step:
+            self.tokens_per_expert.add_(summed[:-2])
+        else:
+            self.tokens_per_expert.copy_(summed[:-2])
         self.pending_tokens.add_(summed[:-2])
 
     @torch.no_grad()

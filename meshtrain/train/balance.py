@@ -43,6 +43,15 @@ def set_aux_scale(model: Any, scale: float) -> None:
             setter(scale)
 
 
+def begin_step(model: Any) -> None:
+    """Call ``begin_step()`` on every root module that has it (meshtrain's MoE: its routers count
+    the step's whole batch, every micro-batch of it)."""
+    for root in _roots(model):
+        hook = getattr(root, "begin_step", None)
+        if callable(hook):
+            hook()
+
+
 def after_optimizer_step(model: Any) -> None:
     """Call ``after_optimizer_step()`` on every root module that has it (no collective: the
     counts meshtrain's MoE moves its biases from were already summed over the token ranks by

@@ -39,7 +39,7 @@ from meshtrain.lower.groups import plan_device
 from meshtrain.lower.pipeline import PipelinedModel
 from meshtrain.lower.tensor.parallel import loss_parallel
 from meshtrain.plan.ir import Plan
-from meshtrain.train.balance import after_optimizer_step, set_aux_scale
+from meshtrain.train.balance import after_optimizer_step, begin_step, set_aux_scale
 from meshtrain.train.batch import Batch
 from meshtrain.train.clip import global_grad_norm, scale_grads_
 from meshtrain.train.loss import (
@@ -197,6 +197,7 @@ def forward_backward(
     scale = loss_scale * backward_factor(plan)
     # an MoE's balance loss: its share on each token rank and micro-batch (train/balance.py)
     set_aux_scale(model, scale / (data_parallel_size(plan) * micro))
+    begin_step(model)  # MoE statistics count the step's whole batch, every micro-batch
     if plan.pipeline is None:
         forwards = _forwards(model, inputs.chunk(micro), positions, micro)
         summed = _accumulate(plan, model, forwards, targets.chunk(micro), loss_fn, tokens, scale)
