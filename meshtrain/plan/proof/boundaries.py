@@ -28,12 +28,14 @@ class Prover(Protocol):
     """What a boundary reads and marks on the abstract rank
     (:class:`~meshtrain.plan.proof.prover.Prover`)."""
 
-    shards: Any  # tensor → its shard (a weak identity dictionary)
     ways: int
     sp: bool
     split_at_block: bool
     whole: tuple[str, ...]
     axis: str
+
+    @property
+    def shards(self) -> Any: ...  # tensor → its shard (a weak identity dictionary)
 
     def shard(
         self, local: torch.Tensor, dim: int, whole: torch.Tensor, outer: int = 1
