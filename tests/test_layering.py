@@ -243,3 +243,15 @@ def test_lowering_reads_the_plans_decisions_and_never_decides_again() -> None:
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) in deciders
     ]
     assert calls == []
+
+
+def test_the_proof_keeps_each_concern_in_a_class_one_can_read_at_once() -> None:
+    """The plan-time proof is split by concern (tracking, checking, modules, effects, the
+    dispatch mode): no class of plan/proof/ over 150 lines."""
+    long = [
+        f"{path.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in sorted((PACKAGE / "plan" / "proof").glob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 150
+    ]
+    assert long == []

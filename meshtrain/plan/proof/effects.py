@@ -42,13 +42,19 @@ _aten = torch.ops.aten
 ATTENTION_CALLS = frozenset({torch.nn.functional.scaled_dot_product_attention})
 
 
+#: why a pair parent's input is one replicated DTensor under sequence parallelism, and the fix
+_WHY_SEQUENCE_PARALLEL = (
+    "sequence parallelism gathers into one replicated activation",
+    "or drop the ('seq', ...) activation rule",
+)
+
+
 @dataclass
 class Effects:
     """State the abstract run keeps about the forward's effects (see module doc)."""
 
-    owners: WeakIdKeyDictionary = field(
-        default_factory=WeakIdKeyDictionary
-    )  # param → (fqn, owners)
+    # param → (fqn, owners)
+    owners: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)
     sharded: set[str] = field(default_factory=set)  # parameters sharded over the tp axis
     buffers: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # tensor → fqn
     batch: WeakIdKeyDictionary = field(default_factory=WeakIdKeyDictionary)  # batch-derived
@@ -61,10 +67,7 @@ class Effects:
     context: bool = False
     units: frozenset[str] = frozenset()  # FSDP units resharded after forward
     sequence_parallel: bool = False  # pair parents' inputs become one replicated DTensor
-    why_dtensor: tuple[str, str] = (
-        "sequence parallelism gathers into one replicated activation",
-        "or drop the ('seq', ...) activation rule",
-    )
+    why_dtensor: tuple[str, str] = _WHY_SEQUENCE_PARALLEL
     prepared: Callable[[str], bool] = lambda fqn: False
 
     def on_op(
