@@ -47,7 +47,9 @@ def _reference_step(
     """The plain loop's step on the whole batch, accumulated over its micro-batches: each one's
     summed cross-entropy over the step's tokens plus COEF times the mean over micro-batches of
     each MoE layer's balance loss as transformers computes it from the router logits; the mean
-    loss, the gradients and the last micro-batch's balance loss."""
+    loss, the gradients and the step's whole-batch balance loss. It tells the model a step starts,
+    as a train loop does, so the routers count the step's whole batch."""
+    model.begin_step()
     logits_of: list[torch.Tensor] = []
     hooks = [
         module.register_forward_hook(
@@ -58,7 +60,7 @@ def _reference_step(
     ]
     tokens = sum(targets.numel() for _, targets in micro)
     experts, top_k = model.config.n_experts, model.config.top_k
-    total = 0.0
+    total, every = 0.0, []
     for inputs, targets in micro:
         logits_of.clear()
         logits = model(inputs)
@@ -66,9 +68,13 @@ def _reference_step(
         aux = sum(load_balancing_loss_func((layer,), experts, top_k) for layer in logits_of)
         (loss + COEF * aux / len(micro) if balance == "aux_loss" else loss).backward()
         total += float(loss.detach())
+        every.append(list(logits_of))
     for hook in hooks:
         hook.remove()
     grads = {fqn: p.grad.clone() for fqn, p in model.named_parameters() if p.grad is not None}
+    # the step's whole batch: each layer's router logits of every micro-batch together
+    whole = [torch.cat(layer) for layer in zip(*every)]
+    aux = sum(load_balancing_loss_func((layer,), experts, top_k) for layer in whole)
     return total, {**grads, "aux": torch.as_tensor(float(aux.detach()))}
 
 

@@ -348,7 +348,9 @@ class MoEFeedForward(nn.Module):
         self.last_aux_loss = aux
         if not recomputing():
             with torch.no_grad():
-                self.last_prob_sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
+                sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
+                earlier = self.last_prob_sums if self.router.counting_step else None
+                self.last_prob_sums = sums if earlier is None else earlier + sums
         weight = self.aux_loss_coef * self.aux_loss_scale
         if train_aux and aux.requires_grad and weight:
             out = _AuxLossGrad.apply(out, aux, weight)
@@ -424,6 +426,7 @@ class MoE(Decoder):
         micro-batch of it, not only its last forward."""
         for ffn in moe_layers(self).values():
             ffn.router.begin_step()
+            ffn.last_prob_sums = None
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """The factor on the balance loss's injected gradient beyond ``aux_loss_coef`` (see the
@@ -544,7 +547,8 @@ def moe_layers(model: nn.Module) -> dict[str, MoEFeedForward]:
 
 
 def moe_stats(model: nn.Module) -> dict[str, Any]:
-    """Router statistics of the last forward over the whole batch, for metrics: per MoE layer the
+    """Router statistics of the last forward over the whole batch (of the step's forwards, every
+    micro-batch, after ``begin_step``: what a train step reports), for metrics: per MoE layer the
     tokens per expert (``moe/tokens_per_expert/<layer>``, a list) and the max/mean load ratio
     (``moe/load_ratio/<layer>``, 1.0 when balanced); overall the worst ratio
     (``moe/load_ratio``) and the balance loss summed over layers (``moe/balance_loss``, the
