@@ -10,7 +10,7 @@ Example (inside :func:`~meshtrain.plan.proof.run.prove`)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -20,20 +20,36 @@ from meshtrain.plan.experts.axis import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, TPStyle
 from meshtrain.plan.proof.boundaries import (
     LEAF_STYLES,
+    Prover,
     Refused,
     boundary_in,
     boundary_out,
     whole_forward,
 )
-from meshtrain.plan.proof.effects import buffer_owners, parameter_owners
+from meshtrain.plan.proof.effects import Effects, buffer_owners, parameter_owners
 from meshtrain.plan.proof.experts import dense_forward
+from meshtrain.plan.proof.tracking import Tracker
 from meshtrain.spec.partition import entry_axes
 
-if TYPE_CHECKING:
-    from meshtrain.plan.proof.prover import Prover
+
+class Rank(Prover, Protocol):
+    """What the module side reads and writes on the abstract rank
+    (:class:`~meshtrain.plan.proof.prover.Prover`), beside what the boundaries read."""
+
+    model: nn.Module
+    layouts: dict[str, ParamLayout]
+    styles: dict[str, ModuleStyle]
+    effects: Effects
+    tracker: Tracker
+    stack: list[str]
+    quiet: int
+    first_input: dict[str, int | None]
+    copies: dict[str, str]
+    kept_shard: set[str]
+    whole_params: dict[str, dict[str, torch.Tensor]]
 
 
-def fake_state(rank: Prover) -> dict[str, torch.Tensor]:
+def fake_state(rank: Rank) -> dict[str, torch.Tensor]:
     """Parameters at their tensor-parallel local shapes, buffers whole (created under the
     caller's fake mode); replicated trainable ones remembered by identity; one device's
     parameters of each styled leaf kept for its boundary."""
@@ -77,7 +93,7 @@ class ModuleWatch:
     """Hooks on every module of the abstract rank's model: the module stack, each style's
     boundary in and out, the first input's shard, and look-alike blocks passed through."""
 
-    def __init__(self, rank: Prover) -> None:
+    def __init__(self, rank: Rank) -> None:
         self.rank = rank
         self._patched: list[nn.Module] = []
         self._buffers_before: list[dict[str, torch.Tensor]] = []
