@@ -437,6 +437,37 @@ _ALL = [
         r"layers\.2\.",
     ),
     Mutant(
+        "fp16-backward-from-scale-times-ranks",
+        "each rank's fp16 backward starts from the loss scale times the data-parallel ranks",
+        plants.fp16_backward_from_scale_times_ranks,
+        (
+            "tests/test_low_precision_contract_spmd.py::"
+            "test_fp16_under_a_data_parallel_mean_overflows_where_one_device_does",
+        ),
+        HarnessCase(
+            precision_cases.FAMILIES["gemma2"].build,
+            {"dp": 4},
+            {"rules": precision_cases.REPLICATED, "precision": "fp16", "zero": 2},
+            {"batches": precision_cases.FAMILIES["gemma2"].batches, "optimizer": "sgd", "seed": 1},
+        ),
+    ),
+    Mutant(
+        "moe-counts-last-micro-batch",
+        "meshtrain's MoE routers count the last micro-batch of a step only",
+        plants.moe_counts_last_micro_batch,
+        (
+            "tests/test_expert_parallel_spmd.py::"
+            "test_meshtrain_moe_counts_the_whole_step_under_a_pipeline_of_micro_batches",
+        ),
+        HarnessCase(
+            precision_cases.FAMILIES["meshtrain-moe"].build,
+            {"pp": 2, "dp": 2},
+            {"rules": precision_cases.REPLICATED, "pipeline": Pipeline(microbatches=2)},
+            {"batches": precision_cases.FAMILIES["meshtrain-moe"].batches, "seed": 1},
+        ),
+        r"tokens_per_expert",
+    ),
+    Mutant(
         "stub-forgets-the-removed-module",
         "a later pipeline stage's stub cannot answer for the module it replaced",
         plants.stub_forgets_the_removed_module,

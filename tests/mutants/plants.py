@@ -180,6 +180,42 @@ def local_token_count() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def fp16_backward_from_scale_times_ranks() -> Iterator[None]:
+    """Under the data-parallel mean each rank's fp16 backward starts from the loss scale times
+    the ranks and is unscaled by the scale alone (the code before the fix): the same gradients
+    when nothing overflows, but a plan overflows ranks× sooner than one device."""
+    step = importlib.import_module("meshtrain.train.step")
+    scaler = importlib.import_module("meshtrain.train.scaler")
+    forward_backward, unscale = step.forward_backward, scaler.LossScaler.unscale_
+
+    def scaled_up(plan: Any, model: Any, batch: Any, loss_fn: Any, *, loss_scale: float) -> Any:
+        factor = step.backward_factor(plan) if loss_scale != 1.0 else 1.0
+        return forward_backward(plan, model, batch, loss_fn, loss_scale=loss_scale * factor)
+
+    def by_the_scale(self: Any, parameters: Any, scale: float | None = None) -> bool:
+        return unscale(self, parameters)
+
+    with (
+        mock.patch.object(step, "forward_backward", scaled_up),
+        mock.patch.object(scaler.LossScaler, "unscale_", by_the_scale),
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def moe_counts_last_micro_batch() -> Iterator[None]:
+    """meshtrain's MoE routers keep only the last forward's counts even inside a train step:
+    statistics of the last micro-batch under accumulation or a pipeline."""
+    moe_experts = importlib.import_module("meshtrain.models.moe_experts")
+
+    def no_step(self: Any) -> None:
+        self.counting_step = False
+
+    with mock.patch.object(moe_experts.Router, "begin_step", no_step):
+        yield
+
+
+@contextlib.contextmanager
 def accumulation_mean_per_microbatch() -> Iterator[None]:
     """Each accumulated micro-batch's loss is its own mean: the step's gradient is
     ``microbatches`` times too large."""
