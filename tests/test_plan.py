@@ -425,18 +425,22 @@ def test_sequence_parallel_embedding_inputs_are_checked_on_forward() -> None:
         _check_sequence("tok", "tp", 2, embedding, (torch.zeros(2, 5, dtype=torch.long),))
 
 
-def test_a_new_plan_field_is_one_declaration_its_json_follows() -> None:
-    """A field declared with its JSON codec (meshtrain/plan/codec.py) is written by ``to_json``
-    and read by ``from_json`` with no other edit; a plan written before it existed reads back
-    with the field's default."""
+def test_a_new_plan_field_is_one_declaration_its_json_and_report_follow() -> None:
+    """A field declared with its JSON codec and report section (meshtrain/plan/codec.py) is
+    written by ``to_json``, read by ``from_json`` and shown by ``explain`` in its section's place
+    with no other edit; a plan written before it existed reads back with the field's default."""
     import dataclasses
     import json
 
-    from meshtrain.plan.codec import STRINGS, json_field
+    from meshtrain.plan.codec import STRINGS, Section, json_field
+
+    hosts_section = Section(
+        6.5, lambda plan: [f"hosts: {', '.join(plan.hosts)}"] if plan.hosts else []
+    )
 
     @dataclasses.dataclass(frozen=True)
     class Wider(Plan):
-        hosts: tuple[str, ...] = json_field(STRINGS, default=())
+        hosts: tuple[str, ...] = json_field(STRINGS, explain=hosts_section, default=())
 
     plan = mt.plan(MODEL, mesh(dp=2, tp=2), default_rules())
     fields = {field.name: getattr(plan, field.name) for field in dataclasses.fields(Plan)}
@@ -445,3 +449,20 @@ def test_a_new_plan_field_is_one_declaration_its_json_follows() -> None:
     assert json.loads(text)["hosts"] == ["node-a", "node-b"]
     assert Wider.from_json(text) == wider
     assert Wider.from_json(plan.to_json()) == Wider(**fields)
+    report = wider.explain()
+    assert "\n\nhosts: node-a, node-b\n" in report  # a section of its own
+    # after the collectives (order 6), before what follows them; nothing else moved
+    assert report.index("collectives per step") < report.index("hosts:")
+    assert report.replace("\n\nhosts: node-a, node-b", "") == plan.explain()
+    assert Wider(**fields).explain() == plan.explain()  # an empty section prints nothing
+
+
+def test_every_plan_field_names_the_report_section_that_shows_it() -> None:
+    """``explain()`` is built from the fields' declarations: each names its section; only the
+    user's own logical-axis rules are left out of the report, on purpose."""
+    import dataclasses
+
+    from meshtrain.plan.codec import EXPLAIN, UNSHOWN
+
+    unshown = [f.name for f in dataclasses.fields(Plan) if f.metadata[EXPLAIN] is UNSHOWN]
+    assert unshown == ["activation_rules"]

@@ -1,16 +1,20 @@
-"""How each field of a plan's data is written to JSON and read back, declared with the field:
-``json_field(codec, ...)`` puts the codec in the dataclass field's metadata, and
-:func:`to_data` / :func:`from_data` walk the fields. A new ``Plan`` field is one line with its
-codec; its JSON and ``Plan.from_json`` follow.
+"""How each field of a plan's data is written to JSON, read back and shown in the report,
+declared with the field: ``json_field(codec, explain=section, ...)`` puts the codec and the
+report section in the dataclass field's metadata, and :func:`to_data`, :func:`from_data` and
+:func:`report` walk the fields. A new ``Plan`` field is one line with its codec and section; its
+JSON, ``Plan.from_json`` and its place in ``Plan.explain()`` follow.
 
 Example:
     >>> from dataclasses import dataclass
+    >>> AXES = Section(0, lambda tiny: [f"axes {list(tiny.axes)} of size {tiny.size}"])
     >>> @dataclass(frozen=True)
     ... class Tiny:
-    ...     axes: tuple[str, ...] = json_field(STRINGS, default=())
-    ...     size: int = json_field(PLAIN, default=1)
+    ...     axes: tuple[str, ...] = json_field(STRINGS, explain=AXES, default=())
+    ...     size: int = json_field(PLAIN, explain=AXES, default=1)
     >>> to_data(Tiny(("dp", "tp"), 4)), from_data(Tiny, {"axes": ["dp"]})
     ({'axes': ['dp', 'tp'], 'size': 4}, Tiny(axes=('dp',), size=1))
+    >>> print(report(Tiny(("dp",), 2)), end="")
+    axes ['dp'] of size 2
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-#: the metadata key a field's codec is kept under
+#: the metadata keys a field's codec and report section are kept under
 CODEC = "json"
+EXPLAIN = "explain"
 
 
 @dataclass(frozen=True)
@@ -35,9 +40,24 @@ class Codec:
     omit_empty: bool = False
 
 
-def json_field(codec: Codec, **kwargs: Any) -> Any:
-    """A dataclass field written and read by ``codec`` (``kwargs``: ``default``, ...)."""
-    return dataclasses.field(metadata={CODEC: codec}, **kwargs)
+@dataclass(frozen=True, eq=False)
+class Section:
+    """One part of a value's report: ``render(value)`` → its lines (none when it has nothing to
+    say). Sections print in ``order``, a blank line between; the fields a section shows each
+    name it, so one section may stand for several fields."""
+
+    order: float
+    render: Callable[[Any], list[str]]
+
+
+#: the section of a field the report leaves out on purpose (say why beside the field)
+UNSHOWN = Section(-1, lambda _: [])
+
+
+def json_field(codec: Codec, *, explain: Section, **kwargs: Any) -> Any:
+    """A dataclass field written and read by ``codec`` and shown by the report section
+    ``explain`` (``kwargs``: ``default``, ...)."""
+    return dataclasses.field(metadata={CODEC: codec, EXPLAIN: explain}, **kwargs)
 
 
 def records(cls: type, omit_empty: bool = False) -> Codec:
@@ -91,3 +111,15 @@ def from_data(cls: type, data: Mapping[str, Any]) -> Any:
         if field.name in data:
             decoded[field.name] = field.metadata[CODEC].decode(data[field.name], decoded)
     return cls(**decoded)
+
+
+def sections(cls: Any) -> list[Section]:
+    """The report sections the fields of ``cls`` name, each once, in order."""
+    unique = {id(f.metadata[EXPLAIN]): f.metadata[EXPLAIN] for f in dataclasses.fields(cls)}
+    return sorted(unique.values(), key=lambda section: section.order)
+
+
+def report(value: Any) -> str:
+    """Every section of ``value``'s fields that has something to say, a blank line between."""
+    parts = [section.render(value) for section in sections(value)]
+    return "\n\n".join("\n".join(lines) for lines in parts if lines) + "\n"

@@ -27,12 +27,15 @@ from meshtrain.plan.codec import (
     NESTED,
     PLAIN,
     STRINGS,
+    UNSHOWN,
     Codec,
+    Section,
     from_data,
     json_field,
     methods,
     record,
     records,
+    report,
     to_data,
 )
 from meshtrain.plan.decisions import FSDPDecisions, fsdp_decisions, pair_inputs_shared
@@ -443,6 +446,223 @@ _OMITTED_STRINGS = dataclasses.replace(STRINGS, omit_empty=True)
 _OMITTED_NESTED = dataclasses.replace(NESTED, omit_empty=True)
 
 
+# The report's sections (``Plan.explain()``): each field below names the one that shows it.
+
+
+def _header(plan: Plan) -> list[str]:
+    options = plan.options
+    return [
+        f"plan on mesh {plan.mesh}: data axes {list(plan.data_axes)}, tensor-parallel axis "
+        f"{plan.tp_axis!r}{' with sequence parallelism' if plan.sequence_parallel else ''}, "
+        f"zero={options.zero}, precision={options.precision}, "
+        f"offload={options.offload}, offload_optimizer={options.offload_optimizer}, "
+        "data-parallel gradients "
+        f"{'summed' if options.grad_reduction == 'sum' else 'averaged'}"
+    ]
+
+
+def _params(plan: Plan) -> list[str]:
+    return [
+        "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
+        *_param_lines(plan.params),
+    ]
+
+
+def _styles(plan: Plan) -> list[str]:
+    return ["tensor-parallel styles:"] + (
+        [
+            f"  {s.fqn}: {s.style} over '{s.axis}' ({s.module_type}){' — ' + s.note if s.note else ''}"
+            for s in plan.styles
+        ]
+        or ["  none"]
+    )
+
+
+def _units(plan: Plan) -> list[str]:
+    units = [f"  {u.fqn or '<root>'}: {len(u.params)} parameters" for u in plan.units]
+    return [
+        "FSDP units (fully_shard order, root last):",
+        *(units or ["  none"]),
+        *_decision_lines(plan.units),
+    ]
+
+
+def _compute(plan: Plan) -> list[str]:
+    options = plan.options
+    mode = options.activation_checkpointing
+    lines = ["compute:"]
+    if mode == "none":
+        lines.append("  activation checkpointing: none")
+    else:
+        every = f", every {options.checkpoint_every}" if options.checkpoint_every > 1 else ""
+        lines.append(
+            f"  activation checkpointing: {mode} on {len(plan.checkpointed)} of "
+            f"{len(plan.blocks)} blocks{every}"
+            + (" (keeps matmul and attention outputs)" if mode == "selective" else "")
+        )
+    if plan.activation_estimates:
+        shown = ", ".join(f"{name} {value:,} B" for name, value in plan.activation_estimates)
+        lines.append(f"  activations per rank per micro-batch by mode: {shown}")
+    lines.append(_compile_line(plan))
+    lines.append(_precision_line(plan))
+    return lines
+
+
+def _compile_line(plan: Plan) -> str:
+    if plan.compile_scope is None:
+        return "  torch.compile: off"
+    what = (
+        f"each of {len(plan.blocks)} blocks and the loss"
+        if plan.compile_scope == "block"
+        else "the whole model (each pipeline stage) and the loss"
+    )
+    return (
+        f"  torch.compile: {what}, backend {plan.options.compile_backend!r}, "
+        f"fullgraph={plan.options.compile_fullgraph}; order: tensor parallel → checkpointing "
+        "→ compile → FSDP2"
+    )
+
+
+def _precision_line(plan: Plan) -> str:
+    options = plan.options
+    if options.precision == "fp32":
+        return "  precision: fp32 throughout"
+    carrier = f" (FSDP2 over size-1 axes {list(plan.cast_axes)})" if plan.cast_axes else ""
+    scaling = "; fp16 needs dynamic loss scaling (mt.train.LossScaler)"
+    return (
+        f"  precision: parameters cast to {options.param_dtype} per unit for compute, fp32 "
+        f"master weights and optimizer, gradients reduced in {options.reduce_dtype}"
+        f"{carrier}{scaling if options.precision == 'fp16' else ''}"
+    )
+
+
+def _memory(plan: Plan) -> list[str]:
+    m = plan.memory
+    return [
+        f"memory per rank at rest: params {m.params:,} B, grads {m.grads:,} B, optimizer "
+        f"states {m.optimizer_states:,} B, buffers {m.buffers:,} B",
+        f"  during a step: gathered params {m.gathered_params:,} B, unsharded grads "
+        f"{m.unsharded_grads:,} B, activations {m.activations:,} B; peak total {m.total:,} B",
+    ]
+
+
+def _collectives(plan: Plan) -> list[str]:
+    rows = [
+        f"  {c.kind:<14} {c.axis:<8} {c.count:>4} × {c.bytes:>12,} B  {c.why}"
+        for c in plan.collectives
+    ]
+    return ["collectives per step (kind, axis, count, payload bytes):", *(rows or ["  none"])]
+
+
+def _pipeline(plan: Plan) -> list[str]:
+    return [] if plan.pipeline is None else plan.pipeline.explain_lines()
+
+
+def _batch_norms(plan: Plan) -> list[str]:
+    if not plan.batch_norms:
+        return []
+    where = "over every data-parallel rank" if plan.data_axes else "on this rank"
+    return [f"BatchNorm statistics over the global batch ({where}): " + ", ".join(plan.batch_norms)]
+
+
+def _partial_grads(plan: Plan) -> list[str]:
+    if not plan.partial_grads:
+        return []
+    return [
+        "partial gradients all-reduced over the tensor-parallel axis (replicated "
+        "parameters computing on its shards; module, input dim sharded):",
+        *(
+            f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
+            for g in plan.partial_grads
+        ),
+    ]
+
+
+def _readers(plan: Plan) -> list[str]:
+    if not plan.readers:
+        return []
+    return [
+        "replicated parameters read outside their module (the reader computes "
+        "on their local tensors):",
+        *(f"  {r.param}: read by '{r.reader or '<root>'}'" for r in plan.readers),
+    ]
+
+
+def _fresh_outputs(plan: Plan) -> list[str]:
+    if not plan.fresh_outputs:
+        return []
+    return [
+        "outputs updated in place by the forward (handed out as fresh tensors): "
+        + ", ".join(plan.fresh_outputs)
+    ]
+
+
+def _averaged_buffers(plan: Plan) -> list[str]:
+    if not plan.averaged_buffers:
+        return []
+    return [
+        f"buffers written from the batch, averaged over {list(plan.token_axes)} "
+        "after the forward of the module writing each:",
+        *(f"  {buffer}: after '{writer or '<root>'}'" for buffer, writer in plan.averaged_buffers),
+    ]
+
+
+def _experts(plan: Plan) -> list[str]:
+    if not plan.experts:
+        return []
+    return [
+        f"expert parallelism over '{plan.expert_axis}' (tokens dispatched to "
+        "their expert's rank by all-to-all, dropless; the batch split over "
+        f"{list(plan.batch_axes)}):",
+        *(f"  {group.describe()}" for group in plan.experts),
+    ]
+
+
+def _context(plan: Plan) -> list[str]:
+    if plan.context_axis is None:
+        return []
+    options = plan.options
+    return [
+        f"context parallelism over '{plan.context_axis}' "
+        f"({plan.mesh.size(plan.context_axis)} ranks per sequence, balance "
+        f"{options.context_balance!r}, attention by {options.context_method!r}): "
+        "parameters replicated over it, gradients and loss tokens reduced over "
+        f"{list(plan.token_axes)}"
+    ]
+
+
+def _tied(plan: Plan) -> list[str]:
+    if not plan.tied:
+        return []
+    return [
+        "tied parameters (one tensor, one gradient, one optimizer state):",
+        *(f"  {' = '.join(group)}" for group in plan.tied),
+    ]
+
+
+def _notes(plan: Plan) -> list[str]:
+    return ["notes:", *(f"  - {note}" for note in plan.notes)] if plan.notes else []
+
+
+HEADER = Section(0, _header)
+PARAMS = Section(1, _params)
+STYLES = Section(2, _styles)
+UNITS = Section(3, _units)
+COMPUTE = Section(4, _compute)
+MEMORY = Section(5, _memory)
+COLLECTIVES = Section(6, _collectives)
+PIPELINE = Section(7, _pipeline)
+BATCH_NORMS = Section(8, _batch_norms)
+PARTIAL_GRADS = Section(9, _partial_grads)
+READERS = Section(10, _readers)
+FRESH_OUTPUTS = Section(11, _fresh_outputs)
+AVERAGED_BUFFERS = Section(12, _averaged_buffers)
+EXPERTS = Section(13, _experts)
+CONTEXT = Section(14, _context)
+TIED = Section(15, _tied)
+NOTES = Section(16, _notes)
+
+
 @dataclass(frozen=True)
 class Plan:
     """How a model trains on a mesh, as plain data; ``mt.plan`` builds it, ``mt.apply`` lowers it.
@@ -465,34 +685,48 @@ class Plan:
     (``batch_buffers="average"``).
     """
 
-    # each field with its JSON codec (meshtrain.plan.codec): to_json and from_json follow
-    mesh: Mesh = json_field(_MESH)
-    options: PlanOptions = json_field(methods(PlanOptions))
-    data_axes: tuple[str, ...] = json_field(STRINGS)
-    tp_axis: str | None = json_field(PLAIN)
-    params: tuple[ParamLayout, ...] = json_field(_PARAMS)
-    styles: tuple[ModuleStyle, ...] = json_field(records(ModuleStyle))
-    units: tuple[FSDPUnit, ...] = json_field(_UNITS)
-    collectives: tuple[Collective, ...] = json_field(records(Collective))
-    memory: Memory = json_field(record(Memory))
-    sequence_parallel: bool = json_field(PLAIN, default=False)
-    activation_rules: tuple[tuple[str, AxisTarget], ...] = json_field(_RULES, default=())
-    pipeline: PipelinePlan | None = json_field(_PIPELINE, default=None)
-    notes: tuple[str, ...] = json_field(STRINGS, default=())
-    blocks: tuple[str, ...] = json_field(STRINGS, default=())
-    compile_scope: str | None = json_field(PLAIN, default=None)
-    cast_axes: tuple[str, ...] = json_field(STRINGS, default=())
-    activation_estimates: tuple[tuple[str, int], ...] = json_field(NESTED, default=())
-    tied: tuple[tuple[str, ...], ...] = json_field(NESTED, default=())
-    batch_norms: tuple[str, ...] = json_field(STRINGS, default=())
-    partial_grads: tuple[PartialGrad, ...] = json_field(records(PartialGrad), default=())
-    expert_axis: str | None = json_field(PLAIN, default=None)
-    experts: tuple[ExpertGroup, ...] = json_field(methods(ExpertGroup, many=True), default=())
-    context_axis: str | None = json_field(PLAIN, default=None)
+    # each field with its JSON codec and report section (meshtrain.plan.codec): to_json,
+    # from_json and explain follow
+    mesh: Mesh = json_field(_MESH, explain=HEADER)
+    options: PlanOptions = json_field(methods(PlanOptions), explain=HEADER)
+    data_axes: tuple[str, ...] = json_field(STRINGS, explain=HEADER)
+    tp_axis: str | None = json_field(PLAIN, explain=HEADER)
+    params: tuple[ParamLayout, ...] = json_field(_PARAMS, explain=PARAMS)
+    styles: tuple[ModuleStyle, ...] = json_field(records(ModuleStyle), explain=STYLES)
+    units: tuple[FSDPUnit, ...] = json_field(_UNITS, explain=UNITS)
+    collectives: tuple[Collective, ...] = json_field(records(Collective), explain=COLLECTIVES)
+    memory: Memory = json_field(record(Memory), explain=MEMORY)
+    sequence_parallel: bool = json_field(PLAIN, explain=HEADER, default=False)
+    # the logical-axis rules are the user's own input (their spec), not something planned
+    activation_rules: tuple[tuple[str, AxisTarget], ...] = json_field(
+        _RULES, explain=UNSHOWN, default=()
+    )
+    pipeline: PipelinePlan | None = json_field(_PIPELINE, explain=PIPELINE, default=None)
+    notes: tuple[str, ...] = json_field(STRINGS, explain=NOTES, default=())
+    blocks: tuple[str, ...] = json_field(STRINGS, explain=COMPUTE, default=())
+    compile_scope: str | None = json_field(PLAIN, explain=COMPUTE, default=None)
+    cast_axes: tuple[str, ...] = json_field(STRINGS, explain=COMPUTE, default=())
+    activation_estimates: tuple[tuple[str, int], ...] = json_field(
+        NESTED, explain=COMPUTE, default=()
+    )
+    tied: tuple[tuple[str, ...], ...] = json_field(NESTED, explain=TIED, default=())
+    batch_norms: tuple[str, ...] = json_field(STRINGS, explain=BATCH_NORMS, default=())
+    partial_grads: tuple[PartialGrad, ...] = json_field(
+        records(PartialGrad), explain=PARTIAL_GRADS, default=()
+    )
+    expert_axis: str | None = json_field(PLAIN, explain=EXPERTS, default=None)
+    experts: tuple[ExpertGroup, ...] = json_field(
+        methods(ExpertGroup, many=True), explain=EXPERTS, default=()
+    )
+    context_axis: str | None = json_field(PLAIN, explain=CONTEXT, default=None)
     # the abstract run's findings: in the JSON only when there are some
-    readers: tuple[ParamReader, ...] = json_field(records(ParamReader, omit_empty=True), default=())
-    fresh_outputs: tuple[str, ...] = json_field(_OMITTED_STRINGS, default=())
-    averaged_buffers: tuple[tuple[str, str], ...] = json_field(_OMITTED_NESTED, default=())
+    readers: tuple[ParamReader, ...] = json_field(
+        records(ParamReader, omit_empty=True), explain=READERS, default=()
+    )
+    fresh_outputs: tuple[str, ...] = json_field(_OMITTED_STRINGS, explain=FRESH_OUTPUTS, default=())
+    averaged_buffers: tuple[tuple[str, str], ...] = json_field(
+        _OMITTED_NESTED, explain=AVERAGED_BUFFERS, default=()
+    )
 
     @property
     def pair_inputs_shared(self) -> bool:
@@ -545,156 +779,9 @@ class Plan:
         return self.options.checkpointed_blocks(self.blocks)
 
     def explain(self) -> str:
-        """A human-readable report: parameters, styles, units, memory, collectives, notes."""
-        lines = [
-            f"plan on mesh {self.mesh}: data axes {list(self.data_axes)}, tensor-parallel axis "
-            f"{self.tp_axis!r}{' with sequence parallelism' if self.sequence_parallel else ''}, "
-            f"zero={self.options.zero}, precision={self.options.precision}, "
-            f"offload={self.options.offload}, offload_optimizer={self.options.offload_optimizer}, "
-            "data-parallel gradients "
-            f"{'summed' if self.options.grad_reduction == 'sum' else 'averaged'}",
-            "",
-            "parameters (fqn, global shape, spec, local shape, data-parallel shard, bytes/rank at rest):",
-        ]
-        lines += _param_lines(self.params)
-        lines += ["", "tensor-parallel styles:"]
-        lines += [
-            f"  {s.fqn}: {s.style} over '{s.axis}' ({s.module_type}){' — ' + s.note if s.note else ''}"
-            for s in self.styles
-        ] or ["  none"]
-        lines += ["", "FSDP units (fully_shard order, root last):"]
-        lines += [f"  {u.fqn or '<root>'}: {len(u.params)} parameters" for u in self.units] or [
-            "  none"
-        ]
-        lines += _decision_lines(self.units)
-        m = self.memory
-        lines += ["", *self._compute_lines()]
-        lines += [
-            "",
-            f"memory per rank at rest: params {m.params:,} B, grads {m.grads:,} B, optimizer "
-            f"states {m.optimizer_states:,} B, buffers {m.buffers:,} B",
-            f"  during a step: gathered params {m.gathered_params:,} B, unsharded grads "
-            f"{m.unsharded_grads:,} B, activations {m.activations:,} B; peak total {m.total:,} B",
-            "",
-            "collectives per step (kind, axis, count, payload bytes):",
-        ]
-        lines += [
-            f"  {c.kind:<14} {c.axis:<8} {c.count:>4} × {c.bytes:>12,} B  {c.why}"
-            for c in self.collectives
-        ] or ["  none"]
-        if self.pipeline is not None:
-            lines += ["", *self.pipeline.explain_lines()]
-        if self.batch_norms:
-            where = "over every data-parallel rank" if self.data_axes else "on this rank"
-            lines += [
-                "",
-                f"BatchNorm statistics over the global batch ({where}): "
-                + ", ".join(self.batch_norms),
-            ]
-        if self.partial_grads:
-            lines += [
-                "",
-                "partial gradients all-reduced over the tensor-parallel axis (replicated "
-                "parameters computing on its shards; module, input dim sharded):",
-            ]
-            lines += [
-                f"  {g.param}: over '{g.axis}' ({g.module}, dim {g.dim}, at {g.op})"
-                for g in self.partial_grads
-            ]
-        lines += self._proof_lines()
-        if self.experts:
-            lines += [
-                "",
-                f"expert parallelism over '{self.expert_axis}' (tokens dispatched to "
-                "their expert's rank by all-to-all, dropless; the batch split over "
-                f"{list(self.batch_axes)}):",
-            ]
-            lines += [f"  {group.describe()}" for group in self.experts]
-        if self.context_axis is not None:
-            options = self.options
-            lines += [
-                "",
-                f"context parallelism over '{self.context_axis}' "
-                f"({self.mesh.size(self.context_axis)} ranks per sequence, balance "
-                f"{options.context_balance!r}, attention by {options.context_method!r}): "
-                "parameters replicated over it, gradients and loss tokens reduced over "
-                f"{list(self.token_axes)}",
-            ]
-        if self.tied:
-            lines += ["", "tied parameters (one tensor, one gradient, one optimizer state):"]
-            lines += [f"  {' = '.join(group)}" for group in self.tied]
-        if self.notes:
-            lines += ["", "notes:"] + [f"  - {note}" for note in self.notes]
-        return "\n".join(lines) + "\n"
-
-    def _proof_lines(self) -> list[str]:
-        """What the abstract run found that the lowering acts on (beside partial gradients)."""
-        lines = []
-        if self.readers:
-            lines += [
-                "",
-                "replicated parameters read outside their module (the reader computes "
-                "on their local tensors):",
-            ]
-            lines += [f"  {r.param}: read by '{r.reader or '<root>'}'" for r in self.readers]
-        if self.fresh_outputs:
-            lines += [
-                "",
-                "outputs updated in place by the forward (handed out as fresh tensors): "
-                + ", ".join(self.fresh_outputs),
-            ]
-        if self.averaged_buffers:
-            lines += [
-                "",
-                f"buffers written from the batch, averaged over {list(self.token_axes)} "
-                "after the forward of the module writing each:",
-            ]
-            lines += [
-                f"  {buffer}: after '{writer or '<root>'}'"
-                for buffer, writer in self.averaged_buffers
-            ]
-        return lines
-
-    def _compute_lines(self) -> list[str]:
-        options = self.options
-        mode = options.activation_checkpointing
-        lines = ["compute:"]
-        if mode == "none":
-            lines.append("  activation checkpointing: none")
-        else:
-            every = f", every {options.checkpoint_every}" if options.checkpoint_every > 1 else ""
-            lines.append(
-                f"  activation checkpointing: {mode} on {len(self.checkpointed)} of "
-                f"{len(self.blocks)} blocks{every}"
-                + (" (keeps matmul and attention outputs)" if mode == "selective" else "")
-            )
-        if self.activation_estimates:
-            shown = ", ".join(f"{name} {value:,} B" for name, value in self.activation_estimates)
-            lines.append(f"  activations per rank per micro-batch by mode: {shown}")
-        if self.compile_scope is None:
-            lines.append("  torch.compile: off")
-        else:
-            what = (
-                f"each of {len(self.blocks)} blocks and the loss"
-                if self.compile_scope == "block"
-                else "the whole model (each pipeline stage) and the loss"
-            )
-            lines.append(
-                f"  torch.compile: {what}, backend {options.compile_backend!r}, "
-                f"fullgraph={options.compile_fullgraph}; order: tensor parallel → checkpointing "
-                "→ compile → FSDP2"
-            )
-        if options.precision == "fp32":
-            lines.append("  precision: fp32 throughout")
-        else:
-            carrier = f" (FSDP2 over size-1 axes {list(self.cast_axes)})" if self.cast_axes else ""
-            scaling = "; fp16 needs dynamic loss scaling (mt.train.LossScaler)"
-            lines.append(
-                f"  precision: parameters cast to {options.param_dtype} per unit for compute, fp32 "
-                f"master weights and optimizer, gradients reduced in {options.reduce_dtype}"
-                f"{carrier}{scaling if options.precision == 'fp16' else ''}"
-            )
-        return lines
+        """A human-readable report: parameters, styles, units, memory, collectives, notes (each
+        field's section is declared with the field, :mod:`meshtrain.plan.codec`)."""
+        return report(self)
 
     def to_json(self) -> str:
         """Stable JSON (sorted keys): replayable with :meth:`from_json`."""
