@@ -330,33 +330,53 @@ def _after_hang(verdict: str) -> int:
 
 class Watchdog(threading.Thread):
     """The launcher's progress watchdog: reads the ranks' heartbeats
-    (:mod:`meshtrain.train.heartbeat`) every few seconds; when one is older than ``timeout_s``
-    and its process still exists, it asks the other ranks for their stacks (``SIGUSR1``: they
-    write them to ``log_dir``), kills every rank of the attempt (SIGKILL: a checkpoint is
-    published whole or not at all, so the newest intact one stays) and records the
+    (:mod:`meshtrain.train.heartbeat`) every few seconds; when a rank has written no new one for
+    ``timeout_s`` and its process still exists, it asks the other ranks for their stacks
+    (``SIGUSR1``: they write them to ``log_dir``), kills every rank of the attempt (SIGKILL: a
+    checkpoint is published whole or not at all, so the newest intact one stays) and records the
     :attr:`verdict` naming the rank, its step and its process state. A rank that is slow but
-    alive keeps beating and is never killed."""
+    alive keeps beating and is never killed.
+
+    Time is the watchdog's own monotonic clock, from when it first saw each beat: the wall
+    clock's steps (NTP, a resumed VM) mean nothing to it, and a pause of the whole job (the
+    watchdog's polls stop too: SIGSTOP of the job, a suspended machine) starts every rank's
+    allowance afresh instead of counting the pause against the ranks."""
 
     def __init__(self, reports: Path, timeout_s: float, log_dir: Path | None) -> None:
         super().__init__(name="meshtrain-watchdog", daemon=True)
         self.reports, self.timeout_s, self.log_dir = reports, timeout_s, log_dir
         self.verdict = ""
+        self.every_s = min(5.0, timeout_s / 4)
         self._stopped = threading.Event()
+        self._seen: dict[int, tuple[tuple[int, int], float]] = {}  # rank → (pid, beat), since
 
     def stop(self) -> None:
         self._stopped.set()
 
     def run(self) -> None:
-        while not self._stopped.wait(min(5.0, self.timeout_s / 4)):
+        polled = time.monotonic()
+        while not self._stopped.wait(self.every_s):
+            now = time.monotonic()
+            if now - polled > 2 * self.every_s + 1.0:  # the watchdog itself was held: a pause
+                self._seen.clear()
+            polled = now
             beats = read_beats(self.reports)
-            now = time.time()
-            stale = sorted(
-                rank
-                for rank, beat in beats.items()
-                if now - beat["time"] > self.timeout_s and _process_state(beat["pid"])
-            )
+            stale = self.stale(beats, now)
             if stale:
                 self._end(stale, beats, now)
+
+    def stale(self, beats: Mapping[int, Any], now: float) -> list[int]:
+        """The ranks whose newest beat the watchdog first saw over ``timeout_s`` ago and whose
+        process still exists (a rank that exited is the launcher's to report)."""
+        for rank, beat in beats.items():
+            key = (beat["pid"], beat.get("beat", beat["step"]))
+            if self._seen.get(rank, (None, 0.0))[0] != key:
+                self._seen[rank] = (key, now)
+        return sorted(
+            rank
+            for rank, beat in beats.items()
+            if now - self._seen[rank][1] > self.timeout_s and _process_state(beat["pid"])
+        )
 
     def _end(self, stale: list[int], beats: Mapping[int, Any], now: float) -> None:
         live = [beat["pid"] for rank, beat in beats.items() if rank not in stale]
@@ -371,9 +391,10 @@ class Watchdog(threading.Thread):
             if live and self.log_dir is not None
             else ""
         )
+        silent_s = now - self._seen[stale[0]][1]
         self.verdict = (
             f"rank {', '.join(map(str, stale))} stopped making progress after step "
-            f"{first['step']}: no heartbeat for {now - first['time']:.0f} s (the watchdog allows "
+            f"{first['step']}: no heartbeat for {silent_s:.0f} s (the watchdog allows "
             f"{self.timeout_s:.0f} s: train.heartbeat_timeout); its process is {state}{stacks}. "
             "The job was ended; the newest intact checkpoint is where the next run resumes "
             "(`meshtrain checkpoints RUN_DIR` lists them)."

@@ -380,7 +380,15 @@ def test_a_spent_nonfinite_budget_exits_2_without_a_restart_or_a_skipped_checkpo
     assert all(status.status == "intact" and not skipped[status.step] for status in statuses)
 
 
-@pytest.mark.extended  # a real launch held until the watchdog fires: ~55 s on 2 cores
+CLOCK_STEPS = """
+import time
+_wall, _began = time.time, time.monotonic()
+# the wall clock steps forward an hour every 2 s in every process of the job (NTP, a resumed VM)
+time.time = lambda: _wall() + 3600 * int((time.monotonic() - _began) // 2)
+"""
+
+
+@pytest.mark.extended  # a real launch held until the watchdog fires: ~75 s on 2 cores
 def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     tmp_path: Path, corpus: Path
 ) -> None:
@@ -388,7 +396,9 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     in "lost contact … killed by SIGKILL". Now the watchdog (train.heartbeat_timeout, 15 s here,
     120 s by default) names the rank, the step it reached and its process state, dumps rank 0's
     stacks, and ends the job with 124; the checkpoints left are intact and nothing keeps
-    running."""
+    running. Before that, the wall clock steps by an hour every 2 s in every process and the
+    whole job is paused for longer than the allowance: neither ends it (the watchdog used to
+    read the wall clock and ended such a job with "no heartbeat for 3601 s")."""
     run_dir = tmp_path / "run"
     overrides = _overrides(
         run_dir,
@@ -398,10 +408,21 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
         "logging.wandb=disabled",
         "train.heartbeat_timeout=15",
     )
-    job = Job(tmp_path, _sets(overrides))
+    plant = tmp_path / "plant"
+    plant.mkdir()
+    (plant / "sitecustomize.py").write_text(CLOCK_STEPS)
+    job = Job(tmp_path, _sets(overrides), plant=plant)
     job.wait_for(r"^step 1/100000 ")
     rank1 = job.rank_pid(1)
     job.wait_for(r"^step 4/100000 ")
+    paused = [int(entry.split(":")[0]) for entry in job.processes()]
+    for pid in paused:  # the launcher, its agent and the ranks, all at once
+        os.kill(pid, signal.SIGSTOP)
+    time.sleep(18)
+    for pid in paused:
+        os.kill(pid, signal.SIGCONT)
+    reached = int(job.wait_for(r"^step (\d+)/100000 ").group(1))
+    job.wait_for(rf"^step {reached + 2}/100000 ")  # alive after the pause and the clock's steps
     os.kill(rank1, signal.SIGSTOP)
     stopped_at = time.monotonic()
     assert job.finish(timeout=180) == 124, job.output
@@ -413,7 +434,8 @@ def test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124(
     )
     assert found is not None, job.output
     assert 15 <= detected_s < 60, detected_s
-    assert int(found.group(1)) >= 3  # the step it reached (its last heartbeat)
+    assert 15 <= int(found.group(2)) < 30  # measured on the watchdog's clock, not the wall's
+    assert int(found.group(1)) >= reached  # the step it reached (its last heartbeat)
     assert "Traceback" not in job.output
     stacks = (run_dir / "logs" / "stacks-rank-0.txt").read_text()
     assert "most recent call first" in stacks and "meshtrain" in stacks

@@ -1,10 +1,12 @@
 """The launcher's progress watchdog (issue 33, point 4) on real processes: a rank that keeps
-beating is never killed however long its step takes; a stopped one is named with its step and
-state, and the job's processes are ended. The end-to-end launch is in
+beating is never killed however long its step takes or however the wall clock steps; a stopped
+one is named with its step and state, and the job's processes are ended. The end-to-end launch
+(with the wall clock stepping and the whole job paused) is in
 tests/test_fault_injection.py::test_a_stopped_rank_is_named_by_the_watchdog_and_the_job_ends_with_124."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import subprocess
@@ -12,11 +14,22 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from meshtrain.launch import Watchdog, beat_path
 
 
+_COUNT = itertools.count()
+
+
 def _beat(directory: Path, rank: int, pid: int, step: int, age_s: float = 0.0) -> None:
-    beat = {"rank": rank, "pid": pid, "step": step, "time": time.time() - age_s}
+    beat = {
+        "rank": rank,
+        "pid": pid,
+        "step": step,
+        "beat": next(_COUNT),
+        "time": time.time() - age_s,
+    }
     beat_path(directory, rank, attempt=0).write_text(json.dumps(beat))
 
 
@@ -54,3 +67,36 @@ def test_a_slow_live_rank_is_never_killed_and_a_stopped_one_is_named(tmp_path: P
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def test_steps_of_the_wall_clock_never_end_a_beating_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wall clock stepping by hours, forward and back (NTP, a resumed VM), between beats of
+    a live rank: the watchdog times beats on its own monotonic clock, so it never sees a silence.
+    It used to compare the beats' wall times with its own and ended the job ("no heartbeat for
+    3601 s")."""
+    live = subprocess.Popen(["sleep", "60"])
+    offset = [0.0]
+    wall = time.time
+    monkeypatch.setattr(time, "time", lambda: wall() + offset[0])  # the clock shim
+    beating = threading.Event()
+
+    def keep_beating() -> None:  # every 0.6 s: well inside the 1 s allowance
+        while not beating.wait(0.6):
+            _beat(tmp_path, 0, live.pid, step=1)
+
+    thread = threading.Thread(target=keep_beating, daemon=True)
+    thread.start()
+    watchdog = Watchdog(tmp_path, timeout_s=1.0, log_dir=None)
+    watchdog.start()
+    try:
+        for jump in (3600, 3600, -7200, 86400, -3600, 3600):
+            offset[0] += jump  # the watchdog polls every 0.25 s: it looks before the next beat
+            time.sleep(0.7)
+        assert watchdog.verdict == "" and live.poll() is None
+    finally:
+        beating.set()
+        watchdog.stop()
+        live.kill()
+        live.wait()

@@ -1,8 +1,8 @@
 """A rank's heartbeat for its launcher's watchdog (:class:`meshtrain.launch.Watchdog`).
 
 Each finished step, and a thread every few seconds, write ``beat-attempt-<A>-rank-<R>.json``
-(pid, the last step finished, the time) into the launcher's report directory, whatever the rank
-is doing: a slow step,
+(pid, the last step finished, a count of the beats written, the wall time for people to read)
+into the launcher's report directory, whatever the rank is doing: a slow step,
 a long save or a wait in a collective all keep beating, so a slow but live rank is never taken
 for a hung one. A rank stopped by a signal, frozen in the kernel, or stuck holding the GIL stops
 beating; the watchdog names it with the step it had reached. ``SIGUSR1`` makes the rank write
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import json
 import os
 import signal
@@ -35,6 +36,7 @@ _state = {"step": 0}
 _stacks: list[IO[str]] = []  # kept open: faulthandler writes to its file descriptor
 _beating: list[tuple[Path, int]] = []  # (heartbeat file, rank) once started
 _written = [-float("inf")]  # when progress() last wrote the heartbeat (monotonic seconds)
+_count = itertools.count(1)  # each beat's number: the watchdog sees a new one, not a new time
 #: the least time between two heartbeats written from the training loop: a step slower than this
 #: writes one each (the watchdog names the step a stopped rank reached); faster steps write one
 #: per window, so the named step is at most this much behind (at 1 s, a rank stopped 1 s after
@@ -86,7 +88,13 @@ def _beat_forever(path: Path, rank: int, every_s: float) -> None:
 
 
 def _beat(path: Path, rank: int) -> None:
-    beat = {"rank": rank, "pid": os.getpid(), "step": _state["step"], "time": time.time()}
+    beat = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "step": _state["step"],
+        "beat": next(_count),
+        "time": time.time(),  # shown only: the watchdog times beats on its own monotonic clock
+    }
     scratch = path.with_suffix(f".tmp-{threading.get_ident()}")  # the loop's and the thread's
     with contextlib.suppress(OSError):
         scratch.write_text(json.dumps(beat))
