@@ -224,7 +224,8 @@ class RankReport:
     message: str = ""  # what the launcher prints (once for the ranks that say the same)
     pid: int = 0
     attempt: int = 0  # torchrun's restart count: a report from an earlier attempt is stale
-    time: float = 0.0  # when the rank ended (time.time()): the first failure is the cause
+    time: float = 0.0  # when the rank ended (time.monotonic(): one clock for every process of
+    # the host, which no step of the wall clock reorders): the first failure is the cause
 
 
 def report_exit(exit_code: int, event: str, message: str = "") -> bool:
@@ -235,7 +236,7 @@ def report_exit(exit_code: int, event: str, message: str = "") -> bool:
         return False
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt, time.time())
+    report = RankReport(rank, exit_code, event, message, os.getpid(), attempt, time.monotonic())
     try:
         path = Path(directory) / f"attempt-{attempt}-rank-{rank}.json"
         path.write_text(json.dumps(asdict(report)))

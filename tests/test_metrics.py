@@ -9,6 +9,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import signal
 import struct
 from pathlib import Path
 from typing import Any
@@ -567,3 +569,70 @@ def test_throughput_on_cuda_reports_cuda_memory_and_mfu() -> None:
     del block
     assert metrics["cuda_memory_gib"] >= 0.25 and "rss_gib" not in metrics
     assert metrics["mfu"] == pytest.approx(0.1)
+
+
+def _children_named(part: str) -> list[int]:
+    """This process's child processes whose command line holds ``part`` (from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and part in command:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_sink_that_fails_is_named_once_and_turned_off_while_the_others_log_on(
+    tmp_path: Path, offline_wandb_env: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """wandb's service process killed mid-run (SIGKILL, as an OOM killer or an operator would):
+    the next step's ``log`` raised out of the training loop and ended the run at step 4 with no
+    checkpoint. Now the wandb sink is named once on stderr and turned off; metrics.jsonl keeps
+    every step and closing the run does not wait on the dead service."""
+    run_dir = tmp_path / "run"
+    config = LoggingConfig(console=False, jsonl=True, wandb="offline", wandb_project="tests")
+    sinks = make_sinks(config, run_dir=run_dir, rank=0, total_steps=6, run_name="debug")
+    sinks.start(config={}, plan_text=PLAN_TEXT, plan_json=PLAN_JSON)
+    sinks.log(1, {"loss": 2.5})
+    (service,) = _children_named("wandb")
+    os.kill(service, signal.SIGKILL)
+    os.waitpid(service, 0)
+    for step in range(2, 7):
+        sinks.log(step, {"loss": 2.5 - step / 10})
+    sinks.close()
+    err = capsys.readouterr().err
+    assert err.count("meshtrain: the metrics sink WandbSink failed at step") == 1, err
+    assert "turned off for the rest of this run" in err and "still logging to: " in err
+    assert list(sinks.failed) == ["WandbSink"]
+    assert [row["step"] for row in read_jsonl(run_dir / METRICS_FILE)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_a_sink_raising_in_log_leaves_the_run_and_the_other_sinks_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class FullDisk:
+        def start(self, *, config: Any, plan_text: str, plan_json: str) -> None: ...
+        def log(self, step: int, metrics: Any) -> None:
+            if step >= 2:
+                raise OSError(28, "No space left on device")
+
+        def close(self, *, failed: bool = False) -> None:
+            raise AssertionError("a sink turned off is not closed")
+
+    jsonl = JsonlSink(tmp_path / METRICS_FILE)
+    sinks = Sinks([FullDisk(), jsonl], total_steps=4)
+    for step in range(1, 5):
+        sinks.log(step, {"loss": 1.0})
+    sinks.close()
+    err = capsys.readouterr().err
+    assert err == (
+        "meshtrain: the metrics sink FullDisk failed at step 2 (OSError: [Errno 28] No space "
+        "left on device); it is turned off for the rest of this run, which trains and "
+        "checkpoints on (still logging to: JsonlSink)\n"
+    )
+    assert [row["step"] for row in read_jsonl(tmp_path / METRICS_FILE)] == [1, 2, 3, 4]

@@ -304,3 +304,29 @@ def test_a_busy_or_unwritable_run_directory_is_refused_before_any_rank_starts(
     )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot lock the run directory '{unwritable}'" in err
+
+
+def test_a_broken_wandb_install_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:
+    """A run that logs to wandb (offline by default) with a wandb that fails to import: rank 0
+    used to end with status 1 after the ranks started; the launcher now imports it first."""
+    plant = tmp_path / "plant" / "wandb"
+    plant.mkdir(parents=True)
+    (plant / "__init__.py").write_text("raise ImportError('planted: a half-upgraded install')\n")
+    started = time.perf_counter()
+    process = subprocess.run(
+        [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(plant.parent), *sys.path])},
+    )
+    seconds = time.perf_counter() - started
+    output = process.stdout + process.stderr
+    assert process.returncode == 2, output
+    (refusal,) = [line for line in output.splitlines() if line.startswith("RecipeError: ")]
+    assert "[logging] wandb = 'offline' logs to wandb, whose import fails here" in refusal
+    assert "ImportError: planted: a half-upgraded install" in refusal
+    assert "logging.wandb=disabled" in refusal and "Traceback" not in output
+    assert not (tmp_path / "runs").exists()  # no rank started, nothing written
+    assert seconds < REFUSAL_BUDGET_S, f"refused in {seconds:.2f} s"

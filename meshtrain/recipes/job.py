@@ -45,7 +45,7 @@ def launch_command(args: argparse.Namespace) -> int:
     """Check everything a launch needs before any rank starts (the cheap checks first, before
     torch is imported), lock the run directory, then run torchrun's agent here."""
     from meshtrain.launch import run_agent, torchrun_arguments
-    from meshtrain.recipes.preflight import check_launch
+    from meshtrain.recipes.preflight import check_launch, check_wandb
     from meshtrain.recipes.quick_check import check_recipe_quickly
     from meshtrain.recipes.source import parse_recipe, read_recipe
     from meshtrain.recipes.token_check import check_recipe_tokens
@@ -57,6 +57,7 @@ def launch_command(args: argparse.Namespace) -> int:
     check_recipe_quickly(data, source)  # the schema's torch-free checks: unknown keys, types
     check_recipe_tokens(data)  # size, sha256 (cached by size and mtime), ids in the vocabulary
     _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
+    check_wandb(data, source)  # imports wandb when the run logs to it: a broken install stops here
     sets = [item for override in args.overrides for item in ("--set", override)]
     arguments = torchrun_arguments(
         ["train", args.recipe, *sets],

@@ -4,8 +4,9 @@ fraction of a second with one line and exit status 2, instead of failing inside 
 :func:`check_launch` reads the recipe as parsed (:mod:`meshtrain.recipes.source`) and imports no
 torch: every number is finite, the mesh fits the ranks being started (``--nproc`` × ``--nnodes``),
 the global batch splits over the data-parallel ranks and micro-batches, the data and files
-the run reads exist (or can be made), an ``init_from`` directory holds the recipe's architecture
-and a QLoRA recipe finds torchao. A value of the wrong type is left to the schema, which
+the run reads exist (or can be made), an ``init_from`` directory holds the recipe's architecture,
+and a QLoRA recipe finds torchao; :func:`check_wandb` then imports wandb for a run that logs
+to it (a second, so after the launch is announced). A value of the wrong type is left to the schema, which
 runs next (in :func:`meshtrain.recipes.load_recipe`). Then :func:`check_plan` checks the model
 against the files it starts from (:mod:`~meshtrain.recipes.model_check`: an ``init_from`` of
 another architecture or config, an unknown ``model_type``, QLoRA without torchao) and plans the
@@ -37,7 +38,7 @@ from meshtrain.recipes.sections import DataSection, ParallelSection, TrainSectio
 if TYPE_CHECKING:
     from meshtrain.recipes.recipe import Recipe
 
-__all__ = ["DEFAULTS", "check_launch", "check_plan", "lock_run"]
+__all__ = ["DEFAULTS", "check_launch", "check_plan", "check_wandb", "lock_run"]
 #: ``[data] source`` values that read the user's files (as meshtrain.train.data.documents has them).
 _FILE_SOURCES = ("jsonl", "text", "parquet", "hf-dataset")
 
@@ -59,6 +60,24 @@ def check_launch(data: Mapping[str, Any], source: str, *, nproc: int, nnodes: in
         _check_batch(data, source, sizes)
     _check_files(data, source)
     check_torchao(data.get("lora"), source)  # QLoRA trains with torchao
+
+
+def check_wandb(data: Mapping[str, Any], source: str) -> None:
+    """A run that logs to wandb (``[logging] wandb``, "offline" by default) imports it here, so
+    a missing or broken install is one line before the ranks start, not a failure of rank 0."""
+    logging = data.get("logging")
+    mode = logging.get("wandb", "offline") if isinstance(logging, Mapping) else "offline"
+    if mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except Exception as error:
+        raise RecipeError(
+            f"{source}: [logging] wandb = {mode!r} logs to wandb, whose import fails here "
+            f"({type(error).__name__}: {str(error).strip()[:160]}). Reinstall it "
+            "(`pip install wandb`), or set logging.wandb = 'disabled' (`--set "
+            "logging.wandb=disabled`) to train without it."
+        ) from error
 
 
 def _check_finite(data: Mapping[str, Any], source: str, where: str = "") -> None:

@@ -70,8 +70,11 @@ class Sinks:
     """The sinks of one run behind one start/log/close; empty (a no-op) on non-logging ranks.
 
     ``log`` forwards the first step, every ``log_every``-th step and the last one (when
-    ``total_steps`` is known). Used as a context manager it closes the sinks on the way out,
-    marking the run failed when the block raised.
+    ``total_steps`` is known). A sink whose ``log`` raises (wandb's service gone, a full disk
+    under ``metrics.jsonl``, a closed console) is named in one line on stderr and turned off for
+    the rest of the run; training goes on with the others, and the sink is not closed (a dead
+    service could hold ``close`` up) but abandoned where it can be (``abandon()``). Used as a context manager it closes the sinks on the way
+    out, marking the run failed when the block raised.
 
     Example:
         >>> sinks = Sinks([], log_every=10, total_steps=25)
@@ -87,6 +90,7 @@ class Sinks:
         self.sinks = tuple(sinks)
         self.log_every = log_every
         self.total_steps = total_steps
+        self.failed: dict[str, str] = {}  # a turned-off sink's name → what it raised
 
     @property
     def enabled(self) -> bool:
@@ -110,10 +114,32 @@ class Sinks:
             raise
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Hand a step's metrics to every sink when the step is due."""
+        """Hand a step's metrics to every working sink when the step is due; a sink that raises
+        is reported once and turned off (see the class)."""
         if self.sinks and self.is_due(step):
             for sink in self.sinks:
-                sink.log(step, metrics)
+                try:
+                    sink.log(step, metrics)
+                except Exception as error:
+                    self._turn_off(sink, step, error)
+
+    def _turn_off(self, sink: Sink, step: int, error: Exception) -> None:
+        name = type(sink).__name__
+        what = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        self.failed[name] = what
+        self.sinks = tuple(other for other in self.sinks if other is not sink)
+        abandon = getattr(sink, "abandon", None)  # let go of what the sink holds (a service)
+        if abandon is not None:
+            with contextlib.suppress(Exception):
+                abandon()
+        with contextlib.suppress(OSError):
+            print(
+                f"meshtrain: the metrics sink {name} failed at step {step} ({what}); it is "
+                "turned off for the rest of this run, which trains and checkpoints on "
+                f"(still logging to: {', '.join(type(s).__name__ for s in self.sinks) or 'none'})",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self, *, failed: bool = False) -> None:
         """Close every sink, even when one of them raises (the first error is re-raised)."""

@@ -7,6 +7,7 @@ attached, and the credential check that ``"online"`` needs (no network, no wandb
 from __future__ import annotations
 
 import configparser
+import contextlib
 import logging
 import netrc
 import os
@@ -133,6 +134,15 @@ class WandbSink:
             _LOGGER.info(
                 "wandb offline run in %s; upload it with `wandb sync %s`", sync_dir, sync_dir
             )
+
+    def abandon(self) -> None:
+        """Drop the run after a failure (the service gone): wandb's teardown, whose errors are
+        the dead service's, so that nothing waits on it at exit."""
+        self.run = None
+        import wandb
+
+        with contextlib.suppress(Exception):
+            wandb.teardown()
 
     @property
     def sync_dir(self) -> Path | None:
