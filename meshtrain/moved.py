@@ -24,6 +24,7 @@ from typing import Any
 
 #: old module → the module it is now
 MOVED = {
+    "meshtrain.train.atomic": "meshtrain.files",
     "meshtrain.lower.attention_blocks": "meshtrain.lower.context.attention_blocks",
     "meshtrain.lower.balance": "meshtrain.lower.experts.balance",
     "meshtrain.lower.batch_buffers": "meshtrain.lower.data.batch_buffers",

@@ -17,15 +17,17 @@ ALLOWED: dict[str, set[str]] = {
     "errors": {"errors"},
     "moved": {"moved"},  # old module paths, importable from every layer
     "tables": {"tables"},  # dotted keys and TOML values
+    "files": {"errors", "files"},  # whole files, never through a link
     "spec": {"errors", "spec"},
     "models": {"errors", "spec", "models"},
     "adapters": {"errors", "spec", "adapters"},
     "plan": {"errors", "spec", "adapters", "plan"},
-    "launch": {"errors", "launch"},
+    "launch": {"errors", "files", "launch"},
     "lower": {"errors", "spec", "adapters", "plan", "launch", "lower"},
-    "train": {"errors", "spec", "adapters", "plan", "launch", "lower", "train"},
+    "train": {"errors", "files", "spec", "adapters", "plan", "launch", "lower", "train"},
     "recipes": {
         "errors",
+        "files",
         "spec",
         "models",
         "adapters",
@@ -37,6 +39,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "testing": {
         "errors",
+        "files",
         "spec",
         "models",
         "adapters",
@@ -49,6 +52,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "cli": {
         "errors",
+        "files",
         "spec",
         "adapters",
         "plan",

@@ -18,7 +18,6 @@ import pytest
 
 from meshtrain.launch import Watchdog, beat_path
 
-
 _COUNT = itertools.count()
 
 

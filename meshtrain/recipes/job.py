@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from meshtrain.errors import MeshtrainError, describe_os_error
+from meshtrain.files import open_for_append
 
 if TYPE_CHECKING:
     from meshtrain.recipes.recipe import Recipe
@@ -248,7 +249,7 @@ def _write_traceback(err: BaseException, rank: int, run_dir: Path | None) -> str
         path = directory / f"rank-{rank}.log"
         with contextlib.suppress(OSError):
             directory.mkdir(parents=True, exist_ok=True)
-            with open(path, "a", encoding="utf-8") as handle:
+            with open_for_append(path) as handle:
                 handle.write(text)
             return str(path)
     return "not written: no writable directory"

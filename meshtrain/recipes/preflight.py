@@ -38,7 +38,14 @@ from meshtrain.recipes.sections import DataSection, ParallelSection, TrainSectio
 if TYPE_CHECKING:
     from meshtrain.recipes.recipe import Recipe
 
-__all__ = ["DEFAULTS", "check_launch", "check_plan", "check_wandb", "lock_run"]
+__all__ = [
+    "DEFAULTS",
+    "check_launch",
+    "check_plan",
+    "check_run_files",
+    "check_wandb",
+    "lock_run",
+]
 #: ``[data] source`` values that read the user's files (as meshtrain.train.data.documents has them).
 _FILE_SOURCES = ("jsonl", "text", "parquet", "hf-dataset")
 
@@ -251,4 +258,22 @@ def lock_run(recipe: Recipe, *, token: str | None = None) -> Iterator[str]:
     with contextlib.ExitStack() as stack:
         for directory in directories:
             stack.enter_context(acquire_run_lock(directory, token=token))
+        check_run_files(recipe.run_dir)
         yield token
+
+
+def check_run_files(run_dir: Path) -> None:
+    """Refuse a symbolic link where the run writes: the files at the top of ``run_dir``
+    (``config.json``, ``plan.txt``, ``metrics.jsonl``, ...) and anything in its ``logs/`` and
+    ``profile/`` (the ranks also refuse each link as they write: this says it before they start).
+    """
+    from meshtrain.files import refuse_link
+    from meshtrain.train.metrics.sinks import RUN_DIR_FILES
+
+    for name in RUN_DIR_FILES:
+        refuse_link(run_dir / name)
+    for owned in ("logs", "profile"):
+        refuse_link(run_dir / owned)
+        if (run_dir / owned).is_dir():
+            for entry in (run_dir / owned).iterdir():
+                refuse_link(entry)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.errors import DataError
+from meshtrain.files import refuse_link, write_text_atomically
 from meshtrain.recipes.sections import DataSection
 
 __all__ = ["TokenCheck", "check_recipe_tokens", "token_change", "verify_token_file"]
@@ -109,6 +110,7 @@ def verify_token_file(directory: str | Path) -> TokenCheck:
         "vocab_size": meta["vocab_size"],
     }
     cache = root / CACHE_FILE
+    refuse_link(cache)  # a cache read through a link could skip the scan; one written, clobber
     with contextlib.suppress(OSError, ValueError):
         if json.loads(cache.read_text()) == key:
             return TokenCheck(bin_path, meta["num_tokens"], cached=True)
@@ -125,7 +127,7 @@ def verify_token_file(directory: str | Path) -> TokenCheck:
             f"read past its table. {fix}"
         )
     with contextlib.suppress(OSError):  # a read-only data directory is verified each launch
-        cache.write_text(json.dumps(key))
+        write_text_atomically(cache, json.dumps(key))
     return TokenCheck(bin_path, meta["num_tokens"], cached=False)
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from meshtrain.files import open_for_append
 from meshtrain.launch import LOG_DIR_VARIABLE, beat_path
 
 __all__ = ["last_step", "progress", "start"]
@@ -75,7 +76,7 @@ def start(directory: str | os.PathLike[str], *, rank: int, attempt: int, every_s
     if logs and hasattr(signal, "SIGUSR1"):
         with contextlib.suppress(OSError, ValueError, RuntimeError):
             Path(logs).mkdir(parents=True, exist_ok=True)
-            handle = open(Path(logs) / f"stacks-rank-{rank}.txt", "a")  # noqa: SIM115
+            handle = open_for_append(Path(logs) / f"stacks-rank-{rank}.txt")
             _stacks.append(handle)
             faulthandler.register(signal.SIGUSR1, file=handle, all_threads=True)
     return path

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from meshtrain.errors import TrainingError
+from meshtrain.files import write_text_atomically
 
 __all__ = ["COLLECTIVE_KINDS", "ProfileSummary", "StepProfiler", "summary_table"]
 
@@ -138,7 +139,7 @@ class StepProfiler:
             torch.cuda.memory._record_memory_history(enabled=None)
         self.summary = ProfileSummary(max(self._steps, 1), wall, collectives)
         text = summary_table(self.summary) + "\n"
-        (self.out_dir / f"summary_rank{self.rank}.txt").write_text(text, encoding="utf-8")
+        write_text_atomically(self.out_dir / f"summary_rank{self.rank}.txt", text)
         self._profile = None
 
     def _start(self) -> None:

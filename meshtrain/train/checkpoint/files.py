@@ -47,7 +47,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from meshtrain.errors import CheckpointError
-from meshtrain.train.atomic import write_text_atomically
+from meshtrain.files import write_text_atomically
 
 __all__ = [
     "FORMAT",

@@ -40,6 +40,7 @@ from pathlib import Path
 from types import TracebackType
 
 from meshtrain.errors import CheckpointError, describe_os_error
+from meshtrain.files import refuse_link
 
 __all__ = ["LOCK_FILE", "TOKEN_VARIABLE", "LockHolder", "RunLock", "acquire_run_lock"]
 
@@ -136,8 +137,11 @@ def acquire_run_lock(directory: str | Path, *, token: str | None = None) -> RunL
     holder = LockHolder.me(token or uuid.uuid4().hex)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        refuse_link(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
     except OSError as err:
+        if err.errno == errno.ELOOP:
+            refuse_link(path)
         raise CheckpointError(
             f"cannot lock the run directory {str(directory)!r}: {describe_os_error(err)} "
             "(set logging.run_dir in a recipe)."
@@ -174,7 +178,9 @@ def _acquire_without_flock(path: Path, me: LockHolder) -> RunLock:
     """The file is the lock (created exclusively); a stale one from this host is taken over."""
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(
+                path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644
+            )
         except FileExistsError:
             holder = _read_holder(path)
             if holder is not None and holder.token == me.token:

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from meshtrain.train.atomic import replaced_atomically, write_text_atomically
+from meshtrain.files import replaced_atomically, write_text_atomically
 from meshtrain.train.batch import Batch, DataPosition
 from meshtrain.train.data.corpus import DataError, stdlib_documents, stdlib_source_description
 from meshtrain.train.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from meshtrain.train.atomic import replaced_atomically, write_text_atomically
+from meshtrain.files import replaced_atomically, write_text_atomically
 from meshtrain.train.data.corpus import DataError
 from meshtrain.train.data.documents import Document, DocumentSource, read_documents, source_files
 from meshtrain.train.data.loader import (

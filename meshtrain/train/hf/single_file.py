@@ -26,7 +26,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from meshtrain.errors import CheckpointError
-from meshtrain.train.atomic import replaced_atomically
+from meshtrain.files import replaced_atomically
 from meshtrain.train.checkpoint.files import (
     MODEL_PREFIX,
     RestrictedFileSystemReader,

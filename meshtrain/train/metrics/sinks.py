@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any, Protocol, TextIO
 
 from meshtrain.errors import MeshtrainError
-from meshtrain.train.atomic import write_text_atomically
+from meshtrain.files import open_for_append, refuse_link, write_text_atomically
 from meshtrain.train.metrics.config import LoggingConfig
 from meshtrain.train.metrics.values import (
     _is_number,
@@ -47,10 +47,18 @@ from meshtrain.train.metrics.values import (
     _with_newline,
     _writing,
 )
-from meshtrain.train.metrics.wandb_sink import WandbSink, check_wandb_credentials
+from meshtrain.train.metrics.wandb_sink import (
+    WANDB_RUN_ID_FILE,
+    WandbSink,
+    check_wandb_credentials,
+)
 
 _LOGGER = logging.getLogger(__name__)
 METRICS_FILE = "metrics.jsonl"
+#: what :class:`RunFilesSink` writes into the run directory
+RUN_FILES = ("plan.txt", "plan.json", "config.json")
+#: every file the sinks write at the top of a run directory (the launcher refuses a link there)
+RUN_DIR_FILES = (*RUN_FILES, METRICS_FILE, WANDB_RUN_ID_FILE)
 
 
 class Sink(Protocol):
@@ -217,9 +225,9 @@ class RunFilesSink:
         config_text = json.dumps(config, indent=2, sort_keys=True, default=str)
         with _writing(self.run_dir):
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "plan.txt").write_text(_with_newline(plan_text), encoding="utf-8")
-            (self.run_dir / "plan.json").write_text(_with_newline(plan_json), encoding="utf-8")
-            (self.run_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+            write_text_atomically(self.run_dir / "plan.txt", _with_newline(plan_text))
+            write_text_atomically(self.run_dir / "plan.json", _with_newline(plan_json))
+            write_text_atomically(self.run_dir / "config.json", config_text + "\n")
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Nothing per step."""
@@ -274,7 +282,7 @@ class JsonlSink:
         if self._file is None:
             with _writing(self.path):
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = self.path.open("a", encoding="utf-8")
+                self._file = open_for_append(self.path)
         return self._file
 
 
@@ -291,6 +299,7 @@ def truncate_jsonl(path: Path | str, last_step: int) -> int:
         (2, [1, 2])
     """
     path = Path(path)
+    refuse_link(path)  # a resume reads and rewrites it: never another file through a link
     if not path.is_file():
         return 0
     lines = path.read_text(encoding="utf-8").split("\n")

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from meshtrain.errors import ConfigError, MeshtrainError
-from meshtrain.train.atomic import write_text_atomically
+from meshtrain.files import write_text_atomically
 from meshtrain.train.metrics.config import LoggingConfig
 from meshtrain.train.metrics.values import (
     _is_number,
