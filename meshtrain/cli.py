@@ -20,14 +20,7 @@ import argparse
 from collections.abc import Sequence
 
 from meshtrain.errors import EquivalenceError, MeshtrainError
-from meshtrain.recipes.commands import (
-    checkpoints_command,
-    eval_command,
-    export_command,
-    from_deepspeed_command,
-    generate_command,
-    plan_command,
-)
+from meshtrain.recipes import commands as answers
 from meshtrain.recipes.job import say, train_command
 
 
@@ -153,7 +146,7 @@ def _add_checkpoints_command(commands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="check sizes and the state file only, not every file's content",
     )
-    checkpoints.set_defaults(run=checkpoints_command)
+    checkpoints.set_defaults(run=answers.checkpoints_command)
 
 
 def _add_plan_command(commands: argparse._SubParsersAction) -> None:
@@ -183,7 +176,7 @@ def _add_plan_command(commands: argparse._SubParsersAction) -> None:
     )
     _number(plan, "--node-size", 8, "N", "devices per node, for --strategy auto (default 8)")
     plan.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    plan.set_defaults(run=plan_command)
+    plan.set_defaults(run=answers.plan_command)
 
 
 def _add_export_command(commands: argparse._SubParsersAction) -> None:
@@ -220,7 +213,7 @@ def _add_export_command(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="cast floating-point weights (default: as trained)",
     )
-    export.set_defaults(run=export_command)
+    export.set_defaults(run=answers.export_command)
 
 
 def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
@@ -232,33 +225,27 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
         "trained it) and print its loss and perplexity on the run's validation split (or its "
         "training data when it has none).",
     )
-    _add_run_dir(evaluate)
-    _number(
-        evaluate,
-        "--batches",
-        None,
-        "M",
-        "batches to evaluate (default: the recipe's [eval] batches)",
-    )
-    evaluate.set_defaults(run=eval_command)
+    _add_run_dir(evaluate, builds_model=True)
+    _number(evaluate, "--batches", None, "M", "batches to evaluate (default: [eval] batches)")
+    evaluate.set_defaults(run=answers.eval_command)
     generate = commands.add_parser(
         "generate",
         help="sample a continuation of a prompt from a run's latest intact checkpoint",
         description="Load the newest intact checkpoint of RUN_DIR on one process and continue "
         "TEXT with the run's tokenizer, stopping at the end-of-document token.",
     )
-    _add_run_dir(generate)
+    _add_run_dir(generate, builds_model=True)
     generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     _number(generate, "--max-new-tokens", 64, "N", "tokens to generate at most (default 64)")
     generate.add_argument(
         "--temperature",
-        type=float,
+        type=_temperature,
         default=0.8,
         metavar="T",
         help="sampling temperature; 0 picks the likeliest token (default 0.8)",
     )
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
-    generate.set_defaults(run=generate_command)
+    generate.set_defaults(run=answers.generate_command)
     recipe = commands.add_parser("recipe", help="write recipes from other tools' configs")
     actions = recipe.add_subparsers(dest="action", required=True, metavar="ACTION")
     deepspeed = actions.add_parser(
@@ -278,7 +265,7 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
     deepspeed.add_argument(
         "--out", required=True, metavar="RECIPE", help="the recipe .toml to write"
     )
-    deepspeed.set_defaults(run=from_deepspeed_command)
+    deepspeed.set_defaults(run=answers.from_deepspeed_command)
 
 
 def _version() -> str:
@@ -298,9 +285,16 @@ def _number(
     command.add_argument(flag, type=_positive, default=default, metavar=metavar, help=text)
 
 
-def _add_run_dir(command: argparse.ArgumentParser) -> None:
-    """The RUN_DIR argument of the commands that read a run's checkpoints."""
+def _add_run_dir(command: argparse.ArgumentParser, *, builds_model: bool = False) -> None:
+    """The RUN_DIR argument of the commands that read a run's checkpoints, and
+    ``--trust-factory`` for those that build its model."""
     command.add_argument("run_dir", metavar="RUN_DIR", help="a run directory, e.g. runs/debug")
+    if builds_model:
+        command.add_argument(
+            "--trust-factory",
+            metavar="MODULE:FUNCTION",
+            help="import the model factory the run's recipe names (never imported otherwise)",
+        )
 
 
 def _add_recipe(command: argparse.ArgumentParser) -> None:
@@ -337,6 +331,16 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
+
+
+def _temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value < float("inf"):  # NaN, negative or infinite
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number ≥ 0 (0: the likeliest token)")
+    return value
 
 
 def _count(text: str) -> int:

@@ -123,3 +123,17 @@ def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
     done = {rank: _report(rank, EXIT_OK, "done", pid=rank) for rank in (0, 1)}
     assert _after_signal(signal.SIGTERM, done, nproc=2, elapsed_s=8) == EXIT_OK
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf", "-0.5", "hot"])
+def test_a_sampling_temperature_that_is_not_a_number_at_least_0_is_refused(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--temperature nan`` used to end in ``RuntimeError: probability tensor contains either
+    inf, nan or element < 0`` after the model loaded; now argparse refuses it (exit 2)."""
+    with pytest.raises(SystemExit) as refusal:
+        build_parser().parse_args(["generate", "runs/x", "--prompt", "a", "--temperature", value])
+    assert refusal.value.code == 2
+    assert f"{value!r} is not a number ≥ 0 (0: the likeliest token)" in capsys.readouterr().err
+    args = ["generate", "runs/x", "--prompt", "a", "--temperature", "0.7"]
+    assert build_parser().parse_args(args).temperature == 0.7

@@ -179,3 +179,62 @@ def test_eval_on_a_pipelined_plan_matches_one_device_on_the_checkpoint(
     print(f"pipelined val_loss {logged[STEPS]:.6f} one device {result.loss:.6f}")
     planted_logged, (planted_result, _) = runs["pipelined_planted"]
     assert planted_result.loss != pytest.approx(planted_logged[STEPS], rel=1e-5)
+
+
+PLANTED_FACTORY = """
+from pathlib import Path
+Path(__file__).with_name("imported.marker").write_text("the checkpoint's factory ran")
+
+def build():
+    from meshtrain.models import LlamaConfig, build_llama
+    return build_llama(LlamaConfig.preset("debug"), seed=0)
+"""
+
+
+def test_a_factory_recorded_in_a_checkpoint_is_never_imported_unless_named(
+    trained: tuple[Path, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A forged ``meshtrain.json`` (re-sealed: a sha256 finds damage, not forgery) whose recipe
+    names ``[model] factory`` in a module beside the user: ``eval`` and ``generate`` used to
+    import and run it. Now they refuse in one line naming the factory, and import it only when
+    the user names it again with ``--trust-factory``."""
+    import shutil
+
+    from meshtrain.train.checkpoint import find_resume_point
+    from meshtrain.train.checkpoint.integrity import seal_state
+
+    root, _ = trained
+    forged = tmp_path / "forged"
+    shutil.copytree(root / "run", forged)
+    point = find_resume_point(forged / "checkpoints")
+    assert point.checkpoint is not None
+    state_path = point.checkpoint / "meshtrain.json"
+    state = json.loads(state_path.read_text())
+    del state["checksum"]
+    model = state["extra"]["recipe"]["model"]
+    state["extra"]["recipe"]["model"] = {"factory": "planted_factory:build"}
+    state["extra"]["recipe"]["rules"] = {".*": "P()"}
+    state_path.write_text(seal_state(state))
+    (tmp_path / "planted_factory.py").write_text(PLANTED_FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "imported.marker"
+    for command in (["eval"], ["generate", "--prompt", "Q1:"]):
+        assert main([command[0], str(forged), *command[1:]]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("CheckpointError: ")
+        assert "records a model built by the factory 'planted_factory:build'" in err
+        assert "--trust-factory planted_factory:build" in err
+        assert not marker.exists()
+    assert main(["eval", str(forged), "--trust-factory", "other:build"]) == 2
+    assert "(you named 'other:build')" in capsys.readouterr().err and not marker.exists()
+    # named by the user: imported, and the run's tensors load into what it builds
+    assert model.get("preset", "debug") == "debug"
+    assert (
+        main(["eval", str(forged), "--batches", "1", "--trust-factory", "planted_factory:build"])
+        == 0
+    )
+    assert marker.exists() and f"step {STEPS} | val_loss" in capsys.readouterr().out

@@ -21,7 +21,7 @@ def eval_command(args: argparse.Namespace) -> int:
     """``meshtrain eval``: the validation loss of a run's newest intact checkpoint."""
     from meshtrain.recipes.evaluation import evaluate_run, load_run
 
-    run = load_run(args.run_dir)
+    run = load_run(args.run_dir, trust_factory=args.trust_factory)
     print(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s", flush=True)
     result, what = evaluate_run(run, batches=args.batches)
     print(
@@ -35,7 +35,7 @@ def generate_command(args: argparse.Namespace) -> int:
     """``meshtrain generate``: a continuation of ``--prompt`` from a run's checkpoint."""
     from meshtrain.recipes.evaluation import generate, load_run
 
-    run = load_run(args.run_dir)
+    run = load_run(args.run_dir, trust_factory=args.trust_factory)
     say(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s")
     text = generate(
         run,

@@ -118,8 +118,11 @@ class LoadedRun:
         return checkpoint_step(self.checkpoint)
 
 
-def load_run(run_dir: str | Path) -> LoadedRun:
-    """The run in ``run_dir`` (or its checkpoints directory), loaded on one process."""
+def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> LoadedRun:
+    """The run in ``run_dir`` (or its checkpoints directory), loaded on one process. A recipe
+    recorded in a checkpoint is data, not code: a model factory it names
+    (``[model] factory = "module:function"``) is imported only when ``trust_factory`` names the
+    same factory (``--trust-factory``); a checkpoint can come from anyone."""
     started = time.perf_counter()
     root = Path(run_dir)
     directory = root / "checkpoints" if (root / "checkpoints").is_dir() else root
@@ -137,6 +140,7 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     raw = read_state_file(point.checkpoint).get("extra", {}).get("recipe")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{point.checkpoint} records no recipe; it was not saved by a run.")
+    _check_factory(raw, point.checkpoint, trust_factory)  # before the recipe imports it
     recipe = recipe_from_data(raw, f"{point.checkpoint} (the run's recipe)")
     seed = recipe.train.seed
     model = recipe.adapt(recipe.build_model(device="cpu", seed=seed, adapters=False), seed=seed)
@@ -151,6 +155,20 @@ def load_run(run_dir: str | Path) -> LoadedRun:
     model.load_state_dict(tensors.read(names))
     model.eval()
     return LoadedRun(recipe, point.checkpoint, model, time.perf_counter() - started)
+
+
+def _check_factory(raw: dict[str, Any], checkpoint: Path, trusted: str | None) -> None:
+    """Refuse to import a model factory that only the checkpoint's recorded recipe names."""
+    model = raw.get("model")
+    factory = model.get("factory") if isinstance(model, dict) else None
+    if factory and factory != trusted:
+        raise CheckpointError(
+            f"{checkpoint} records a model built by the factory {factory!r} ([model] factory in "
+            "the run's recipe); meshtrain does not import code a checkpoint names, since a "
+            "checkpoint can come from anyone. If you trust that module, name it yourself: "
+            f"--trust-factory {factory}"
+            + (f" (you named {trusted!r})." if trusted else ".")
+        )
 
 
 def evaluate_run(run: LoadedRun, *, batches: int | None = None) -> tuple[EvalResult, str]:
