@@ -127,17 +127,41 @@ def test_a_resume_passes_over_damaged_and_unfinished_checkpoints_to_the_newest_i
     assert find_resume_point(tmp_path, verify=False).checkpoint == tmp_path / "step_00000003"
 
 
-def test_a_checkpoint_saved_before_checksums_loads_unverified(tmp_path: Path) -> None:
+def test_a_checkpoint_without_checksums_loads_only_when_asked_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint whose ``meshtrain.json`` has no checksums (older meshtrain, or stripped of
+    them by whoever flipped a tensor byte) used to load silently, and ``meshtrain checkpoints``
+    called it resumable. Now ``checkpoints``, resume and ``load_checkpoint`` agree: refused,
+    naming ``checkpoint.allow_unverified``, and loaded only with it."""
     _save(tmp_path, 5)
     path = tmp_path / "step_00000005"
     state = json.loads((path / STATE_FILE).read_text())
     del state["files"], state["checksum"]
     state["version"] = 1
     (path / STATE_FILE).write_text(json.dumps(state))
+    weights = (torch.arange(64.0) + 5).numpy().tobytes()
+    at = _payload(path).read_bytes().find(weights)
+    assert at >= 0
+    _flip(_payload(path), start=at + 40, count=1)  # one byte of w[10]: nothing can tell
     status = inspect_checkpoint(path)
-    assert status.status == "unverified" and status.loadable
+    assert status.status == "unverified" and not status.loadable and status.loadable_if(True)
     target = {"w": torch.zeros(64), "b": torch.zeros(3)}
-    assert load_checkpoint(path, target, None) == {"step": 5}
+    with pytest.raises(CheckpointError, match=r"is unverified, so nothing was loaded") as refusal:
+        load_checkpoint(path, target, None)
+    assert "--set checkpoint.allow_unverified=true" in str(refusal.value)
+    point = find_resume_point(tmp_path)
+    assert point.checkpoint is None and [s.status for s in point.blocking] == ["unverified"]
+    with pytest.raises(CheckpointError, match=r"step_00000005: unverified \(saved without"):
+        point.refuse_start_over(tmp_path)
+    assert main(["checkpoints", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "unverified" in out and "no intact checkpoint" in out
+    assert "load only with --set checkpoint.allow_unverified=true" in out
+    # asked for: it resumes and loads
+    assert find_resume_point(tmp_path, allow_unverified=True).checkpoint == path
+    assert load_checkpoint(path, target, None, allow_unverified=True) == {"step": 5}
+    assert target["w"][10] != 15.0  # the flipped byte, loaded as asked: why it is not the default
 
 
 def test_keep_last_never_prunes_the_protected_checkpoint(tmp_path: Path) -> None:

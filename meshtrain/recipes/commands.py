@@ -122,6 +122,8 @@ def checkpoints_command(args: argparse.Namespace) -> int:
             f"{status.path.name}{why}"
         )
     resumable = [status for status in statuses if status.loadable]
+    if any(status.status == "unverified" for status in statuses):
+        print("checkpoints without checksums load only with --set checkpoint.allow_unverified=true")
     if not resumable:
         print("no intact checkpoint: a run in this directory starts from scratch")
         return 1

@@ -166,8 +166,7 @@ def _check_factory(raw: dict[str, Any], checkpoint: Path, trusted: str | None) -
             f"{checkpoint} records a model built by the factory {factory!r} ([model] factory in "
             "the run's recipe); meshtrain does not import code a checkpoint names, since a "
             "checkpoint can come from anyone. If you trust that module, name it yourself: "
-            f"--trust-factory {factory}"
-            + (f" (you named {trusted!r})." if trusted else ".")
+            f"--trust-factory {factory}" + (f" (you named {trusted!r})." if trusted else ".")
         )
 
 

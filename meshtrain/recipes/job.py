@@ -132,7 +132,8 @@ def _nothing_to_train(recipe: Recipe) -> str:
 
     if not recipe.checkpoint.resume or not recipe.checkpoint_dir.is_dir():
         return ""
-    point = find_resume_point(recipe.checkpoint_dir, verify=False)
+    allow = recipe.checkpoint.allow_unverified
+    point = find_resume_point(recipe.checkpoint_dir, verify=False, allow_unverified=allow)
     if point.checkpoint is None or checkpoint_step(point.checkpoint) < recipe.train.steps:
         return ""
     return (

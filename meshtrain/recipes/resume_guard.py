@@ -72,7 +72,8 @@ def check_before_launch(recipe: Recipe) -> None:
     and the state file only: the ranks verify every file's checksum and check again)."""
     if not recipe.checkpoint.resume:
         return
-    point = find_resume_point(recipe.checkpoint_dir, verify=False)
+    allow = recipe.checkpoint.allow_unverified
+    point = find_resume_point(recipe.checkpoint_dir, verify=False, allow_unverified=allow)
     point.refuse_start_over(recipe.checkpoint_dir)
     if point.checkpoint is not None:
         check_recipe_unchanged(recipe, point.checkpoint)

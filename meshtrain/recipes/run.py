@@ -58,6 +58,7 @@ from meshtrain.train.checkpoint import (
     load_checkpoint,
 )
 from meshtrain.train.checkpoint.files import checkpoint_name, checkpoint_step
+from meshtrain.train.checkpoint.integrity import inspect_checkpoint
 from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 from meshtrain.train.data import (
     DistributedBatches,
@@ -335,7 +336,8 @@ def _resume(
     fresh one."""
     if not recipe.checkpoint.resume:
         return state, SkipGuard(budget), LastGood(), None
-    point = find_resume_point(recipe.checkpoint_dir)
+    allow = recipe.checkpoint.allow_unverified
+    point = find_resume_point(recipe.checkpoint_dir, allow_unverified=allow)
     for line in point.describe_passed_over():
         announce(f"{recipe.name}: warning: {line}")
     point.refuse_start_over(recipe.checkpoint_dir)  # starting over would bury a run's work
@@ -344,6 +346,8 @@ def _resume(
     for line in check_recipe_unchanged(recipe, point.checkpoint):  # before any tensor is read
         announce(f"{recipe.name}: {line}")
     extra = load_checkpoint(point.checkpoint, state.params, optimizer, verify=False)
+    if allow and inspect_checkpoint(point.checkpoint, content=False).status == "unverified":
+        announce(f"{recipe.name}: warning: {point.checkpoint} has no checksums: loaded unverified")
     guard = SkipGuard(budget, SkipRecord.from_json(extra.get("nonfinite")))
     state = _restore(state, extra)
     last_good = LastGood.resumed(extra.get("last_good"), state.step)

@@ -673,6 +673,15 @@ class CheckpointSection:
             "continue from the latest complete checkpoint in `dir`", True, resume="safe"
         ),
     )
+    allow_unverified: bool = field(
+        default=False,
+        metadata=about(
+            "resume from a checkpoint saved without checksums (older meshtrain, or stripped of "
+            "them: nothing can tell a flipped byte in it); off, such a checkpoint is passed over",
+            True,
+            resume="safe",
+        ),
+    )
     allow_change: tuple[str, ...] = field(
         default=(),
         metadata=about(

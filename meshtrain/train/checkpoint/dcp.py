@@ -318,6 +318,7 @@ def load_checkpoint(
     *,
     verify: bool = True,
     trust_pickle: bool = False,
+    allow_unverified: bool = False,
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` into ``params`` and ``optimizer`` in place; return the
     ``extra`` it was saved with. Call on every rank alike.
@@ -331,7 +332,8 @@ def load_checkpoint(
 
     ``verify`` (default) first checks every file against the checksums recorded when it was
     saved (the ranks share the reading) and raises a :class:`CheckpointError` naming each bad
-    file; pass ``False`` for a checkpoint :func:`verify_checkpoint` has just passed.
+    file, or naming a checkpoint saved without checksums unless ``allow_unverified``; pass
+    ``False`` for a checkpoint :func:`verify_checkpoint` has just passed.
     ``trust_pickle=True`` reads DCP's pickled metadata with ``pickle.load`` instead of the
     restricted unpickler; pass it only for checkpoints whose origin you trust.
 
@@ -342,7 +344,7 @@ def load_checkpoint(
     """
     path = Path(path)
     if verify:
-        _refuse_damaged(verify_checkpoint(path))
+        _refuse_damaged(verify_checkpoint(path), allow_unverified)
     problems: list[str] = []
     state: dict[str, Any] | None = None
     metadata: Metadata | None = None
@@ -435,10 +437,13 @@ class ResumePoint:
         )
 
 
-def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePoint:
+def find_resume_point(
+    directory: str | Path, *, verify: bool = True, allow_unverified: bool = False
+) -> ResumePoint:
     """The newest complete checkpoint in ``directory`` whose files match their checksums
-    (``verify``; the ranks share the reading), and what was passed over to reach it. Call on
-    every rank alike: every rank gets the same answer.
+    (``verify``; the ranks share the reading), and what was passed over to reach it; one saved
+    without checksums counts only when ``allow_unverified``. Call on every rank alike: every
+    rank gets the same answer.
 
     Example::
 
@@ -459,7 +464,7 @@ def find_resume_point(directory: str | Path, *, verify: bool = True) -> ResumePo
     blocking = [status for status in others if TMP_MARKER not in status.path.name]
     for path in reversed(complete):
         status = verify_checkpoint(path) if verify else inspect_checkpoint(path, content=False)
-        if status.loadable:
+        if status.loadable_if(allow_unverified):
             return ResumePoint(path, tuple(passed))
         passed.append(status)
         blocking.append(status)
@@ -489,10 +494,11 @@ def _inspect_quietly(path: Path) -> CheckpointStatus:
         return CheckpointStatus(path, None, "damaged", (describe_os_error(err),), 0)
 
 
-def _refuse_damaged(status: CheckpointStatus) -> None:
-    if status.status == "damaged":
+def _refuse_damaged(status: CheckpointStatus, allow_unverified: bool = False) -> None:
+    unverified = status.status == "unverified" and not allow_unverified
+    if status.status == "damaged" or unverified:
         raise CheckpointError(
-            f"checkpoint {str(status.path)!r} is damaged, so nothing was loaded:\n"
+            f"checkpoint {str(status.path)!r} is {status.status}, so nothing was loaded:\n"
             + "\n".join(f"  - {problem}" for problem in status.problems)
             + "\nLoad an earlier one (`meshtrain checkpoints DIR` lists them with their status)."
         )

@@ -5,8 +5,9 @@ records them in ``meshtrain.json`` under ``files``; the state itself is sealed w
 ``checksum`` over its canonical JSON, so a flipped byte in a tensor file, a truncated
 ``.metadata`` or a hand-edited ``step`` is found before anything is loaded. :func:`inspect_checkpoint`
 judges one checkpoint directory: ``intact`` (everything matches), ``damaged`` (the problems say
-which file and why), ``incomplete`` (a save that never finished) or ``unverified`` (saved before
-checksums existed: it loads, unchecked).
+which file and why), ``incomplete`` (a save that never finished) or ``unverified`` (no checksums
+recorded: saved before they existed, or stripped of them; it loads only when asked for, with
+``checkpoint.allow_unverified``, since nothing can tell a flipped byte in it).
 
 Example:
     >>> import tempfile
@@ -52,6 +53,10 @@ __all__ = [
 ]
 
 Status = Literal["intact", "damaged", "incomplete", "unverified"]
+UNVERIFIED = (
+    "saved without checksums, so its files cannot be verified; load it on purpose with "
+    "--set checkpoint.allow_unverified=true"
+)
 _CHUNK = 8 << 20
 
 
@@ -68,8 +73,12 @@ class CheckpointStatus:
 
     @property
     def loadable(self) -> bool:
-        """Intact, or saved before checksums (nothing to verify against)."""
-        return self.status in ("intact", "unverified")
+        """Intact: every file matches the checksums recorded when it was saved."""
+        return self.status == "intact"
+
+    def loadable_if(self, allow_unverified: bool) -> bool:
+        """Intact, or unverified (no checksums to check against) when ``allow_unverified``."""
+        return self.loadable or (allow_unverified and self.status == "unverified")
 
 
 def file_digest(path: Path) -> dict[str, Any]:
@@ -157,7 +166,7 @@ def inspect_checkpoint(path: str | Path, *, content: bool = True) -> CheckpointS
     except CheckpointError as err:
         return CheckpointStatus(path, step, "damaged", (f"{STATE_FILE}: {err.message}",), size)
     if "files" not in state:
-        return CheckpointStatus(path, step, "unverified", ("saved without checksums",), size)
+        return CheckpointStatus(path, step, "unverified", (UNVERIFIED,), size)
     problems = state_problems(path, state)
     listed = state["files"]
     problems += file_problems(path, listed, sorted(listed), content=content)
