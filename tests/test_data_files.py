@@ -274,3 +274,27 @@ def test_a_planted_out_of_order_pool_is_caught(tmp_path: Path) -> None:
         prepare_documents(source, ListBytes(), tmp_path / "pool", workers=2)
     one, pool = ((tmp_path / d / "train" / "tokens.bin").read_bytes() for d in ("one", "pool"))
     assert len(one) == len(pool) and one != pool
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "text"])
+def test_a_byte_that_is_not_utf8_is_named_by_line_and_file_offset(
+    tmp_path: Path, kind: str
+) -> None:
+    """A bad byte used to read ``not UTF-8 text ('utf-8' codec can't decode byte 0xff in
+    position 6901…)``: no line, and 6901 counted from the start of a read buffer, not the file."""
+    good = json.dumps({"text": "ok " * 3000}) + "\n"  # longer than one read buffer
+    lines = [good.encode()] * 40
+    bad = (
+        json.dumps({"text": "caf\u00e9"}, ensure_ascii=False).encode().replace(b"\xc3\xa9", b"\xff")
+    )
+    lines[37] = bad + b"\n"
+    path = tmp_path / f"data.{kind}"
+    path.write_bytes(b"".join(lines))
+    offset = sum(len(line) for line in lines[:37]) + bad.index(b"\xff")
+    with pytest.raises(DataError) as refusal:
+        list(read_documents(DocumentSource(kind, str(path))))
+    text = str(refusal.value)
+    assert text.startswith(
+        f"{path}:38: not UTF-8 text (byte 0xff at offset {offset:,} of the file)"
+    )
+    assert "\n" not in text

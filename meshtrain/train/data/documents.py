@@ -146,27 +146,40 @@ def _key(source: DocumentSource, name: str) -> str:
 
 
 def _jsonl(source: DocumentSource, path: Path) -> Iterator[Document]:
-    with open(path, encoding="utf-8", errors="strict") as stream:
-        try:
-            for number, line in enumerate(stream, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise DataError(
-                        f"{path}:{number}: not a JSON object ({err}). Fix or remove the line."
-                    ) from None
-                yield _record(source, record, f"{path}:{number}")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}: not UTF-8 text ({err}). Re-encode it as UTF-8.") from None
+    offset = 0  # of the line in the file, in bytes
+    with open(path, "rb") as stream:
+        for number, raw in enumerate(stream, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise _not_utf8(path, number, offset + err.start, raw[err.start]) from None
+            offset += len(raw)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise DataError(
+                    f"{path}:{number}: not a JSON object ({err}). Fix or remove the line."
+                ) from None
+            yield _record(source, record, f"{path}:{number}")
+
+
+def _not_utf8(path: Path, line: int, offset: int, byte: int) -> DataError:
+    """The first byte that is not UTF-8, by line and by its offset in the file."""
+    return DataError(
+        f"{path}:{line}: not UTF-8 text (byte 0x{byte:02x} at offset {offset:,} of the file). "
+        "Re-encode the file as UTF-8, or fix or remove the line."
+    )
 
 
 def _text(source: DocumentSource, path: Path) -> Iterator[Document]:
+    data = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise DataError(f"{path}: not UTF-8 text ({err}). Re-encode it as UTF-8.") from None
+        line = data.count(b"\n", 0, err.start) + 1
+        raise _not_utf8(path, line, err.start, data[err.start]) from None
     if source.format == "instruction":
         raise DataError(
             f"{path}: data.format = 'instruction' needs prompt and response fields; plain text "
