@@ -254,3 +254,80 @@ def test_a_refusal_comes_before_torch_is_imported(tmp_path: Path) -> None:
     )
     assert done.stdout.split() == ["2", "False"]
     assert "optimizer.type" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"betas": 0.9}}}',
+            "optimizer.params.betas = 0.9 (two numbers in [0, 1)",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"lr": "abc"}}}',
+            'optimizer.params.lr = "abc" (a positive finite number)',
+        ),
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"lr": null}}}',
+            "optimizer.params.lr = null (a positive finite number)",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"lr": 1e400}}}',
+            "optimizer.params.lr = Infinity (a positive finite number)",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"eps": NaN}}}',
+            "optimizer.params.eps = NaN (a positive finite number)",
+        ),
+        (
+            '{"optimizer": {"type": "AdamW", "params": {"weight_decay": -1}}}',
+            "optimizer.params.weight_decay = -1 (a finite number ≥ 0)",
+        ),
+        (
+            '{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "abc"}}}',
+            'scheduler.params.warmup_num_steps = "abc" (a whole number of steps ≥ 0)',
+        ),
+        (
+            '{"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 1e400}}}',
+            "scheduler.params.warmup_num_steps = Infinity (a whole number of steps ≥ 0)",
+        ),
+        (
+            '{"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": null}}}',
+            "scheduler.params.warmup_max_lr = null (a positive finite number)",
+        ),
+    ],
+    ids=[
+        "scalar-betas",
+        "lr-text",
+        "lr-null",
+        "lr-overflow",
+        "eps-nan",
+        "decay-negative",
+        "warmup-text",
+        "warmup-overflow",
+        "max-lr-null",
+    ],
+)
+def test_values_of_the_wrong_type_or_range_are_one_line_naming_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, named: str
+) -> None:
+    """These used to end in tracebacks (TypeError for a scalar betas or null, ValueError for
+    "abc", OverflowError for 1e400) or in a recipe that is not valid TOML."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    out = tmp_path / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("DeepSpeedConfigError: ") and named in err
+    assert not out.exists()
+
+
+def test_an_output_in_a_missing_directory_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text("{}")
+    out = tmp_path / "missing" / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"its directory {str(out.parent)!r} does not exist" in err

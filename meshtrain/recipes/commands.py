@@ -52,6 +52,11 @@ def from_deepspeed_command(args: argparse.Namespace) -> int:
     """``meshtrain recipe from-deepspeed``: write the recipe a DeepSpeed config means."""
     from meshtrain.recipes.deepspeed import read_deepspeed, translate_deepspeed
 
+    if not Path(args.out).resolve().parent.is_dir():
+        raise MeshtrainError(
+            f"--out {args.out}: its directory {str(Path(args.out).resolve().parent)!r} does not "
+            "exist. Create it first, or write the recipe elsewhere."
+        )
     translation = translate_deepspeed(read_deepspeed(args.config), model=args.model)  # no torch
     text = translation.toml(args.config)
     from meshtrain.recipes import recipe_from_toml

@@ -151,9 +151,9 @@ def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> T
     _check_batch(out, config)
     if out.refused:
         raise DeepSpeedConfigError(
-            f"{len(out.refused)} DeepSpeed key(s) have no meshtrain equivalent: "
+            f"{len(out.refused)} DeepSpeed key(s) cannot be translated: "
             + "; ".join(out.refused)
-            + ". Remove them, or set what they mean in the recipe."
+            + ". Fix or remove them, or set what they mean in the recipe."
         )
     return out
 
@@ -249,17 +249,36 @@ def _optimizer_param(out: Translation, key: str, value: Any, config: Mapping[str
     if name == "torch_adam" or name == "adam_w_mode":
         return "" if value in (True, False) else "a boolean"
     targets = {
-        "lr": "train.lr",
-        "eps": "train.eps",
-        "weight_decay": "train.weight_decay",
-        "betas": "train.betas",
+        "lr": ("train.lr", _positive_number, "a positive finite number"),
+        "eps": ("train.eps", _positive_number, "a positive finite number"),
+        "weight_decay": ("train.weight_decay", _nonnegative_number, "a finite number ≥ 0"),
+        "betas": ("train.betas", _betas, "two numbers in [0, 1), e.g. [0.9, 0.999]"),
     }
     if name == "momentum" and value == 0:
         return ""
     if name not in targets:
         return "meshtrain's optimizers take lr, betas, eps and weight_decay"
-    out.settings[targets[name]] = list(value) if name == "betas" else value
+    target, check, what = targets[name]
+    if not check(value):
+        return what
+    out.settings[target] = list(value) if name == "betas" else value
     return ""
+
+
+def _positive_number(value: Any) -> bool:
+    return _number(value) and value > 0
+
+
+def _nonnegative_number(value: Any) -> bool:
+    return _number(value) and value >= 0
+
+
+def _betas(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(_unit(beta) for beta in value)
+
+
+def _unit(value: Any) -> bool:
+    return _number(value) and 0 <= value < 1
 
 
 def _scheduler_type(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
@@ -275,10 +294,18 @@ def _scheduler_param(out: Translation, key: str, value: Any, config: Mapping[str
         return "" if value == 0 else "meshtrain's warmup starts from 0"
     if name == "warmup_type":
         return "" if value == "linear" else "meshtrain's warmup is linear"
+    if name in ("warmup_num_steps", "total_num_steps") and not (
+        _integer(value) and value >= (0 if name == "warmup_num_steps" else 1)
+    ):
+        return "a whole number of steps" + (" ≥ 0" if name == "warmup_num_steps" else " ≥ 1")
+    if name in ("warmup_max_lr", "cos_min_ratio") and not (
+        _positive_number(value) if name == "warmup_max_lr" else _unit(value)
+    ):
+        return "a positive finite number" if name == "warmup_max_lr" else "a number in [0, 1)"
     if name == "warmup_num_steps":
-        out.settings["train.warmup_steps"] = int(value)
+        out.settings["train.warmup_steps"] = value
     elif name == "total_num_steps":
-        out.settings["train.steps"] = int(value)
+        out.settings["train.steps"] = value
     elif name == "warmup_max_lr":
         out.settings["train.lr"] = value
         if kind == "WarmupLR":
