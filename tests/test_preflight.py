@@ -330,3 +330,26 @@ def test_a_broken_wandb_install_is_one_line_before_any_rank_starts(tmp_path: Pat
     assert "logging.wandb=disabled" in refusal and "Traceback" not in output
     assert not (tmp_path / "runs").exists()  # no rank started, nothing written
     assert seconds < REFUSAL_BUDGET_S, f"refused in {seconds:.2f} s"
+
+
+def test_a_recipe_that_is_a_fifo_or_unreadable_is_named_as_what_it_is(
+    tmp_path: Path, no_ranks: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A FIFO given as the recipe was reported as "does not exist" (and reading it would
+    block); an unreadable one and one that is not UTF-8 are named with the reason."""
+    fifo = tmp_path / "recipe.toml"
+    os.mkfifo(fifo)
+    assert main(["train", str(fifo), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a named pipe (FIFO), not a regular file" in err
+    latin = tmp_path / "latin.toml"
+    latin.write_bytes(b'[train]\n# caf\xe9\nsteps = 3\n')
+    assert main(["train", str(latin), "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "is not UTF-8 text (byte 0xe9 at offset 13)" in err
+    if os.geteuid() != 0:  # root reads anything
+        locked = tmp_path / "locked.toml"
+        locked.write_text("[train]\n")
+        locked.chmod(0)
+        assert main(["train", str(locked), "--nproc", "2"]) == 2
+        assert "Permission denied" in capsys.readouterr().err

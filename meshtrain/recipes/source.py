@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import stat
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from meshtrain.errors import RecipeError, did_you_mean
+from meshtrain.errors import RecipeError, describe_os_error, did_you_mean
 from meshtrain.recipes.sections import SECTION_NAMES, SECTION_TYPES
 
 if sys.version_info >= (3, 11):
@@ -37,6 +38,11 @@ def find_recipe(path_or_name: str | Path) -> Path:
     if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
         if path.is_dir():
             raise RecipeError(_directory_message(path))
+        if path.exists() and not path.is_file():
+            raise RecipeError(
+                f"recipe {str(path)!r} is {_kind(path)}, not a regular file: meshtrain reads "
+                "recipes from .toml files (save it to one first)."
+            )
         if not path.is_file():
             raise RecipeError(f"recipe file {str(path)!r} does not exist.")
         return path
@@ -53,6 +59,14 @@ def find_recipe(path_or_name: str | Path) -> Path:
     )
 
 
+def _kind(path: Path) -> str:
+    """What a path that is not a regular file or a directory is, in words."""
+    mode = path.stat().st_mode
+    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+    kinds += ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
 def _directory_message(path: Path) -> str:
     inside = sorted(entry.name for entry in path.glob("*.toml"))
     hint = f" (it holds {', '.join(inside)})" if inside else ""
@@ -67,8 +81,13 @@ def read_recipe(path_or_name: str | Path) -> tuple[str, str]:
     path = find_recipe(path_or_name)
     try:
         return path.read_text(), str(path)
-    except (OSError, UnicodeDecodeError) as err:
-        raise RecipeError(f"cannot read recipe {str(path)!r}: {err}.") from None
+    except OSError as err:
+        raise RecipeError(f"cannot read recipe {str(path)!r}: {describe_os_error(err)}.") from None
+    except UnicodeDecodeError as err:
+        raise RecipeError(
+            f"recipe {str(path)!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+            f"offset {err.start:,}). Save it as UTF-8."
+        ) from None
 
 
 def parse_recipe(
