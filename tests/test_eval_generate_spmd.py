@@ -181,6 +181,40 @@ def test_eval_on_a_pipelined_plan_matches_one_device_on_the_checkpoint(
     assert planted_result.loss != pytest.approx(planted_logged[STEPS], rel=1e-5)
 
 
+def _forge(run: Path, forged: Path, **sections: dict) -> dict:
+    """A copy of ``run`` whose newest checkpoint records a recipe with ``sections`` replaced,
+    re-sealed (a sha256 finds damage, not forgery); the recipe as it was."""
+    import shutil
+
+    from meshtrain.train.checkpoint import find_resume_point
+    from meshtrain.train.checkpoint.integrity import seal_state
+
+    shutil.copytree(run, forged)
+    point = find_resume_point(forged / "checkpoints")
+    assert point.checkpoint is not None
+    state_path = point.checkpoint / "meshtrain.json"
+    state = json.loads(state_path.read_text())
+    del state["checksum"]
+    recipe = state["extra"]["recipe"]
+    state["extra"]["recipe"] = {**recipe, "rules": {".*": "P()"}, **sections}
+    state_path.write_text(seal_state(state))
+    return recipe
+
+
+def test_a_checkpoint_of_another_model_names_the_tensors_that_differ(
+    trained: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It ended in ``RuntimeError: Error(s) in loading state_dict``."""
+    root, _ = trained
+    forged = tmp_path / "forged"
+    recipe = _forge(root / "run", forged, model={"preset": "debug", "dim": 128})
+    assert recipe["model"].get("dim", 64) == 64
+    assert main(["eval", str(forged)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "does not hold the model its recorded recipe builds: " in err
+    assert "'tok_embeddings.weight' saved [256, 64], the recipe's model [256, 128]" in err
+
+
 PLANTED_FACTORY = """
 from pathlib import Path
 Path(__file__).with_name("imported.marker").write_text("the checkpoint's factory ran")
@@ -201,23 +235,10 @@ def test_a_factory_recorded_in_a_checkpoint_is_never_imported_unless_named(
     names ``[model] factory`` in a module beside the user: ``eval`` and ``generate`` used to
     import and run it. Now they refuse in one line naming the factory, and import it only when
     the user names it again with ``--trust-factory``."""
-    import shutil
-
-    from meshtrain.train.checkpoint import find_resume_point
-    from meshtrain.train.checkpoint.integrity import seal_state
-
     root, _ = trained
     forged = tmp_path / "forged"
-    shutil.copytree(root / "run", forged)
-    point = find_resume_point(forged / "checkpoints")
-    assert point.checkpoint is not None
-    state_path = point.checkpoint / "meshtrain.json"
-    state = json.loads(state_path.read_text())
-    del state["checksum"]
-    model = state["extra"]["recipe"]["model"]
-    state["extra"]["recipe"]["model"] = {"factory": "planted_factory:build"}
-    state["extra"]["recipe"]["rules"] = {".*": "P()"}
-    state_path.write_text(seal_state(state))
+    recipe = _forge(root / "run", forged, model={"factory": "planted_factory:build"})
+    model = recipe["model"]
     (tmp_path / "planted_factory.py").write_text(PLANTED_FACTORY)
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -146,15 +146,33 @@ def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> Loaded
     model = recipe.adapt(recipe.build_model(device="cpu", seed=seed, adapters=False), seed=seed)
     names = list(model.state_dict())
     tensors = CheckpointTensors(point.checkpoint)
-    missing = [name for name in names if name not in tensors]
-    if missing:
-        raise CheckpointError(
-            f"{point.checkpoint} lacks {len(missing)} of the model's tensors (first: "
-            f"{missing[0]!r}); it was saved from another model."
-        )
+    _check_same_model(point.checkpoint, model, tensors)
     model.load_state_dict(tensors.read(names))
     model.eval()
     return LoadedRun(recipe, point.checkpoint, model, time.perf_counter() - started)
+
+
+def _check_same_model(checkpoint: Path, model: nn.Module, tensors: CheckpointTensors) -> None:
+    """Every tensor the model has, in the checkpoint with the same shape; else one line naming
+    the first few that differ (it used to end in load_state_dict's RuntimeError)."""
+    state = model.state_dict()
+    missing = [name for name in state if name not in tensors]
+    shapes = {
+        name: (tuple(tensors.entries[name].size), tuple(state[name].shape))
+        for name in state
+        if name in tensors and tuple(tensors.entries[name].size) != tuple(state[name].shape)
+    }
+    if not missing and not shapes:
+        return
+    shown = [f"{name!r} missing" for name in missing[:3]] + [
+        f"{name!r} saved {list(saved)}, the recipe's model {list(wanted)}"
+        for name, (saved, wanted) in list(shapes.items())[:3]
+    ]
+    raise CheckpointError(
+        f"{checkpoint} does not hold the model its recorded recipe builds: {len(missing)} "
+        f"tensors missing and {len(shapes)} of another shape ({'; '.join(shown)}). It was saved "
+        "from another model, or its recipe was changed."
+    )
 
 
 def _check_factory(raw: dict[str, Any], checkpoint: Path, trusted: str | None) -> None:

@@ -62,8 +62,8 @@ def find_recipe(path_or_name: str | Path) -> Path:
 def _kind(path: Path) -> str:
     """What a path that is not a regular file or a directory is, in words."""
     mode = path.stat().st_mode
-    kinds = ((stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
-    kinds += ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+    kinds = [(stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")]
+    kinds += [(stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")]
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
