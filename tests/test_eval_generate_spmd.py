@@ -79,7 +79,7 @@ def test_eval_on_the_plan_matches_one_device_on_the_checkpoint(
     run = load_run(root / "run")
     assert run.step == STEPS
     result, what = evaluate_run(run, batches=2)
-    assert what == "the validation split"
+    assert what == f"the validation split ({root / 'run' / 'data' / 'validation'})"
     # same weights, same batches, fp32: the plan's reduction order is the only difference
     assert result.loss == pytest.approx(logged[STEPS], rel=1e-5)
     last = [row for row in read_jsonl(root / "run" / "metrics.jsonl") if "val_tokens" in row][-1]
@@ -213,6 +213,27 @@ def test_a_checkpoint_of_another_model_names_the_tensors_that_differ(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "does not hold the model its recorded recipe builds: " in err
     assert "'tok_embeddings.weight' saved [256, 64], the recipe's model [256, 128]" in err
+
+
+def test_eval_reads_the_run_it_is_given_from_any_directory(
+    trained: tuple[Path, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run recorded with a relative run directory (``runs/sft``, as most recipes write it),
+    moved or read from elsewhere: eval used to look for the data under the current directory
+    ("no prepared token file at 'runs/…/data/train'") or read another run's. It reads the run
+    directory it is given, and says which data it read."""
+    root, _ = trained
+    moved = tmp_path / "moved"
+    _forge(root / "run", moved, logging={"run_dir": "runs/sft", "console": False})
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / "runs" / "sft").mkdir(parents=True)  # another run's directory, empty
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(moved), "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"of the validation split ({moved.resolve() / 'data' / 'validation'})" in out
 
 
 PLANTED_FACTORY = """

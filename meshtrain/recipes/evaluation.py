@@ -141,6 +141,10 @@ def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> Loaded
     if not isinstance(raw, dict):
         raise CheckpointError(f"{point.checkpoint} records no recipe; it was not saved by a run.")
     _check_factory(raw, point.checkpoint, trust_factory)  # before the recipe imports it
+    # the run directory is where the user found it, not where the recorded (maybe relative)
+    # path points from the current directory: its data is read from there
+    run_root = root if directory != root else directory.parent
+    raw = {**raw, "logging": {**raw.get("logging", {}), "run_dir": str(run_root.resolve())}}
     recipe = recipe_from_data(raw, f"{point.checkpoint} (the run's recipe)")
     seed = recipe.train.seed
     model = recipe.adapt(recipe.build_model(device="cpu", seed=seed, adapters=False), seed=seed)
@@ -222,12 +226,13 @@ def _held_out(recipe: Recipe) -> tuple[Any, str]:
             validation = directory / "validation"
             return (
                 PackedWindows(validation, seq_len, document_positions=data.document_mask),
-                "the validation split",
+                f"the validation split ({validation})",
             )
         train = PackedWindows(directory / "train", seq_len, document_positions=data.document_mask)
-        return train, "the training data (no split)"
+        return train, f"the training data, no split ({directory / 'train'})"
     if data.source in ("corpus", "tokens"):
-        return TokenWindows(TokenFile(data.path), seq_len), "the training data (no split)"
+        where = f"the training data, no split ({data.path})"
+        return TokenWindows(TokenFile(data.path), seq_len), where
     raise RecipeError(
         f"{recipe.source}: data.source = {data.source!r} keeps no data on disk to evaluate on. "
         "Evaluate during training with [eval], or train on files with data.validation."
