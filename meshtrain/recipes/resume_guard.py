@@ -13,17 +13,33 @@ Example (on every rank, before any tensor is loaded)::
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from meshtrain.errors import CheckpointError
+from meshtrain.recipes.data import data_directory, document_source
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.resume_check import check_resume
 from meshtrain.train.checkpoint import find_resume_point
 from meshtrain.train.checkpoint.files import read_state_file
+from meshtrain.train.data.documents import FILE_SOURCES
+from meshtrain.train.data.identity import (
+    as_json,
+    from_json,
+    identity_change,
+    read_identity,
+    source_identity,
+)
 
-__all__ = ["check_before_launch", "check_recipe_unchanged", "run_id"]
+__all__ = [
+    "check_before_launch",
+    "check_recipe_unchanged",
+    "recorded_data_files",
+    "run_id",
+]
 
 
 def run_id(resume: Path | None) -> str:
@@ -62,8 +78,38 @@ def check_recipe_unchanged(recipe: Recipe, checkpoint: Path) -> list[str]:
             "recipe to continue that run under this recipe."
         )
     verdict.raise_if_refused(str(checkpoint))
+    lines = [*verdict.lines, *_data_unchanged(recipe, extra.get("data_files"), checkpoint, allowed)]
     name = f" of run {run['id']}" if run.get("id") else ""
-    return [line.replace("resuming", f"resuming{name}", 1) for line in verdict.lines]
+    return [line.replace("resuming", f"resuming{name}", 1) for line in lines]
+
+
+def recorded_data_files(recipe: Recipe) -> list[dict[str, Any]]:
+    """The files a file source's prepared tokens were made from (path, size, sha256), as a
+    checkpoint records them; none for other sources."""
+    if recipe.data.source not in FILE_SOURCES:
+        return []
+    return as_json(read_identity(data_directory(recipe)))
+
+
+def _data_unchanged(
+    recipe: Recipe, saved: Any, checkpoint: Path, allowed: Sequence[str]
+) -> list[str]:
+    """Refuse a resume whose data files changed since ``checkpoint`` (the data position would
+    index other tokens), naming the file; a line when ``--allow-change data.path`` asks for it."""
+    before = from_json(saved)
+    if not before or recipe.data.source not in FILE_SOURCES:
+        return []
+    now = source_identity(document_source(recipe), read_identity(data_directory(recipe)))
+    change = identity_change(before, now)
+    if change is None:
+        return []
+    if any(item in ("data", "data.path") for item in allowed):
+        return [f"resuming on changed data, allowed: {change}; the data position carries over"]
+    raise CheckpointError(
+        f"checkpoint {checkpoint} was trained on other data: {change}. Resuming would continue "
+        "at its data position in other tokens. Restore the data, start a new run directory, or "
+        "continue on the new data on purpose with --allow-change data.path."
+    )
 
 
 def check_before_launch(recipe: Recipe) -> None:

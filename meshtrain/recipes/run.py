@@ -44,7 +44,7 @@ from meshtrain.recipes.preflight import lock_run
 from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.progress import count_progress
 from meshtrain.recipes.recipe import Recipe
-from meshtrain.recipes.resume_guard import check_recipe_unchanged, run_id
+from meshtrain.recipes.resume_guard import check_recipe_unchanged, recorded_data_files, run_id
 from meshtrain.recipes.router_stats import router_metrics
 from meshtrain.recipes.sections import TrainSection
 from meshtrain.spec.mesh import Mesh, make_mesh
@@ -446,6 +446,7 @@ def _extra(state: TrainState, plan: Plan, fingerprint: str, recipe: Recipe) -> d
     return {
         "step": state.step,
         "data": state.data.to_json(),
+        "data_files": recorded_data_files(recipe),
         "rng": base64.b64encode(state.rng.numpy().tobytes()).decode(),
         "fingerprint": fingerprint,
         "mesh": {axis: plan.mesh.size(axis) for axis in plan.mesh.axis_names},

@@ -53,6 +53,12 @@ import torch
 from meshtrain.files import replaced_atomically, write_text_atomically
 from meshtrain.train.data.corpus import DataError
 from meshtrain.train.data.documents import Document, DocumentSource, read_documents, source_files
+from meshtrain.train.data.identity import (
+    SourceFile,
+    read_identity,
+    source_identity,
+    write_identity,
+)
 from meshtrain.train.data.loader import (
     TOKENS_BIN,
     TOKENS_JSON,
@@ -108,9 +114,11 @@ def prepare_documents(
     if not 0.0 <= validation < 1.0:
         raise DataError(f"data.validation = {validation} must lie in [0, 1).")
     out = Path(out_dir)
-    key = _cache_key(source, tokenizer, validation, seed)
+    files = source_identity(source, read_identity(out))
+    key = _cache_key(source, tokenizer, validation, seed, files)
     names = ("train", "validation") if validation > 0 else ("train",)
     if all(_matches(out / name, key) for name in names):
+        write_identity(out, files)  # the stamps as they are now: the next check reads nothing
         return PreparedData(out / "train", out / "validation" if validation else None, True)
     writers = {name: _PackedWriter(out / name, tokenizer) for name in names}
     try:
@@ -120,6 +128,7 @@ def prepare_documents(
     finally:
         for writer in writers.values():
             writer.close()
+    write_identity(out, files)
     return PreparedData(out / "train", out / "validation" if validation else None, False)
 
 
@@ -389,8 +398,16 @@ def _unit(seed: int, index: int) -> float:
     return int.from_bytes(digest[:8], "little") / 2**64
 
 
-def _cache_key(source: DocumentSource, tokenizer: Tokenizer, validation: float, seed: int) -> str:
-    files = [(str(path), *_stamp(path)) for path in source_files(source)]
+def _cache_key(
+    source: DocumentSource,
+    tokenizer: Tokenizer,
+    validation: float,
+    seed: int,
+    identity: Sequence[SourceFile],
+) -> str:
+    """What the prepared tokens were made from: the source's settings, the tokenizer, the split
+    and each file's content (its sha256: an edit that keeps size and time is seen)."""
+    files = [(file.path, file.size, file.sha256) for file in identity]
     described = json.dumps(
         [
             source.kind,
