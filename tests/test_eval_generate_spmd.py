@@ -236,6 +236,29 @@ def test_eval_reads_the_run_it_is_given_from_any_directory(
     assert f"of the validation split ({moved.resolve() / 'data' / 'validation'})" in out
 
 
+def test_eval_and_export_name_a_newer_checkpoint_they_pass_over(
+    trained: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn newest checkpoint fell back to the older one without a word."""
+    import shutil
+
+    root, _ = trained
+    run = tmp_path / "run"
+    shutil.copytree(root / "run", run)
+    newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+    torn = run / "checkpoints" / f"step_{STEPS + 1:08d}"
+    shutil.copytree(newest, torn)
+    (torn / ".metadata").write_bytes(b"torn")
+    assert main(["eval", str(run), "--batches", "1"]) == 0
+    captured = capsys.readouterr()
+    assert f"warning: passed over {torn}: damaged (" in captured.err
+    assert ".metadata: 4 bytes, expected" in captured.err
+    assert f"loaded {newest} (step {STEPS})" in captured.out
+    assert main(["export", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: passed over {torn}: damaged" in err and f"exporting {newest}" in err
+
+
 PLANTED_FACTORY = """
 from pathlib import Path
 Path(__file__).with_name("imported.marker").write_text("the checkpoint's factory ran")

@@ -22,6 +22,8 @@ def eval_command(args: argparse.Namespace) -> int:
     from meshtrain.recipes.evaluation import evaluate_run, load_run
 
     run = load_run(args.run_dir, trust_factory=args.trust_factory)
+    for line in run.passed_over:
+        say(f"warning: {line}")
     print(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s", flush=True)
     result, what = evaluate_run(run, batches=args.batches)
     print(
@@ -36,6 +38,8 @@ def generate_command(args: argparse.Namespace) -> int:
     from meshtrain.recipes.evaluation import generate, load_run
 
     run = load_run(args.run_dir, trust_factory=args.trust_factory)
+    for line in run.passed_over:
+        say(f"warning: {line}")
     say(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s")
     text = generate(
         run,
@@ -156,6 +160,7 @@ def export_command(args: argparse.Namespace) -> int:
                 max_shard_size=args.max_shard_size,
                 dtype=dtype,
                 progress=progress,
+                say=say,
             )
     except (KeyboardInterrupt, StopRequested) as err:
         name = err.signal_name if isinstance(err, StopRequested) else "SIGINT"

@@ -112,6 +112,7 @@ class LoadedRun:
     checkpoint: Path
     model: nn.Module
     seconds: float
+    passed_over: tuple[str, ...] = ()  # newer checkpoints not used, one line each with why
 
     @property
     def step(self) -> int:
@@ -153,7 +154,8 @@ def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> Loaded
     _check_same_model(point.checkpoint, model, tensors)
     model.load_state_dict(tensors.read(names))
     model.eval()
-    return LoadedRun(recipe, point.checkpoint, model, time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    return LoadedRun(recipe, point.checkpoint, model, seconds, tuple(point.describe_passed_over()))
 
 
 def _check_same_model(checkpoint: Path, model: nn.Module, tensors: CheckpointTensors) -> None:
