@@ -343,7 +343,7 @@ def test_a_recipe_that_is_a_fifo_or_unreadable_is_named_as_what_it_is(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is a named pipe (FIFO), not a regular file" in err
     latin = tmp_path / "latin.toml"
-    latin.write_bytes(b'[train]\n# caf\xe9\nsteps = 3\n')
+    latin.write_bytes(b"[train]\n# caf\xe9\nsteps = 3\n")
     assert main(["train", str(latin), "--nproc", "2"]) == 2
     err = capsys.readouterr().err
     assert "is not UTF-8 text (byte 0xe9 at offset 13)" in err
@@ -353,3 +353,36 @@ def test_a_recipe_that_is_a_fifo_or_unreadable_is_named_as_what_it_is(
         locked.chmod(0)
         assert main(["train", str(locked), "--nproc", "2"]) == 2
         assert "Permission denied" in capsys.readouterr().err
+
+
+def _jsonl(path: Path, documents: int, words: int = 20) -> Path:
+    path.write_text(
+        "".join(f'{{"text": "{" ".join(["word"] * words)} {i}"}}\n' for i in range(documents))
+    )
+    return path
+
+
+def test_data_too_small_for_a_batch_or_an_evaluation_is_refused_before_any_rank_starts(
+    tmp_path: Path, no_ranks: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These were refused by every rank, each on its own line, after the ranks started; a
+    corpus_bytes too small for a window only after rank 0 had prepared the corpus (17 s)."""
+    run = ["--set", f"logging.run_dir={tmp_path / 'run'}", "--set", "logging.wandb=disabled"]
+    data = _jsonl(tmp_path / "small.jsonl", 8)  # ~8 windows of 65 tokens
+    files = ["--set", "data.source=jsonl", "--set", f"data.path={data}", *run]
+    assert main(["train", "debug", "--nproc", "2", *files, "--set", "train.batch_size=16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err.startswith("DataError: ")
+        and "fewer than one global batch of train.batch_size = 16" in err
+    )
+    data = _jsonl(tmp_path / "held-out.jsonl", 400, words=5)  # 1% held out: about 2 windows
+    files = ["--set", "data.source=jsonl", "--set", f"data.path={data}", *run]
+    evaluated = [*files, "--set", "data.validation=0.01", "--set", "eval.every=2"]
+    assert main(["train", "debug", "--nproc", "4", "--set", "mesh.tp=1", *evaluated]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("RecipeError: ") and "fewer than the 4 data-parallel ranks" in err
+    corpus = ["--set", f"data.path={tmp_path / 'corpus'}", "--set", "data.corpus_bytes=10", *run]
+    assert main(["train", "debug", "--nproc", "2", *corpus]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("DataError: ") and "gave no text to tokenize" in err

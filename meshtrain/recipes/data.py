@@ -131,6 +131,24 @@ def recipe_datasets(recipe: Recipe, vocab: int) -> tuple[Any, Any | None]:
     return TokenWindows(TokenFile(path), seq_len), None
 
 
+def launch_datasets(recipe: Recipe) -> tuple[Any, Any | None]:
+    """The train and validation windows the launcher prepared (file sources and the corpus;
+    synthetic data as drawn), read without a process group or a vocabulary: for the sizes."""
+    data, seq_len = recipe.data, recipe.train.seq_len
+    if data.source == "synthetic":
+        return SyntheticTokens(256, seq_len, data.samples, data.seed), None
+    if data.source in FILE_SOURCES:
+        out, documents = data_directory(recipe), data.document_mask
+        validation = out / "validation" if data.validation > 0 else None
+        return (
+            PackedWindows(out / "train", seq_len, document_positions=documents),
+            PackedWindows(validation, seq_len, document_positions=documents)
+            if validation
+            else None,
+        )
+    return TokenWindows(TokenFile(data.path), seq_len), None
+
+
 def check_file_keys(recipe: Recipe) -> None:
     """``data.validation``, ``data.format`` and ``data.document_mask`` apply to file sources
     only: refuse them elsewhere rather than ignore them; and ``data.document_mask`` with a

@@ -51,6 +51,29 @@ from meshtrain.train.metrics import Sinks
 __all__ = ["Evaluator", "LoadedRun", "evaluate_run", "generate", "load_run"]
 
 
+def validation_batch(recipe: Recipe, sequences: int, dp_size: int, pipelined: bool) -> int:
+    """The global batch ``[eval]`` draws from a validation split of ``sequences``: the training
+    batch, or fewer when the split is smaller (a multiple of the ``dp_size`` data-parallel
+    ranks); a :class:`RecipeError` when that leaves no sequence for a rank, or when a pipelined
+    plan (which evaluates whole training batches) has fewer than one. The launcher asks the
+    same before any rank starts."""
+    batch = min(recipe.train.batch_size, sequences // dp_size * dp_size)
+    if pipelined and batch < recipe.train.batch_size:
+        raise RecipeError(
+            f"{recipe.source}: a pipelined plan evaluates whole training batches (the "
+            f"stages' buffers have their shape), and the validation split has "
+            f"{sequences} sequences of {recipe.train.seq_len} tokens, fewer than "
+            f"train.batch_size = {recipe.train.batch_size}. Raise data.validation."
+        )
+    if batch < dp_size:
+        raise RecipeError(
+            f"{recipe.source}: the validation split has {sequences} sequences of "
+            f"{recipe.train.seq_len} tokens, fewer than the {dp_size} data-parallel ranks. "
+            "Raise data.validation."
+        )
+    return batch
+
+
 class Evaluator:
     """Validation during a run: :meth:`after_step` evaluates when ``[eval] every`` says so (and
     at the last step) and logs the result to every sink. Built on every rank alike."""
@@ -75,20 +98,7 @@ class Evaluator:
                 "with a file source (jsonl, text, parquet, hf-dataset), or use synthetic data."
             )
         if self.every:
-            batch = min(recipe.train.batch_size, len(validation) // dp_size * dp_size)
-            if plan.pipeline is not None and batch < recipe.train.batch_size:
-                raise RecipeError(
-                    f"{recipe.source}: a pipelined plan evaluates whole training batches (the "
-                    f"stages' buffers have their shape), and the validation split has "
-                    f"{len(validation)} sequences of {recipe.train.seq_len} tokens, fewer than "
-                    f"train.batch_size = {recipe.train.batch_size}. Raise data.validation."
-                )
-            if batch < dp_size:
-                raise RecipeError(
-                    f"{recipe.source}: the validation split has {len(validation)} sequences of "
-                    f"{recipe.train.seq_len} tokens, fewer than the {dp_size} data-parallel ranks. "
-                    "Raise data.validation."
-                )
+            batch = validation_batch(recipe, len(validation), dp_size, plan.pipeline is not None)
             self.loader = DistributedBatches(
                 validation, batch, dp_rank, dp_size, seed=0, shuffle=False
             )

@@ -69,12 +69,12 @@ def launch_command(args: argparse.Namespace) -> int:
         max_restarts=args.max_restarts,
     )
     from meshtrain.recipes import load_recipe
-    from meshtrain.recipes.preflight import check_plan, lock_run
+    from meshtrain.recipes.preflight import check_data_size, check_plan, lock_run
     from meshtrain.recipes.resume_guard import check_before_launch
     from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
-    check_plan(recipe, nproc * args.nnodes)
+    plan = check_plan(recipe, nproc * args.nnodes)
     run = functools.partial(
         run_agent,
         arguments,
@@ -94,6 +94,7 @@ def launch_command(args: argparse.Namespace) -> int:
             print(finished, flush=True)
             return 0
         _prepare_data(recipe)  # once, here: a bad file is refused before any rank starts
+        check_data_size(recipe, plan)  # one global batch, and what [eval] reads
         return run()
 
 
@@ -146,11 +147,18 @@ def _nothing_to_train(recipe: Recipe) -> str:
 def _prepare_data(recipe: Recipe) -> None:
     """Tokenise the recipe's own files (``[data] source`` jsonl, text, parquet, hf-dataset)."""
     from meshtrain.recipes.data import check_file_keys, prepare_recipe_data
+    from meshtrain.train.data import prepare_corpus
     from meshtrain.train.data.documents import FILE_SOURCES
 
     check_file_keys(recipe)  # data.validation or format on a source without files: refused
     if recipe.data.source in FILE_SOURCES:
         prepare_recipe_data(recipe)
+    elif recipe.data.source == "corpus":  # here, not in rank 0: a bad size is refused at once
+        prepare_corpus(
+            Path(recipe.data.path),
+            tokenizer=recipe.data.tokenizer,
+            limit_bytes=recipe.data.corpus_bytes,
+        )
 
 
 def train_rank(args: argparse.Namespace) -> int:

@@ -36,10 +36,12 @@ from meshtrain.recipes.model_check import check_architecture, check_torchao
 from meshtrain.recipes.sections import DataSection, ParallelSection, TrainSection
 
 if TYPE_CHECKING:
+    from meshtrain.plan.ir import Plan
     from meshtrain.recipes.recipe import Recipe
 
 __all__ = [
     "DEFAULTS",
+    "check_data_size",
     "check_launch",
     "check_plan",
     "check_run_files",
@@ -225,7 +227,7 @@ def _check_init_from(start: str, source: str) -> None:
     )
 
 
-def check_plan(recipe: Recipe, world: int) -> None:
+def check_plan(recipe: Recipe, world: int) -> Plan:
     """Check the recipe's model against the files it starts from
     (:func:`~meshtrain.recipes.model_check.check_model`), then plan ``recipe`` on ``world``
     abstract ranks with the model on the meta device: whatever the planner refuses is refused
@@ -240,7 +242,30 @@ def check_plan(recipe: Recipe, world: int) -> None:
     )
 
     mesh = make_mesh(recipe.mesh_axes(), world_size=world, abstract=True)
-    plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
+    return plan(recipe.build_model(device="meta"), mesh, recipe.rules(), recipe.plan_options())
+
+
+def check_data_size(recipe: Recipe, plan: Plan) -> None:
+    """After the data is prepared, before any rank starts: the training windows hold one global
+    batch, and a validation split that ``[eval]`` reads holds what it needs
+    (:func:`~meshtrain.recipes.evaluation.validation_batch`). The ranks would refuse the same,
+    each on its own line, after starting."""
+    from meshtrain.errors import DataError
+    from meshtrain.recipes.data import launch_datasets
+    from meshtrain.recipes.evaluation import validation_batch
+
+    train, validation = launch_datasets(recipe)
+    batch = recipe.train.batch_size
+    if len(train) < batch:
+        raise DataError(
+            f"{recipe.source}: the training data ({recipe.data.source} {recipe.data.path}) holds "
+            f"{len(train)} sequences of train.seq_len + 1 = {recipe.train.seq_len + 1} tokens, "
+            f"fewer than one global batch of train.batch_size = {batch}. Lower train.batch_size "
+            "or train.seq_len, or add data."
+        )
+    if validation is not None and recipe.eval.every:
+        dp_size = math.prod(plan.mesh.size(axis) for axis in plan.batch_axes)
+        validation_batch(recipe, len(validation), dp_size, plan.pipeline is not None)
 
 
 @contextlib.contextmanager
