@@ -53,9 +53,15 @@ def test_schedule_rises_through_warmup_then_never_rises(schedule: WarmupCosine) 
         assert lrs[schedule.total_steps] == schedule.min_lr
 
 
+def test_a_run_shorter_than_its_warmup_ramps_the_whole_way() -> None:
+    """A smoke test of a recipe (``--set train.steps=5`` under a warmup of 10) was refused."""
+    schedule = WarmupCosine(1e-3, warmup_steps=20, total_steps=10)
+    lrs = [schedule(step) for step in range(12)]
+    assert lrs[:10] == [1e-3 * (step + 1) / 20 for step in range(10)]
+    assert lrs[10] == lrs[11] == 1e-3  # past the run: the peak (never used by a run)
+
+
 def test_schedule_and_scaling_refuse_impossible_settings() -> None:
-    with pytest.raises(ConfigError, match=r"warmup_steps=20 exceeds total_steps=10"):
-        WarmupCosine(1e-3, warmup_steps=20, total_steps=10)
     with pytest.raises(ConfigError, match=r"min_lr=0.1 must be in \[0, peak_lr=0.001\]"):
         WarmupCosine(1e-3, total_steps=10, min_lr=0.1)
     with pytest.raises(ConfigError, match="base_batch=0"):

@@ -74,6 +74,13 @@ def launch_command(args: argparse.Namespace) -> int:
     from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
+    warmup, steps = recipe.train.warmup_steps, recipe.train.steps
+    if warmup > steps:  # a smoke test of a long recipe: allowed, and said
+        print(
+            f"{recipe.name}: note: train.warmup_steps = {warmup} is longer than train.steps = "
+            f"{steps}: the learning rate ramps the whole run, to {steps}/{warmup} of train.lr",
+            flush=True,
+        )
     plan = check_plan(recipe, nproc * args.nnodes)
     run = functools.partial(
         run_agent,

@@ -379,13 +379,9 @@ def _check_seq_len(
 
 
 def _train_section(source: str, values: dict[str, Any]) -> TrainSection:
-    """``[train]`` with its schedule consistent: warmup within the run, ``min_lr`` ≤ ``lr``."""
+    """``[train]`` with its schedule consistent: ``min_lr`` ≤ ``lr`` (a warmup longer than the
+    run is a ramp over the whole run: see :class:`~meshtrain.train.schedule.WarmupCosine`)."""
     train = build_section(TrainSection, values)
-    if train.warmup_steps > train.steps:
-        raise RecipeError(
-            f"{source}: train.warmup_steps = {train.warmup_steps} is longer than train.steps = "
-            f"{train.steps}; the warmup must end within the run. Lower warmup_steps or raise steps."
-        )
     if train.min_lr > train.lr:
         raise RecipeError(
             f"{source}: train.min_lr = {train.min_lr} is above train.lr = {train.lr}; the cosine "

@@ -23,7 +23,8 @@ class WarmupCosine:
     cosine from ``peak_lr`` down to ``min_lr`` at ``total_steps`` (and ``min_lr`` after it).
 
     ``warmup_steps = 0`` starts at the peak; ``min_lr = peak_lr`` gives a constant rate after
-    warmup.
+    warmup. A run shorter than its warmup (a smoke test of a long recipe) ramps the whole way:
+    its last step has ``peak_lr × total_steps / warmup_steps``.
     """
 
     peak_lr: float
@@ -42,10 +43,6 @@ class WarmupCosine:
                 f"warmup_steps={self.warmup_steps} must be ≥ 0 and total_steps="
                 f"{self.total_steps} ≥ 1"
             )
-        elif self.warmup_steps > self.total_steps:
-            problems.append(
-                f"warmup_steps={self.warmup_steps} exceeds total_steps={self.total_steps}"
-            )
         if problems:
             raise ConfigError(
                 "WarmupCosine: " + "; ".join(problems) + ". Fix the schedule's settings "
@@ -54,7 +51,7 @@ class WarmupCosine:
 
     def __call__(self, step: int) -> float:
         """The learning rate of optimizer step ``step`` (0-based)."""
-        if step < self.warmup_steps:
+        if step < self.warmup_steps and step < self.total_steps:
             return self.peak_lr * (step + 1) / self.warmup_steps
         decay_steps = self.total_steps - self.warmup_steps
         if decay_steps <= 0 or step >= self.total_steps:
