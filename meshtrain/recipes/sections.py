@@ -377,7 +377,10 @@ class TrainSection:
     warmup_steps: int = field(
         default=0,
         metadata=about(
-            "linear warmup to `lr` (≤ `steps`)", 10, bound="nonnegative", resume="refuse"
+            "linear warmup to `lr` (longer than `steps`: the rate ramps the whole run)",
+            10,
+            bound="nonnegative",
+            resume="refuse",
         ),
     )
     steps: int = field(
