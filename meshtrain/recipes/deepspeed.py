@@ -31,7 +31,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from meshtrain.errors import DeepSpeedConfigError
 from meshtrain.tables import flatten_table, toml_value
@@ -158,7 +158,7 @@ def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> T
     return out
 
 
-def _map_key(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> None:
+def _map_key(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> None:
     handler = _HANDLERS.get(key)
     if handler is None and key.startswith("fp16."):
         handler = _fp16_scaler
@@ -170,14 +170,14 @@ def _map_key(out: Translation, key: str, value: Any, config: Mapping[str, Any]) 
         out.refused.append(f"{key} = {json.dumps(value)} ({problem})")
 
 
-def _zero_stage(out: Translation, key: str, value: Any, _: Any) -> str:
+def _zero_stage(out: Translation, key: str, value: object, _: object) -> str:
     if value not in (0, 1, 2, 3):
         return "stages are 0, 1, 2 and 3"
     out.settings["parallel.zero"] = value
     return ""
 
 
-def _offload(out: Translation, key: str, value: Any, _: Any) -> str:
+def _offload(out: Translation, key: str, value: object, _: object) -> str:
     if value not in ("cpu", "none"):
         return "meshtrain offloads to CPU memory only (no NVMe)"
     if value == "cpu":
@@ -186,7 +186,7 @@ def _offload(out: Translation, key: str, value: Any, _: Any) -> str:
     return ""
 
 
-def _precision(out: Translation, key: str, value: Any, _: Any) -> str:
+def _precision(out: Translation, key: str, value: object, _: object) -> str:
     if not isinstance(value, bool):
         return 'true, false or "auto"'
     if value:
@@ -197,7 +197,7 @@ def _precision(out: Translation, key: str, value: Any, _: Any) -> str:
     return ""
 
 
-def _fp16_scaler(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+def _fp16_scaler(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
     name = key.split(".", 1)[1]
     if name == "consecutive_hysteresis":
         return "" if value is False else "meshtrain refills hysteresis only when the scale grows"
@@ -215,16 +215,16 @@ def _fp16_scaler(out: Translation, key: str, value: Any, config: Mapping[str, An
     return ""
 
 
-def _number(value: Any) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _integer(value: Any) -> bool:
+def _integer(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _setting(target: str, check: Callable[[Any], bool], what: str) -> Callable[..., str]:
-    def handler(out: Translation, key: str, value: Any, _: Any) -> str:
+def _setting(target: str, check: Callable[[object], bool], what: str) -> Callable[..., str]:
+    def handler(out: Translation, key: str, value: object, _: object) -> str:
         if not check(value):
             return what
         out.settings[target] = value
@@ -233,7 +233,7 @@ def _setting(target: str, check: Callable[[Any], bool], what: str) -> Callable[.
     return handler
 
 
-def _optimizer_type(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+def _optimizer_type(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
     name = str(value).lower()
     if name not in _OPTIMIZERS:
         return f"meshtrain's optimizers are {', '.join(sorted(_OPTIMIZERS))}"
@@ -244,11 +244,11 @@ def _optimizer_type(out: Translation, key: str, value: Any, config: Mapping[str,
     return ""
 
 
-def _optimizer_param(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+def _optimizer_param(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
     name = key.rsplit(".", 1)[1]
     if name == "torch_adam" or name == "adam_w_mode":
         return "" if value in (True, False) else "a boolean"
-    targets = {
+    targets: dict[str, tuple[str, Callable[[object], bool], str]] = {
         "lr": ("train.lr", _positive_number, "a positive finite number"),
         "eps": ("train.eps", _positive_number, "a positive finite number"),
         "weight_decay": ("train.weight_decay", _nonnegative_number, "a finite number ≥ 0"),
@@ -261,33 +261,33 @@ def _optimizer_param(out: Translation, key: str, value: Any, config: Mapping[str
     target, check, what = targets[name]
     if not check(value):
         return what
-    out.settings[target] = list(value) if name == "betas" else value
+    out.settings[target] = list(value) if isinstance(value, list) else value
     return ""
 
 
-def _positive_number(value: Any) -> bool:
+def _positive_number(value: object) -> TypeGuard[int | float]:
     return _number(value) and value > 0
 
 
-def _nonnegative_number(value: Any) -> bool:
+def _nonnegative_number(value: object) -> TypeGuard[int | float]:
     return _number(value) and value >= 0
 
 
-def _betas(value: Any) -> bool:
+def _betas(value: object) -> bool:
     return isinstance(value, list) and len(value) == 2 and all(_unit(beta) for beta in value)
 
 
-def _unit(value: Any) -> bool:
+def _unit(value: object) -> TypeGuard[int | float]:
     return _number(value) and 0 <= value < 1
 
 
-def _scheduler_type(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+def _scheduler_type(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
     if value not in ("WarmupLR", "WarmupCosineLR"):
         return "meshtrain's schedule is a linear warmup then a cosine or constant rate"
     return ""
 
 
-def _scheduler_param(out: Translation, key: str, value: Any, config: Mapping[str, Any]) -> str:
+def _scheduler_param(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
     name = key.rsplit(".", 1)[1]
     kind = config.get("scheduler", {}).get("type")
     if name in ("warmup_min_lr", "warmup_min_ratio"):
@@ -312,7 +312,7 @@ def _scheduler_param(out: Translation, key: str, value: Any, config: Mapping[str
             out.settings["train.min_lr"] = value  # constant after warmup
     elif name == "cos_min_ratio" and kind == "WarmupCosineLR":
         lr = config.get("optimizer", {}).get("params", {}).get("lr")
-        if not isinstance(lr, int | float):
+        if not isinstance(lr, int | float) or not _unit(value):
             return "needs optimizer.params.lr to set train.min_lr"
         out.settings["train.min_lr"] = lr * value
     else:
@@ -337,21 +337,20 @@ def _check_batch(out: Translation, config: Mapping[str, Any]) -> None:
         )
 
 
-def _positive_int(value: Any) -> bool:
+def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _positive(value: Any) -> bool:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return number and math.isfinite(value) and value > 0
+def _positive(value: object) -> TypeGuard[int | float]:
+    return _positive_number(value)
 
 
-def _micro_batch(out: Translation, key: str, value: Any, _: Any) -> str:
+def _micro_batch(out: Translation, key: str, value: object, _: object) -> str:
     return "" if _positive_int(value) else "a positive integer"
 
 
 # fmt: off
-_HANDLERS: dict[str, Callable[[Translation, str, Any, Mapping[str, Any]], str]] = {
+_HANDLERS: dict[str, Callable[[Translation, str, object, Mapping[str, Any]], str]] = {
     "zero_optimization.stage": _zero_stage,
     "zero_optimization.offload_optimizer.device": _offload,
     "zero_optimization.offload_param.device": _offload,
