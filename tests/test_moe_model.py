@@ -258,6 +258,30 @@ def test_router_counts_the_last_forward_or_every_forward_of_a_step() -> None:
     assert int(router.pending_tokens.sum()) == (5 + 3 + 5 + 3) * 2
 
 
+def test_an_evaluation_between_steps_counts_nothing_and_moves_no_bias() -> None:
+    """Eval-mode forwards (an evaluation after a step) used to add to the step's counts and to
+    the loss-free balancing's pending counts, so the next bias update, and the training after
+    it, depended on how often the run evaluated."""
+    config = MoEConfig.debug(balance="bias", bias_update_rate=0.01)
+    evaluated, plain = build_moe(config, seed=2), build_moe(config, seed=2)
+    tokens, held_out = _tokens(batch=2, seed=5), _tokens(batch=3, seed=6)
+    for model in (evaluated, plain):
+        model.begin_step()
+        model(tokens)
+    evaluated.eval()
+    with torch.no_grad():
+        evaluated(held_out)
+    evaluated.train()
+    assert torch.equal(evaluated.expert_load(), plain.expert_load())
+    for ffn, other in zip(moe_layers(evaluated).values(), moe_layers(plain).values()):
+        assert torch.equal(ffn.router.tokens_per_expert, other.router.tokens_per_expert)
+        assert torch.equal(ffn.last_prob_sums, other.last_prob_sums)
+    evaluated.update_expert_bias()
+    plain.update_expert_bias()
+    for ffn, other in zip(moe_layers(evaluated).values(), moe_layers(plain).values()):
+        assert torch.equal(ffn.router.expert_bias, other.router.expert_bias)
+
+
 def test_router_ties_are_broken_the_same_way_every_time() -> None:
     router = Router(4, 8, 2)
     torch.nn.init.zeros_(router.weight)  # every score equal: all ties

@@ -346,7 +346,7 @@ class MoEFeedForward(nn.Module):
         with torch.set_grad_enabled(train_aux):
             aux = load_balance_loss(scores, top_k_index, self.num_experts, reduce, summed=summed)
         self.last_aux_loss = aux
-        if not recomputing():
+        if not recomputing() and self.training:  # an evaluation's forward is no step's
             with torch.no_grad():
                 sums = (scores / scores.sum(-1, keepdim=True)).sum(0)
                 earlier = self.last_prob_sums if self.router.counting_step else None

@@ -70,7 +70,9 @@ class Router(_Initialised):
     Counts of tokens per expert (``tokens_per_expert``: the last forward's, or under
     :meth:`begin_step` every forward of the step — a train step that accumulates micro-batches
     counts its whole batch, as one device's one forward does; ``pending_tokens``: every forward
-    since the last :meth:`update_bias`) are kept for statistics and balancing. They are the
+    since the last :meth:`update_bias`) are kept for statistics and balancing; forwards in
+    eval mode (``model.eval()``: an evaluation between steps) count nothing, so evaluating
+    never moves the loss-free balancing bias. They are the
     whole batch's: with a ``count_reducer`` (a :data:`CountReducer`, set by the MoE layer's
     ``set_count_reducer``, which lowering installs) each forward sums its counts over the ranks
     that split the batch (one all-reduce of ``experts + 2`` integers, kept with the token and rank
@@ -151,6 +153,8 @@ class Router(_Initialised):
             return
         summed = batch_counts(top_k_index, self.num_experts, self.count_reducer)
         self.last_batch_counts = summed
+        if not self.training:  # an evaluation's forward: no step's statistics, no balancing
+            return
         if self.counting_step:
             self.tokens_per_expert.add_(summed[:-2])
         else:
