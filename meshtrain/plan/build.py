@@ -67,9 +67,11 @@ from meshtrain.plan.infer import (
 from meshtrain.plan.ir import (
     WHOLE_SEQUENCE,
     Collective,
+    ExpertGroup,
     FSDPUnit,
     Memory,
     ModuleStyle,
+    ParamLayout,
     PipelinePlan,
     Plan,
     TPStyle,
@@ -166,37 +168,135 @@ def resolve_options(
     return replace(options, microbatches=microbatches, batch_size=batch_size)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Axes:
+    """The axes a plan trains over: its data axes (all, and ``active``: those larger than 1),
+    the tensor-parallel, context and expert axes."""
+
+    data: tuple[str, ...]
+    active: tuple[str, ...]
+    tp: str | None
+    context: str | None
+    expert: str | None
+
+    @property
+    def beside(self) -> tuple[str, ...]:
+        """The context and expert axes: ranks that hold other tokens beside the data axes."""
+        return tuple(axis for axis in (self.context, self.expert) if axis)
+
+    @property
+    def reduced(self) -> tuple[str, ...]:
+        """Every axis gradients are reduced over: the active data axes, then context and expert."""
+        return self.active + self.beside
+
+
 def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions) -> Inferred:
     """Specs resolved per parameter, the data and tensor-parallel axes, layouts, module styles,
     FSDP units and the compute policies (checkpointed blocks, compile scope, cast axes)."""
-    pipeline = options.pipeline
     resolution = resolve_with_adapters(rules, model, mesh)
-    pipeline_axis = pipeline.axis if pipeline else None
+    axes = _infer_axes(model, mesh, rules, options, resolution)
+    experts, layouts, shard_axes = _sharded_layouts(model, mesh, options, resolution, axes)
+    sequence_parallel = infer_sequence_parallel(rules, mesh, axes.data, axes.tp, axes.context)
+    styles = infer_styles(model, resolution, axes.tp, options.loss_parallel, sequence_parallel)
+    if sequence_parallel and options.seq_len is not None and axes.tp is not None:
+        check_sequence_length(options.seq_len, axes.tp, mesh)
+        if axes.context is not None:
+            check_context_sequence_parallel(options.seq_len, axes.context, axes.tp, mesh)
+    notes = _layout_notes(layouts, mesh, options, rules, axes, shard_axes, bool(experts))
+    all_units = _decided(infer_units(model, options.fsdp_units), options)
+    blocks = block_fqns(all_units)
+    if sequence_parallel and axes.tp is not None:
+        styles = place_sequence_split(
+            model, styles, blocks, tp_size=mesh.size(axes.tp), seq_len=options.seq_len
+        )
+    cast_axes = _cast_axes(options, axes.data, axes.reduced, mesh)
+    units = all_units if axes.reduced or cast_axes else ()
+    compile_scope = _compile_scope(options, sequence_parallel, units, axes, notes)
+    profile = _activation_profile(
+        model, blocks, styles, options, mesh, axes.tp, sequence_parallel, axes.context
+    )
+    if isinstance(profile, str):
+        notes.append(profile)
+        profile = None
+    tied = tied_groups(model)
+    _check_tied(tied, blocks)
+    batch_norms = _batch_norms(model, options)  # refusals in the order they always came
+    scope = Scope(
+        axes.tp,
+        mesh.size(axes.tp) if axes.tp is not None else 1,
+        sequence_parallel,
+        data_parallel=bool(axes.reduced),
+        context=axes.context is not None,
+        resharded=tuple(u.fqn for u in units if u.fqn and u.decisions.reshard_after_forward),
+        shared_inputs=pair_inputs_shared(compile_scope, options.activation_checkpointing),
+    )
+    proof = prove_plan(
+        model, layouts, styles, blocks=blocks, unproven=options.unproven_shards, scope=scope
+    )
+    notes += proof.notes
+    averaged = _averaged_buffers(proof, options, axes, notes)
+    return Inferred(
+        data_axes=axes.active,
+        tp_axis=axes.tp,
+        sequence_parallel=sequence_parallel,
+        params=layouts,
+        styles=styles,
+        units=units,
+        blocks=blocks,
+        cast_axes=cast_axes,
+        compile_scope=compile_scope,
+        buffers=sum(b.numel() * b.element_size() for b in model.buffers()),
+        profile=profile,
+        notes=tuple(notes),
+        tied=tied,
+        batch_norms=batch_norms,
+        partial_grads=proof.partial_grads,
+        context_axis=axes.context,
+        expert_axis=axes.expert,
+        experts=experts,
+        readers=proof.readers,
+        fresh_outputs=proof.fresh_outputs,
+        averaged_buffers=averaged,
+    )
+
+
+def _infer_axes(
+    model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOptions, resolution: Any
+) -> _Axes:
+    """Which mesh axis does what: pipeline and context from the options and rules, the expert
+    axis from the experts' specs, then the data and tensor-parallel axes."""
+    pipeline_axis = options.pipeline.axis if options.pipeline else None
     context_axis = context_axis_of(rules, mesh, rules.fsdp, pipeline_axis, param_axes(resolution))
     expert_axis = expert_axis_of(resolution, model)
     data_axes, tp_axis = infer_axes(
         resolution, rules.fsdp, pipeline_axis, context_axis, expert_axis
     )
     active = tuple(axis for axis in data_axes if mesh.size(axis) > 1)
+    return _Axes(data_axes, active, tp_axis, context_axis, expert_axis)
+
+
+def _sharded_layouts(
+    model: nn.Module, mesh: Mesh, options: PlanOptions, resolution: Any, axes: _Axes
+) -> tuple[tuple[ExpertGroup, ...], tuple[ParamLayout, ...], tuple[str, ...]]:
+    """The expert groups, every parameter's layout (experts' FSDP shards included) and the axes
+    FSDP shards over; context parallelism and NF4 shards checked on the way."""
     experts = (
         plan_experts(
             model,
             resolution,
-            expert_axis,
-            data_axes=active,
-            tp_axis=tp_axis,
+            axes.expert,
+            data_axes=axes.active,
+            tp_axis=axes.tp,
             options=options,
-            context_axis=context_axis,
+            context_axis=axes.context,
         )
-        if expert_axis
+        if axes.expert
         else ()
     )
-    ep = (expert_axis,) if expert_axis else ()
-    context = (context_axis,) if context_axis else ()
-    if context_axis is not None:
-        check_context(mesh, context_axis, options, data_axes=active, tp_axis=tp_axis)
-        check_context_model(model, context_axis)
-    shard_axes = shard_axes_of(active) + context + ep
+    if axes.context is not None:
+        check_context(mesh, axes.context, options, data_axes=axes.active, tp_axis=axes.tp)
+        check_context_model(model, axes.context)
+    shard_axes = shard_axes_of(axes.active) + axes.beside
     element_bytes = {fqn: param.element_size() for fqn, param in model.named_parameters()}
     layouts = infer_layouts(
         resolution,
@@ -206,99 +306,74 @@ def infer_layout(model: nn.Module, mesh: Mesh, rules: Rules, options: PlanOption
         trainable=trainable(model),
         storage=storage(model),
     )
-    if experts and options.decisions.shard_params:
-        # the experts' FSDP ranks: the shard axis (HSDP: the second) and the context axis
-        efsdp = math.prod(mesh.size(a) for a in shard_axes_of(active) + context)
-        layouts = expert_shards(layouts, experts, efsdp)
     sharded = options.decisions.shard_params
+    if experts and sharded:
+        # the experts' FSDP ranks: the shard axis (HSDP: the second) and the context axis
+        context = (axes.context,) if axes.context else ()
+        efsdp = math.prod(mesh.size(a) for a in shard_axes_of(axes.active) + context)
+        layouts = expert_shards(layouts, experts, efsdp)
     check_nf4_shards(layouts, math.prod(mesh.size(axis) for axis in shard_axes), sharded)
-    sequence_parallel = infer_sequence_parallel(rules, mesh, data_axes, tp_axis, context_axis)
-    styles = infer_styles(model, resolution, tp_axis, options.loss_parallel, sequence_parallel)
-    if sequence_parallel and options.seq_len is not None and tp_axis is not None:
-        check_sequence_length(options.seq_len, tp_axis, mesh)
-        if context_axis is not None:
-            check_context_sequence_parallel(options.seq_len, context_axis, tp_axis, mesh)
+    return experts, layouts, shard_axes
+
+
+def _layout_notes(
+    layouts: tuple[ParamLayout, ...],
+    mesh: Mesh,
+    options: PlanOptions,
+    rules: Rules,
+    axes: _Axes,
+    shard_axes: tuple[str, ...],
+    has_experts: bool,
+) -> list[str]:
+    """The plan's notes so far: uneven shards, the rules' own, HSDP beside context or experts,
+    no data-parallel wrapping."""
+    sharded = options.decisions.shard_params
     notes = describe_uneven(layouts, mesh, shard_axes) if shard_axes and sharded else []
     notes += getattr(rules, "notes", ())
-    if len(active) == 2 and (context or ep):
-        notes.append(_hsdp_note(mesh, active, context + ep, expert_axis if experts else None))
-    if not active and not context and not ep:
+    if len(axes.active) == 2 and axes.beside:
+        expert = axes.expert if has_experts else None
+        notes.append(_hsdp_note(mesh, axes.active, axes.beside, expert))
+    if not axes.reduced:
         notes.append("no data axis larger than 1: no data-parallel wrapping, no gradient reduction")
-    all_units = _decided(infer_units(model, options.fsdp_units), options)
-    blocks = block_fqns(all_units)
-    if sequence_parallel and tp_axis is not None:
-        styles = place_sequence_split(
-            model, styles, blocks, tp_size=mesh.size(tp_axis), seq_len=options.seq_len
-        )
-    cast_axes = _cast_axes(options, data_axes, active + context + ep, mesh)
-    units = all_units if active or cast_axes or context or ep else ()
-    compile_scope = resolve_compile_scope(
+    return notes
+
+
+def _compile_scope(
+    options: PlanOptions,
+    sequence_parallel: bool,
+    units: tuple[FSDPUnit, ...],
+    axes: _Axes,
+    notes: list[str],
+) -> str | None:
+    """What ``torch.compile`` wraps (:func:`resolve_compile_scope`), noting what compiling under
+    tensor parallelism changes."""
+    pipeline = options.pipeline
+    scope = resolve_compile_scope(
         options,
         sequence_parallel=sequence_parallel,
         wrapped=bool(units),
-        tp_axis=tp_axis,
+        tp_axis=axes.tp,
         split_backward_schedule=pipeline.schedule
         if pipeline and pipeline.splits_backward
         else None,
     )
-    if compile_scope is not None and tp_axis is not None:
-        notes.append(plain_under_compile_note(tp_axis))
-    profile = _activation_profile(
-        model, blocks, styles, options, mesh, tp_axis, sequence_parallel, context_axis
-    )
-    if isinstance(profile, str):
-        notes.append(profile)
-        profile = None
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    tied = tied_groups(model)
-    _check_tied(tied, blocks)
-    batch_norms = _batch_norms(model, options)
-    proof = prove_plan(
-        model,
-        layouts,
-        styles,
-        blocks=blocks,
-        unproven=options.unproven_shards,
-        scope=Scope(
-            tp_axis,
-            mesh.size(tp_axis) if tp_axis is not None else 1,
-            sequence_parallel,
-            data_parallel=bool(active or context or ep),
-            context=bool(context),
-            resharded=tuple(u.fqn for u in units if u.fqn and u.decisions.reshard_after_forward),
-            shared_inputs=pair_inputs_shared(compile_scope, options.activation_checkpointing),
-        ),
-    )
-    notes += proof.notes
+    if scope is not None and axes.tp is not None:
+        notes.append(plain_under_compile_note(axes.tp))
+    return scope
+
+
+def _averaged_buffers(
+    proof: Proof, options: PlanOptions, axes: _Axes, notes: list[str]
+) -> tuple[tuple[str, str], ...]:
+    """The buffers averaged after the forward that writes them from the batch (a refusal kept
+    as a note when the harness asks for notes)."""
     try:
-        averaged = _batch_buffers(proof, options, [*active, *context, *ep])
+        return _batch_buffers(proof, options, list(axes.reduced))
     except PlanError as refusal:
         if not kept_as_notes():
             raise
-        averaged, notes = (), [*notes, f"refused (kept as a note): {refusal}"]
-    return Inferred(
-        data_axes=active,
-        tp_axis=tp_axis,
-        sequence_parallel=sequence_parallel,
-        params=layouts,
-        styles=styles,
-        units=units,
-        blocks=blocks,
-        cast_axes=cast_axes,
-        compile_scope=compile_scope,
-        buffers=buffers,
-        profile=profile,
-        notes=tuple(notes),
-        tied=tied,
-        batch_norms=batch_norms,
-        partial_grads=proof.partial_grads,
-        context_axis=context_axis,
-        expert_axis=expert_axis,
-        experts=experts,
-        readers=proof.readers,
-        fresh_outputs=proof.fresh_outputs,
-        averaged_buffers=averaged,
-    )
+        notes.append(f"refused (kept as a note): {refusal}")
+        return ()
 
 
 def _batch_buffers(
