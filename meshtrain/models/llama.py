@@ -23,20 +23,22 @@ import abc
 import dataclasses
 import hashlib
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshtrain.errors import MeshtrainError, PlanError
 from meshtrain.spec.logical import annotate
 from meshtrain.spec.packing import document_ids, same_document_causal
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
     from meshtrain.spec.rules import Rules
 
 #: Logical axis name → mesh axis for FSDP + tensor parallel; ``"tp"`` stands for the TP axis.
@@ -576,12 +578,26 @@ def _fill_(param: Tensor, init: _Init, seed: int) -> None:
         _trunc_normal_(full, init.std, seed)
     else:
         nn.init.normal_(full, std=init.std, generator=torch.Generator().manual_seed(seed))
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
+        from torch.distributed.tensor import distribute_tensor
+
         mesh = param.device_mesh
         full = distribute_tensor(
             full.to(mesh.device_type), mesh, param.placements, src_data_rank=None
         )
     param.copy_(full)
+
+
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a DTensor, without importing DTensor (2 s on a small CPU) when
+    nothing has: then nothing can be one.
+
+    Example:
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
 
 
 #: Elements per block of a truncated-normal fill (see :func:`_trunc_normal_`).

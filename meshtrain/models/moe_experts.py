@@ -33,10 +33,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 from meshtrain.errors import PlanError
-from meshtrain.models.llama import _Init, _Initialised
+from meshtrain.models.llama import _Init, _Initialised, is_dtensor
 from meshtrain.spec.logical import annotate
 
 __all__ = [
@@ -351,7 +350,7 @@ def grouped_mm_supported(routed: Tensor, gate_up_proj: Tensor, down_proj: Tensor
         (True, False)
     """
     tensors = (routed, gate_up_proj, down_proj)
-    if not hasattr(torch, "_grouped_mm") or any(isinstance(t, DTensor) for t in tensors):
+    if not hasattr(torch, "_grouped_mm") or any(is_dtensor(t) for t in tensors):
         return False
     dtype = routed.dtype
     if dtype not in _GROUPED_DTYPES or any(t.dtype != dtype for t in tensors):

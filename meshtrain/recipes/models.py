@@ -26,7 +26,6 @@ from torch import nn
 
 from meshtrain.adapters import lora
 from meshtrain.errors import RecipeError
-from meshtrain.lower.materialise import materialise
 from meshtrain.models.llama import LlamaConfig, build_llama, llama_flops_per_token
 from meshtrain.models.moe import MoEConfig, build_moe
 from meshtrain.recipes.model_check import check_model_type
@@ -150,6 +149,8 @@ class HFBuilder:
             model = cls(config)
         if self.device == "meta":
             return model
+        from meshtrain.lower.materialise import materialise  # DTensor: when a model is built
+
         # the values mt.materialise gives the same model started on the meta device
         return materialise(model, device=self.device, seed=self.seed)
 

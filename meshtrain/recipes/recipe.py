@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -62,9 +62,10 @@ from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-ex
 from meshtrain.recipes.source import parse_recipe, read_recipe
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
-from meshtrain.train.checkpoint import CheckpointConfig
-from meshtrain.train.metrics import LoggingConfig
-from meshtrain.train.offload import offload_states
+
+if TYPE_CHECKING:  # the train layer imports DCP and DTensor: only when a recipe starts a run
+    from meshtrain.train.checkpoint import CheckpointConfig
+    from meshtrain.train.metrics import LoggingConfig
 
 ModelBuilder = LlamaBuilder | MoEBuilder | FactoryBuilder | HFBuilder
 
@@ -89,7 +90,11 @@ class OptimizerBuilder:
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         optimizer = self._build([param for param in params if param.requires_grad])
-        return offload_states(optimizer) if self.offload_states else optimizer
+        if not self.offload_states:
+            return optimizer
+        from meshtrain.train.offload import offload_states
+
+        return offload_states(optimizer)
 
     def _build(self, params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if self.name == "sgd":
@@ -281,6 +286,8 @@ class Recipe:
 
     def logging_config(self) -> LoggingConfig:
         """``[logging]``'s sinks as the train layer takes them (the run directory aside)."""
+        from meshtrain.train.metrics import LoggingConfig
+
         log = self.logging
         return LoggingConfig(
             console=log.console,
@@ -294,6 +301,8 @@ class Recipe:
     def checkpoint_config(self) -> CheckpointConfig:
         """``[checkpoint]``'s saving as the train layer takes it (resuming and the files in and
         out are the recipe's run's)."""
+        from meshtrain.train.checkpoint import CheckpointConfig
+
         checkpoint = self.checkpoint
         return CheckpointConfig(
             directory=self.checkpoint_dir,
