@@ -171,7 +171,8 @@ def export_command(args: argparse.Namespace) -> int:
         return 130
     print(
         f"wrote {report.out_dir}: {report.tensors} tensors, {size_text(report.total_bytes)} in "
-        f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}"
+        f"{len(report.files)} safetensors file{'s' if len(report.files) != 1 else ''}, from "
+        f"{report.checkpoint}"
     )
     return 0
 

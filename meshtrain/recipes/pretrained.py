@@ -175,8 +175,8 @@ def export_run(
     """Write the newest intact checkpoint of the run in ``run_dir`` (a run directory or its
     checkpoints directory) to ``out_dir`` as a transformers directory; ``transform`` is
     :func:`~meshtrain.train.hf.export.export_hf`'s hook (e.g. a LoRA merge). Runs in one
-    process, no process group. ``say`` gets a line for each newer checkpoint passed over and
-    one naming the checkpoint exported."""
+    process, no process group. ``say`` gets a line for each newer checkpoint passed over (the
+    report names the checkpoint exported)."""
     if format not in EXPORT_FORMATS:
         raise CheckpointError(
             f"unknown export format {format!r}: meshtrain export writes "
@@ -201,7 +201,6 @@ def export_run(
     if say is not None:
         for line in point.describe_passed_over():
             say(f"warning: {line}")
-        say(f"exporting {point.checkpoint}")
     state = read_state_file(point.checkpoint)
     recipe = state.get("extra", {}).get("recipe")
     config, rename, copied = _export_target(recipe, point.checkpoint)

@@ -66,13 +66,15 @@ Rename = Callable[[str, Tensor], list[tuple[str, Tensor]]]
 @dataclass(frozen=True)
 class ExportReport:
     """What an export wrote: the directory, its safetensors files, the number of tensors and
-    their bytes, and the most bytes of checkpoint tensors read at once (one group)."""
+    their bytes, the most bytes of checkpoint tensors read at once (one group), and the
+    checkpoint it read."""
 
     out_dir: Path
     files: tuple[str, ...]
     tensors: int
     total_bytes: int
     largest_read_bytes: int
+    checkpoint: Path | None = None
 
 
 class CheckpointTensors(Mapping[str, Tensor]):
@@ -226,7 +228,7 @@ def export_hf(
         if isinstance(err, OSError) or type(err).__name__ == "SafetensorError":
             raise CheckpointError(_write_failure(out_dir, err)) from err
         raise
-    return ExportReport(out_dir, files, len(writer.names), writer.total, largest)
+    return ExportReport(out_dir, files, len(writer.names), writer.total, largest, checkpoint)
 
 
 def _interruption(err: BaseException) -> BaseException | None:
