@@ -95,3 +95,64 @@ def test_a_stopped_export_says_it_was_stopped_not_that_the_checkpoint_is_damaged
     err = capsys.readouterr().err
     assert err.startswith(f"export stopped by SIGINT: nothing was written to {tmp_path / 'o'}")
     assert "damaged" not in err and err.count("\n") == 1
+
+
+@pytest.fixture
+def full_disk(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real filesystem of 12 KiB (tmpfs): room for a lock and little else. Mounting needs
+    root; elsewhere the test is skipped."""
+    import os
+    import subprocess
+
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+@pytest.mark.extended  # a real launch of 2 ranks: about 20 s
+def test_a_full_disk_at_start_up_is_one_line_and_exit_2(full_disk: Path) -> None:
+    """The run directory on a full filesystem: the first file a rank writes fails, and the job
+    ends with one line naming the directory and the fix, exit status 2 (not status 1 and the
+    logging module's noise)."""
+    import os
+    import subprocess
+    import sys
+
+    sets = ["data.source=synthetic", "logging.wandb=disabled", f"logging.run_dir={full_disk}/run"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshtrain",
+            "train",
+            "debug",
+            "--nproc",
+            "2",
+            "--set",
+            sets[0],
+            "--set",
+            sets[1],
+            "--set",
+            sets[2],
+            "--set",
+            "train.steps=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    errors = [line for line in output.splitlines() if "Error" in line]
+    assert len(errors) == 1 and "No space left on device" in errors[0], output
+    assert "the disk is full: free space or choose another directory" in errors[0]
+    assert "Traceback" not in output and "Message:" not in output
