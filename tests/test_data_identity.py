@@ -85,8 +85,8 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file(
     _write(data, ROWS)
     overrides = _overrides(tmp_path, data)
     assert get_pool(2).run(_train, overrides, 2)[0] == [1, 2]
-    (checkpoint,) = [find_resume_point(tmp_path / "run" / "checkpoints").checkpoint]
-    assert checkpoint is not None
+    checkpoint = find_resume_point(tmp_path / "run" / "checkpoints").checkpoint
+    assert checkpoint is not None  # the 2-step run saved (checkpoint.interval=2)
     recorded = json.loads((checkpoint / "meshtrain.json").read_text())["extra"]["data_files"]
     assert [(Path(f["path"]).name, f["size"]) for f in recorded] == [
         ("train.jsonl", data.stat().st_size)

@@ -341,10 +341,6 @@ def _positive_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
-def _positive(value: object) -> TypeGuard[int | float]:
-    return _positive_number(value)
-
-
 def _micro_batch(out: Translation, key: str, value: object, _: object) -> str:
     return "" if _positive_int(value) else "a positive integer"
 
@@ -361,7 +357,7 @@ _HANDLERS: dict[str, Callable[[Translation, str, object, Mapping[str, Any]], str
     "gradient_accumulation_steps": _setting(
         "parallel.microbatches", _positive_int, "a positive integer"
     ),
-    "gradient_clipping": _setting("train.max_norm", _positive, "a positive number"),
+    "gradient_clipping": _setting("train.max_norm", _positive_number, "a positive number"),
     "steps_per_print": _setting("logging.log_every", _positive_int, "a positive integer"),
     "optimizer.type": _optimizer_type,
     "scheduler.type": _scheduler_type,
