@@ -248,6 +248,7 @@ PACKED_SPMD = (
     "tests/test_context_documents_spmd.py::test_packed_documents_train_like_one_device_on_dp2_cp2"
 )
 BALANCE_SPMD = "tests/test_moe_balance_spmd.py::test_balance_trains_like_one_device_under_data_and_expert_parallelism"
+EVAL_NOT_RUN = "the harness compares train steps only; it runs no evaluation between them"
 NOT_BUILT = "the harness builds every rank's model from model_fn; mt.materialise is not on its path"
 
 _ALL = [
@@ -450,6 +451,17 @@ _ALL = [
             {"rules": precision_cases.REPLICATED, "precision": "fp16", "zero": 2},
             {"batches": precision_cases.FAMILIES["gemma2"].batches, "optimizer": "sgd", "seed": 1},
         ),
+    ),
+    Mutant(
+        "moe-counts-evaluation-forwards",
+        "meshtrain's MoE routers count an evaluation's forwards as a step's",
+        plants.moe_counts_evaluation_forwards,
+        (
+            "tests/test_moe_model.py::"
+            "test_an_evaluation_between_steps_counts_nothing_and_moves_no_bias",
+        ),
+        None,
+        why_not=EVAL_NOT_RUN,
     ),
     Mutant(
         "moe-counts-last-micro-batch",

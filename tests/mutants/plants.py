@@ -216,6 +216,25 @@ def moe_counts_last_micro_batch() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def moe_counts_evaluation_forwards() -> Iterator[None]:
+    """meshtrain's MoE routers count an evaluation's forwards too: a step's ``tokens_per_expert``
+    and the loss-free balancing bias then depend on how often the run evaluates."""
+    moe_experts = importlib.import_module("meshtrain.models.moe_experts")
+    original = moe_experts.Router._count
+
+    def counting_always(self: Any, top_k_index: torch.Tensor) -> None:
+        training = self.training
+        self.training = True
+        try:
+            original(self, top_k_index)
+        finally:
+            self.training = training
+
+    with mock.patch.object(moe_experts.Router, "_count", counting_always):
+        yield
+
+
+@contextlib.contextmanager
 def accumulation_mean_per_microbatch() -> Iterator[None]:
     """Each accumulated micro-batch's loss is its own mean: the step's gradient is
     ``microbatches`` times too large."""
