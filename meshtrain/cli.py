@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from meshtrain.errors import EquivalenceError, MeshtrainError
 from meshtrain.recipes import commands as answers
 from meshtrain.recipes.job import say, train_command
+from meshtrain.recipes.sampling import sampling_flags
 
 
 def check_command(args: argparse.Namespace) -> int:
@@ -232,18 +233,15 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
         "generate",
         help="sample a continuation of a prompt from a run's latest intact checkpoint",
         description="Load the newest intact checkpoint of RUN_DIR on one process and continue "
-        "TEXT with the run's tokenizer, stopping at the end-of-document token.",
+        "each --prompt TEXT with the run's tokenizer (streamed when there is one), stopping at "
+        "the end-of-document token or before a --stop string S. (+): repeatable.",
     )
     _add_run_dir(generate, builds_model=True)
-    generate.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
+    generate.add_argument("--prompt", action="append", required=True, metavar="TEXT", help="(+)")
+    generate.add_argument("--stop", action="append", default=[], metavar="S", help="(+)")
     _number(generate, "--max-new-tokens", 64, "N", "tokens to generate at most (default 64)")
-    generate.add_argument(
-        "--temperature",
-        type=_temperature,
-        default=0.8,
-        metavar="T",
-        help="sampling temperature; 0 picks the likeliest token (default 0.8)",
-    )
+    for flag, keywords in sampling_flags():
+        generate.add_argument(flag, **keywords)
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     generate.set_defaults(run=answers.generate_command)
     recipe = commands.add_parser("recipe", help="write recipes from other tools' configs")
@@ -331,16 +329,6 @@ def _positive(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
     return int(text)
-
-
-def _temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0 <= value < float("inf"):  # NaN, negative or infinite
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number ≥ 0 (0: the likeliest token)")
-    return value
 
 
 def _count(text: str) -> int:

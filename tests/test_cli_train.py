@@ -125,15 +125,34 @@ def test_the_launcher_turns_how_each_rank_ended_into_one_status_and_one_line(
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("value", ["nan", "-1", "inf", "-0.5", "hot"])
-def test_a_sampling_temperature_that_is_not_a_number_at_least_0_is_refused(
-    value: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("flag", "value", "wanted"),
+    [
+        *[("--temperature", v, "a number ≥ 0") for v in ("nan", "-1", "inf", "-0.5", "hot")],
+        *[("--top-k", v, "a whole number ≥ 0") for v in ("-1", "2.5", "nan", "many")],
+        *[("--top-p", v, "a number in (0, 1]") for v in ("0", "1.5", "-0.1", "nan")],
+        *[("--repetition-penalty", v, "a number > 0") for v in ("0", "-1", "inf")],
+    ],
+)
+def test_a_sampling_setting_out_of_its_range_is_refused_in_one_line(
+    flag: str, value: str, wanted: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``--temperature nan`` used to end in ``RuntimeError: probability tensor contains either
-    inf, nan or element < 0`` after the model loaded; now argparse refuses it (exit 2)."""
+    inf, nan or element < 0`` after the model loaded; now argparse refuses it (exit 2), and so
+    every sampling setting out of its range."""
     with pytest.raises(SystemExit) as refusal:
-        build_parser().parse_args(["generate", "runs/x", "--prompt", "a", "--temperature", value])
+        build_parser().parse_args(["generate", "runs/x", "--prompt", "a", flag, value])
     assert refusal.value.code == 2
-    assert f"{value!r} is not a number ≥ 0 (0: the likeliest token)" in capsys.readouterr().err
-    args = ["generate", "runs/x", "--prompt", "a", "--temperature", "0.7"]
-    assert build_parser().parse_args(args).temperature == 0.7
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {value!r} is not {wanted}" in err
+    assert "Traceback" not in err
+
+
+def test_generate_takes_every_sampling_setting_several_prompts_and_stop_strings() -> None:
+    args = build_parser().parse_args(
+        ["generate", "runs/x", "--prompt", "a", "--prompt", "bc", "--stop", "\n"]
+        + ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"]
+        + ["--repetition-penalty", "1.2"]
+    )
+    assert (args.prompt, args.stop) == (["a", "bc"], ["\n"])
+    assert (args.temperature, args.top_k, args.top_p, args.repetition_penalty) == (0.7, 5, 0.9, 1.2)

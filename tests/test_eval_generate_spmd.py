@@ -12,7 +12,8 @@ import pytest
 
 from meshtrain.cli import main
 from meshtrain.recipes import load_recipe
-from meshtrain.recipes.evaluation import evaluate_run, generate, load_run
+from meshtrain.recipes.evaluation import evaluate_run, load_run
+from meshtrain.recipes.generation import generate
 from meshtrain.recipes.run import train
 from meshtrain.testing.runner import get_pool
 from meshtrain.train.metrics.sinks import read_jsonl

@@ -34,21 +34,28 @@ def eval_command(args: argparse.Namespace) -> int:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    """``meshtrain generate``: a continuation of ``--prompt`` from a run's checkpoint."""
-    from meshtrain.recipes.evaluation import generate, load_run
+    """``meshtrain generate``: a continuation of each ``--prompt`` from a run's checkpoint, the
+    only one streamed as it comes, several printed in order with a blank line between."""
+    from meshtrain.recipes.evaluation import load_run
+    from meshtrain.recipes.generation import generate_batch, stream
+    from meshtrain.recipes.sampling import Sampling, sampling_flags
 
+    sampling = Sampling(
+        **{keywords["dest"]: getattr(args, keywords["dest"]) for _, keywords in sampling_flags()}
+    )
     run = load_run(args.run_dir, trust_factory=args.trust_factory)
     for line in run.passed_over:
         say(f"warning: {line}")
     say(f"loaded {run.checkpoint} (step {run.step}) in {run.seconds:.1f} s")
-    text = generate(
-        run,
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=args.seed,
-    )
-    print(args.prompt + text)
+    settings = {"max_new_tokens": args.max_new_tokens, "sampling": sampling, "seed": args.seed}
+    if len(args.prompt) == 1:
+        print(args.prompt[0], end="", flush=True)
+        for piece in stream(run, args.prompt[0], stop=args.stop, **settings):
+            print(piece, end="", flush=True)
+        print()
+        return 0
+    texts = generate_batch(run, args.prompt, stop=args.stop, **settings)
+    print("\n\n".join(prompt + text for prompt, text in zip(args.prompt, texts)))
     return 0
 
 

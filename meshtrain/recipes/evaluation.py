@@ -1,5 +1,5 @@
 """``[eval]`` during training, and what a finished run answers: ``meshtrain eval RUN_DIR`` and
-``meshtrain generate RUN_DIR --prompt TEXT``.
+``meshtrain generate RUN_DIR --prompt TEXT`` (:mod:`meshtrain.recipes.generation`).
 
 During training (:class:`Evaluator`, on every rank): every ``[eval] every`` steps and at the last
 step, the validation loss and perplexity over ``[eval] batches`` global batches of the held-out
@@ -9,20 +9,18 @@ logged to every sink as ``val_loss`` and ``val_perplexity``.
 After training (:func:`load_run`, one process, no process group): the run's recipe is read from
 its newest intact checkpoint, the model built on one device and its full weights read from that
 checkpoint — whatever plan and mesh trained it (the checkpoint stores full-tensor names).
-:func:`evaluate_run` computes the same validation loss; :func:`generate` samples a continuation
-of a prompt with the run's tokenizer.
+:func:`evaluate_run` computes the same validation loss.
 
 Example::
 
     run = load_run("runs/debug")
-    print(generate(run, "def main(", max_new_tokens=40, temperature=0.0))
+    result, what = evaluate_run(run, batches=2)
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -35,20 +33,19 @@ from meshtrain.errors import CheckpointError, RecipeError
 from meshtrain.lower.context.parallel import positions_keyword
 from meshtrain.plan.ir import Plan
 from meshtrain.plan.layers import main_output
-from meshtrain.recipes.data import data_directory, recipe_tokenizer
+from meshtrain.recipes.data import data_directory
 from meshtrain.recipes.recipe import Recipe, recipe_from_data
 from meshtrain.train.checkpoint import find_resume_point
 from meshtrain.train.checkpoint.files import checkpoint_step, read_state_file
 from meshtrain.train.data import DistributedBatches, TokenFile, TokenWindows
 from meshtrain.train.data.documents import FILE_SOURCES
 from meshtrain.train.data.packed import PackedWindows
-from meshtrain.train.data.tokenizer import Tokenizer
 from meshtrain.train.evaluate import EvalResult, evaluate
 from meshtrain.train.hf.export import CheckpointTensors
 from meshtrain.train.loss import IGNORE_INDEX
 from meshtrain.train.metrics import Sinks
 
-__all__ = ["Evaluator", "LoadedRun", "evaluate_run", "generate", "load_run"]
+__all__ = ["Evaluator", "LoadedRun", "evaluate_run", "load_run"]
 
 
 def validation_batch(recipe: Recipe, sequences: int, dp_size: int, pipelined: bool) -> int:
@@ -249,44 +246,3 @@ def _held_out(recipe: Recipe) -> tuple[Any, str]:
         f"{recipe.source}: data.source = {data.source!r} keeps no data on disk to evaluate on. "
         "Evaluate during training with [eval], or train on files with data.validation."
     )
-
-
-def generate(
-    run: LoadedRun,
-    prompt: str,
-    *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.8,
-    seed: int = 0,
-    tokenizer: Tokenizer | None = None,
-) -> str:
-    """A continuation of ``prompt`` sampled from the run's model (greedy when ``temperature``
-    is 0), stopping at the end-of-document id; the prompt is not repeated."""
-    tokenizer = tokenizer or recipe_tokenizer(run.recipe)
-    ids = tokenizer.encode(prompt)
-    if not ids:
-        raise RecipeError("the prompt encodes to no tokens; give some text.")
-    return tokenizer.decode(
-        list(_sample(run, ids, tokenizer.eos_id, max_new_tokens, temperature, seed))
-    )
-
-
-def _sample(
-    run: LoadedRun, ids: list[int], eos: int, count: int, temperature: float, seed: int
-) -> Iterator[int]:
-    window = run.recipe.train.seq_len
-    generator = torch.Generator().manual_seed(seed)
-    context = list(ids)
-    with torch.no_grad():
-        for _ in range(count):
-            inputs = torch.tensor([context[-window:]])
-            logits = main_output(run.model(inputs))[0, -1].float()
-            if temperature <= 0:
-                token = int(logits.argmax())
-            else:
-                probs = torch.softmax(logits / temperature, dim=-1)
-                token = int(torch.multinomial(probs, 1, generator=generator))
-            if token == eos:
-                return
-            context.append(token)
-            yield token
