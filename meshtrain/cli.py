@@ -1,7 +1,7 @@
 """The ``meshtrain`` command line: argument parsing only; each command calls one Python function:
 ``train`` (:func:`meshtrain.recipes.job.train_command`), ``check``
 (:mod:`meshtrain.testing.recipe_check`), ``plan``, ``checkpoints``, ``export``, ``eval``,
-``generate`` and ``recipe from-deepspeed`` (:mod:`meshtrain.recipes.commands`).
+``generate`` and ``recipe list|cp|from-deepspeed`` (:mod:`meshtrain.recipes.commands`).
 
 Every command that takes a RECIPE takes ``--set section.key=value`` for any section. Exit status:
 0 done, 1 a rank failed (``check``: not equivalent; ``checkpoints``: none intact), 2 a meshtrain
@@ -244,8 +244,14 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
         generate.add_argument(flag, **keywords)
     generate.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     generate.set_defaults(run=answers.generate_command)
-    recipe = commands.add_parser("recipe", help="write recipes from other tools' configs")
+    recipe = commands.add_parser("recipe", help="list, copy and translate recipes")
     actions = recipe.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listing = actions.add_parser("list", help="the recipes a name finds: model, mesh, summary")
+    listing.set_defaults(run=answers.recipe_list_command)
+    copy = actions.add_parser("cp", help="copy a recipe to edit: recipe cp NAME DEST")
+    copy.add_argument("name", metavar="NAME", help="a name `recipe list` shows")
+    copy.add_argument("destination", metavar="DEST", help="a new file, or a directory")
+    copy.set_defaults(run=answers.recipe_cp_command)
     deepspeed = actions.add_parser(
         "from-deepspeed",
         help="translate a DeepSpeed ds_config.json into a recipe, key by key",

@@ -1,6 +1,6 @@
 """The commands that answer from a recipe or a run directory, one function each, called by
 :mod:`meshtrain.cli` with its parsed arguments: ``plan``, ``checkpoints``, ``export``, ``eval``,
-``generate`` and ``recipe from-deepspeed``. Each prints its answer and returns its exit status.
+``generate`` and ``recipe list``, ``recipe cp``, ``recipe from-deepspeed``. Each prints its answer and returns its exit status.
 
 Example (what ``meshtrain checkpoints runs/debug --quick`` runs)::
 
@@ -56,6 +56,23 @@ def generate_command(args: argparse.Namespace) -> int:
         return 0
     texts = generate_batch(run, args.prompt, stop=args.stop, **settings)
     print("\n\n".join(prompt + text for prompt, text in zip(args.prompt, texts)))
+    return 0
+
+
+def recipe_list_command(args: argparse.Namespace) -> int:
+    """``meshtrain recipe list``: one line per recipe a name finds."""
+    from meshtrain.recipes.catalog import recipe_entries, recipe_table
+
+    print(recipe_table(recipe_entries()))
+    return 0
+
+
+def recipe_cp_command(args: argparse.Namespace) -> int:
+    """``meshtrain recipe cp NAME DEST``: a copy of a recipe to edit."""
+    from meshtrain.recipes.catalog import copy_recipe
+
+    source, target = copy_recipe(args.name, args.destination)
+    print(f"wrote {target} (a copy of {source}); train it with `meshtrain train {target}`")
     return 0
 
 

@@ -28,12 +28,18 @@ if sys.version_info >= (3, 11):
 else:
     import tomli as tomllib
 
-__all__ = ["SECTION_NAMES", "apply_overrides", "find_recipe", "parse_recipe", "read_recipe"]
+__all__ = [
+    "SECTION_NAMES",
+    "apply_overrides",
+    "find_recipe",
+    "parse_recipe",
+    "read_recipe",
+    "recipe_roots",
+]
 
 
 def find_recipe(path_or_name: str | Path) -> Path:
-    """A path as given, or ``recipes/<name>.toml`` under the current directory, then under the
-    repository root."""
+    """A path as given, or ``<name>.toml`` in the first of :func:`recipe_roots` holding one."""
     path = Path(path_or_name)
     if path.suffix == ".toml" or len(path.parts) > 1 or path.is_file():
         if path.is_dir():
@@ -46,7 +52,7 @@ def find_recipe(path_or_name: str | Path) -> Path:
         if not path.is_file():
             raise RecipeError(f"recipe file {str(path)!r} does not exist.")
         return path
-    roots = [Path.cwd() / "recipes", Path(__file__).resolve().parents[2] / "recipes"]
+    roots = recipe_roots()
     for root in roots:
         if (root / f"{path}.toml").is_file():
             return root / f"{path}.toml"
@@ -57,6 +63,16 @@ def find_recipe(path_or_name: str | Path) -> Path:
         f"no recipe named {str(path)!r} in {' or '.join(str(root) for root in roots)}"
         f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
     )
+
+
+def recipe_roots() -> list[Path]:
+    """Where recipe names are looked up, in order: ``recipes/`` under the current directory,
+    the recipes the installed package ships (``meshtrain/_recipes``, put there by the wheel),
+    then ``recipes/`` of the source tree meshtrain runs from."""
+    package = Path(__file__).resolve().parents[1]
+    roots = [Path.cwd() / "recipes", package / "_recipes", package.parent / "recipes"]
+    unique = {root.resolve(): root for root in roots}
+    return list(unique.values())
 
 
 def _kind(path: Path) -> str:
