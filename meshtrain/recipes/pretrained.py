@@ -50,7 +50,12 @@ from meshtrain.models.moe_hf import (
 from meshtrain.recipes.model_check import check_llama_config
 from meshtrain.recipes.recipe import Recipe
 from meshtrain.recipes.schema import model_section
-from meshtrain.recipes.tokenizer_files import write_tokenizer_files
+from meshtrain.recipes.tokenizer_files import (
+    MODEL_TOKENIZER_FILES,
+    check_tokenizer_files,
+    run_tokenizer,
+    write_tokenizer_files,
+)
 from meshtrain.train.checkpoint import find_resume_point, list_checkpoints
 from meshtrain.train.checkpoint.files import canonical_fqn, read_state_file
 from meshtrain.train.hf.export import ExportReport, Rename, Transform, export_hf
@@ -60,14 +65,9 @@ from meshtrain.train.hf.load import LoadReport, load_hf
 __all__ = ["EXPORT_FORMATS", "export_run", "initialise_from", "load_pretrained"]
 
 EXPORT_FORMATS = ("hf",)
-#: Files beside config.json that an ``[model] hf`` export copies when the source has them.
-COPIED_FILES = (
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-)
+#: Files beside config.json that an ``[model] hf`` export copies when the source has them (the
+#: tokenizer's only when the run trained on it: :data:`MODEL_TOKENIZER_FILES`).
+COPIED_FILES = ("generation_config.json",)
 
 
 def load_pretrained(
@@ -204,6 +204,7 @@ def export_run(
     state = read_state_file(point.checkpoint)
     recipe = state.get("extra", {}).get("recipe")
     config, rename, copied = _export_target(recipe, point.checkpoint)
+    check_tokenizer_files(recipe)  # before any weight is written
     transform = transform or _lora_merge(recipe)
     report = export_hf(
         point.checkpoint,
@@ -283,9 +284,8 @@ def _export_target(
                 f"the run's model came from {model.hf!r}, whose config.json is gone; restore "
                 "that directory (its config.json describes the architecture) and export again."
             )
-        copied = [
-            Path(model.hf) / name for name in COPIED_FILES if (Path(model.hf) / name).is_file()
-        ]
+        names = COPIED_FILES + (MODEL_TOKENIZER_FILES if run_tokenizer(recipe) == "model" else ())
+        copied = [Path(model.hf) / name for name in names if (Path(model.hf) / name).is_file()]
         return config, None, copied
     if model.moe is not None:
         return hf_config_from_moe(model.moe), partial(moe_to_hf, model.moe), []

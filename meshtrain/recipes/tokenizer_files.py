@@ -5,10 +5,14 @@ A run whose ``[data] tokenizer`` is a ``tokenizer.json`` (or its directory) gets
 the ``tokenizer_config.json`` / ``special_tokens_map.json`` beside it); a run on the byte
 tokenizer gets a ``tokenizer.json`` that encodes exactly as :class:`ByteTokenizer` does — a
 byte-level BPE without merges whose ids are the byte values — with NUL (id 0) as its
-end-of-text token. A run on ``[model] hf`` already copies its model directory's files.
+end-of-text token, also when the model came from a ``[model] hf`` directory (whose own tokenizer
+files would encode other ids than the run trained on, so they are not copied). A run on the
+model directory's tokenizer (``"model"``) gets that directory's files. Where the files are gone,
+the export is refused before any weight is written (:func:`check_tokenizer_files`).
 
 Example::
 
+    check_tokenizer_files(recipe_raw)                    # before writing weights
     write_tokenizer_files(recipe_raw, Path("export/"))   # ['tokenizer.json', ...]
 """
 
@@ -23,9 +27,22 @@ from typing import Any
 from meshtrain.errors import CheckpointError
 from meshtrain.recipes.sections import DataSection
 
-__all__ = ["byte_tokenizer_json", "write_tokenizer_files"]
+__all__ = [
+    "MODEL_TOKENIZER_FILES",
+    "byte_tokenizer_json",
+    "check_tokenizer_files",
+    "run_tokenizer",
+    "write_tokenizer_files",
+]
 
 _BESIDE = ("tokenizer_config.json", "special_tokens_map.json")
+#: A ``[model] hf`` directory's tokenizer files, copied when the run used them (``"model"``).
+MODEL_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -65,14 +82,50 @@ def byte_tokenizer_json() -> str:
     return str(tokenizer.to_str())
 
 
-def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
-    """Write the run's tokenizer files into ``out_dir``; the names written."""
+def run_tokenizer(recipe: Any) -> str:
+    """The recorded recipe's ``[data] tokenizer``: ``"byte"``, ``"model"`` or a path."""
     data = recipe.get("data", {}) if isinstance(recipe, dict) else {}
+    name = data.get("tokenizer") if isinstance(data, dict) else None
+    return str(name) if name else DataSection.tokenizer
+
+
+def _model_directory(recipe: Any) -> Path | None:
     model = recipe.get("model", {}) if isinstance(recipe, dict) else {}
-    default = DataSection.tokenizer
-    name = data.get("tokenizer", default) if isinstance(data, dict) else default
-    if isinstance(model, dict) and model.get("hf") and name in ("model", "byte"):
-        return []  # the model directory's own files are copied with config.json
+    hf = model.get("hf") if isinstance(model, dict) else None
+    return Path(hf) if hf else None
+
+
+def check_tokenizer_files(recipe: Any) -> None:
+    """Refuse (a :class:`CheckpointError` naming the files and the fix) an export whose
+    tokenizer files are gone, before it writes anything."""
+    name, directory = run_tokenizer(recipe), _model_directory(recipe)
+    if name == "byte":
+        return
+    if name == "model":
+        found = directory is not None and any(
+            (directory / file).is_file() for file in ("tokenizer.json", "tokenizer.model")
+        )
+        if not found:
+            raise CheckpointError(
+                f"the run's tokenizer is its model directory's ([data] tokenizer = 'model'), and "
+                f"{str(directory)!r} holds no tokenizer.json or tokenizer.model, so the export "
+                "would carry no tokenizer. Put the tokenizer files back there and export again."
+            )
+        return
+    source = Path(name) / "tokenizer.json" if Path(name).is_dir() else Path(name)
+    if not source.is_file():
+        raise CheckpointError(
+            f"the run's tokenizer {name!r} is gone, so the export would carry no tokenizer; "
+            "restore it and export again."
+        )
+
+
+def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
+    """Write the run's tokenizer files into ``out_dir``; the names written (a run on its model
+    directory's tokenizer: those files, copied with ``config.json``, so none here)."""
+    name = run_tokenizer(recipe)
+    if name == "model":
+        return []
     if name == "byte":
         (out_dir / "tokenizer.json").write_text(byte_tokenizer_json(), encoding="utf-8")
         config = {
@@ -85,11 +138,6 @@ def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
         return ["tokenizer.json", "tokenizer_config.json"]
     source = Path(name)
     source = source / "tokenizer.json" if source.is_dir() else source
-    if not source.is_file():
-        raise CheckpointError(
-            f"the run's tokenizer {name!r} is gone, so the export has no tokenizer files; "
-            "restore it and export again."
-        )
     shutil.copyfile(source, out_dir / "tokenizer.json")
     written = ["tokenizer.json"]
     for extra in _BESIDE:
