@@ -149,10 +149,10 @@ def test_a_sampling_setting_out_of_its_range_is_refused_in_one_line(
 
 
 def test_generate_takes_every_sampling_setting_several_prompts_and_stop_strings() -> None:
+    prompts = ["--prompt", "a", "--prompt", "bc", "--stop", "\n"]
+    sampling = ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"]
     args = build_parser().parse_args(
-        ["generate", "runs/x", "--prompt", "a", "--prompt", "bc", "--stop", "\n"]
-        + ["--temperature", "0.7", "--top-k", "5", "--top-p", "0.9"]
-        + ["--repetition-penalty", "1.2"]
+        ["generate", "runs/x", *prompts, *sampling, "--repetition-penalty", "1.2"]
     )
     assert (args.prompt, args.stop) == (["a", "bc"], ["\n"])
     assert (args.temperature, args.top_k, args.top_p, args.repetition_penalty) == (0.7, 5, 0.9, 1.2)

@@ -93,3 +93,22 @@ def test_an_export_whose_tokenizer_files_are_gone_is_refused_before_writing(
         export_run(run, out)
     assert "\n" not in refused.value.message
     assert not out.exists()
+
+
+def test_building_a_hf_model_prints_no_third_party_load_noise(tmp_path: Path) -> None:
+    """Every ``[model] hf`` run used to print torchao's "Failed to load … .so" lines and torch's
+    pytree notices on each rank (transformers imports torchao when it is installed)."""
+    import subprocess
+    import sys
+
+    directory = _model_directory(tmp_path)
+    code = (
+        "from meshtrain.recipes import recipe_from_toml\n"
+        f"recipe = recipe_from_toml('[model]\\nhf = \"{directory}\"\\n[mesh]\\ndp = 1\\n')\n"
+        "model = recipe.build_model(device='cpu', seed=0)\n"
+        "print(type(model).__name__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "Qwen2ForCausalLM"
+    assert done.stderr == "", done.stderr[-2000:]

@@ -208,12 +208,19 @@ def torchao_nf4() -> ModuleType | None:
     """torchao's NF4 module, or ``None`` when torchao cannot be imported: the one place meshtrain
     imports torchao, with its load-time log lines (compiled extensions this machine cannot load,
     pytree registration notices) silenced; warnings of meshtrain's own are untouched."""
+    logging.getLogger("torch.utils._pytree").addFilter(_enum_constant_notice)
     try:
         with _quiet_loggers("torchao", "torch.utils._pytree"):
             from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     except ImportError:
         return None
     return nf4_tensor
+
+
+def _enum_constant_notice(record: logging.LogRecord) -> bool:
+    """False for torch's notice that an Enum registered as a pytree constant (torchao registers
+    its enums in each module it loads, also after :func:`torchao_nf4`) needs no registration."""
+    return "is an Enum subclass and is now natively supported" not in record.getMessage()
 
 
 @contextlib.contextmanager

@@ -228,6 +228,11 @@ def flops_per_token(model: nn.Module, seq_len: int) -> float:
 
 
 def _transformers(directory: str) -> Any:
+    # transformers imports torchao when it is installed, and torchao logs a line per compiled
+    # extension this machine cannot load: import it first, quietly (once per process)
+    from meshtrain.adapters.nf4 import torchao_nf4
+
+    torchao_nf4()
     try:
         return importlib.import_module("transformers")
     except ImportError:
