@@ -43,3 +43,29 @@ def test_a_crash_is_one_line_and_its_traceback_goes_to_the_run_directory(tmp_pat
     assert path == str(tmp_path / "logs" / "rank-1.log")
     text = Path(path).read_text()
     assert text.startswith("Traceback (most recent call last):") and "KeyError: 'missing'" in text
+
+
+def test_a_finished_runs_summary_names_its_figures_and_what_to_run_next(tmp_path: Path) -> None:
+    """Under the last line: wall time, tokens and tokens/s over the steps' time, MFU where the
+    device's peak is known, the best validation loss and its step, the last checkpoint and the
+    commands that read the run."""
+    from meshtrain.recipes import recipe_from_toml
+    from meshtrain.recipes.job import _ending
+    from meshtrain.recipes.run import RunResult, RunTally
+
+    recipe = recipe_from_toml('[model]\npreset = "debug"\n[mesh]\ndp = 1\n', source="debug.toml")
+    checkpoint = tmp_path / "checkpoints" / "step_00000040"
+    tally = RunTally(52.25, 40.0, 81_920, mfu=0.125, best_eval=(30, 2.25))
+    result = RunResult({40: 2.5}, None, checkpoint, tmp_path, "fp", tally=tally)
+    lines = _ending(recipe, result).splitlines()
+    assert lines[0] == f"debug: trained to step 40, loss 2.5000; run directory {tmp_path}"
+    assert lines[1] == (
+        "  52.2 s in all; 81,920 tokens in 40.0 s of steps, saves and evaluations "
+        "(2,048 tokens/s, MFU 12.5%)"
+    )
+    assert lines[2] == "  best validation loss 2.2500 at step 30"
+    assert lines[3] == f"  last checkpoint {checkpoint}"
+    assert lines[4].startswith(f"  next: meshtrain eval {tmp_path}  |  meshtrain generate")
+    cpu = RunResult({40: 2.5}, None, checkpoint, tmp_path, "fp", tally=RunTally(1, 1, 10))
+    assert "MFU n/a: no peak FLOP/s known" in _ending(recipe, cpu)
+    assert "best validation loss" not in _ending(recipe, cpu)

@@ -83,6 +83,10 @@ def test_debug_recipe_trains_on_four_local_ranks(tmp_path: Path, corpus_dir: Pat
     saved = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
     assert saved == ["step_00000010", "step_00000020"]  # async saves, both published
     assert "debug: trained to step 20" in output
+    summary = output[output.index("debug: trained to step 20") :]
+    assert "10,240 tokens in" in summary  # 20 steps of 8 × 64
+    assert f"last checkpoint {run_dir / 'checkpoints' / 'step_00000020'}" in summary
+    assert f"next: meshtrain eval {run_dir}" in summary
     again = _train(["debug", "--nproc", "4", *sets], tmp_path)
     output, _ = again.communicate(timeout=300)
     assert again.returncode == 0, output

@@ -303,12 +303,37 @@ def _ending(recipe: Recipe, result: RunResult) -> str:
                 f" (step {last} was skipped for non-finite values, so the last checkpoint is "
                 f"step {checkpoint_step(checkpoint)}: {checkpoint})"
             )
-        return line
+        return "\n".join([line, *_summary(result)])
     return (
         f"{name}: the checkpoint in {recipe.checkpoint_dir} is already at step "
         f"{result.resumed_from} of {recipe.train.steps}; nothing to train. Raise train.steps or "
         "start a new run directory."
     )
+
+
+def _summary(result: RunResult) -> list[str]:
+    """The lines under a finished run's last line: time, tokens and throughput, the best
+    validation loss, the last checkpoint and what to run next."""
+    tally, run_dir = result.tally, result.run_dir
+    lines = []
+    if tally is not None:
+        mfu = f"MFU {tally.mfu:.1%}" if tally.mfu is not None else "MFU n/a: no peak FLOP/s known"
+        lines.append(
+            f"  {tally.wall_s:.1f} s in all; {tally.tokens:,} tokens in {tally.train_s:.1f} s of "
+            f"steps, saves and evaluations ({tally.tokens_per_s:,.0f} tokens/s, {mfu})"
+        )
+        if tally.best_eval is not None:
+            step, loss = tally.best_eval
+            lines.append(f"  best validation loss {loss:.4f} at step {step}")
+    if result.checkpoint is not None:
+        lines.append(f"  last checkpoint {result.checkpoint}")
+    lines += [
+        f"  next: meshtrain eval {run_dir}  |  meshtrain generate {run_dir} --prompt TEXT  |  "
+        f"meshtrain export {run_dir} --out {run_dir}-hf",
+        "  more steps: the same command with --set train.steps=N (it resumes from the last "
+        "checkpoint)",
+    ]
+    return lines
 
 
 def say(line: str, stream: TextIO | None = None) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -91,6 +92,24 @@ class RunResult:
     fingerprint: str
     stopped_by: str | None = None
     last_step: int = 0
+    tally: RunTally | None = None
+
+
+@dataclass(frozen=True)
+class RunTally:
+    """What the run's end-of-run summary reports: wall time from ``train`` to its end, the time
+    and global tokens of the steps trained, the mean MFU where the device's peak is known, and the
+    best validation loss with its step (``None`` without ``[eval]``)."""
+
+    wall_s: float
+    train_s: float
+    tokens: int
+    mfu: float | None = None
+    best_eval: tuple[int, float] | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.train_s if self.train_s > 0 else 0.0
 
 
 def train(
@@ -112,8 +131,13 @@ def train(
     device = device or torch.device("cpu")
     owned = stop is None
     stop = stop or GracefulStop()
+    started = time.perf_counter()
     with _run_locks(recipe), stop.installed(enabled=owned):
-        return _train(recipe, device, stop_after, stop)
+        result = _train(recipe, device, stop_after, stop)
+    if result.tally is None:
+        return result
+    tally = dataclasses.replace(result.tally, wall_s=time.perf_counter() - started)
+    return dataclasses.replace(result, tally=tally)
 
 
 def _train(
@@ -193,6 +217,7 @@ def _train(
         fingerprint,
         loop.stopped_by,
         state.step,
+        loop.tally(),
     )
 
 
@@ -223,6 +248,14 @@ class _Loop:
         self.tokens = TokenGuard(0, "")  # set by _train: the data's ids and file checked
         # a checkpoint is good once the run trained a whole interval past it with no skip
         self.confirm_steps = max(1, recipe.checkpoint.interval)
+        self.train_s, self.tokens_seen = 0.0, 0  # the end-of-run summary's figures
+        self.mfu: list[float] = []
+        self.best_eval: tuple[int, float] | None = None
+
+    def tally(self) -> RunTally:
+        """The figures of the end-of-run summary (wall time filled in by :func:`train`)."""
+        mfu = sum(self.mfu) / len(self.mfu) if self.mfu else None
+        return RunTally(0.0, self.train_s, self.tokens_seen, mfu, self.best_eval)
 
     def run(
         self,
@@ -236,8 +269,26 @@ class _Loop:
         device: torch.device,
     ) -> TrainState:
         """Train until ``train.steps``, ``stop_after`` steps, an agreed stop or a spent budget."""
-        steps, due = self.recipe.train.steps, False
         batches = iter(loader.batches(state.data))
+        started = time.perf_counter()
+        try:
+            return self._steps(state, step_fn, batches, sinks, meter, stop, stop_after, device)
+        finally:
+            self.train_s = time.perf_counter() - started
+
+    def _steps(
+        self,
+        state: TrainState,
+        step_fn: Any,
+        batches: Iterator[Any],
+        sinks: Sinks,
+        meter: Throughput,
+        stop: GracefulStop,
+        stop_after: int | None,
+        device: torch.device,
+    ) -> TrainState:
+        """The loop of :meth:`run`."""
+        steps, due = self.recipe.train.steps, False
         while state.step < steps and len(self.losses) != stop_after:
             # one collective per step agrees on a stop, the token file (stat before the read)
             # and the batch's ids, every rank alike, before the step's collectives
@@ -259,14 +310,21 @@ class _Loop:
             self.losses[state.step] = metrics["loss"]
             if self.router is not None:  # a collective: every rank, every step
                 metrics = {**metrics, **self.router()}
-            sinks.log(state.step, meter.update(metrics))
+            metrics = meter.update(metrics)
+            sinks.log(state.step, metrics)
             self._count(state.step, metrics)
+            self.tokens_seen += int(metrics.get("tokens", 0))
+            if "mfu" in metrics and not metrics.get("warmup"):
+                self.mfu.append(float(metrics["mfu"]))
             verify = self.recipe.train.verify_every
             if verify and state.step % verify == 0:  # before a save: never checkpoint a drift
                 verify_replicas(self.plan, state.params, state.optimizer, step=state.step)
             last = state.step == steps or len(self.losses) == stop_after
-            if self.evaluator is not None and self.evaluator.after_step(state.step, last):
+            evaluated = self.evaluator.after_step(state.step, last) if self.evaluator else None
+            if evaluated is not None:
                 meter.reset_timer()  # evaluating is not step time
+                if self.best_eval is None or evaluated.loss < self.best_eval[1]:
+                    self.best_eval = (state.step, evaluated.loss)
             due = due or self.checkpointer.due(state.step) or last
             if due and self.guard.may_checkpoint:
                 self._save(state)
