@@ -269,6 +269,8 @@ def _add_answer_commands(commands: argparse._SubParsersAction) -> None:
     deepspeed.add_argument(
         "--out", required=True, metavar="RECIPE", help="the recipe .toml to write"
     )
+    _number(deepspeed, "--steps", None, "N", "train.steps of the recipe (as --set train.steps=N)")
+    _add_overrides(deepspeed)
     deepspeed.set_defaults(run=answers.from_deepspeed_command)
 
 
@@ -304,6 +306,11 @@ def _add_run_dir(command: argparse.ArgumentParser, *, builds_model: bool = False
 def _add_recipe(command: argparse.ArgumentParser) -> None:
     """The RECIPE argument every command takes, and ``--set`` to change any of its values."""
     command.add_argument("recipe", metavar="RECIPE", help="a recipe file, or a name in recipes/")
+    _add_overrides(command)
+
+
+def _add_overrides(command: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE``, repeatable."""
     command.add_argument(
         "--set",
         dest="overrides",

@@ -147,7 +147,7 @@ def test_the_example_configs_translate_key_by_key(
             {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
             "zero_optimization.offload_param.device",
         ),
-        ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, "scheduler.type"),
+        ({"scheduler": {"type": "OneCycle", "params": {}}}, "scheduler.type"),
         (
             {"fp16": {"enabled": True, "consecutive_hysteresis": True}},
             "fp16.consecutive_hysteresis",
@@ -161,7 +161,7 @@ def test_the_example_configs_translate_key_by_key(
     ],
     ids=[
         "nvme",
-        "linear-decay",
+        "one-cycle",
         "consecutive-hysteresis",
         "scale-power",
         "unknown-section",
@@ -331,3 +331,54 @@ def test_an_output_in_a_missing_directory_is_one_line(
     assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"its directory {str(out.parent)!r} does not exist" in err
+
+
+# DeepSpeed's documented WarmupDecayLR example (docs: "Learning Rate Schedulers")
+WARMUP_DECAY = {
+    "train_batch_size": 8,
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {
+            "total_num_steps": 1000,
+            "warmup_min_lr": 0,
+            "warmup_max_lr": 0.001,
+            "warmup_num_steps": 100,
+        },
+    },
+}
+
+
+def test_warmup_decay_lr_is_a_linear_decay_to_zero_at_its_total_steps(tmp_path: Path) -> None:
+    from meshtrain.train.schedule import WarmupCosine
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(WARMUP_DECAY))
+    out = tmp_path / "recipe.toml"
+    assert main(["recipe", "from-deepspeed", str(path), "--out", str(out)]) == 0
+    train = load_recipe(str(out)).train
+    assert (train.decay, train.lr, train.min_lr) == ("linear", 0.001, 0.0)
+    assert (train.warmup_steps, train.steps) == (100, 1000)
+    schedule = WarmupCosine(train.lr, train.warmup_steps, train.steps, train.min_lr, train.decay)
+    # DeepSpeed's WarmupDecayLR after warmup: max_lr × (total - step) / (total - warmup)
+    for step in (100, 250, 550, 999):
+        assert schedule(step) == pytest.approx(0.001 * (1000 - step) / 900)
+
+
+def test_set_and_steps_override_the_translation_and_are_said(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(WARMUP_DECAY))
+    out = tmp_path / "recipe.toml"
+    args = ["recipe", "from-deepspeed", str(path), "--out", str(out), "--steps", "20"]
+    sets = ["--set", "mesh.tp=2", "--set", "train.seq_len=32", "--set", "data.source=synthetic"]
+    assert main([*args, *sets]) == 0
+    recipe = load_recipe(str(out))
+    assert (recipe.train.steps, recipe.train.seq_len, recipe.data.source) == (20, 32, "synthetic")
+    assert recipe.train.warmup_steps == 100  # longer than the run: the rate ramps it all
+    assert recipe.raw["mesh"] == {"dp": -1, "tp": 2}
+    text = out.read_text()
+    assert "# set on the command line: mesh.tp, train.seq_len, data.source, train.steps" in text
+    assert text.count("[mesh]") == 1
+    assert main([*args, "--set", "train.no_such_key=1", "--out", str(tmp_path / "x.toml")]) == 2
+    assert "no_such_key" in capsys.readouterr().err

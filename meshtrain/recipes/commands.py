@@ -86,6 +86,9 @@ def from_deepspeed_command(args: argparse.Namespace) -> int:
             "exist. Create it first, or write the recipe elsewhere."
         )
     translation = translate_deepspeed(read_deepspeed(args.config), model=args.model)  # no torch
+    steps = [f"train.steps={args.steps}"] if args.steps else []
+    if args.overrides or steps:
+        translation.override([*args.overrides, *steps], args.config)
     text = translation.toml(args.config)
     from meshtrain.recipes import recipe_from_toml
 

@@ -13,9 +13,14 @@ Why: a team moving from DeepSpeed has a config whose every key means something t
   arguments; the recipe's defaults or ``--set`` do here);
 - **tuning knobs**: buffer and bucket sizes, overlap and pinning switches that change speed or
   memory but not the numbers a step computes (FSDP2 decides these per module);
-- **refused**: anything else — an unknown key, a value meshtrain cannot reproduce (a linear
-  decay schedule, consecutive hysteresis in the loss scaler) — raises :class:`DeepSpeedConfigError`
-  naming every such key and why (``meshtrain recipe from-deepspeed`` exits 2).
+- **refused**: anything else — an unknown key, a value meshtrain cannot reproduce (the OneCycle
+  schedule's momentum cycle, consecutive hysteresis in the loss scaler) — raises
+  :class:`DeepSpeedConfigError` naming every such key and why (``meshtrain recipe
+  from-deepspeed`` exits 2).
+
+Schedules: ``WarmupLR`` (a constant rate after warmup), ``WarmupDecayLR`` (``train.decay =
+"linear"``, to 0 at ``total_num_steps``) and ``WarmupCosineLR``. :meth:`Translation.override`
+applies the command's ``--set`` (and ``--steps``) on top, as a recipe's ``--set`` does.
 
 Example:
     >>> result = translate_deepspeed({"zero_optimization": {"stage": 2},
@@ -28,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -100,6 +105,22 @@ class Translation:
     refused: list[str] = field(default_factory=list)
     inactive: list[str] = field(default_factory=list)
     model: str = "debug"
+    overridden: list[str] = field(default_factory=list)  # keys set on the command line
+
+    def override(self, overrides: Sequence[str], source: str) -> None:
+        """Apply ``section.key=value`` overrides to the translated settings (read as a recipe's
+        ``--set`` reads them; the keys are checked with the recipe)."""
+        from meshtrain.recipes.source import apply_overrides
+
+        nested: dict[str, Any] = {}
+        for key, value in self.settings.items():
+            *sections, name = key.split(".")
+            table = nested
+            for section in sections:
+                table = table.setdefault(section, {})
+            table[name] = value
+        self.settings = flatten_table(apply_overrides(nested, overrides, source))
+        self.overridden = [item.partition("=")[0] for item in overrides]
 
     def toml(self, source: str) -> str:
         """The recipe as TOML, with the keys left to defaults or ignored as comments."""
@@ -110,15 +131,20 @@ class Translation:
             lines.append(f"# tuning knobs (no effect on the numbers): {', '.join(self.tuning)}")
         if self.inactive:
             lines.append(f"# inactive (fp16 is not enabled): {', '.join(self.inactive)}")
+        if self.overridden:
+            lines.append(f"# set on the command line: {', '.join(self.overridden)}")
         lines += ["", "[model]"]
         model_path = Path(self.model)
         if model_path.is_dir():
             lines.append(f"hf = {toml_value(str(model_path))}")
         else:
             lines += ['name = "llama"', f"preset = {toml_value(self.model)}"]
-        lines += ["", "[mesh]", "dp = -1"]
+        mesh = {"dp": -1, **{k[5:]: v for k, v in self.settings.items() if k.startswith("mesh.")}}
+        lines += ["", "[mesh]", *(f"{axis} = {toml_value(size)}" for axis, size in mesh.items())]
         sections: dict[str, list[str]] = {}
         for key, value in sorted(self.settings.items()):
+            if key.startswith("mesh."):
+                continue
             section, name = key.rsplit(".", 1)
             sections.setdefault(section, []).append(f"{name} = {toml_value(value)}")
         for section, entries in sections.items():
@@ -282,8 +308,10 @@ def _unit(value: object) -> TypeGuard[int | float]:
 
 
 def _scheduler_type(out: Translation, key: str, value: object, config: Mapping[str, Any]) -> str:
-    if value not in ("WarmupLR", "WarmupCosineLR"):
-        return "meshtrain's schedule is a linear warmup then a cosine or constant rate"
+    if value not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
+        return "meshtrain's schedule is a linear warmup then a constant rate, or a linear or cosine decay"
+    if value == "WarmupDecayLR":
+        out.settings["train.decay"] = "linear"  # down to 0 at total_num_steps
     return ""
 
 

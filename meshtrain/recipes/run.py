@@ -148,7 +148,9 @@ def _train(
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
-    schedule = WarmupCosine(train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr)
+    schedule = WarmupCosine(
+        train_cfg.lr, train_cfg.warmup_steps, train_cfg.steps, train_cfg.min_lr, train_cfg.decay
+    )
     step_fn = make_train_step(
         plan,
         summed_cross_entropy,

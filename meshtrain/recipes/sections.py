@@ -55,6 +55,7 @@ __all__ = [
 
 #: The optimizers a recipe builds (:class:`meshtrain.recipes.OptimizerBuilder`).
 OptimizerName = Literal["sgd", "adam", "adamw"]
+Decay = Literal["cosine", "linear"]
 #: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
 DataSource = Literal["corpus", "synthetic", "tokens", "jsonl", "text", "parquet", "hf-dataset"]
 #: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).
@@ -342,7 +343,8 @@ class ParallelSection:
 @dataclass(frozen=True)
 class TrainSection:
     """``[train]``: global sequences per step, tokens per sequence, optimizer and its schedule
-    (linear warmup over ``warmup_steps``, cosine to ``min_lr`` at ``steps``), clipping, seed,
+    (linear warmup over ``warmup_steps``, a cosine or linear ``decay`` to ``min_lr`` at
+    ``steps``), clipping, seed,
     what a non-finite loss does (``skip`` its update or ``stop``) and how many skipped steps end
     the run (``max_consecutive_skips`` in a row, ``max_total_skips`` in all; 0: no bound)."""
 
@@ -365,10 +367,18 @@ class TrainSection:
     lr: float = field(
         default=1e-3, metadata=about("peak learning rate", 1e-3, bound="positive", resume="refuse")
     )
+    decay: Decay = field(
+        default="cosine",
+        metadata=about(
+            "the rate's fall from `lr` to `min_lr` after warmup: cosine or linear",
+            "cosine",
+            resume="refuse",
+        ),
+    )
     min_lr: float = field(
         default=0.0,
         metadata=about(
-            "the cosine's floor, reached at `steps` (≤ `lr`)",
+            "the decay's floor, reached at `steps` (≤ `lr`)",
             1e-4,
             bound="nonnegative",
             resume="refuse",

@@ -1,4 +1,5 @@
-"""Learning-rate schedules: linear warmup then cosine decay, and the linear scaling rule.
+"""Learning-rate schedules: linear warmup then a cosine (or linear) decay, and the linear scaling
+rule.
 
 A schedule is a pure function of the optimizer step (steps count from 0), so it needs no state
 of its own in a checkpoint: the :class:`~meshtrain.train.state.TrainState`'s step is enough.
@@ -7,6 +8,9 @@ Example:
     >>> schedule = WarmupCosine(peak_lr=1e-3, warmup_steps=10, total_steps=110, min_lr=1e-4)
     >>> schedule(0), schedule(9), round(schedule(60), 6), schedule(110)
     (0.0001, 0.001, 0.00055, 0.0001)
+    >>> linear = WarmupCosine(1e-3, warmup_steps=10, total_steps=110, decay="linear")
+    >>> round(linear(35), 6), round(linear(85), 6)
+    (0.00075, 0.00025)
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ class WarmupCosine:
     """``peak_lr × (step + 1) / warmup_steps`` for the first ``warmup_steps`` steps, then a
     cosine from ``peak_lr`` down to ``min_lr`` at ``total_steps`` (and ``min_lr`` after it).
 
+    ``decay = "linear"`` falls in a straight line instead (DeepSpeed's ``WarmupDecayLR``).
     ``warmup_steps = 0`` starts at the peak; ``min_lr = peak_lr`` gives a constant rate after
     warmup. A run shorter than its warmup (a smoke test of a long recipe) ramps the whole way:
     its last step has ``peak_lr × total_steps / warmup_steps``.
@@ -31,9 +36,12 @@ class WarmupCosine:
     warmup_steps: int = 0
     total_steps: int = 1
     min_lr: float = 0.0
+    decay: str = "cosine"
 
     def __post_init__(self) -> None:
         problems = []
+        if self.decay not in ("cosine", "linear"):
+            problems.append(f"decay={self.decay!r} must be 'cosine' or 'linear'")
         if not self.peak_lr > 0:
             problems.append(f"peak_lr={self.peak_lr} must be positive")
         if not 0 <= self.min_lr <= self.peak_lr:
@@ -46,7 +54,8 @@ class WarmupCosine:
         if problems:
             raise ConfigError(
                 "WarmupCosine: " + "; ".join(problems) + ". Fix the schedule's settings "
-                "(in a recipe: train.lr, train.min_lr, train.warmup_steps, train.steps)."
+                "(in a recipe: train.lr, train.min_lr, train.warmup_steps, train.steps, "
+                "train.decay)."
             )
 
     def __call__(self, step: int) -> float:
@@ -57,6 +66,8 @@ class WarmupCosine:
         if decay_steps <= 0 or step >= self.total_steps:
             return self.min_lr if decay_steps > 0 else self.peak_lr
         progress = (step - self.warmup_steps) / decay_steps
+        if self.decay == "linear":
+            return self.min_lr + (self.peak_lr - self.min_lr) * (1.0 - progress)
         cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
         return self.min_lr + (self.peak_lr - self.min_lr) * cosine
 
