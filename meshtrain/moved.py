@@ -71,7 +71,8 @@ MOVED = {
     "meshtrain.train.hf_files": "meshtrain.train.hf.files",
     "meshtrain.train.hf_load": "meshtrain.train.hf.load",
     "meshtrain.train.integrity": "meshtrain.train.checkpoint.integrity",
-    "meshtrain.train.lock": "meshtrain.train.checkpoint.lock",
+    "meshtrain.train.lock": "meshtrain.files.lock",
+    "meshtrain.train.checkpoint.lock": "meshtrain.files.lock",
     "meshtrain.train.safetensors_io": "meshtrain.train.hf.single_file",
     "meshtrain.train.tokenizer": "meshtrain.train.data.tokenizer",
 }

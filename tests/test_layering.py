@@ -189,6 +189,7 @@ def test_runtime_calls_stay_in_their_layer(call: str) -> None:
         ("meshtrain.plan.abstract", "meshtrain.plan.proof.run"),
         ("meshtrain.plan.tp_cost", "meshtrain.plan.tensor.cost"),
         ("meshtrain.lower.tensor_parallel", "meshtrain.lower.tensor.parallel"),
+        ("meshtrain.train.checkpoint.lock", "meshtrain.files.lock"),
     ],
 )
 def test_moved_modules_still_import_with_a_warning(old: str, new: str) -> None:

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from meshtrain import CheckpointError
-from meshtrain.train.checkpoint import lock as lock_module
-from meshtrain.train.checkpoint.lock import LOCK_FILE, acquire_run_lock
+from meshtrain.files import lock as lock_module
+from meshtrain.files.lock import LOCK_FILE, acquire_run_lock
 
 HOLD = """
 import sys
-from meshtrain.train.checkpoint.lock import acquire_run_lock
+from meshtrain.files.lock import acquire_run_lock
 held = acquire_run_lock(sys.argv[1])
 print("locked", flush=True)
 sys.stdin.read()

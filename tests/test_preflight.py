@@ -18,10 +18,10 @@ import pytest
 from meshtrain import MeshtrainError, RecipeError
 from meshtrain import launch as launch_module
 from meshtrain.cli import main
+from meshtrain.files.lock import acquire_run_lock
 from meshtrain.recipes import load_recipe
 from meshtrain.recipes.preflight import DEFAULTS, check_launch, check_plan
 from meshtrain.recipes.schema import DataSection, ParallelSection, TrainSection
-from meshtrain.train.checkpoint.lock import acquire_run_lock
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The launcher's refusal budget (the issue's), measured from process start to exit.
@@ -304,6 +304,29 @@ def test_a_busy_or_unwritable_run_directory_is_refused_before_any_rank_starts(
     )
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot lock the run directory '{unwritable}'" in err
+
+
+def test_a_busy_run_directory_is_refused_first_within_seconds(tmp_path: Path) -> None:
+    """A run directory another job holds was refused only after the plan check (32 s on a
+    loaded machine): the launcher now probes the lock right after reading the recipe, before
+    torch is imported."""
+    run_dir = tmp_path / "run"
+    sets = ["--set", f"logging.run_dir={run_dir}", "--set", "data.source=synthetic"]
+    with acquire_run_lock(run_dir):
+        started = time.perf_counter()
+        process = subprocess.run(
+            [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "2", *sets],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+        )
+        seconds = time.perf_counter() - started
+    assert process.returncode == 2, process.stdout + process.stderr
+    assert process.stderr.startswith(f"CheckpointError: run directory '{run_dir}' is in use")
+    assert process.stdout == ""  # not even the "checking the plan" line
+    assert seconds < REFUSAL_BUDGET_S, f"refused in {seconds:.2f} s"
 
 
 def test_a_broken_wandb_install_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:

@@ -19,9 +19,9 @@ from meshtrain import launch as launch_module
 from meshtrain.cli import main
 from meshtrain.errors import CheckpointError
 from meshtrain.files import open_for_append, replaced_atomically, write_text_atomically
+from meshtrain.files.lock import LOCK_FILE, acquire_run_lock
 from meshtrain.recipes.token_check import verify_token_file
 from meshtrain.train.checkpoint.files import write_state_file
-from meshtrain.train.checkpoint.lock import LOCK_FILE, acquire_run_lock
 from meshtrain.train.metrics import (
     METRICS_FILE,
     WANDB_RUN_ID_FILE,

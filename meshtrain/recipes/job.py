@@ -44,9 +44,10 @@ def train_command(args: argparse.Namespace) -> int:
 
 def launch_command(args: argparse.Namespace) -> int:
     """Check everything a launch needs before any rank starts (the cheap checks first, before
-    torch is imported), lock the run directory, then run torchrun's agent here."""
+    torch is imported: the recipe, then a run directory another job holds), lock the run
+    directory, then run torchrun's agent here."""
     from meshtrain.launch import run_agent, torchrun_arguments
-    from meshtrain.recipes.preflight import check_launch, check_wandb
+    from meshtrain.recipes.preflight import check_launch, check_wandb, refuse_busy_run
     from meshtrain.recipes.quick_check import check_recipe_quickly
     from meshtrain.recipes.source import parse_recipe, read_recipe
     from meshtrain.recipes.token_check import check_recipe_tokens
@@ -56,6 +57,8 @@ def launch_command(args: argparse.Namespace) -> int:
     data, source = parse_recipe(text, source, args.overrides)
     check_launch(data, source, nproc=nproc, nnodes=args.nnodes)
     check_recipe_quickly(data, source)  # the schema's torch-free checks: unknown keys, types
+    if args.node_rank == 0:
+        refuse_busy_run(data, source)  # in seconds, not after the plan check
     check_recipe_tokens(data)  # size, sha256 (cached by size and mtime), ids in the vocabulary
     _starting(args.recipe, data, nproc, args.nnodes)  # within a second: torch is not loaded yet
     check_wandb(data, source)  # imports wandb when the run logs to it: a broken install stops here
@@ -68,10 +71,10 @@ def launch_command(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         max_restarts=args.max_restarts,
     )
+    from meshtrain.files.lock import TOKEN_VARIABLE
     from meshtrain.recipes import load_recipe
-    from meshtrain.recipes.preflight import check_data_size, check_plan, lock_run
+    from meshtrain.recipes.preflight import check_data_size, check_plan, check_run_files, lock_run
     from meshtrain.recipes.resume_guard import check_before_launch
-    from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 
     recipe = load_recipe(args.recipe, args.overrides)
     warmup, steps = recipe.train.warmup_steps, recipe.train.steps
@@ -93,8 +96,9 @@ def launch_command(args: argparse.Namespace) -> int:
     run = functools.partial(_run_and_explain, run, data)
     if args.node_rank != 0:  # node 0 holds the lock for the whole job
         return run()
-    with lock_run(recipe) as token:
+    with lock_run(recipe.run_dir, recipe.checkpoint_dir) as token:
         os.environ[TOKEN_VARIABLE] = token
+        check_run_files(recipe.run_dir)
         check_before_launch(recipe)  # no silent start-over, no silent change: before the ranks
         finished = _nothing_to_train(recipe)  # decided here: no rank starts for nothing
         if finished:

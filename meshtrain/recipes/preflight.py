@@ -47,6 +47,7 @@ __all__ = [
     "check_run_files",
     "check_wandb",
     "lock_run",
+    "refuse_busy_run",
 ]
 #: ``[data] source`` values that read the user's files (as meshtrain.train.data.documents has them).
 _FILE_SOURCES = ("jsonl", "text", "parquet", "hf-dataset")
@@ -269,22 +270,35 @@ def check_data_size(recipe: Recipe, plan: Plan) -> None:
 
 
 @contextlib.contextmanager
-def lock_run(recipe: Recipe, *, token: str | None = None) -> Iterator[str]:
-    """Hold the locks of the recipe's run directory (and of its checkpoint directory, when that
-    lies elsewhere) for a job; yields the job's token, for its ranks."""
+def lock_run(run_dir: Path, checkpoint_dir: Path, *, token: str | None = None) -> Iterator[str]:
+    """Hold the locks of a run directory (and of its checkpoint directory, when that lies
+    elsewhere) for a job; yields the job's token, for its ranks. No torch: the launcher takes
+    them before anything slow."""
     import uuid
 
-    from meshtrain.train.checkpoint.lock import acquire_run_lock
+    from meshtrain.files.lock import acquire_run_lock
 
     token = token or uuid.uuid4().hex
-    directories = [recipe.run_dir]
-    if not recipe.checkpoint_dir.resolve().is_relative_to(recipe.run_dir.resolve()):
-        directories.append(recipe.checkpoint_dir)
+    directories = [run_dir]
+    if not checkpoint_dir.resolve().is_relative_to(run_dir.resolve()):
+        directories.append(checkpoint_dir)
     with contextlib.ExitStack() as stack:
         for directory in directories:
             stack.enter_context(acquire_run_lock(directory, token=token))
-        check_run_files(recipe.run_dir)
         yield token
+
+
+def refuse_busy_run(data: Mapping[str, Any], source: str) -> None:
+    """Refuse, before anything slow, a run directory (or checkpoint directory) another job
+    holds; no torch, nothing written where no run was. The job takes the lock for real after
+    its plan check (:func:`lock_run`), which refuses a job that took it meanwhile."""
+    from meshtrain.files.lock import LOCK_FILE, acquire_run_lock
+    from meshtrain.recipes.source import run_directories
+
+    for directory in run_directories(data, source):
+        if (directory / LOCK_FILE).is_file():
+            with acquire_run_lock(directory):
+                pass
 
 
 def check_run_files(run_dir: Path) -> None:

@@ -59,7 +59,7 @@ from meshtrain.recipes.schema import (
 )
 from meshtrain.recipes.sections import EvalSection, ProfileSection
 from meshtrain.recipes.source import apply_overrides as apply_overrides  # re-exported
-from meshtrain.recipes.source import parse_recipe, read_recipe
+from meshtrain.recipes.source import named_directories, parse_recipe, read_recipe, recipe_name
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
@@ -132,17 +132,17 @@ class Recipe:
 
     @property
     def name(self) -> str:
-        return Path(self.source.split(" (")[0]).stem
+        return recipe_name(self.source)
 
     @property
     def run_dir(self) -> Path:
         """``logging.run_dir``, by default ``runs/<recipe name>``."""
-        return Path(self.logging.run_dir or f"runs/{self.name}")
+        return named_directories(self.logging.run_dir, self.checkpoint.dir, self.name)[0]
 
     @property
     def checkpoint_dir(self) -> Path:
         """``checkpoint.dir``, by default ``<run_dir>/checkpoints``."""
-        return Path(self.checkpoint.dir) if self.checkpoint.dir else self.run_dir / "checkpoints"
+        return named_directories(self.logging.run_dir, self.checkpoint.dir, self.name)[1]
 
     def mesh_axes(self) -> dict[str, int]:
         """Axis → size, in order, as ``mt.make_mesh`` takes them (one may be -1)."""

@@ -2,7 +2,7 @@
 
 :func:`train` runs on every rank of an initialised process group (``meshtrain train`` under
 ``torchrun``, or any SPMD launcher) and does, in this order: lock the run directory (rank 0, for
-the job; :mod:`~meshtrain.train.checkpoint.lock`), build the model on full tensors from the recipe's seed, plan
+the job; :mod:`~meshtrain.files.lock`), build the model on full tensors from the recipe's seed, plan
 it, check that every rank has the same plan (:mod:`~meshtrain.train.fingerprint`), apply it, load
 ``[checkpoint] init_from`` into it (each rank its slices; :mod:`~meshtrain.recipes.pretrained`),
 resume from the newest intact checkpoint when
@@ -35,13 +35,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshtrain.errors import CheckpointError, MeshtrainError, RecipeError, TrainingError
+from meshtrain.files.lock import TOKEN_VARIABLE
 from meshtrain.lower import PipelinedModel, apply, materialise
 from meshtrain.plan.api import plan as make_plan
 from meshtrain.plan.ir import Plan
 from meshtrain.recipes.data import recipe_datasets
 from meshtrain.recipes.evaluation import Evaluator
 from meshtrain.recipes.models import flops_per_token, vocab_size
-from meshtrain.recipes.preflight import lock_run
+from meshtrain.recipes.preflight import check_run_files, lock_run
 from meshtrain.recipes.pretrained import initialise_from
 from meshtrain.recipes.progress import count_progress
 from meshtrain.recipes.recipe import Recipe
@@ -60,7 +61,6 @@ from meshtrain.train.checkpoint import (
 )
 from meshtrain.train.checkpoint.files import checkpoint_name, checkpoint_step
 from meshtrain.train.checkpoint.integrity import inspect_checkpoint
-from meshtrain.train.checkpoint.lock import TOKEN_VARIABLE
 from meshtrain.train.data import (
     DistributedBatches,
 )
@@ -424,7 +424,9 @@ def _run_locks(recipe: Recipe) -> Iterator[None]:
         problem = None
         if dist.get_rank() == 0:
             try:
-                stack.enter_context(lock_run(recipe, token=os.environ.get(TOKEN_VARIABLE)))
+                token = os.environ.get(TOKEN_VARIABLE)
+                stack.enter_context(lock_run(recipe.run_dir, recipe.checkpoint_dir, token=token))
+                check_run_files(recipe.run_dir)
             except MeshtrainError as err:
                 problem = (type(err).__name__, err.message)
         outcomes: list[Any] = [None] * dist.get_world_size()

@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +32,12 @@ __all__ = [
     "SECTION_NAMES",
     "apply_overrides",
     "find_recipe",
+    "named_directories",
     "parse_recipe",
     "read_recipe",
+    "recipe_name",
     "recipe_roots",
+    "run_directories",
 ]
 
 
@@ -63,6 +66,34 @@ def find_recipe(path_or_name: str | Path) -> Path:
         f"no recipe named {str(path)!r} in {' or '.join(str(root) for root in roots)}"
         f"{did_you_mean(str(path), known, 'recipes')}. Give a path to a .toml file or a known name."
     )
+
+
+def run_directories(data: Mapping[str, Any], source: str) -> tuple[Path, Path]:
+    """The run directory and checkpoint directory of a recipe's data: ``logging.run_dir``
+    (default ``runs/<recipe name>``) and ``checkpoint.dir`` (default ``<run_dir>/checkpoints``);
+    no torch, so the launcher can lock them first.
+
+    Example:
+        >>> run_directories({"checkpoint": {"dir": "/ckpt"}}, "recipes/debug.toml (--set x=1)")
+        (PosixPath('runs/debug'), PosixPath('/ckpt'))
+    """
+    logging, checkpoint = data.get("logging", {}), data.get("checkpoint", {})
+    return named_directories(logging.get("run_dir"), checkpoint.get("dir"), recipe_name(source))
+
+
+def named_directories(
+    run_dir: str | None, checkpoint_dir: str | None, name: str
+) -> tuple[Path, Path]:
+    """``run_dir`` (default ``runs/<name>``) and ``checkpoint_dir`` (default
+    ``<run_dir>/checkpoints``) as paths: the one rule :func:`run_directories` and
+    :class:`~meshtrain.recipes.recipe.Recipe` share."""
+    run = Path(run_dir or f"runs/{name}")
+    return run, Path(checkpoint_dir) if checkpoint_dir else run / "checkpoints"
+
+
+def recipe_name(source: str) -> str:
+    """A recipe's name: its file's stem, from the source as messages name it."""
+    return Path(source.split(" (")[0]).stem
 
 
 def recipe_roots() -> list[Path]:

@@ -2,8 +2,8 @@
 directory for one job.
 
 Modules: :mod:`~meshtrain.train.checkpoint` (save, resume, export), ``files`` (a checkpoint on
-disk, no collectives), ``state`` (what goes into a checkpoint), ``integrity`` (checksums) and
-``lock`` (one run per directory).
+disk, no collectives), ``state`` (what goes into a checkpoint) and ``integrity`` (checksums);
+one run per directory is :mod:`meshtrain.files.lock`.
 
     >>> CheckpointConfig("runs/x/checkpoints", interval=50).interval
     50
