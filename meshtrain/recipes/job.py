@@ -19,6 +19,7 @@ import functools
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
@@ -84,7 +85,13 @@ def launch_command(args: argparse.Namespace) -> int:
             f"{steps}: the learning rate ramps the whole run, to {steps}/{warmup} of train.lr",
             flush=True,
         )
+    checking = time.perf_counter()
     plan = check_plan(recipe, nproc * args.nnodes)
+    print(
+        f"{recipe.name}: plan proven on {nproc * args.nnodes} abstract ranks in "
+        f"{time.perf_counter() - checking:.1f} s",
+        flush=True,
+    )
     run = functools.partial(
         run_agent,
         arguments,
@@ -106,6 +113,7 @@ def launch_command(args: argparse.Namespace) -> int:
             return 0
         _prepare_data(recipe)  # once, here: a bad file is refused before any rank starts
         check_data_size(recipe, plan)  # one global batch, and what [eval] reads
+        print(f"{recipe.name}: starting {nproc} rank{'s' if nproc != 1 else ''}", flush=True)
         return run()
 
 

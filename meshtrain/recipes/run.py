@@ -143,8 +143,13 @@ def train(
 def _train(
     recipe: Recipe, device: torch.device, stop_after: int | None, stop: GracefulStop
 ) -> RunResult:
+    started = time.perf_counter()
     mesh = make_mesh(recipe.mesh_axes())
     plan, applied, model = start_model(recipe, mesh, device)
+    announce(
+        f"{recipe.name}: model built, planned and placed on {dist.get_world_size()} ranks in "
+        f"{time.perf_counter() - started:.1f} s"
+    )
     fingerprint = check_same_plan(plan.to_json(), recipe.raw)
     optimizer = recipe.optimizer_fn()(applied.parameters())
     train_cfg = recipe.train
