@@ -41,6 +41,7 @@ from meshtrain.errors import MeshtrainError
 from meshtrain.files import open_for_append, refuse_link, write_text_atomically
 from meshtrain.train.metrics.config import LoggingConfig
 from meshtrain.train.metrics.values import (
+    MetricValue,
     _is_number,
     _parse_plan_json,
     _plain_value,
@@ -64,10 +65,10 @@ RUN_DIR_FILES = (*RUN_FILES, METRICS_FILE, WANDB_RUN_ID_FILE)
 class Sink(Protocol):
     """One destination for a run's metrics."""
 
-    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+    def start(self, *, config: Mapping[str, object], plan_text: str, plan_json: str) -> None:
         """Begin the run: ``config`` is the recipe as a dict, the plan as text and JSON."""
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         """Record the metrics of one step."""
 
     def close(self, *, failed: bool = False) -> None:
@@ -121,7 +122,7 @@ class Sinks:
             self.close(failed=True)
             raise
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         """Hand a step's metrics to every working sink when the step is due; a sink that raises
         is reported once and turned off (see the class)."""
         if self.sinks and self.is_due(step):
@@ -220,7 +221,7 @@ class RunFilesSink:
     def __init__(self, run_dir: Path | str) -> None:
         self.run_dir = Path(run_dir)
 
-    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+    def start(self, *, config: Mapping[str, object], plan_text: str, plan_json: str) -> None:
         _parse_plan_json(plan_json)
         config_text = json.dumps(config, indent=2, sort_keys=True, default=str)
         with _writing(self.run_dir):
@@ -229,7 +230,7 @@ class RunFilesSink:
             write_text_atomically(self.run_dir / "plan.json", _with_newline(plan_json))
             write_text_atomically(self.run_dir / "config.json", config_text + "\n")
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         """Nothing per step."""
 
     def close(self, *, failed: bool = False) -> None:
@@ -260,12 +261,12 @@ class JsonlSink:
         self.start_step = start_step
         self._file: TextIO | None = None
 
-    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+    def start(self, *, config: Mapping[str, object], plan_text: str, plan_json: str) -> None:
         with _writing(self.path):
             truncate_jsonl(self.path, self.start_step)
         self._open()
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         row = {"step": step, "time": time.time()}
         row.update((key, _plain_value(key, value)) for key, value in metrics.items())
         file = self._open()
@@ -387,13 +388,13 @@ class ConsoleSink:
         """Where lines go: the given stream, else ``sys.stdout`` as it is now."""
         return self._stream if self._stream is not None else sys.stdout
 
-    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+    def start(self, *, config: Mapping[str, object], plan_text: str, plan_json: str) -> None:
         steps = f"{self.total_steps} steps" if self.total_steps is not None else "open-ended"
         if _is_terminal(self.stream):
             self._start_progress()
         self._print(f"run {self.run_name}: {steps}")
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         self._print(format_metrics(step, metrics, self.total_steps))
         if self._progress is not None:
             with self._console_guard():
@@ -453,7 +454,9 @@ class ConsoleSink:
             sys.stdout = sys.stderr = devnull
 
 
-def format_metrics(step: int, metrics: Mapping[str, Any], total_steps: int | None = None) -> str:
+def format_metrics(
+    step: int, metrics: Mapping[str, MetricValue], total_steps: int | None = None
+) -> str:
     """One console line for a step: known fields in a fixed order, then any other numbers.
 
     Example:

@@ -16,6 +16,10 @@ from typing import Any
 
 from meshtrain.errors import ConfigError, MeshtrainError, describe_os_error
 
+#: One step's metric as the sinks take it: a number (ints and bools are numbers here), or a line
+#: of text (the MoE routers' token counts per expert).
+MetricValue = float | str
+
 
 def _parse_plan_json(plan_json: str) -> Any:
     try:

@@ -21,6 +21,7 @@ from meshtrain.errors import ConfigError, MeshtrainError
 from meshtrain.files import write_text_atomically
 from meshtrain.train.metrics.config import LoggingConfig
 from meshtrain.train.metrics.values import (
+    MetricValue,
     _is_number,
     _parse_plan_json,
     _plain_value,
@@ -65,7 +66,7 @@ class WandbSink:
         self.resume = resume
         self.run: Any = None
 
-    def start(self, *, config: Mapping[str, Any], plan_text: str, plan_json: str) -> None:
+    def start(self, *, config: Mapping[str, object], plan_text: str, plan_json: str) -> None:
         import wandb
 
         if "plan" in config:
@@ -118,7 +119,7 @@ class WandbSink:
         write_text_atomically(path, run_id + "\n")
         return run_id
 
-    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, MetricValue]) -> None:
         if self.run is None:
             return
         numbers = {key: value for key, value in metrics.items() if _is_number(value)}
