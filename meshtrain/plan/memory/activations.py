@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.hooks import RemovableHandle
 
 from meshtrain.plan.experts.activations import (
     counts_shape,
@@ -74,6 +75,10 @@ SAVED_OPS = frozenset(
 )
 #: the attention ops among them: their keys and values are what context parallelism circulates
 ATTENTION_OPS = frozenset(op for op in SAVED_OPS if "scaled_dot_product" in str(op))
+
+#: forward hooks as torch calls them (its module arguments and outputs are untyped)
+PreHook = Callable[[nn.Module, tuple[Any, ...]], None]
+PostHook = Callable[[nn.Module, tuple[Any, ...], Any], None]
 
 
 @dataclass(frozen=True)
@@ -412,7 +417,7 @@ class _Recorder(TorchDispatchMode):
         )
 
 
-def _register(model: nn.Module, recorder: _Recorder) -> list[Any]:
+def _register(model: nn.Module, recorder: _Recorder) -> list[RemovableHandle]:
     """Forward hooks that tell the recorder which block and TP region ops run in."""
     handles = []
     for fqn, module in model.named_modules():
@@ -433,7 +438,7 @@ def _first_bytes(args: tuple[Any, ...]) -> int:
     return first.numel() * first.element_size() if isinstance(first, torch.Tensor) else 0
 
 
-def _block_enter(recorder: _Recorder, fqn: str) -> Any:
+def _block_enter(recorder: _Recorder, fqn: str) -> PreHook:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         recorder.outer.append(recorder.block)
         recorder.block = fqn
@@ -442,7 +447,7 @@ def _block_enter(recorder: _Recorder, fqn: str) -> Any:
     return hook
 
 
-def _block_exit(recorder: _Recorder) -> Any:
+def _block_exit(recorder: _Recorder) -> PostHook:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         block = recorder.block
         recorder.block = recorder.outer.pop()
@@ -459,7 +464,7 @@ def _block_exit(recorder: _Recorder) -> Any:
     return hook
 
 
-def _tp_enter(recorder: _Recorder) -> Any:
+def _tp_enter(recorder: _Recorder) -> PreHook:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         if recorder.tp_depth == 0 and recorder.whole_depth == 0 and recorder.block is not None:
             block = recorder.block
@@ -469,21 +474,21 @@ def _tp_enter(recorder: _Recorder) -> Any:
     return hook
 
 
-def _whole_enter(recorder: _Recorder) -> Any:
+def _whole_enter(recorder: _Recorder) -> PreHook:
     def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
         recorder.whole_depth += 1
 
     return hook
 
 
-def _whole_exit(recorder: _Recorder) -> Any:
+def _whole_exit(recorder: _Recorder) -> PostHook:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder.whole_depth -= 1
 
     return hook
 
 
-def _tp_exit(recorder: _Recorder) -> Any:
+def _tp_exit(recorder: _Recorder) -> PostHook:
     def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         recorder.tp_depth -= 1
 
