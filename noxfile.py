@@ -19,6 +19,8 @@ nox.options.reuse_existing_virtualenvs = True
 
 _CONSTRAINTS = os.environ.get("MESHTRAIN_CONSTRAINTS", "constraints/cpu.txt")
 PIN = ["-c", _CONSTRAINTS] if _CONSTRAINTS else []
+#: each tier's log ends with its slowest tests: where CI's time goes, run by run
+SLOWEST = ["--durations=30"]
 
 
 @nox.session
@@ -26,7 +28,7 @@ def tests(session: nox.Session) -> None:
     """The first tier (every test not marked ``extended``; derandomised Hypothesis profile: the
     same examples every run). The README's test command; CI runs it first on every change."""
     session.install(*PIN, "-e", ".[test]")
-    session.run("pytest", "-m", "not extended", *session.posargs)
+    session.run("pytest", "-m", "not extended", *SLOWEST, *session.posargs)
 
 
 @nox.session
@@ -35,7 +37,7 @@ def tests_extended(session: nox.Session) -> None:
     grid, compiled pipelines, multi-node launches, PyTorch-limit regressions, the QLoRA launches.
     CI runs it on every change, after ``tests``."""
     session.install(*PIN, "-e", ".[test]")
-    session.run("pytest", "-m", "extended", *session.posargs)
+    session.run("pytest", "-m", "extended", *SLOWEST, *session.posargs)
 
 
 @nox.session
