@@ -329,6 +329,30 @@ def test_a_busy_run_directory_is_refused_first_within_seconds(tmp_path: Path) ->
     assert seconds < REFUSAL_BUDGET_S, f"refused in {seconds:.2f} s"
 
 
+def test_a_refusal_that_needs_the_model_imports_no_lowering(tmp_path: Path) -> None:
+    """``train.seq_len`` past the model's ``max_seq_len`` needs the model's config (torch), not
+    the lowering: it used to import DTensor, dynamo and the train step first (7.4-10 s on 2
+    quiet cores; 2.7-3.7 s since, most of it ``import torch``)."""
+    code = (
+        "import sys\n"
+        "from meshtrain.cli import main\n"
+        "code = main(['train', 'debug', '--nproc', '2', '--set', 'train.seq_len=100'])\n"
+        "heavy = [m for m in ('torch._dynamo', 'meshtrain.lower', 'meshtrain.train.step') "
+        "if m in sys.modules]\n"
+        "print(code, heavy)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.stdout.splitlines()[-1] == "2 []", done.stdout + done.stderr
+    assert "train.seq_len = 100 is longer than the model's max_seq_len = 64" in done.stderr
+
+
 def test_a_broken_wandb_install_is_one_line_before_any_rank_starts(tmp_path: Path) -> None:
     """A run that logs to wandb (offline by default) with a wandb that fails to import: rank 0
     used to end with status 1 after the ranks started; the launcher now imports it first."""

@@ -22,7 +22,7 @@ from meshtrain.recipes.schema import key_table, reference_table
 from meshtrain.recipes.sections import SECTION_NAMES, SECTION_TYPES, FreeForm
 from meshtrain.recipes.source import apply_overrides
 from meshtrain.testing import harness
-from meshtrain.train.step import ON_NONFINITE
+from meshtrain.train.guard import ON_NONFINITE
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "recipes.md"

@@ -74,10 +74,11 @@ def launch_command(args: argparse.Namespace) -> int:
     )
     from meshtrain.files.lock import TOKEN_VARIABLE
     from meshtrain.recipes import load_recipe
+
+    recipe = load_recipe(args.recipe, args.overrides)  # the model's own limits, before the rest
     from meshtrain.recipes.preflight import check_data_size, check_plan, check_run_files, lock_run
     from meshtrain.recipes.resume_guard import check_before_launch
 
-    recipe = load_recipe(args.recipe, args.overrides)
     warmup, steps = recipe.train.warmup_steps, recipe.train.steps
     if warmup > steps:  # a smoke test of a long recipe: allowed, and said
         print(

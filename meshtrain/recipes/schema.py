@@ -129,8 +129,8 @@ def _type_names() -> dict[str, Any]:
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
     from meshtrain.train.data.documents import DocumentFormat
+    from meshtrain.train.guard import OnNonFinite
     from meshtrain.train.metrics.config import WandbMode
-    from meshtrain.train.step import OnNonFinite
 
     return {
         "LlamaConfig": LlamaConfig,

@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from meshtrain.models.moe import MoEConfig
     from meshtrain.plan.options import Checkpointing, Precision, ZeroStage
     from meshtrain.train.data.documents import DocumentFormat
+    from meshtrain.train.guard import OnNonFinite
     from meshtrain.train.metrics.config import WandbMode
-    from meshtrain.train.step import OnNonFinite
 
 __all__ = [
     "RECIPE_SECTIONS",

@@ -26,11 +26,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 from meshtrain.errors import TrainingError
 
-__all__ = ["LastGood", "SkipBudget", "SkipGuard", "SkipRecord"]
+__all__ = ["ON_NONFINITE", "LastGood", "OnNonFinite", "SkipBudget", "SkipGuard", "SkipRecord"]
+
+#: What a non-finite loss or gradient norm does: ``skip`` drops the step's update on every
+#: rank, ``stop`` raises a :class:`~meshtrain.TrainingError` on every rank (declared here, with
+#: the budget, so the recipe schema reads it without importing the train step).
+OnNonFinite = Literal["skip", "stop"]
+ON_NONFINITE: tuple[OnNonFinite, ...] = get_args(OnNonFinite)
 
 #: How many of the latest skipped losses a TrainingError quotes.
 _QUOTED = 5

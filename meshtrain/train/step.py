@@ -27,7 +27,7 @@ import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any
 
 import torch
 
@@ -42,6 +42,7 @@ from meshtrain.plan.ir import Plan
 from meshtrain.train.balance import after_optimizer_step, begin_step, set_aux_scale
 from meshtrain.train.batch import Batch
 from meshtrain.train.clip import global_grad_norm, scale_grads_
+from meshtrain.train.guard import ON_NONFINITE, OnNonFinite
 from meshtrain.train.loss import (
     LossFn,
     StepTokens,
@@ -54,10 +55,6 @@ from meshtrain.train.scaler import LossScaler
 from meshtrain.train.state import TrainState
 
 Schedule = Callable[[int], float]
-#: What a non-finite loss or gradient norm does: ``skip`` drops the step's update on every
-#: rank, ``stop`` raises a :class:`~meshtrain.TrainingError` on every rank.
-OnNonFinite = Literal["skip", "stop"]
-ON_NONFINITE: tuple[OnNonFinite, ...] = get_args(OnNonFinite)
 
 __all__ = ["TrainStep", "forward_backward", "make_train_step"]
 
