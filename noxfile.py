@@ -88,6 +88,7 @@ BENCHMARKS = (
     "proof_precision",
     "recipe_ab",
     "false_alarms",
+    "generation",
 )
 
 
