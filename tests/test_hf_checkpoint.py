@@ -373,8 +373,9 @@ def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
     hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """``[model] hf`` runs export under the model's own names, with the source directory's
-    config.json (dtype set to what was written) and the files beside it (generation config,
-    tokenizer)."""
+    config.json (dtype set to what was written) and the generation config beside it; the
+    tokenizer is the one the run trained with (the byte tokenizer here, not the directory's own
+    tokenizer_config.json: tests/test_export_tokenizer.py)."""
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     (hf_dir / "tokenizer_config.json").write_text("{}")
     recipe = {"model": {"hf": str(hf_dir)}, "mesh": {"dp": 1}}
@@ -389,8 +390,11 @@ def test_a_run_of_an_hf_model_exports_its_own_config_and_files(
         "config.json",
         "generation_config.json",
         "model.safetensors",
+        "tokenizer.json",
         "tokenizer_config.json",
     ]
+    written = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    assert written["tokenizer_class"] == "PreTrainedTokenizerFast"  # the byte tokenizer's, not {}
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config == {**json.loads((hf_dir / "config.json").read_text()), "dtype": "bfloat16"}
     exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
