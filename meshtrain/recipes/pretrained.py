@@ -17,7 +17,8 @@ Out: :func:`export_run` writes the newest intact checkpoint of a run as a transf
 directory (:func:`meshtrain.train.hf.export.export_hf`): for meshtrain's Llama a
 ``LlamaForCausalLM`` config.json and transformers' names and layout (for its mixture of
 experts a ``Qwen3MoeForCausalLM``'s, where Qwen3-MoE can hold it); for ``[model] hf`` the
-original config.json (and tokenizer files) with the weights under their own names.
+original config.json with the weights under their own names; every export carries the tokenizer
+the run trained with (:mod:`meshtrain.recipes.tokenizer_files`).
 
 Example::
 
