@@ -52,6 +52,10 @@ class _Settings:
     seed: int
     cache: bool
 
+    def generator(self) -> torch.Generator:
+        """The sampling generator, seeded from ``seed``."""
+        return torch.Generator().manual_seed(self.seed)
+
 
 def generate(
     run: LoadedRun,
@@ -94,11 +98,10 @@ def generate_batch(
 ) -> list[str]:
     """A continuation of each prompt, in order; prompts of the same token length run as one
     batch (sampled rows draw from one generator, so a sampled row depends on its batch)."""
-    tokenizer = tokenizer or recipe_tokenizer(run.recipe)
     settings = _Settings(max_new_tokens, sampling or Sampling(), tuple(stop), seed, cache)
+    tokenizer, generator = tokenizer or recipe_tokenizer(run.recipe), settings.generator()
     encoded = [_encode(tokenizer, prompt) for prompt in prompts]
     texts: list[str] = [""] * len(prompts)
-    generator = torch.Generator().manual_seed(seed)
     for length in sorted({len(ids) for ids in encoded}):
         rows = [index for index, ids in enumerate(encoded) if len(ids) == length]
         for texts_now, _ in _continue(
@@ -122,9 +125,8 @@ def stream(
 ) -> Iterator[str]:
     """The continuation of ``prompt`` in pieces, each as soon as it is certain: text that may
     still turn into a stop string, or an unfinished UTF-8 character, is held back."""
-    tokenizer = tokenizer or recipe_tokenizer(run.recipe)
     settings = _Settings(max_new_tokens, sampling or Sampling(), tuple(stop), seed, cache)
-    generator = torch.Generator().manual_seed(seed)
+    tokenizer, generator = tokenizer or recipe_tokenizer(run.recipe), settings.generator()
     shown = 0
     for (text,), (done,) in _continue(
         run, tokenizer, [_encode(tokenizer, prompt)], settings, generator

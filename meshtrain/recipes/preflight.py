@@ -297,8 +297,7 @@ def refuse_busy_run(data: Mapping[str, Any], source: str) -> None:
 
     for directory in run_directories(data, source):
         if (directory / LOCK_FILE).is_file():
-            with acquire_run_lock(directory):
-                pass
+            acquire_run_lock(directory).release()  # raises, naming the holder, when held
 
 
 def check_run_files(run_dir: Path) -> None:

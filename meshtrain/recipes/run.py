@@ -276,26 +276,9 @@ class _Loop:
         device: torch.device,
     ) -> TrainState:
         """Train until ``train.steps``, ``stop_after`` steps, an agreed stop or a spent budget."""
+        steps, due = self.recipe.train.steps, False
         batches = iter(loader.batches(state.data))
         started = time.perf_counter()
-        try:
-            return self._steps(state, step_fn, batches, sinks, meter, stop, stop_after, device)
-        finally:
-            self.train_s = time.perf_counter() - started
-
-    def _steps(
-        self,
-        state: TrainState,
-        step_fn: Any,
-        batches: Iterator[Any],
-        sinks: Sinks,
-        meter: Throughput,
-        stop: GracefulStop,
-        stop_after: int | None,
-        device: torch.device,
-    ) -> TrainState:
-        """The loop of :meth:`run`."""
-        steps, due = self.recipe.train.steps, False
         while state.step < steps and len(self.losses) != stop_after:
             # one collective per step agrees on a stop, the token file (stat before the read)
             # and the batch's ids, every rank alike, before the step's collectives
@@ -341,6 +324,7 @@ class _Loop:
         if stopped and state.step > self.saved_step:
             self._save(state, wait=True)  # synchronous: the job is ending
         self.checkpointer.wait()
+        self.train_s = time.perf_counter() - started
         if self.profiler is not None:
             self.profiler.close()  # a run that ended inside the profiled steps still writes
             if self.profiler.summary is not None:
