@@ -65,6 +65,11 @@ def test_cp_copies_once_and_never_overwrites_or_follows_a_link(
     assert main(["recipe", "cp", "no_such_recipe", str(tmp_path / "x.toml")]) == 2
     assert "no recipe named 'no_such_recipe'" in capsys.readouterr().err
     assert main(["recipe", "cp", "debug", str(tmp_path / "missing" / "x.toml")]) == 2
+    capsys.readouterr()
+    assert main(["recipe", "cp", "debug", "/proc/debug.toml"]) == 2  # unwritable even for root
+    err = capsys.readouterr().err
+    assert err.startswith("RecipeError: recipe cp debug /proc/debug.toml: cannot write")
+    assert "Traceback" not in err
 
 
 @pytest.fixture(scope="module")

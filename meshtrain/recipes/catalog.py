@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshtrain.errors import RecipeError
+from meshtrain.errors import RecipeError, describe_os_error
 from meshtrain.files import refuse_link
 from meshtrain.recipes.source import find_recipe, parse_recipe, recipe_roots
 
@@ -102,6 +102,11 @@ def copy_recipe(name: str, destination: str | Path) -> tuple[Path, Path]:
         raise RecipeError(
             f"recipe cp {name} {destination}: {str(target)!r} exists; meshtrain does not "
             "overwrite it. Remove it, or give another destination."
+        ) from None
+    except OSError as err:  # a read-only or unwritable directory, a full disk
+        raise RecipeError(
+            f"recipe cp {name} {destination}: cannot write {str(target)!r} "
+            f"({describe_os_error(err)}). Give a directory you can write."
         ) from None
     with os.fdopen(descriptor, "w", encoding="utf-8") as out:
         out.write(source.read_text(encoding="utf-8"))

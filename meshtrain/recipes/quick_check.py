@@ -38,6 +38,7 @@ _LOWER_NAMES = (
     "WandbMode",
     "OnNonFinite",
     "DocumentFormat",
+    "Decay",
 )
 
 

@@ -131,6 +131,7 @@ def _type_names() -> dict[str, Any]:
     from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.guard import OnNonFinite
     from meshtrain.train.metrics.config import WandbMode
+    from meshtrain.train.schedule import Decay
 
     return {
         "LlamaConfig": LlamaConfig,
@@ -140,6 +141,7 @@ def _type_names() -> dict[str, Any]:
         "ZeroStage": ZeroStage,
         "WandbMode": WandbMode,
         "OnNonFinite": OnNonFinite,
+        "Decay": Decay,
         "DocumentFormat": DocumentFormat,
     }
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from meshtrain.train.data.documents import DocumentFormat
     from meshtrain.train.guard import OnNonFinite
     from meshtrain.train.metrics.config import WandbMode
+    from meshtrain.train.schedule import Decay
 
 __all__ = [
     "RECIPE_SECTIONS",
@@ -55,7 +56,6 @@ __all__ = [
 
 #: The optimizers a recipe builds (:class:`meshtrain.recipes.OptimizerBuilder`).
 OptimizerName = Literal["sgd", "adam", "adamw"]
-Decay = Literal["cosine", "linear"]
 #: Where a recipe's tokens come from (:func:`meshtrain.recipes.run.train`).
 DataSource = Literal["corpus", "synthetic", "tokens", "jsonl", "text", "parquet", "hf-dataset"]
 #: How LoRA stores the adapted base weights: as they are ("") or in 4-bit NF4 (QLoRA).

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from meshtrain.errors import ConfigError
+
+#: How the rate falls from its peak to ``min_lr`` after warmup (``[train] decay``).
+Decay = Literal["cosine", "linear"]
+DECAYS: tuple[Decay, ...] = get_args(Decay)
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,12 @@ class WarmupCosine:
     warmup_steps: int = 0
     total_steps: int = 1
     min_lr: float = 0.0
-    decay: str = "cosine"
+    decay: Decay = "cosine"
 
     def __post_init__(self) -> None:
         problems = []
-        if self.decay not in ("cosine", "linear"):
-            problems.append(f"decay={self.decay!r} must be 'cosine' or 'linear'")
+        if self.decay not in DECAYS:
+            problems.append(f"decay={self.decay!r} must be one of {DECAYS}")
         if not self.peak_lr > 0:
             problems.append(f"peak_lr={self.peak_lr} must be positive")
         if not 0 <= self.min_lr <= self.peak_lr:
