@@ -230,7 +230,8 @@ class _Whole:
 
 class _KeysValues:
     """One attention layer's cache, as its ``attention_fn``: the keys and values of every token
-    so far, each step's new ones appended; new queries attend causally to all of them."""
+    so far, each step's new ones appended. Tokens arrive as one prompt (nothing cached yet:
+    causal attention) or one at a time (the new query sees every key)."""
 
     def __init__(self) -> None:
         self.keys: Tensor | None = None
@@ -240,11 +241,10 @@ class _KeysValues:
         if self.keys is not None and self.values is not None:
             k, v = torch.cat([self.keys, k], dim=2), torch.cat([self.values, v], dim=2)
         self.keys, self.values = k, v
-        new, total = q.shape[2], k.shape[2]
-        mask = None
-        if new > 1:  # a query sees the cached keys and the new ones up to its own
-            mask = torch.arange(new)[:, None] + (total - new) >= torch.arange(total)[None, :]
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        prompt = q.shape[2] > 1
+        if prompt and k.shape[2] != q.shape[2]:
+            raise RecipeError("the key/value cache takes a prompt only before any token")
+        return F.scaled_dot_product_attention(q, k, v, is_causal=prompt, enable_gqa=True)
 
 
 class _DecoderCache:

@@ -453,6 +453,14 @@ _ALL = [
         ),
     ),
     Mutant(
+        "kv-cache-positions-restart",
+        "generation's cached steps put each new token at position 0",
+        plants.kv_cache_positions_restart,
+        ("tests/test_generation.py",),
+        None,
+        why_not="the harness compares train steps; generation runs no train step",
+    ),
+    Mutant(
         "moe-counts-evaluation-forwards",
         "meshtrain's MoE routers count an evaluation's forwards as a step's",
         plants.moe_counts_evaluation_forwards,

@@ -235,6 +235,26 @@ def moe_counts_evaluation_forwards() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def kv_cache_positions_restart() -> Iterator[None]:
+    """Generation's cached steps give the new token position 0 instead of its place in the
+    text: its rotary embedding is the first token's."""
+    generation = importlib.import_module("meshtrain.recipes.generation")
+    original = generation._DecoderCache.logits
+
+    def restarted(self: Any, context: torch.Tensor) -> torch.Tensor:
+        arange = torch.arange
+
+        def from_zero(start: int, end: int | None = None, **kwargs: Any) -> torch.Tensor:
+            return arange(end - start, **kwargs) if end is not None else arange(start, **kwargs)
+
+        with mock.patch.object(generation.torch, "arange", from_zero):
+            return original(self, context)
+
+    with mock.patch.object(generation._DecoderCache, "logits", restarted):
+        yield
+
+
+@contextlib.contextmanager
 def accumulation_mean_per_microbatch() -> Iterator[None]:
     """Each accumulated micro-batch's loss is its own mean: the step's gradient is
     ``microbatches`` times too large."""
