@@ -29,6 +29,8 @@ from transformers import (
 
 import meshtrain as mt
 from meshtrain.plan.ir import PartialGrad, Plan
+from meshtrain.plan.proof import run as proof_run
+from meshtrain.plan.proof.prover import Prover
 from meshtrain.spec.partition import P
 from meshtrain.spec.rules import Rules
 
@@ -184,6 +186,72 @@ def test_a_replicated_module_on_sharded_heads_is_reduced() -> None:
         PartialGrad("norm.weight", "norm", "tp", 2, "aten.native_layer_norm.default"),
         PartialGrad("norm.bias", "norm", "tp", 2, "aten.native_layer_norm.default"),
     )
+
+
+class HeadAttention(nn.Module):
+    """q column-wise into heads of 4, a per-head LayerNorm (replicated), o row-wise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.o, self.norm = nn.Linear(16, 16), nn.Linear(16, 16), nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.o(self.norm(self.q(x).unflatten(-1, (-1, 4))).flatten(-2))
+
+
+class HeadBlock(nn.Module):
+    """A residual around HeadAttention; ``halve`` keeps every other position (the block changes
+    its input's shape, so a look-alike after it cannot pass its input through)."""
+
+    def __init__(self, halve: bool) -> None:
+        super().__init__()
+        self.attn, self.halve = HeadAttention(), halve
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x + self.attn(x)
+        return out[:, ::2] if self.halve else out
+
+
+class Stacked(nn.Module):
+    def __init__(self, halve: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(64, 16)
+        self.layers = nn.ModuleList(HeadBlock(halve) for _ in range(3))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+STACKED_RULES = Rules(
+    {
+        r".*attn\.q\.(weight|bias)": P("tp"),
+        r".*attn\.o\.weight": P(None, "tp"),
+        ".*": P(),
+    },
+    fsdp="dp",
+)
+
+
+@pytest.mark.parametrize("halve", [False, True])
+def test_look_alike_blocks_share_fake_tensors_and_prove_the_same(
+    halve: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks after the first of their kind hold its fake tensors while they pass their input
+    through; when one must run (the first changed the shape), the run starts again with each
+    block's own, and the proof is the same as with every block's own from the start."""
+    runs = []
+    made = proof_run._prover
+    monkeypatch.setattr(proof_run, "_prover", lambda *a: runs.append(1) or made(*a))
+    shared = mt.plan(Stacked(halve), mesh(**DP_TP), STACKED_RULES)
+    assert len(runs) == (2 if halve else 1)
+    monkeypatch.setattr(Prover, "share_lookalikes", False)
+    own = mt.plan(Stacked(halve), mesh(**DP_TP), STACKED_RULES)
+    names = [f"layers.{i}.attn.norm.{p}" for i in range(3) for p in ("weight", "bias")]
+    assert [g.param for g in shared.partial_grads] == names
+    assert shared.to_json() == own.to_json()
 
 
 def test_a_replicated_parameter_used_outside_a_module_of_its_own_is_refused() -> None:

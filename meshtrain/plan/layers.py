@@ -1,5 +1,6 @@
 """What the planner needs to know about modules it did not write: which are Linear-like (and
-their weight layout), their widths, and which parameters are the same tensor under two names.
+their weight layout), their widths, which parameters are the same tensor under two names, and
+which blocks look alike (an abstract run computes the first and lets the others pass through).
 
 Hugging Face's ``Conv1D`` (GPT-2) is a Linear whose weight is stored ``[in, out]``; its specs
 describe that true layout, so column-wise is ``P(None, tp)`` on its weight. It is recognised by
@@ -16,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -54,6 +56,47 @@ def tied_groups(model: nn.Module) -> tuple[tuple[str, ...], ...]:
     for fqn, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), []).append(fqn)
     return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def block_signature(module: nn.Module) -> tuple[Any, ...]:
+    """What makes two blocks compute alike: class and parameter/buffer names, shapes and dtypes."""
+    tensors = [*module.named_parameters(), *module.named_buffers()]
+    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
+
+
+def lookalike_blocks(model: nn.Module, blocks: Sequence[str]) -> dict[str, str]:
+    """Each block after the first of its signature → that first block (its representative)."""
+    modules = dict(model.named_modules())
+    first: dict[tuple[Any, ...], str] = {}
+    found = {}
+    for fqn in blocks:
+        representative = first.setdefault(block_signature(modules[fqn]), fqn)
+        if representative != fqn:
+            found[fqn] = representative
+    return found
+
+
+def shared_tensors(model: nn.Module, lookalikes: dict[str, str]) -> dict[str, str]:
+    """Parameter and buffer FQNs inside look-alike blocks → the representative's FQN of the same
+    place, for tensors no module outside their block holds: an abstract run may give such a
+    tensor its representative's fake (a block that passes its input through reads none of its
+    own), instead of making one per block of a deep model."""
+    names: dict[int, list[str]] = {}
+    for fqn, tensor in (
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ):
+        names.setdefault(id(tensor), []).append(fqn)
+    first = {group[0] for group in names.values()}
+    shared = {}
+    for group in names.values():
+        block = next((b for b in lookalikes if group[0].startswith(b + ".")), None)
+        if block is None or not all(name.startswith(block + ".") for name in group):
+            continue
+        twin = lookalikes[block] + group[0][len(block) :]
+        if twin in first:
+            shared[group[0]] = twin
+    return shared
 
 
 def main_output(output: Any) -> torch.Tensor:

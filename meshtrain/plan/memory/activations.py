@@ -58,6 +58,7 @@ from meshtrain.plan.experts.activations import (
     traced_experts,
 )
 from meshtrain.plan.experts.axis import is_experts_module
+from meshtrain.plan.layers import lookalike_blocks, shared_tensors
 
 _aten = torch.ops.aten
 #: ops whose outputs selective checkpointing keeps (the expensive ones); the rest is recomputed.
@@ -216,17 +217,21 @@ def _trace(
     restore_experts = _stand_in_experts(model, recorder)
     attributes = tensor_attributes(model)
     try:
+        shared = shared_tensors(model, lookalike_blocks(model, blocks))
         with FakeTensorMode(allow_non_fake_inputs=False) as fake:
             state = {
                 name: _fake_like(fake, value, dtype, requires_grad=True)
                 for name, value in model.named_parameters()
+                if name not in shared
             }
             state.update(
                 {
                     name: _fake_like(fake, value, None, False)
                     for name, value in model.named_buffers()
+                    if name not in shared
                 }
             )
+            state.update({name: state[twin] for name, twin in shared.items()})
             recorder.ignore(state.values())
             tokens = torch.zeros(batch_size, seq_len, dtype=torch.long)
             with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, _unpack):
@@ -256,24 +261,16 @@ def _stand_in_experts(model: nn.Module, recorder: _Recorder) -> Callable[[], Non
     return restore
 
 
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    """What makes two blocks save the same activations: class and parameter/buffer shapes."""
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
-
-
 def _skip_repeated_blocks(
     model: nn.Module, blocks: Sequence[str], recorder: _Recorder
 ) -> Callable[[], None]:
     """Let the first block of each signature run; later look-alikes pass their input through
     when the first one preserved its input's shape (their profile is copied from it)."""
     modules = dict(model.named_modules())
-    first: dict[tuple[Any, ...], str] = {}
     patched: list[nn.Module] = []
-    for fqn in blocks:
+    for fqn, representative in lookalike_blocks(model, blocks).items():
         module = modules[fqn]
-        representative = first.setdefault(_signature(module), fqn)
-        if representative == fqn or "forward" in vars(module):
+        if "forward" in vars(module):
             continue
         module.forward = _pass_through(module.forward, recorder, representative, fqn)
         patched.append(module)

@@ -18,6 +18,7 @@ from torch import nn
 from meshtrain.errors import PlanError
 from meshtrain.plan.experts.axis import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, TPStyle
+from meshtrain.plan.layers import lookalike_blocks, shared_tensors
 from meshtrain.plan.proof.boundaries import (
     LEAF_STYLES,
     Prover,
@@ -30,6 +31,16 @@ from meshtrain.plan.proof.effects import Effects, buffer_owners, parameter_owner
 from meshtrain.plan.proof.experts import dense_forward
 from meshtrain.plan.proof.tracking import Tracker
 from meshtrain.spec.partition import entry_axes
+
+
+class LookalikeRan(BaseException):
+    """A look-alike block ran (its representative changed its input's shape or shard) while
+    holding its representative's fake tensors: the run starts again with its own. A
+    ``BaseException``, so a model's ``except Exception`` cannot swallow it."""
+
+    def __init__(self, fqn: str) -> None:
+        super().__init__(fqn)
+        self.fqn = fqn
 
 
 class Rank(Prover, Protocol):
@@ -47,32 +58,50 @@ class Rank(Prover, Protocol):
     copies: dict[str, str]
     kept_shard: set[str]
     whole_params: dict[str, dict[str, torch.Tensor]]
+    share_lookalikes: bool  # whether a look-alike may hold its representative's fakes
+    sharing: frozenset[str]  # look-alike blocks whose tensors may be their representative's
+    shared: dict[str, str]  # their tensors' FQNs → the representative's (layers.shared_tensors)
 
 
 def fake_state(rank: Rank) -> dict[str, torch.Tensor]:
     """Parameters at their tensor-parallel local shapes, buffers whole (created under the
     caller's fake mode); replicated trainable ones remembered by identity; one device's
-    parameters of each styled leaf kept for its boundary."""
+    parameters of each styled leaf kept for its boundary. A tensor of a look-alike block that
+    passes its input through takes its representative's fake (:attr:`Rank.shared`)."""
     state: dict[str, torch.Tensor] = {}
-    owners, effects = parameter_owners(rank.model), rank.effects
-    for fqn, param in rank.model.named_parameters():
+    owners = parameter_owners(rank.model)
+    params = dict(rank.model.named_parameters())
+    for fqn in params:
         layout = rank.layouts.get(fqn)
-        shape = _local(layout, rank.axis, rank.ways) if layout is not None else tuple(param.shape)
-        dtype = param.dtype if param.is_floating_point() else torch.float32
-        state[fqn] = torch.empty(shape, dtype=dtype)
-        if rank.axis:
-            effects.owners[state[fqn]] = (fqn, owners.get(fqn, ()))
         if layout is not None and rank.axis and rank.axis in layout.spec.axes:
-            effects.sharded.add(fqn)
-        elif layout is not None and layout.trainable and rank.axis:
-            rank.tracker.origin[state[fqn]] = frozenset({fqn})
+            rank.effects.sharded.add(fqn)
+    for fqn in sorted(params, key=lambda name: name in rank.shared):
+        twin = state.get(rank.shared.get(fqn, ""))
+        shape, dtype = _local_of(rank, fqn, params[fqn])
+        if twin is not None and (tuple(twin.shape), twin.dtype) == (shape, dtype):
+            state[fqn] = twin
+            continue
+        state[fqn] = fake = torch.empty(shape, dtype=dtype)
+        if rank.axis:
+            rank.effects.owners[fake] = (fqn, owners.get(fqn, ()))
+        layout = rank.layouts.get(fqn)
+        if (
+            layout is not None
+            and layout.trainable
+            and rank.axis
+            and fqn not in rank.effects.sharded
+        ):
+            rank.tracker.origin[fake] = frozenset({fqn})
     writable = buffer_owners(rank.model)
-    for fqn, buffer in rank.model.named_buffers():
+    for fqn, buffer in sorted(rank.model.named_buffers(), key=lambda kv: kv[0] in rank.shared):
+        if rank.shared.get(fqn) in state:
+            state[fqn] = state[rank.shared[fqn]]
+            continue
         state[fqn] = torch.empty(tuple(buffer.shape), dtype=buffer.dtype)
         if fqn in writable:
-            effects.buffers[state[fqn]] = fqn
+            rank.effects.buffers[state[fqn]] = fqn
     for fqn, style in rank.styles.items():
-        if style.style in LEAF_STYLES:
+        if style.style in LEAF_STYLES and not _inside(fqn, rank.sharing):
             module = rank.model.get_submodule(fqn)
             rank.whole_params[fqn] = {
                 name: torch.empty(tuple(p.shape), dtype=state[_join(fqn, name)].dtype)
@@ -80,6 +109,17 @@ def fake_state(rank: Rank) -> dict[str, torch.Tensor]:
                 if _join(fqn, name) in state
             }
     return state
+
+
+def _local_of(rank: Rank, fqn: str, param: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """A parameter's shape on the abstract rank and its dtype there."""
+    layout = rank.layouts.get(fqn)
+    shape = _local(layout, rank.axis, rank.ways) if layout is not None else tuple(param.shape)
+    return shape, param.dtype if param.is_floating_point() else torch.float32
+
+
+def _inside(fqn: str, blocks: frozenset[str]) -> bool:
+    return any(fqn.startswith(block + ".") for block in blocks)
 
 
 def _local(layout: ParamLayout, axis: str, ways: int) -> tuple[int, ...]:
@@ -129,15 +169,18 @@ class ModuleWatch:
         return lambda: self.rank.whole_params.get(fqn, {})
 
     def _skip_repeated(self, blocks: Sequence[str]) -> None:
-        modules = dict(self.rank.model.named_modules())
-        first: dict[tuple[Any, ...], str] = {}
-        for fqn in blocks:
+        rank = self.rank
+        modules, passing = dict(rank.model.named_modules()), {}
+        for fqn, representative in lookalike_blocks(rank.model, blocks).items():
             module = modules[fqn]
-            representative = first.setdefault(_signature(module), fqn)
-            if representative == fqn or "forward" in vars(module):
+            if "forward" in vars(module):
                 continue
             module.forward = self._pass_through(module.forward, representative, fqn)
             self._patched.append(module)
+            passing[fqn] = representative
+        if rank.share_lookalikes:
+            rank.sharing = frozenset(passing)
+            rank.shared = shared_tensors(rank.model, passing)
 
     def _pass_through(
         self, forward: Callable[..., Any], representative: str, fqn: str
@@ -148,6 +191,8 @@ class ModuleWatch:
             if representative in rank.kept_shard and args and isinstance(args[0], torch.Tensor):
                 rank.copies[fqn] = representative
                 return args[0]
+            if fqn in rank.sharing:
+                raise LookalikeRan(fqn)
             return forward(*args, **kwargs)
 
         return run
@@ -241,11 +286,6 @@ def _bound(method: Callable[..., Any], fqn: str) -> Callable[..., Any]:
         return method(fqn, *args)
 
     return hook
-
-
-def _signature(module: nn.Module) -> tuple[Any, ...]:
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    return (type(module), tuple((name, tuple(t.shape), t.dtype) for name, t in tensors))
 
 
 def _join(prefix: str, name: str) -> str:

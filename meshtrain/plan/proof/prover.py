@@ -39,6 +39,9 @@ class Prover(TorchDispatchMode):
     """Propagates shards through every aten op and records where replicated parameters meet
     them, and what :class:`~meshtrain.plan.proof.effects.Effects` looks for."""
 
+    #: a look-alike block that passes its input through holds its representative's fakes
+    share_lookalikes = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -66,6 +69,8 @@ class Prover(TorchDispatchMode):
         self.copies: dict[str, str] = {}  # look-alike block → the block that ran
         self.kept_shard: set[str] = set()
         self.whole_params: dict[str, dict[str, torch.Tensor]] = {}
+        self.sharing: frozenset[str] = frozenset()
+        self.shared: dict[str, str] = {}
         self.modules = ModuleWatch(self)
 
     # -- what the boundaries and the run read (boundaries.Prover) ---------------------------

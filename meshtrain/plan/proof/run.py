@@ -63,6 +63,7 @@ from meshtrain.errors import PlanError
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, ParamReader, PartialGrad
 from meshtrain.plan.proof.boundaries import LEAF_STYLES, REGION_STYLES, Refused
 from meshtrain.plan.proof.effects import Effects, buffer_owners, parameter_owners
+from meshtrain.plan.proof.modules import LookalikeRan
 from meshtrain.plan.proof.probe import Probe, current_example, probe_batch, probe_for, probe_length
 from meshtrain.plan.proof.probe import signature as probe_signature
 from meshtrain.plan.proof.prover import Prover
@@ -199,14 +200,14 @@ def _prove(
 ) -> Proof | PlanError:
     if isinstance(probe, str):
         return Proof(notes=(_NO_PROBE + probe,))
-    effects = Effects(context=scope.context, units=frozenset(scope.resharded))
-    prover = Prover(
-        model, params, styles, scope.tp_axis, scope.tp_size, scope.sequence_parallel, effects
-    )
-    if not scope.shared_inputs and not scope.sequence_parallel:
-        effects.sequence_parallel, effects.why_dtensor = True, _COMPILED_SELECTIVE
+    prover, effects = _prover(model, params, styles, scope)
     try:
-        _run(model, prover, blocks, probe)
+        try:
+            _run(model, prover, blocks, probe)
+        except LookalikeRan:  # a look-alike block ran: again, each block with its own tensors
+            prover, effects = _prover(model, params, styles, scope)
+            prover.share_lookalikes = False
+            _run(model, prover, blocks, probe)
     except Refused as refused:
         return _kept(refused.error)
     except PlanError as error:
@@ -235,6 +236,18 @@ def _kept(error: PlanError) -> Proof | PlanError:
     if _KEPT_AS_NOTES[0]:
         return Proof(notes=(f"refused (kept as a note): {error}",))
     return error
+
+
+def _prover(
+    model: nn.Module, params: Sequence[ParamLayout], styles: Sequence[ModuleStyle], scope: Scope
+) -> tuple[Prover, Effects]:
+    effects = Effects(context=scope.context, units=frozenset(scope.resharded))
+    prover = Prover(
+        model, params, styles, scope.tp_axis, scope.tp_size, scope.sequence_parallel, effects
+    )
+    if not scope.shared_inputs and not scope.sequence_parallel:
+        effects.sequence_parallel, effects.why_dtensor = True, _COMPILED_SELECTIVE
+    return prover, effects
 
 
 def _run(model: nn.Module, prover: Prover, blocks: Sequence[str], probe: Probe) -> None:

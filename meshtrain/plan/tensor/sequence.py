@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshtrain.errors import PlanError, format_shape
 from meshtrain.plan.ir import ModuleStyle, TPStyle
+from meshtrain.plan.layers import lookalike_blocks, shared_tensors
 from meshtrain.plan.tensor.styles import activation_argument
 
 
@@ -61,10 +62,10 @@ def sequence_split_point(
     if not blocks or not embeddings:
         return ""
     length = seq_len or 8 * tp_size
-    whole = _first_block_inputs(model, blocks[0], embeddings, length, shard=None)
+    whole = _first_block_inputs(model, blocks, embeddings, length, shard=None)
     if whole is None:
         return ""
-    sharded = _first_block_inputs(model, blocks[0], embeddings, length, shard=length // tp_size)
+    sharded = _first_block_inputs(model, blocks, embeddings, length, shard=length // tp_size)
     assert sharded is not None
     if len(sharded.activation) < 2 or sharded.activation[1] != length // tp_size:
         raise PlanError(
@@ -78,12 +79,17 @@ def sequence_split_point(
 
 
 def _first_block_inputs(
-    model: nn.Module, block: str, embeddings: Sequence[str], length: int, shard: int | None
+    model: nn.Module,
+    blocks: Sequence[str],
+    embeddings: Sequence[str],
+    length: int,
+    shard: int | None,
 ) -> _Reached | None:
     """What the first block receives on a fake ``[2, length]`` token batch (None when the
     forward fails before reaching it: the probe cannot tell, and the split stays put)."""
     modules = dict(model.named_modules())
-    handles = [modules[block].register_forward_pre_hook(_stop, with_kwargs=True)]
+    handles = [modules[blocks[0]].register_forward_pre_hook(_stop, with_kwargs=True)]
+    shared = shared_tensors(model, lookalike_blocks(model, blocks))
     if shard is not None:
         for fqn in embeddings:
             handles.append(modules[fqn].register_forward_hook(_narrow(shard)))
@@ -92,7 +98,9 @@ def _first_block_inputs(
             state = {
                 name: torch.empty(tuple(value.shape), dtype=value.dtype)
                 for name, value in (*model.named_parameters(), *model.named_buffers())
+                if name not in shared
             }
+            state.update({name: state[twin] for name, twin in shared.items()})
             tokens = torch.zeros(2, length, dtype=torch.long)
             torch.func.functional_call(model, state, (tokens,))
     except _Reached as reached:
