@@ -139,24 +139,37 @@ class ModuleWatch:
         self._buffers_before: list[dict[str, torch.Tensor]] = []
 
     def hook(self, blocks: Sequence[str]) -> list[Any]:
-        """Module hooks: the module stack, the styles' boundaries, repeated blocks skipped."""
-        model, styles, handles = self.rank.model, self.rank.styles, []
-        for fqn, module in model.named_modules():
+        """Module hooks: the module stack, the styles' boundaries, repeated blocks skipped (no
+        hook inside a look-alike that holds its representative's tensors: it never runs)."""
+        rank, handles = self.rank, []
+        modules = dict(rank.model.named_modules())
+        lookalikes = self._lookalikes(modules, blocks)
+        if rank.share_lookalikes:
+            rank.sharing = frozenset(lookalikes)
+            rank.shared = shared_tensors(rank.model, lookalikes)
+        watched = {fqn: m for fqn, m in modules.items() if not _inside(fqn, rank.sharing)}
+        for fqn, module in watched.items():
             handles.append(
                 module.register_forward_pre_hook(_bound(self.enter, fqn), with_kwargs=True)
             )
             handles.append(module.register_forward_hook(_bound(self.exit, fqn), with_kwargs=True))
-        for fqn, style in styles.items():
-            module = model.get_submodule(fqn) if fqn else model
-            if style.style in LEAF_STYLES and "forward" not in vars(module):
+        for fqn, style in rank.styles.items():
+            module = watched.get(fqn)
+            if module is not None and style.style in LEAF_STYLES and "forward" not in vars(module):
                 own = dense_forward(module) if is_experts_module(module) else module.forward
                 module.forward = whole_forward(own, module, self._whole_of(fqn))
                 self._patched.append(module)
-        for fqn, module in model.named_modules():
-            if is_experts_module(module) and fqn not in styles and "forward" not in vars(module):
+        for fqn, module in watched.items():
+            if (
+                is_experts_module(module)
+                and fqn not in rank.styles
+                and "forward" not in vars(module)
+            ):
                 module.forward = dense_forward(module)  # routing's shapes are data-dependent
                 self._patched.append(module)
-        self._skip_repeated([fqn for fqn in blocks if fqn not in styles])
+        for fqn, representative in lookalikes.items():
+            modules[fqn].forward = self._pass_through(modules[fqn].forward, representative, fqn)
+            self._patched.append(modules[fqn])
         return handles
 
     def restore(self) -> None:
@@ -168,19 +181,15 @@ class ModuleWatch:
         runs after the hooks are in place)."""
         return lambda: self.rank.whole_params.get(fqn, {})
 
-    def _skip_repeated(self, blocks: Sequence[str]) -> None:
-        rank = self.rank
-        modules, passing = dict(rank.model.named_modules()), {}
-        for fqn, representative in lookalike_blocks(rank.model, blocks).items():
-            module = modules[fqn]
-            if "forward" in vars(module):
-                continue
-            module.forward = self._pass_through(module.forward, representative, fqn)
-            self._patched.append(module)
-            passing[fqn] = representative
-        if rank.share_lookalikes:
-            rank.sharing = frozenset(passing)
-            rank.shared = shared_tensors(rank.model, passing)
+    def _lookalikes(self, modules: dict[str, nn.Module], blocks: Sequence[str]) -> dict[str, str]:
+        """Blocks after the first of their signature (not styled, not patched otherwise) → the
+        first: each passes its input through when the first kept its shape and shard."""
+        plain = [fqn for fqn in blocks if fqn not in self.rank.styles]
+        return {
+            fqn: representative
+            for fqn, representative in lookalike_blocks(self.rank.model, plain).items()
+            if "forward" not in vars(modules[fqn]) and not is_experts_module(modules[fqn])
+        }
 
     def _pass_through(
         self, forward: Callable[..., Any], representative: str, fqn: str
