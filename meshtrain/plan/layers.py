@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -90,13 +90,27 @@ def shared_tensors(model: nn.Module, lookalikes: dict[str, str]) -> dict[str, st
     first = {group[0] for group in names.values()}
     shared = {}
     for group in names.values():
-        block = next((b for b in lookalikes if group[0].startswith(b + ".")), None)
+        block = enclosing_block(group[0], lookalikes)
         if block is None or not all(name.startswith(block + ".") for name in group):
             continue
         twin = lookalikes[block] + group[0][len(block) :]
         if twin in first:
             shared[group[0]] = twin
     return shared
+
+
+def enclosing_block(fqn: str, blocks: Container[str]) -> str | None:
+    """The block of ``blocks`` that ``fqn`` lies strictly inside, else None.
+
+    >>> enclosing_block("layers.3.attn.wq.weight", {"layers.3"})
+    'layers.3'
+    """
+    end = fqn.rfind(".")
+    while end > 0:
+        if fqn[:end] in blocks:
+            return fqn[:end]
+        end = fqn.rfind(".", 0, end)
+    return None
 
 
 def main_output(output: Any) -> torch.Tensor:

@@ -18,7 +18,7 @@ from torch import nn
 from meshtrain.errors import PlanError
 from meshtrain.plan.experts.axis import is_experts_module
 from meshtrain.plan.ir import ModuleStyle, ParamLayout, TPStyle
-from meshtrain.plan.layers import lookalike_blocks, shared_tensors
+from meshtrain.plan.layers import enclosing_block, lookalike_blocks, shared_tensors
 from meshtrain.plan.proof.boundaries import (
     LEAF_STYLES,
     Prover,
@@ -119,7 +119,7 @@ def _local_of(rank: Rank, fqn: str, param: torch.Tensor) -> tuple[tuple[int, ...
 
 
 def _inside(fqn: str, blocks: frozenset[str]) -> bool:
-    return any(fqn.startswith(block + ".") for block in blocks)
+    return bool(blocks) and enclosing_block(fqn, blocks) is not None
 
 
 def _local(layout: ParamLayout, axis: str, ways: int) -> tuple[int, ...]:
