@@ -99,3 +99,31 @@ def test_steps_of_the_wall_clock_never_end_a_beating_rank(
         watchdog.stop()
         live.kill()
         live.wait()
+
+
+def test_a_rank_s_heartbeat_is_one_whole_record_written_in_place_never_through_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop's beats are written over the last in one write (no file per step); the watchdog
+    reads each whole, with the step the loop last finished; a link where the heartbeat goes is
+    refused, naming it, and what it points to is left alone."""
+    from meshtrain.errors import CheckpointError
+    from meshtrain.launch import read_beats
+    from meshtrain.train import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_beating", [])  # this process beats only in this test
+    monkeypatch.setattr(heartbeat, "_written", [-float("inf")])
+    path = heartbeat.start(tmp_path, rank=0, attempt=0, every_s=60.0)
+    first = read_beats(tmp_path)[0]
+    heartbeat.progress(41)
+    (beat,) = read_beats(tmp_path).values()
+    assert (beat["step"], beat["rank"]) == (41, 0) and beat["beat"] > first["beat"]
+    assert path.stat().st_size == heartbeat._RECORD_BYTES and sorted(tmp_path.iterdir()) == [path]
+    elsewhere = tmp_path / "elsewhere.txt"
+    elsewhere.write_text("not a heartbeat")
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    beat_path(linked, 0, attempt=1).symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        heartbeat.start(linked, rank=0, attempt=1, every_s=60.0)
+    assert elsewhere.read_text() == "not a heartbeat"

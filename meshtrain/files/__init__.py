@@ -6,7 +6,8 @@ the target's name (``os.replace`` is atomic within one filesystem). A symbolic l
 meshtrain writes (``plan.txt`` pointing at another file, say, in a run directory someone made
 beforehand) is refused with a :class:`~meshtrain.errors.CheckpointError` naming both ends:
 writing through it would overwrite or append to whatever it points to. Appends
-(:func:`open_for_append`) open with ``O_NOFOLLOW`` for the same reason.
+(:func:`open_for_append`) and records written in place (:func:`open_to_overwrite`) open with
+``O_NOFOLLOW`` for the same reason.
 
 Example:
     >>> import tempfile
@@ -30,6 +31,7 @@ from meshtrain.errors import CheckpointError
 
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 _APPEND = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+_OVERWRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
 
 
 def refuse_link(path: Path | str) -> None:
@@ -71,10 +73,19 @@ def write_text_atomically(path: Path, text: str) -> None:
 
 def open_for_append(path: Path | str) -> TextIO:
     """``path`` opened to append UTF-8 text (created when missing), never through a link."""
+    return os.fdopen(_open(path, _APPEND), "a", encoding="utf-8")
+
+
+def open_to_overwrite(path: Path | str) -> int:
+    """A descriptor of ``path`` emptied to be written over in place (``os.pwrite``: a small
+    record rewritten often, as a heartbeat is), created when missing, never through a link."""
+    return _open(path, _OVERWRITE)
+
+
+def _open(path: Path | str, flags: int) -> int:
     try:
-        fd = os.open(path, _APPEND, 0o644)
+        return os.open(path, flags, 0o644)
     except OSError as err:
         if err.errno == errno.ELOOP:
             refuse_link(path)
         raise
-    return os.fdopen(fd, "a", encoding="utf-8")

@@ -28,14 +28,14 @@ import time
 from pathlib import Path
 from typing import IO
 
-from meshtrain.files import open_for_append
+from meshtrain.files import open_for_append, open_to_overwrite
 from meshtrain.launch import LOG_DIR_VARIABLE, beat_path
 
 __all__ = ["last_step", "progress", "start"]
 
 _state = {"step": 0}
 _stacks: list[IO[str]] = []  # kept open: faulthandler writes to its file descriptor
-_beating: list[tuple[Path, int]] = []  # (heartbeat file, rank) once started
+_beating: list[tuple[int, int]] = []  # (heartbeat file's descriptor, rank) once started
 _written = [-float("inf")]  # when progress() last wrote the heartbeat (monotonic seconds)
 _count = itertools.count(1)  # each beat's number: the watchdog sees a new one, not a new time
 #: the least time between two heartbeats written from the training loop: a step slower than this
@@ -45,11 +45,17 @@ _count = itertools.count(1)  # each beat's number: the watchdog sees a new one, 
 _AT_MOST_EVERY_S = 0.1
 
 
+#: each beat is written over the last in one ``pwrite`` of this many bytes (the JSON padded with
+#: spaces, which JSON readers skip): a reader sees one whole beat or the other, and a beat costs
+#: one system call — a new file renamed over the old cost 2 ms of each 0.3 s debug step
+_RECORD_BYTES = 256
+
+
 def progress(step: int) -> None:
     """Record that this rank finished ``step``: a heartbeat at once when :func:`start` ran and
-    the last one from here is :data:`_AT_MOST_EVERY_S` old (one small file replaced: the watchdog
-    then names the step a stopped rank reached; the heartbeat thread writes the latest step on
-    its own schedule, so fast steps cost no file per step)."""
+    the last one from here is :data:`_AT_MOST_EVERY_S` old (one small write: the watchdog then
+    names the step a stopped rank reached; the heartbeat thread writes the latest step on its
+    own schedule, so fast steps cost no write per step)."""
     _state["step"] = step
     now = time.monotonic()
     if _beating and now - _written[0] >= _AT_MOST_EVERY_S:
@@ -66,10 +72,14 @@ def start(directory: str | os.PathLike[str], *, rank: int, attempt: int, every_s
     """Start this rank's heartbeat thread (a daemon) and its stack dump on ``SIGUSR1``; return
     the heartbeat file."""
     path = beat_path(directory, rank, attempt)
-    _beating[:] = [(path, rank)]
-    _beat(path, rank)
+    descriptor = open_to_overwrite(path)
+    _beating[:] = [(descriptor, rank)]
+    _beat(descriptor, rank)
     thread = threading.Thread(
-        target=_beat_forever, args=(path, rank, every_s), name="meshtrain-heartbeat", daemon=True
+        target=_beat_forever,
+        args=(descriptor, rank, every_s),
+        name="meshtrain-heartbeat",
+        daemon=True,
     )
     thread.start()
     logs = os.environ.get(LOG_DIR_VARIABLE)
@@ -82,13 +92,13 @@ def start(directory: str | os.PathLike[str], *, rank: int, attempt: int, every_s
     return path
 
 
-def _beat_forever(path: Path, rank: int, every_s: float) -> None:
+def _beat_forever(descriptor: int, rank: int, every_s: float) -> None:
     while True:
         time.sleep(every_s)
-        _beat(path, rank)
+        _beat(descriptor, rank)
 
 
-def _beat(path: Path, rank: int) -> None:
+def _beat(descriptor: int, rank: int) -> None:
     beat = {
         "rank": rank,
         "pid": os.getpid(),
@@ -96,7 +106,6 @@ def _beat(path: Path, rank: int) -> None:
         "beat": next(_count),
         "time": time.time(),  # shown only: the watchdog times beats on its own monotonic clock
     }
-    scratch = path.with_suffix(f".tmp-{threading.get_ident()}")  # the loop's and the thread's
+    record = json.dumps(beat).encode().ljust(_RECORD_BYTES)
     with contextlib.suppress(OSError):
-        scratch.write_text(json.dumps(beat))
-        os.replace(scratch, path)
+        os.pwrite(descriptor, record, 0)  # the loop's and the thread's: each a whole record
