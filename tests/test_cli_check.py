@@ -38,6 +38,16 @@ def test_check_debug_trains_like_one_device() -> None:
     assert "debug: mesh {dp: -1, tp: 2} → {dp: 2, tp: 2}" in proc.stdout
     assert "plan on mesh {dp: 2, tp: 2} trains like one device." in proc.stdout
     assert "losses (plan / one device): 1: " in proc.stdout
+    phases = [  # no silence: a line as the plan is made, the ranks start and each step compares
+        "plan made and proven on 4 abstract ranks in ",
+        "4 CPU ranks (gloo) ready in ",
+        "training 2 step(s) under the plan and on one device",
+        "step 1/2: loss ",
+        "step 2/2: loss ",
+        "plan on mesh {dp: 2, tp: 2} trains like one device.",
+    ]
+    places = [proc.stdout.find(phase) for phase in phases]
+    assert -1 not in places and places == sorted(places), proc.stdout
 
 
 @pytest.mark.slow
@@ -78,3 +88,25 @@ def test_the_parser_refuses_a_world_that_is_not_positive(
     with pytest.raises(SystemExit):
         main(["check", "debug", "--world", "0"])
     assert "'0' is not a positive integer" in capsys.readouterr().err
+
+
+def test_progress_lines_are_passed_on_whole_and_errors_reach_the_caller(tmp_path: Path) -> None:
+    from meshtrain.testing.progress import StepLines, relayed
+
+    lines = StepLines(str(tmp_path / "steps.txt"))
+    said: list[str] = []
+
+    def work() -> int:
+        lines.say("step 1/2 compared")
+        with open(lines.path, "a", encoding="utf-8") as handle:
+            handle.write("step 2/2 half writ")  # a line still being written: not passed on
+        return 7
+
+    assert relayed(work, said.append, lines.path, every_s=0.01) == 7
+    assert said == ["step 1/2 compared"]
+
+    def fails() -> int:
+        raise EquivalenceError("the ranks disagreed")
+
+    with pytest.raises(EquivalenceError, match="the ranks disagreed"):
+        relayed(fails, said.append, str(tmp_path / "none.txt"))

@@ -29,8 +29,11 @@ import dataclasses
 import functools
 import json
 import math
+import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +49,7 @@ from meshtrain.plan.ir import Plan
 from meshtrain.spec.mesh import Mesh, make_mesh
 from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import ROUNDING_FACTOR, Contract, contract_for
+from meshtrain.testing.progress import StepLines, relayed
 from meshtrain.testing.rounding import (
     ExactTwin,
     FlipAllowance,
@@ -268,6 +272,7 @@ class _Config:
     seed: int
     contract: Contract
     rank_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+    progress: StepLines | None = None  # where rank 0 says each step compared
 
 
 @dataclass
@@ -294,6 +299,7 @@ def assert_equivalent(
     contract: Contract | None = None,
     rank_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
     timeout_s: float = 600.0,
+    progress: Callable[[str], None] | None = None,
 ) -> EquivalenceReport:
     """Train ``model_fn()`` under the plan and on one device; raise unless they agree.
 
@@ -309,6 +315,8 @@ def assert_equivalent(
     ``max_norm`` clips by the global norm (``None``: no clipping). ``rank_context`` is entered
     on every rank around the whole run (e.g. to set flags). The plan is built first in this
     process on an abstract mesh, so a bad plan raises its ``PlanError`` before any rank starts.
+    ``progress`` (e.g. ``print``) is given a line as the plan is made, the ranks start and each
+    step is compared.
 
     Returns the :class:`EquivalenceReport`; raises :class:`~meshtrain.EquivalenceError` (with
     ``.report``) when any comparison exceeds its bound.
@@ -322,9 +330,12 @@ def assert_equivalent(
     resolved = _resolve_batches(batches, probe)
     first = resolved[0] if isinstance(resolved, tuple) else resolved(0)
     plan_kwargs.setdefault("example_inputs", first[0])  # the plan-time proof runs on it
+    began = time.monotonic()
     abstract = make_plan(
         probe, make_mesh(dict(mesh_axes), world_size=world, abstract=True), **plan_kwargs
     )
+    if progress is not None:
+        progress(f"plan made and proven on {world} abstract ranks in {_since(began)}")
     random_modules = random_in_training(probe)
     _check_batch(abstract, first)
     config = _Config(
@@ -341,7 +352,7 @@ def assert_equivalent(
         rank_context=rank_context,
     )
     try:
-        results = get_pool(world).run(_run_rank, config, _timeout_s=timeout_s)
+        results = _run_ranks(config, world, timeout_s, progress)
     except SPMDTaskError as error:
         _raise_refusal(error)
         raise
@@ -351,6 +362,28 @@ def assert_equivalent(
         failure.report = report
         raise failure
     return report
+
+
+def _run_ranks(
+    config: _Config, world: int, timeout_s: float, progress: Callable[[str], None] | None
+) -> list[_RankResult]:
+    pool = get_pool(world)
+    if progress is None:
+        return pool.run(_run_rank, config, _timeout_s=timeout_s)
+    began = time.monotonic()
+    pool.start()
+    progress(f"{world} CPU ranks (gloo) ready in {_since(began)}")
+    progress(f"training {config.steps} step(s) under the plan and on one device")
+    with tempfile.TemporaryDirectory(prefix="meshtrain-check-") as scratch:
+        lines = StepLines(str(Path(scratch) / "steps.txt"))
+        config = dataclasses.replace(config, progress=lines)
+        return relayed(
+            lambda: pool.run(_run_rank, config, _timeout_s=timeout_s), progress, lines.path
+        )
+
+
+def _since(began: float) -> str:
+    return f"{time.monotonic() - began:.1f} s"
 
 
 def random_in_training(model: nn.Module) -> tuple[str, ...]:
@@ -630,9 +663,22 @@ class _Run:
             self._compare_buffers(step)
             self._resync()
             self.result.losses.append((loss, ref_loss))
+            self._say_step(step, loss, ref_loss)
         self.result.held = set(self.named)
         self.result.update = self.rule.kind if self.rule.kind != "none" else self.rule.name
         return self.result
+
+    def _say_step(self, step: int, loss: float, ref_loss: float) -> None:
+        if self.config.progress is None or dist.get_rank() != 0:
+            return
+        compared = [c for c in self.result.comparisons if c.step == step]
+        worst = max(compared, key=lambda c: c.ratio, default=None)
+        closest = "" if worst is None else f" (closest: {worst.fqn} {worst.quantity} at "
+        self.config.progress.say(
+            f"step {step}/{self.config.steps}: loss {loss:.6f} under the plan, {ref_loss:.6f} on "
+            f"one device; {len(compared)} comparisons{closest}"
+            + ("" if worst is None else f"{worst.ratio:.2f}× its bound)")
+        )
 
     def _reference_backward(
         self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None

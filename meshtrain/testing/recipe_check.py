@@ -40,6 +40,11 @@ def check_command(args: argparse.Namespace) -> int:
         batches=TokenBatches(vocab, small.train.batch_size, small.train.seq_len),
         steps=args.steps or small.train.steps,
         optimizer=small.optimizer_fn(),
+        progress=_say,
     )
     print(report.format())
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
