@@ -175,5 +175,31 @@ def test_cli_plan_strategy_auto(capsys: pytest.CaptureFixture[str]) -> None:
     )
     out = capsys.readouterr().out
     assert "strategy auto on 8 devices" in out and "fits in 1.00 GiB" in out
+    assert out.index("searching layouts for 8 ranks") < out.index("strategy auto on 8 devices")
     assert main(["plan", "debug", "--world", "8", "--strategy", "auto"]) == 2
     assert "needs the memory per device" in capsys.readouterr().err
+
+
+def test_a_long_search_says_how_it_goes() -> None:
+    from meshtrain.plan.auto.search import reported
+    from meshtrain.plan.options import AutoSearch
+
+    class Layout:
+        def __init__(self, fits: bool) -> None:
+            self._fits = fits
+
+        def fits(self, device_memory: int) -> bool:
+            return self._fits
+
+    said: list[str] = []
+    search = AutoSearch(2**30, progress=said.append)
+    layouts = [Layout(True), Layout(False), Layout(True)]
+    assert list(reported(layouts, search, 4096, every_s=0.0)) == layouts  # type: ignore[arg-type]
+    assert said[0] == "searching layouts for 4,096 ranks"
+    assert [line.split(" in ")[0] for line in said[1:]] == [
+        "  1 layouts planned",
+        "  2 layouts planned",
+        "  3 layouts planned",
+    ]
+    assert said[-1].endswith(", 2 fit")
+    assert AutoSearch(2**30, progress=print) == AutoSearch(2**30)  # not part of the request

@@ -17,8 +17,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, get_args
 
 from meshtrain.errors import PlanError, did_you_mean
@@ -360,7 +360,8 @@ class PlanOptions:
 @dataclass(frozen=True)
 class AutoSearch:
     """What ``strategy="auto"`` needs besides the plan options: the memory per device (bytes)
-    and the devices per node (tensor parallelism stays inside one).
+    and the devices per node (tensor parallelism stays inside one); ``progress`` (e.g. ``print``)
+    is given a line every few seconds of a long search.
 
     Example:
         >>> AutoSearch.from_overrides({"strategy": "auto", "device_memory": 2**30}).node_size
@@ -369,6 +370,7 @@ class AutoSearch:
 
     device_memory: int
     node_size: int = 8
+    progress: Callable[[str], None] | None = field(default=None, compare=False, repr=False)
 
     KEYS = ("strategy", "device_memory", "node_size")
 

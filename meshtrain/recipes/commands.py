@@ -10,6 +10,7 @@ Example (what ``meshtrain checkpoints runs/debug --quick`` runs)::
 from __future__ import annotations
 
 import argparse
+import functools
 import signal
 from pathlib import Path
 
@@ -124,6 +125,7 @@ def plan_command(args: argparse.Namespace) -> int:
         device_memory=args.device_memory,
         strategy=args.strategy,
         node_size=args.node_size,
+        progress=functools.partial(print, flush=True),
     )
     if args.json:
         print(json.dumps(sizing.to_json(), indent=1, sort_keys=True))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,11 +89,12 @@ def size_recipe(
     device_memory: str | int | None = None,
     strategy: str = "recipe",
     node_size: int = 8,
+    progress: Callable[[str], None] | None = None,
 ) -> Sizing:
     """Plan ``recipe`` on ``world`` abstract ranks and report one rank's footprint.
 
     ``strategy``: ``"recipe"`` (the recipe's mesh and options) or ``"auto"`` (needs
-    ``device_memory``). Raises :class:`PlanError` when the recipe's fixed axes do not fit
+    ``device_memory``; ``progress``, e.g. ``print``, is told how a long search goes). Raises :class:`PlanError` when the recipe's fixed axes do not fit
     ``world`` (naming the smallest world that does) or, under auto, when nothing fits.
     """
     start = time.perf_counter()
@@ -118,7 +120,7 @@ def size_recipe(
             world,
             recipe.rules(),
             request,
-            search=AutoSearch(memory, node_size),
+            search=AutoSearch(memory, node_size, progress),
             device_type="cuda",
         )
         plan, used, note = choice.plan, global_batch, ""

@@ -120,6 +120,8 @@ def choose_expert_plan(
             model, world_size, rules, options, search, links, device_type, expert_axis
         )
     )
+    if search.progress is not None:
+        search.progress(f"  {len(evaluated)} layouts with expert parallelism planned")
     fitting = [e for e, _ in evaluated if e.fits(search.device_memory)]
     if dense is not None:
         fitting.append(dense.chosen)

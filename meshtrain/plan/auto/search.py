@@ -42,7 +42,8 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from torch import nn
@@ -192,10 +193,10 @@ def choose_plan(
         n_blocks=_n_blocks(model),
         rest_bytes=_rest_bytes(model, shared),
     )
-    evaluated = list(engine.evaluate_all())
+    evaluated = list(reported(engine.evaluate_all(), search, world_size))
     fitting = [e for e in evaluated if e.fits(search.device_memory)]
     if not fitting:  # long sequences: split each over context ranks (plan/context/cost.py)
-        evaluated += engine.evaluate_context()
+        evaluated += reported(engine.evaluate_context(), search, world_size, "with context ranks")
         fitting = [e for e in evaluated if e.fits(search.device_memory)]
     if not fitting:
         raise engine.nothing_fits(evaluated)
@@ -209,6 +210,30 @@ def choose_plan(
         search.device_memory,
         reasons,
     )
+
+
+def reported(
+    evaluations: Iterable[Evaluated],
+    search: AutoSearch,
+    world_size: int,
+    kind: str = "",
+    every_s: float = 5.0,
+) -> Iterator[Evaluated]:
+    """``evaluations`` passed through; to ``search.progress`` a line as they start and then
+    every ``every_s`` seconds: how many layouts are planned and how many fit so far."""
+    say = search.progress
+    if say is None:
+        yield from evaluations
+        return
+    say(f"searching layouts {kind + ' ' if kind else ''}for {world_size:,} ranks")
+    began = last = time.monotonic()
+    fit = 0
+    for planned, evaluation in enumerate(evaluations, 1):
+        fit += evaluation.fits(search.device_memory)
+        yield evaluation
+        if time.monotonic() - last >= every_s:
+            last = time.monotonic()
+            say(f"  {planned} layouts planned in {last - began:.0f} s, {fit} fit")
 
 
 def _check_request(options: PlanOptions, world_size: int, search: AutoSearch) -> None:
