@@ -51,10 +51,10 @@ from meshtrain.spec.rules import Rules
 from meshtrain.testing.contract import ROUNDING_FACTOR, Contract, contract_for
 from meshtrain.testing.progress import StepLines, relayed
 from meshtrain.testing.rounding import (
+    FLIP_FACTOR,
     ExactTwin,
     FlipAllowance,
     FlipTopk,
-    NearTies,
     OwnRounding,
     RecordTopk,
     TopkCall,
@@ -757,45 +757,23 @@ class _Run:
 
     def _flip_allowance(
         self,
-        ties: NearTies,
+        rows: dict[int, torch.Tensor],
         inputs: torch.Tensor,
         targets: torch.Tensor,
         positions: torch.Tensor | None,
     ) -> FlipAllowance:
         """What choosing the other way at the step's near-ties (a token routed to the expert
-        just below its k-th, where rounding can tip it) may change on one device: each near-tie
-        row flipped in a run of its own from the same parameters, and per quantity the sum of
-        the ``ties.flips`` largest changes (:meth:`FlipAllowance.summed`); the reference's
-        gradients and buffers set aside and restored after."""
+        just below its k-th, where rounding can tip it) changes on one device: the reference
+        run again from the same parameters with those choices flipped, its gradients and
+        buffers set aside and restored after."""
         grads = {fqn: p.grad for fqn, p in self.ref_named.items()}
         buffers = _named_buffers(self.reference)
         kept = {fqn: b.detach().clone() for fqn, b in buffers.items()}
-        changes = [
-            self._flipped(call, row, grads, buffers, kept, inputs, targets, positions)
-            for call, row in ties.rows
-        ]
-        for fqn, param in self.ref_named.items():
-            param.grad = grads[fqn]
-        return FlipAllowance.summed(changes, ties.flips)
-
-    def _flipped(
-        self,
-        call: int,
-        row: int,
-        grads: dict[str, torch.Tensor | None],
-        buffers: dict[str, torch.Tensor],
-        kept: dict[str, torch.Tensor],
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-        positions: torch.Tensor | None,
-    ) -> FlipAllowance:
-        """The reference's step again with one row of one ``topk`` call chosen the other way:
-        how far its loss, gradient norm, gradients and buffers land from the step's own."""
         for param in self.ref_named.values():
             param.grad = None
         scale = self.ref_scaler.scale_value if self.ref_scaler else 1.0
         keywords = {} if positions is None else {positions_keyword(self.reference): positions}
-        with FlipTopk({call: (row,)}), _same_draws(self._ref_draws):
+        with FlipTopk(rows), _same_draws(self._ref_draws):
             output = self.reference(inputs, **keywords)
         loss = self.config.loss_fn(output, targets) / targets.numel()
         (loss * scale).backward()
@@ -804,8 +782,8 @@ class _Run:
             for fqn, p in self.ref_named.items()
             if p.grad is not None
         }
-        change = FlipAllowance(
-            rows=1,
+        allowance = FlipAllowance(
+            rows=sum(int(r.sum()) for r in rows.values()),
             loss=abs(float(full_tensor(loss.detach())) - self._ref_loss),
             grad_norm=abs(_norm(flipped.values()) - _norm(_grad_values(grads))),
             grads={fqn: _largest_difference(g, grads[fqn]) for fqn, g in flipped.items()},
@@ -814,7 +792,9 @@ class _Run:
         with torch.no_grad():
             for fqn, buffer in buffers.items():
                 buffer.copy_(kept[fqn])
-        return change
+        for fqn, param in self.ref_named.items():
+            param.grad = grads[fqn]
+        return allowance
 
     def _plan_step(
         self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None
@@ -854,11 +834,11 @@ class _Run:
     ) -> float:
         """The contract's bound on a quantity of largest magnitude ``scale`` whose one-device
         low-precision error is ``own_error`` (:func:`~meshtrain.testing.rounding.rounding_bound`),
-        plus what choosing the other way at the step's near-ties may change (``flip``)."""
+        plus ``FLIP_FACTOR`` × what flipping the step's near-ties changes (``flip``)."""
         bound = rounding_bound(
             self.contract.tolerance, self.contract.unit, scale, own_error, rounded
         )
-        return bound + flip
+        return bound + FLIP_FACTOR * flip
 
     @staticmethod
     def _ratio(abs_error: float, bound: float) -> float:
@@ -910,9 +890,7 @@ class _Run:
         )
         ratio = self._ratio(abs_error, self._bound(scale, own_error, rounded, flip))
         if flip and not note:
-            note = (
-                f"{self.flips.rows} of {self.flips.candidates} near-tie choice(s) allowed to flip"
-            )
+            note = f"{self.flips.rows} near-tie choice(s) allowed to flip"
         self._record(step, quantity, fqn, abs_error, rel_error, ratio, note, self._own(own_error))
 
     def _scale(self, own: float, floor: float, own_error: float = 0.0) -> float:
@@ -1079,7 +1057,7 @@ class _Run:
             else:  # exactly, but for what flipping the step's near-ties changes (counts)
                 same = torch.equal(value, ref.to(value.dtype))
                 error = 0.0 if same else self._exact_error(value, ref)
-                allowed = self.flips.buffers.get(fqn, 0.0)
+                allowed = FLIP_FACTOR * self.flips.buffers.get(fqn, 0.0)
                 ratio = 0.0 if same else error / allowed if allowed else math.inf
                 self._record(step, "buffer", fqn, error, error, ratio)
 

@@ -35,7 +35,8 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,7 +57,7 @@ class OwnRounding:
     loss: float = 0.0
     grad_norm: float = 0.0
     grads: dict[str, float] = field(default_factory=dict)
-    near_ties: NearTies = field(default_factory=lambda: NearTies())
+    near_ties: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class ExactTwin:
@@ -108,7 +109,7 @@ class ExactTwin:
             grads[fqn] = float((low - high).abs().max()) if low.numel() else 0.0
             low_sq += float(low.pow(2).sum())
             exact_sq += float(high.pow(2).sum())
-        ties = near_ties(low_choices, choices.calls, unit) if low_choices else NearTies()
+        ties = near_ties(low_choices, choices.calls, unit) if low_choices else {}
         return OwnRounding(
             loss=abs(low_loss - float(loss.detach())),
             grad_norm=abs(low_sq**0.5 - exact_sq**0.5),
@@ -124,12 +125,11 @@ class ExactTwin:
         return float((low.double() - exact.double()).abs().max()) if low.numel() else 0.0
 
 
-#: Near-tie rows a plan may choose differently from the reference, per row the reference itself
-#: chooses differently from fp32 (see :func:`near_ties`).
+#: The multiple of a flip allowance (:class:`FlipAllowance`) a plan may add: flipping every
+#: near-tie at once is one of the ways a plan may choose; a subset may cancel less.
+FLIP_FACTOR = 2.0
+#: Near-tie rows flipped per row the reference itself flips against fp32 (see :func:`near_ties`).
 FLIP_ROWS = 2
-#: At most this many near-tie rows of a step are each flipped in a run of their own (the
-#: likeliest to tip first; each run is one more forward and backward of the reference).
-FLIP_RUNS = 16
 
 
 def rounding_bound(
@@ -207,51 +207,50 @@ class RecordTopk(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@dataclass(frozen=True)
-class NearTies:
-    """A step's near-tie rows, likeliest to tip first, each as ``(topk call index, row)``, and
-    how many of them a plan may choose differently from the reference (``flips``)."""
-
-    rows: tuple[tuple[int, int], ...] = ()
-    flips: int = 0
-
-    def __bool__(self) -> bool:
-        return bool(self.rows)
-
-
-def near_ties(low: list[TopkCall], exact: list[TopkCall], unit: float) -> NearTies:
-    """The rows a plan may choose the other way, likeliest first (at most :data:`FLIP_RUNS`).
+def near_ties(low: list[TopkCall], exact: list[TopkCall], unit: float) -> dict[int, torch.Tensor]:
+    """Per ``topk`` call (by index), the rows a plan is likeliest to choose the other way.
 
     A row is a candidate when the gap between its k-th and (k+1)-th value is within
     ``ROUNDING_FACTOR`` × its rounding — its largest ``|low − fp32|``, at least one rounding (u)
-    of the k-th value — so that another low-precision computation may tip it; the smaller the
-    gap over rounding, the likelier. A plan flips about as many rows against fp32 as the
-    reference itself does (its *own flips*: rows whose chosen set differs from fp32's), so the
-    plan and the reference differ in at most ``FLIP_ROWS × max(own flips, 1)`` of them
-    (``flips``). Calls whose sequence or shapes differ between the two runs are not compared.
+    of the k-th value — so that another low-precision computation may tip it. A plan flips about
+    as many rows against fp32 as the reference itself does (its *own flips*: rows whose chosen
+    set differs from fp32's), so the plan and the reference differ by at most twice that many:
+    the ``2 × max(own flips, 1)`` candidates with the smallest gap over rounding are returned.
+    Calls whose sequence or shapes differ between the two runs are not compared.
 
     Example:
         >>> low = [TopkCall(torch.tensor([[0.50, 0.49, 0.01], [0.9, 0.05, 0.05]]), 1)]
         >>> exact = [TopkCall(torch.tensor([[0.49, 0.50, 0.01], [0.9, 0.05, 0.05]]), 1)]
-        >>> near_ties(low, exact, 2.0**-8)
-        NearTies(rows=((0, 0),), flips=1)
+        >>> near_ties(low, exact, 2.0**-8)[0].tolist()
+        [True, False]
     """
     if len(low) != len(exact):
-        return NearTies()
-    found: list[tuple[float, int, int]] = []
+        return {}
+    ratios: list[torch.Tensor] = []
     own_flips = 0
-    for index, (a, b) in enumerate(zip(low, exact)):
+    for a, b in zip(low, exact):
         if a.values.shape != b.values.shape or a.k != b.k:
+            ratios.append(torch.full(a.values.shape[:1], math.inf))
             continue
         ordered = a.values.sort(-1, descending=True).values
         kth, next_ = ordered[:, a.k - 1], ordered[:, a.k]
         rounding = torch.maximum((a.values - b.values).abs().amax(-1), unit * kth.abs())
         ratio = (kth - next_) / rounding.clamp_min(torch.finfo(torch.float32).tiny)
-        for row in (ratio <= ROUNDING_FACTOR).nonzero().flatten().tolist():
-            found.append((float(ratio[row]), index, row))
+        ratios.append(torch.where(ratio <= ROUNDING_FACTOR, ratio, math.inf))
         own_flips += int((_chosen(a) != _chosen(b)).any(-1).sum())
-    rows = tuple((index, row) for _, index, row in sorted(found)[:FLIP_RUNS])
-    return NearTies(rows, min(FLIP_ROWS * max(own_flips, 1), len(rows)))
+    flat = torch.cat(ratios) if ratios else torch.zeros(0)
+    count = min(FLIP_ROWS * max(own_flips, 1), int(torch.isfinite(flat).sum()))
+    if count == 0:
+        return {}
+    picked = torch.zeros_like(flat, dtype=torch.bool)
+    picked[flat.topk(count, largest=False).indices] = True
+    found, start = {}, 0
+    for index, ratio in enumerate(ratios):
+        rows = picked[start : start + ratio.numel()]
+        start += ratio.numel()
+        if bool(rows.any()):
+            found[index] = rows
+    return found
 
 
 def _chosen(call: TopkCall) -> torch.Tensor:
@@ -260,11 +259,11 @@ def _chosen(call: TopkCall) -> torch.Tensor:
 
 
 class FlipTopk(TorchFunctionMode):
-    """Replays a forward with the given rows (by index) of the given ``topk`` calls choosing the
-    other way: the (k+1)-th candidate in place of the k-th (values gathered from the input, so
-    gradients flow as they would had it been chosen)."""
+    """Replays a forward with the given rows of the given ``topk`` calls choosing the other way:
+    the (k+1)-th candidate in place of the k-th (values gathered from the input, so gradients
+    flow as they would had it been chosen)."""
 
-    def __init__(self, rows: Mapping[int, Sequence[int]]) -> None:
+    def __init__(self, rows: Mapping[int, torch.Tensor]) -> None:
         super().__init__()
         self.rows = dict(rows)
         self.index = 0
@@ -284,9 +283,7 @@ class FlipTopk(TorchFunctionMode):
             order = x.detach().sort(-1, descending=True).indices
         flat = out.indices.reshape(-1, k).clone()
         swapped = order.reshape(-1, x.shape[-1])[:, k]
-        picked = torch.zeros(flat.shape[0], dtype=torch.bool, device=flat.device)
-        picked[list(rows)] = True
-        flat[:, k - 1] = torch.where(picked, swapped, flat[:, k - 1])
+        flat[:, k - 1] = torch.where(rows.to(flat.device), swapped, flat[:, k - 1])
         indices = flat.reshape(out.indices.shape)
         return torch.return_types.topk((x.gather(-1, indices), indices))
 
@@ -301,30 +298,3 @@ class FlipAllowance:
     grad_norm: float = 0.0
     grads: dict[str, float] = field(default_factory=dict)
     buffers: dict[str, float] = field(default_factory=dict)
-    candidates: int = 0  # near-tie rows each flipped apart
-
-    @classmethod
-    def summed(cls, changes: Sequence[FlipAllowance], flips: int) -> FlipAllowance:
-        """Per quantity, the sum of the ``flips`` largest single-row changes: a bound on what
-        any ``flips`` of those rows chosen the other way change together (each row's change
-        measured apart; their sum bounds the whole by the triangle inequality, to first order).
-
-        Example:
-            >>> one, two = FlipAllowance(loss=0.1, grads={"w": 3.0}), FlipAllowance(loss=0.2)
-            >>> FlipAllowance.summed([one, two], 1).grads, FlipAllowance.summed([one, two], 2).loss
-            ({'w': 3.0}, 0.30000000000000004)
-        """
-
-        def largest(values: list[float]) -> float:
-            return sum(sorted(values, reverse=True)[:flips])
-
-        grads = {fqn for change in changes for fqn in change.grads}
-        buffers = {fqn for change in changes for fqn in change.buffers}
-        return cls(
-            rows=flips,
-            loss=largest([change.loss for change in changes]),
-            grad_norm=largest([change.grad_norm for change in changes]),
-            grads={f: largest([c.grads.get(f, 0.0) for c in changes]) for f in sorted(grads)},
-            buffers={f: largest([c.buffers.get(f, 0.0) for c in changes]) for f in sorted(buffers)},
-            candidates=len(changes),
-        )
