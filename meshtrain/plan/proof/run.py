@@ -68,6 +68,7 @@ from meshtrain.plan.proof.probe import Probe, current_example, probe_batch, prob
 from meshtrain.plan.proof.probe import signature as probe_signature
 from meshtrain.plan.proof.prover import Prover
 from meshtrain.plan.proof.refusals import no_probe, sharded_read, unproven
+from meshtrain.spec.partition import entry_axes
 
 __all__ = [
     "LEAF_STYLES",
@@ -136,7 +137,9 @@ def prove_plan(
         scope,
         probe_signature(probe),
         _KEPT_AS_NOTES[0],
-        tuple((p.fqn, p.shape, p.spec, p.trainable) for p in params),
+        tuple(
+            (p.fqn, p.shape, _tensor_parallel_dims(p, scope.tp_axis), p.trainable) for p in params
+        ),
         tuple((fqn, tuple(t.shape), t.dtype) for fqn, t in model.named_parameters()),
     )
     known = _PROVEN.setdefault(model, {})
@@ -152,6 +155,16 @@ def prove_plan(
     if unproven_notes and unproven == "refuse" and not _KEPT_AS_NOTES[0]:
         raise _refusal(unproven_notes[0], scope.tp_axis)
     return proof
+
+
+def _tensor_parallel_dims(param: ParamLayout, axis: str | None) -> tuple[int, ...]:
+    """The dims of ``param`` split over the tensor-parallel ``axis``: all the run reads of its
+    spec (its local shape; whether it is sharded), so plans that differ only in how they shard
+    over data axes (the ZeRO stage, FSDP's dim, the data degree) share one proven result."""
+    if axis is None:
+        return ()
+    entries = param.spec.padded(len(param.shape))
+    return tuple(dim for dim, entry in enumerate(entries) if axis in entry_axes(entry))
 
 
 #: model → proven results per plan layout and probe, freed with the model (planning one model

@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,6 +63,29 @@ def sequence_split_point(
     if not blocks or not embeddings:
         return ""
     length = seq_len or 8 * tp_size
+    key = (
+        tuple(blocks),
+        tuple(embeddings),
+        tp_size,
+        length,
+        tuple((fqn, tuple(p.shape), p.dtype) for fqn, p in model.named_parameters()),
+    )
+    known = _SPLITS.setdefault(model, {})
+    if key not in known:
+        known[key] = _split_point(model, blocks, embeddings, tp_size, length)
+    return known[key]
+
+
+#: model → split points found, freed with the model (planning one model many ways, as the
+#: automatic search does, runs the probe once per tensor-parallel degree and sequence length)
+_SPLITS: weakref.WeakKeyDictionary[nn.Module, dict[tuple[Any, ...], str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _split_point(
+    model: nn.Module, blocks: Sequence[str], embeddings: Sequence[str], tp_size: int, length: int
+) -> str:
     whole = _first_block_inputs(model, blocks, embeddings, length, shard=None)
     if whole is None:
         return ""
