@@ -382,3 +382,53 @@ def test_set_and_steps_override_the_translation_and_are_said(
     assert text.count("[mesh]") == 1
     assert main([*args, "--set", "train.no_such_key=1", "--out", str(tmp_path / "x.toml")]) == 2
     assert "no_such_key" in capsys.readouterr().err
+
+
+CORPUS = Path(__file__).parent / "deepspeed_configs"
+
+
+def _auto_keys(config: dict, prefix: str = "") -> list[str]:
+    found = []
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            found += _auto_keys(value, name + ".")
+        elif value == "auto":
+            found.append(name)
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*.json")), ids=lambda path: path.stem)
+def test_real_shaped_configs_translate_name_each_auto_and_pass_check(
+    tmp_path: Path, path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """12 configs as people write them (Hugging Face's Trainer examples with "auto", DeepSpeed's
+    documented schedules, fp16 with its loss-scaler keys, offload, Megatron-style batch keys):
+    each translates, every "auto" is named with the recipe value it took (tuning knobs apart),
+    and the translated plan trains like one device under ``meshtrain check``."""
+    out = tmp_path / f"{path.stem}.toml"
+    argv = ["recipe", "from-deepspeed", str(path), "--model", "debug", "--steps", "2"]
+    assert main([*argv, "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    config = json.loads(path.read_text())
+    autos = [k for k in _auto_keys(config) if not k.startswith("zero_optimization.")]
+    for key in autos:
+        assert f'  {key} = "auto" → ' in said, (key, said)
+    assert said.count(" → ") == len(autos)
+    header = out.read_text().split("\n[model]")[0]
+    assert all(f'#   {key} = "auto" → ' in header for key in autos)
+    assert main(["check", str(out), "--world", "2", "--steps", "2"]) == 0
+
+
+def test_a_micro_batch_without_a_global_batch_is_said_not_kept_and_other_autos_refused() -> None:
+    from meshtrain.recipes import recipe_from_toml
+
+    translation = translate_deepspeed({"train_micro_batch_size_per_gpu": 4})
+    (line,) = translation.resolve(recipe_from_toml(translation.toml("ds.json")))
+    assert line.startswith("train_micro_batch_size_per_gpu = 4 → not kept: a recipe fixes the")
+    assert "set train.batch_size = 4 × data ranks × parallel.microbatches" in line
+    with pytest.raises(
+        DeepSpeedConfigError, match=r'zero_optimization\.stage = "auto" \(no recipe'
+    ):
+        translate_deepspeed({"zero_optimization": {"stage": "auto"}})

@@ -90,24 +90,22 @@ def from_deepspeed_command(args: argparse.Namespace) -> int:
     steps = [f"train.steps={args.steps}"] if args.steps else []
     if args.overrides or steps:
         translation.override([*args.overrides, *steps], args.config)
-    text = translation.toml(args.config)
     from meshtrain.recipes import recipe_from_toml
 
-    recipe_from_toml(text, source=args.out)  # the recipe it writes is a valid one
-    Path(args.out).write_text(text, encoding="utf-8")
+    recipe = recipe_from_toml(translation.toml(args.config), source=args.out)  # a valid recipe
+    resolved = translation.resolve(recipe)
+    Path(args.out).write_text(translation.toml(args.config), encoding="utf-8")
     print(
         f"wrote {args.out}: {len(translation.settings)} settings"
-        + (
-            f'; left to the recipe ("auto"): {", ".join(translation.auto)}'
-            if translation.auto
-            else ""
-        )
+        + (f'; "auto" filled from the recipe: {len(resolved)}' if resolved else "")
         + (
             f"; tuning knobs without effect on the numbers: {len(translation.tuning)}"
             if translation.tuning
             else ""
         )
     )
+    for line in resolved:
+        print(f"  {line}")
     return 0
 
 

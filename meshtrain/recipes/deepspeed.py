@@ -10,7 +10,9 @@ Why: a team moving from DeepSpeed has a config whose every key means something t
 ``[train]``), and sorts the rest into three kinds, all of them listed, none dropped silently:
 
 - **left to the recipe**: values ``"auto"`` (Hugging Face's Trainer fills them from its own
-  arguments; the recipe's defaults or ``--set`` do here);
+  arguments; here the recipe key of the same meaning does, its default or ``--set``, and
+  :meth:`Translation.resolve` names each value it took — :data:`AUTO_FROM_RECIPE`; an ``"auto"``
+  with no such key is refused by name);
 - **tuning knobs**: buffer and bucket sizes, overlap and pinning switches that change speed or
   memory but not the numbers a step computes (FSDP2 decides these per module);
 - **refused**: anything else — an unknown key, a value meshtrain cannot reproduce (the OneCycle
@@ -36,10 +38,13 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from meshtrain.errors import DeepSpeedConfigError
 from meshtrain.tables import flatten_table, toml_value
+
+if TYPE_CHECKING:
+    from meshtrain.recipes.recipe import Recipe
 
 #: the optimizer's and scheduler's ``params`` stay together under their section
 _WHOLE_TABLES = ("optimizer.params", "scheduler.params")
@@ -94,6 +99,25 @@ SCALER: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 _OPTIMIZERS = {"adamw": "adamw", "adam": "adam", "sgd": "sgd"}
 
+#: DeepSpeed keys whose ``"auto"`` the recipe fills (as Hugging Face's Trainer fills them from its
+#: arguments), and the recipe key it fills each from ("" for a value meshtrain fixes).
+AUTO_FROM_RECIPE = {
+    "train_batch_size": "train.batch_size",
+    "train_micro_batch_size_per_gpu": "train.batch_size",
+    "gradient_accumulation_steps": "parallel.microbatches",
+    "gradient_clipping": "train.max_norm",
+    "optimizer.params.lr": "train.lr",
+    "optimizer.params.betas": "train.betas",
+    "optimizer.params.eps": "train.eps",
+    "optimizer.params.weight_decay": "train.weight_decay",
+    "scheduler.params.warmup_max_lr": "train.lr",
+    "scheduler.params.warmup_num_steps": "train.warmup_steps",
+    "scheduler.params.total_num_steps": "train.steps",
+    "scheduler.params.warmup_min_lr": "",
+    "bf16.enabled": "parallel.precision",
+    "fp16.enabled": "parallel.precision",
+}
+
 
 @dataclass
 class Translation:
@@ -106,6 +130,22 @@ class Translation:
     inactive: list[str] = field(default_factory=list)
     model: str = "debug"
     overridden: list[str] = field(default_factory=list)  # keys set on the command line
+    resolved: list[str] = field(default_factory=list)  # each "auto" with the value it took
+    micro_batch: int | None = None  # train_micro_batch_size_per_gpu given without a global batch
+
+    def resolve(self, recipe: Recipe) -> list[str]:
+        """Each ``"auto"`` key with the recipe value it takes (``recipe``: the
+        :class:`~meshtrain.recipes.recipe.Recipe` the translation makes); kept in
+        :attr:`resolved` for the recipe's header.
+
+        Example:
+            >>> from meshtrain.recipes import recipe_from_toml
+            >>> out = translate_deepspeed({"gradient_clipping": "auto"})
+            >>> out.resolve(recipe_from_toml(out.toml("ds.json")))
+            ['gradient_clipping = "auto" → train.max_norm = 1.0']
+        """
+        self.resolved = [_resolution(key, recipe, self.micro_batch) for key in self.auto]
+        return self.resolved
 
     def override(self, overrides: Sequence[str], source: str) -> None:
         """Apply ``section.key=value`` overrides to the translated settings (read as a recipe's
@@ -125,8 +165,11 @@ class Translation:
     def toml(self, source: str) -> str:
         """The recipe as TOML, with the keys left to defaults or ignored as comments."""
         lines = [f"# Translated from {source} by meshtrain recipe from-deepspeed."]
-        if self.auto:
-            lines.append(f'# "auto" (the recipe\'s defaults apply): {", ".join(self.auto)}')
+        if self.resolved:
+            lines.append('# "auto", filled from this recipe:')
+            lines += [f"#   {line}" for line in self.resolved]
+        elif self.auto:
+            lines.append(f'# "auto" (filled from this recipe): {", ".join(self.auto)}')
         if self.tuning:
             lines.append(f"# tuning knobs (no effect on the numbers): {', '.join(self.tuning)}")
         if self.inactive:
@@ -170,8 +213,13 @@ def translate_deepspeed(config: Mapping[str, Any], *, model: str = "debug") -> T
     for key, value in flatten_table(config, keep=_WHOLE_TABLES).items():
         if key in TUNING_KEYS:
             out.tuning.append(key)
-        elif value == "auto":
+        elif value == "auto" and key in AUTO_FROM_RECIPE:
             out.auto.append(key)
+        elif value == "auto":
+            out.refused.append(
+                f'{key} = "auto" (no recipe key fills it: give its value; "auto" is filled for '
+                f"{', '.join(sorted(AUTO_FROM_RECIPE))})"
+            )
         else:
             _map_key(out, key, value, config)
     _check_batch(out, config)
@@ -359,10 +407,31 @@ def _check_batch(out: Translation, config: Mapping[str, Any]) -> None:
             f"train_batch_size = {batch} (not a multiple of gradient_accumulation_steps = {steps})"
         )
     if isinstance(micro, int) and not isinstance(batch, int):
-        out.auto.append(
-            "train_micro_batch_size_per_gpu (global batch = it × ranks × "
-            "accumulation; set train.batch_size)"
+        out.auto.append("train_micro_batch_size_per_gpu")  # the global batch is the recipe's
+        out.micro_batch = micro
+
+
+def _resolution(key: str, recipe: Recipe, micro_batch: int | None = None) -> str:
+    """One ``"auto"`` key and the value it takes from ``recipe`` (see :data:`AUTO_FROM_RECIPE`);
+    ``micro_batch``: the per-GPU batch given without a global one (a recipe fixes the global)."""
+    target = AUTO_FROM_RECIPE[key]
+    if not target:
+        return f'{key} = "auto" → 0 (meshtrain\'s warmup starts from 0)'
+    section, name = target.split(".")
+    value = getattr(getattr(recipe, section), name)
+    shown = json.dumps(list(value) if isinstance(value, tuple) else value)
+    if key == "train_micro_batch_size_per_gpu" and micro_batch is not None:
+        return (
+            f"{key} = {micro_batch} → not kept: a recipe fixes the global batch, {target} = "
+            f"{shown} sequences; for {micro_batch} per data-parallel rank set {target} = "
+            f"{micro_batch} × data ranks × parallel.microbatches"
         )
+    if key == "train_micro_batch_size_per_gpu":
+        return (
+            f'{key} = "auto" → {target} = {shown} sequences a step in all (each data-parallel '
+            "rank's share: that ÷ its data ranks ÷ parallel.microbatches)"
+        )
+    return f'{key} = "auto" → {target} = {shown}'
 
 
 def _positive_int(value: object) -> TypeGuard[int]:
