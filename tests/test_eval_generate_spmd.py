@@ -182,9 +182,10 @@ def test_eval_on_a_pipelined_plan_matches_one_device_on_the_checkpoint(
     assert planted_result.loss != pytest.approx(planted_logged[STEPS], rel=1e-5)
 
 
-def _forge(run: Path, forged: Path, **sections: dict) -> dict:
-    """A copy of ``run`` whose newest checkpoint records a recipe with ``sections`` replaced,
-    re-sealed (a sha256 finds damage, not forgery); the recipe as it was."""
+def _forge(run: Path, forged: Path, launched_from: str = "", **sections: dict) -> dict:
+    """A copy of ``run`` whose newest checkpoint records a recipe with ``sections`` replaced
+    (and the directory it was launched from, when given), re-sealed (a sha256 finds damage,
+    not forgery); the recipe as it was."""
     import shutil
 
     from meshtrain.train.checkpoint import find_resume_point
@@ -198,6 +199,9 @@ def _forge(run: Path, forged: Path, **sections: dict) -> dict:
     del state["checksum"]
     recipe = state["extra"]["recipe"]
     state["extra"]["recipe"] = {**recipe, "rules": {".*": "P()"}, **sections}
+    assert state["extra"]["run"]["launched_from"]  # every run records it
+    if launched_from:
+        state["extra"]["run"]["launched_from"] = launched_from
     state_path.write_text(seal_state(state))
     return recipe
 
@@ -235,6 +239,30 @@ def test_eval_reads_the_run_it_is_given_from_any_directory(
     assert main(["eval", str(moved), "--batches", "1"]) == 0
     out = capsys.readouterr().out
     assert f"of the validation split ({moved.resolve() / 'data' / 'validation'})" in out
+
+
+def test_a_run_s_relative_data_path_is_read_from_where_it_was_launched(
+    trained: tuple[Path, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The built-in corpus at its default ``data/corpus`` is relative to where `meshtrain
+    train` ran; eval from another directory, of a moved run directory, looked for it under the
+    current directory ("no prepared token file at 'data/corpus'")."""
+    from meshtrain.train.data import prepare_corpus
+
+    root, _ = trained
+    launch = tmp_path / "launch"
+    prepare_corpus(launch / "data" / "corpus", limit_bytes=20_000)
+    moved = tmp_path / "moved"
+    data = {"source": "corpus", "path": "data/corpus", "tokenizer": "byte"}
+    _forge(root / "run", moved, launched_from=str(launch), data=data)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(moved), "--batches", "1"]) == 0
+    assert f"({launch / 'data' / 'corpus'})" in capsys.readouterr().out
 
 
 def test_eval_and_export_name_a_newer_checkpoint_they_pass_over(

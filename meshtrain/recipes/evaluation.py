@@ -145,9 +145,11 @@ def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> Loaded
             f"no intact checkpoint in {str(directory)!r}: train the run first (`meshtrain "
             "checkpoints DIR` lists what is there)."
         )
-    raw = read_state_file(point.checkpoint).get("extra", {}).get("recipe")
+    extra = read_state_file(point.checkpoint).get("extra", {})
+    raw = extra.get("recipe")
     if not isinstance(raw, dict):
         raise CheckpointError(f"{point.checkpoint} records no recipe; it was not saved by a run.")
+    raw = _paths_from(raw, extra.get("run", {}).get("launched_from"))
     _check_factory(raw, point.checkpoint, trust_factory)  # before the recipe imports it
     # the run directory is where the user found it, not where the recorded (maybe relative)
     # path points from the current directory: its data is read from there
@@ -163,6 +165,37 @@ def load_run(run_dir: str | Path, *, trust_factory: str | None = None) -> Loaded
     model.eval()
     seconds = time.perf_counter() - started
     return LoadedRun(recipe, point.checkpoint, model, seconds, tuple(point.describe_passed_over()))
+
+
+#: recipe keys holding a path that a run reads again (evaluation, generation, export)
+_PATH_KEYS = (("data", "path"), ("data", "tokenizer"), ("model", "hf"), ("checkpoint", "init_from"))
+
+
+def _paths_from(raw: dict[str, Any], launched_from: object) -> dict[str, Any]:
+    """The recorded recipe with each relative path of :data:`_PATH_KEYS` made absolute from
+    the directory the run was launched in (when it is there): a run read from another
+    directory, or after its run directory moved, finds its data, tokenizer and model.
+
+    Example:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as launch:
+        ...     (Path(launch) / "data").mkdir()
+        ...     found = _paths_from({"data": {"path": "data", "tokenizer": "byte"}}, launch)
+        ...     found["data"]["path"] == str(Path(launch) / "data"), found["data"]["tokenizer"]
+        (True, 'byte')
+    """
+    if not isinstance(launched_from, str) or not launched_from:
+        return raw
+    found = dict(raw)
+    for section, key in _PATH_KEYS:
+        table = found.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value or Path(value).is_absolute():
+            continue
+        candidate = Path(launched_from) / value
+        if candidate.exists():
+            found[section] = {**found[section], key: str(candidate)}
+    return found
 
 
 def _check_same_model(checkpoint: Path, model: nn.Module, tensors: CheckpointTensors) -> None:

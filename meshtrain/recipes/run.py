@@ -366,7 +366,11 @@ class _Loop:
         extra = _extra(state, self.plan, self.fingerprint, self.recipe)
         extra["nonfinite"] = self.guard.record.to_json()
         extra["last_good"] = self.last_good.to_json()
-        extra["run"] = {"id": self.run_id, "recipe": self.recipe.name}
+        extra["run"] = {
+            "id": self.run_id,
+            "recipe": self.recipe.name,
+            "launched_from": os.getcwd(),  # where the recipe's relative paths point from
+        }
         self.saved = self.checkpointer.save(
             state.step, state.params, state.optimizer, extra, wait=wait
         )
