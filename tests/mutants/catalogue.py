@@ -453,6 +453,18 @@ _ALL = [
         ),
     ),
     Mutant(
+        "lookalike-runs-on-shared-fakes",
+        "a look-alike block that must run in the plan-time proof runs on its representative's "
+        "fake tensors",
+        plants.lookalike_runs_on_shared_fakes,
+        (
+            "tests/test_abstract_run.py::"
+            "test_look_alike_blocks_share_fake_tensors_and_prove_the_same",
+        ),
+        None,
+        why_not="the harness's models keep each block's shape, so no look-alike ever runs",
+    ),
+    Mutant(
         "kv-cache-positions-restart",
         "generation's cached steps put each new token at position 0",
         plants.kv_cache_positions_restart,

@@ -255,6 +255,29 @@ def kv_cache_positions_restart() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def lookalike_runs_on_shared_fakes() -> Iterator[None]:
+    """The plan-time proof lets a look-alike block that must run (its representative changed
+    its input's shape) run on its representative's fake tensors, with no hooks inside it,
+    instead of starting again with its own: what it meets is not seen, or is named after the
+    representative's parameters."""
+    modules = importlib.import_module("meshtrain.plan.proof.modules")
+
+    def pass_through(self: Any, forward: Any, representative: str, fqn: str) -> Any:
+        rank = self.rank
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if representative in rank.kept_shard and args and isinstance(args[0], torch.Tensor):
+                rank.copies[fqn] = representative
+                return args[0]
+            return forward(*args, **kwargs)
+
+        return run
+
+    with mock.patch.object(modules.ModuleWatch, "_pass_through", pass_through):
+        yield
+
+
+@contextlib.contextmanager
 def accumulation_mean_per_microbatch() -> Iterator[None]:
     """Each accumulated micro-batch's loss is its own mean: the step's gradient is
     ``microbatches`` times too large."""
