@@ -9,7 +9,7 @@ steps 20 to the last (from ``metrics.jsonl``; rank 0's wall clock between steps)
 seconds of the whole run (every process it started, from ``RUSAGE_CHILDREN``). Reported: each
 side's median over runs, the median of the pairs' ratios (A / B) with their spread, and the same
 for CPU. 4 ranks share this machine's cores, so the wall clock is noisy; the CPU ratio is the
-steadier measure of what a step does more.
+steadier measure of what a step does more. ``--nproc 2`` (tp 2 alone) gives each rank a core.
 
 Usage::
 
@@ -48,7 +48,7 @@ def worktree(base: str, where: Path) -> Path:
     return where
 
 
-def run(source: Path, steps: int) -> dict[str, Any]:
+def run(source: Path, steps: int, nproc: int = 4) -> dict[str, Any]:
     """One training run of the debug recipe from ``source`` (its meshtrain and recipes)."""
     work = Path(tempfile.mkdtemp(prefix="meshtrain-ab-"))
     env = {**os.environ, "PYTHONPATH": str(source), "WANDB_MODE": "disabled"}
@@ -60,7 +60,7 @@ def run(source: Path, steps: int) -> dict[str, Any]:
         "logging.wandb=disabled",
         "logging.log_every=1",
     ]
-    command = [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", "4"]
+    command = [sys.executable, "-m", "meshtrain", "train", "debug", "--nproc", str(nproc)]
     for setting in settings:
         command += ["--set", setting]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--base", default="21a9e5e")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--nproc", type=int, default=4, help="ranks (4: dp 2 × tp 2; 2: tp 2)")
     parser.add_argument(
         "--worktree", type=Path, default=Path(tempfile.gettempdir()) / "meshtrain-ab-base"
     )
@@ -105,7 +106,7 @@ def main() -> None:
     for pair in range(args.pairs):
         order = ("A", "B") if pair % 2 == 0 else ("B", "A")
         for side in order:
-            results[side].append(run(sides[side], args.steps))
+            results[side].append(run(sides[side], args.steps, args.nproc))
             last = results[side][-1]
             print(
                 f"pair {pair + 1} {side}: {last['step_s'] * 1e3:.1f} ms/step, "
@@ -126,7 +127,7 @@ def main() -> None:
             "base": args.base,
             "steps": args.steps,
             "pairs": args.pairs,
-            "ranks": "4 CPU gloo ranks (torchrun)",
+            "ranks": f"{args.nproc} CPU gloo ranks (torchrun)",
             "summary": summary,
             "runs": results,
         }
