@@ -92,7 +92,7 @@ HF_KEYS = (
 )
 
 
-def check_architecture(model: Any, start: str, source: str) -> None:
+def check_architecture(model: object, start: str, source: str) -> None:
     """Before torch is imported (:func:`~meshtrain.recipes.preflight.check_launch`): a recipe
     whose ``[model]`` table (``model``, as parsed) builds meshtrain's Llama refuses an
     ``init_from`` directory whose config.json describes another architecture. Unreadable files
@@ -125,7 +125,7 @@ def check_model(
             raise _no_torchao(source, quantize_base)
 
 
-def check_torchao(lora: Any, source: str) -> None:
+def check_torchao(lora: object, source: str) -> None:
     """Before torch is imported (:func:`~meshtrain.recipes.preflight.check_launch`): a QLoRA
     recipe (``[lora] quantize_base``; ``lora`` is the table as parsed) needs torchao installed.
 
@@ -286,7 +286,7 @@ def _tensor_names(directory: Path) -> set[str]:
     return set(header) - {"__metadata__"} if isinstance(header, dict) else set()
 
 
-def _read_json(path: Path) -> Any:
+def _read_json(path: Path) -> object:
     """``path``'s JSON, or None when it is missing or unreadable (reported elsewhere)."""
     try:
         return json.loads(path.read_text(encoding="utf-8"))

@@ -222,7 +222,7 @@ def export_run(
     return report
 
 
-def _lora_merge(recipe: Any) -> Transform | None:
+def _lora_merge(recipe: Recipe) -> Transform | None:
     """The merge of a LoRA run's adapters into their base weights (``[lora] alpha`` from the
     recipe the checkpoint records), or None for a run without adapters."""
     table = recipe.get("lora") if isinstance(recipe, dict) else None

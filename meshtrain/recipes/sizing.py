@@ -33,7 +33,7 @@ from meshtrain.plan.memory.footprint import Footprint, footprint
 from meshtrain.plan.memory.sizes import parse_bytes
 from meshtrain.plan.options import AutoSearch, PlanOptions
 from meshtrain.recipes.recipe import Recipe
-from meshtrain.spec.mesh import make_mesh
+from meshtrain.spec.mesh import Mesh, make_mesh
 
 
 @dataclass(frozen=True)
@@ -142,7 +142,7 @@ def size_recipe(
     )
 
 
-def _mesh(recipe: Recipe, world: int) -> Any:
+def _mesh(recipe: Recipe, world: int) -> Mesh:
     axes = recipe.mesh_axes()
     try:
         return make_mesh(axes, world_size=world, abstract=True, device_type="cuda")

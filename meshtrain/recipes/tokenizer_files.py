@@ -22,10 +22,13 @@ import importlib
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from meshtrain.errors import CheckpointError
 from meshtrain.recipes.sections import DataSection
+
+if TYPE_CHECKING:
+    from meshtrain.recipes.recipe import Recipe
 
 __all__ = [
     "MODEL_TOKENIZER_FILES",
@@ -82,20 +85,20 @@ def byte_tokenizer_json() -> str:
     return str(tokenizer.to_str())
 
 
-def run_tokenizer(recipe: Any) -> str:
+def run_tokenizer(recipe: Recipe) -> str:
     """The recorded recipe's ``[data] tokenizer``: ``"byte"``, ``"model"`` or a path."""
     data = recipe.get("data", {}) if isinstance(recipe, dict) else {}
     name = data.get("tokenizer") if isinstance(data, dict) else None
     return str(name) if name else DataSection.tokenizer
 
 
-def _model_directory(recipe: Any) -> Path | None:
+def _model_directory(recipe: Recipe) -> Path | None:
     model = recipe.get("model", {}) if isinstance(recipe, dict) else {}
     hf = model.get("hf") if isinstance(model, dict) else None
     return Path(hf) if hf else None
 
 
-def check_tokenizer_files(recipe: Any) -> None:
+def check_tokenizer_files(recipe: Recipe) -> None:
     """Refuse (a :class:`CheckpointError` naming the files and the fix) an export whose
     tokenizer files are gone, before it writes anything."""
     name, directory = run_tokenizer(recipe), _model_directory(recipe)
@@ -120,7 +123,7 @@ def check_tokenizer_files(recipe: Any) -> None:
         )
 
 
-def write_tokenizer_files(recipe: Any, out_dir: Path) -> list[str]:
+def write_tokenizer_files(recipe: Recipe, out_dir: Path) -> list[str]:
     """Write the run's tokenizer files into ``out_dir``; the names written (a run on its model
     directory's tokenizer: those files, copied with ``config.json``, so none here)."""
     name = run_tokenizer(recipe)
