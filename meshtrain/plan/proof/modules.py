@@ -143,7 +143,7 @@ class ModuleWatch:
         hook inside a look-alike that holds its representative's tensors: it never runs)."""
         rank, handles = self.rank, []
         modules = dict(rank.model.named_modules())
-        lookalikes = self._lookalikes(modules, blocks)
+        lookalikes = _lookalikes(rank, modules, blocks)
         if rank.share_lookalikes:
             rank.sharing = frozenset(lookalikes)
             rank.shared = shared_tensors(rank.model, lookalikes)
@@ -180,16 +180,6 @@ class ModuleWatch:
         """One device's parameters of styled module ``fqn`` (made by :func:`fake_state`, which
         runs after the hooks are in place)."""
         return lambda: self.rank.whole_params.get(fqn, {})
-
-    def _lookalikes(self, modules: dict[str, nn.Module], blocks: Sequence[str]) -> dict[str, str]:
-        """Blocks after the first of their signature (not styled, not patched otherwise) → the
-        first: each passes its input through when the first kept its shape and shard."""
-        plain = [fqn for fqn in blocks if fqn not in self.rank.styles]
-        return {
-            fqn: representative
-            for fqn, representative in lookalike_blocks(self.rank.model, plain).items()
-            if "forward" not in vars(modules[fqn]) and not is_experts_module(modules[fqn])
-        }
 
     def _pass_through(
         self, forward: Callable[..., Any], representative: str, fqn: str
@@ -288,6 +278,17 @@ class ModuleWatch:
             )
             if same and first.shape == result.shape:
                 self.rank.kept_shard.add(fqn)
+
+
+def _lookalikes(rank: Rank, modules: dict[str, nn.Module], blocks: Sequence[str]) -> dict[str, str]:
+    """Blocks after the first of their signature (not styled, not patched otherwise) → the
+    first: each passes its input through when the first kept its shape and shard."""
+    plain = [fqn for fqn in blocks if fqn not in rank.styles]
+    return {
+        fqn: representative
+        for fqn, representative in lookalike_blocks(rank.model, plain).items()
+        if "forward" not in vars(modules[fqn]) and not is_experts_module(modules[fqn])
+    }
 
 
 def _bound(method: Callable[..., Any], fqn: str) -> Callable[..., Any]:
